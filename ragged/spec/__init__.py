@@ -1,0 +1,15 @@
+"""What a layout is: granularities, plans and planners (no communication, no tensor data)."""
+
+from ragged.spec._granularity import Blocks as Blocks
+from ragged.spec._granularity import Elements as Elements
+from ragged.spec._granularity import Granularity as Granularity
+from ragged.spec._granularity import Replicate as Replicate
+from ragged.spec._granularity import Rows as Rows
+from ragged.spec._granularity import granule_of as granule_of
+from ragged.spec._plan import LayoutPlan as LayoutPlan
+from ragged.spec._plan import LeafLayout as LeafLayout
+from ragged.spec._plan import LocalPiece as LocalPiece
+from ragged.spec._plan import piece_shape as piece_shape
+from ragged.spec._planning import ORDERS as ORDERS
+from ragged.spec._planning import STRATEGIES as STRATEGIES
+from ragged.spec._planning import make_plan as make_plan

@@ -1,0 +1,241 @@
+"""`make_plan`: lay a parameter tree into one flat buffer.
+
+Three strategies share one validated input:
+
+* ``"exact"``: the minimum S for the given leaf order (see [Note: earliest placement is
+  optimal for a fixed order and S] in ``_search.py``).
+* ``"dp"`` (default): the exact optimum of several deterministic leaf orders (tree order,
+  granule-descending, size-descending), keeping the best; never worse than ``"exact"`` on
+  the tree order, hence never worse than the paper's heuristic on that order.
+* ``"naive"``: concatenation with the end padded to a multiple of m, as DeepSpeed / FSDP1
+  lay flat buffers; granules may be cut, and ``plan.split_blocks`` counts the cuts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import optree
+import torch
+
+from ragged._errors import NO_PARAMS_MSG, LayoutError
+from ragged._pytree import keystr
+from ragged.spec import _search
+from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
+from ragged.spec._plan import LayoutPlan, LeafLayout
+
+__all__ = ["make_plan", "STRATEGIES", "ORDERS"]
+
+STRATEGIES = ("dp", "exact", "naive")
+ORDERS = ("tree", "granule", "size")
+_DEFAULT = Rows(1)
+
+
+def _leaf_shape_dtype(path: str, leaf):
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"params{path} is a {type(leaf).__name__}, not a tensor. make_plan needs leaves with a "
+            "`.shape` and a torch `.dtype` (torch tensors; meta tensors plan without memory). "
+            "Fix: drop non-tensor leaves from the tree, or wrap shapes as torch.empty(shape, device='meta')."
+        )
+    return tuple(int(d) for d in shape), dtype
+
+
+def _broadcast_specs(specs, params):
+    if specs is None:
+        return None
+    specs = optree.tree_map(lambda s: _DEFAULT if s is None else s, specs, none_is_leaf=True, namespace="ragged")
+    for accessor, s in zip(*optree.tree_flatten_with_accessor(specs, namespace="ragged")[:2]):
+        if not isinstance(s, GRANULARITY_TYPES):
+            raise TypeError(
+                f"specs{keystr(accessor)} is {s!r} of type {type(s).__name__}, not a granularity. "
+                "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
+                "spec.Replicate() or None (= Rows(1))."
+            )
+    try:
+        return optree.tree_broadcast_prefix(specs, params, namespace="ragged")
+    except ValueError:
+        errors = optree.prefix_errors(specs, params, namespace="ragged")
+        if errors:
+            raise errors[0]("specs") from None
+        raise
+
+
+def _order_indices(order, leaves: list[tuple], world_size: int) -> list[list[int]]:
+    """Candidate orders (lists of positions into ``leaves``) to evaluate."""
+    by_tree = list(range(len(leaves)))
+    by_granule = sorted(by_tree, key=lambda i: (-leaves[i][2], -leaves[i][1], i))
+    by_size = sorted(by_tree, key=lambda i: (-leaves[i][1], i))
+    named = {"tree": by_tree, "granule": by_granule, "size": by_size}
+    if order is None:
+        return [by_tree]
+    if isinstance(order, str):
+        if order == "search":
+            unique = []
+            for candidate in (by_tree, by_granule, by_size):
+                if candidate not in unique:
+                    unique.append(candidate)
+            return unique
+        if order not in named:
+            raise ValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
+        return [named[order]]
+    paths = [leaf[0] for leaf in leaves]
+    order = list(order)
+    if sorted(order) != sorted(paths):
+        missing, extra = sorted(set(paths) - set(order)), sorted(set(order) - set(paths))
+        raise ValueError(
+            f"order must list every sharded leaf's key path exactly once; missing {missing}, "
+            f"unknown {extra}. Paths are {paths}."
+        )
+    return [[paths.index(p) for p in order]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, strategy: str):
+    """Returns (S, offsets, split_blocks) for leaves in the given order (cached: identical
+    layers of a model plan once)."""
+    if strategy == "naive":
+        offsets, p = [], 0
+        for e in sizes:
+            offsets.append(p)
+            p = -(-(p + e) // align) * align
+        S = max(-(-(-(-sum(sizes) // world_size)) // align) * align, align)
+        while world_size * S < p:
+            S += align
+        split = 0
+        for off, e, g in zip(offsets, sizes, granules):
+            first, last = off // S + 1, (off + e - 1) // S
+            split += sum(1 for k in range(first, last + 1) if (k * S - off) % g)
+        return S, tuple(offsets), split
+    S = _search.min_shard_size(sizes, granules, align, world_size)
+    return S, tuple(_search.place(sizes, granules, align, S)), 0
+
+
+def make_plan(
+    params,
+    specs=None,
+    *,
+    world_size: int,
+    align: int | None = None,
+    strategy: str = "dp",
+    order: str | Sequence[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> LayoutPlan:
+    """Plans where every leaf of ``params`` lives in one flat buffer sharded over ``world_size``.
+
+    Pure: touches no tensor data and communicates nothing, so meta tensors plan a 671B-parameter
+    model with no memory.
+
+    Args:
+        params: any pytree of tensors (meta tensors included). Dict keys are flattened in
+            sorted order, so the tree order of ``{"w", "b"}`` is ``b`` then ``w``.
+        specs: a pytree, or a prefix of ``params``, of ``spec.Elements(n)``, ``spec.Rows(n)``,
+            ``spec.Blocks(r, c)``, ``spec.Replicate()`` or ``None`` (= ``Rows(1)``). ``None``
+            for the whole argument means ``Rows(1)`` everywhere.
+        world_size: m, the number of ranks sharing the buffer.
+        align: offset alignment in elements; default 16 bytes of the buffer dtype (4 for fp32,
+            8 for bf16). S is a multiple of it too.
+        strategy: ``"dp"`` (default), ``"exact"`` or ``"naive"`` (see module docstring).
+        order: leaf order in the buffer: ``"tree"`` (key-sorted tree order), ``"granule"``,
+            ``"size"``, ``"search"`` (try all three, keep the smallest S), or a sequence of
+            key paths. Default: ``"search"`` for ``"dp"``, ``"tree"`` otherwise.
+        dtype: the buffer dtype. Default: the leaves' dtype; leaves of different dtypes need an
+            explicit ``dtype`` (one buffer has one dtype; shard() casts into it).
+
+    Returns:
+        A frozen, hashable :class:`LayoutPlan`.
+
+    Raises:
+        TypeError: a leaf is not a tensor, or a spec is not a granularity.
+        ValueError: the spec tree is not a prefix of ``params``; bad option values.
+        LayoutError: a spec that cannot describe its leaf, or mixed dtypes without ``dtype``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> params = {"w": torch.empty(10, 4, device="meta"), "b": torch.empty(4, device="meta")}
+        >>> plan = rg.make_plan(params, {"w": spec.Rows(1), "b": None}, world_size=4)
+        >>> plan.shard_size, plan.padding, [l.path for l in plan.leaves]
+        (12, 4, ["['b']", "['w']"])
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
+        raise ValueError(f"align must be a positive int (elements) or None, got {align!r}.")
+
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(params, namespace="ragged")
+    if not leaves:
+        raise LayoutError(NO_PARAMS_MSG)
+    paths = [keystr(a) for a in accessors]
+    shapes_dtypes = [_leaf_shape_dtype(p, leaf) for p, leaf in zip(paths, leaves)]
+    spec_tree = _broadcast_specs(specs, params)
+    spec_leaves = [_DEFAULT] * len(leaves) if spec_tree is None else treedef.flatten_up_to(spec_tree)
+
+    sharded, replicated = [], []  # (path, numel, granule, index)
+    for index, (path, (shape, leaf_dtype), s) in enumerate(zip(paths, shapes_dtypes, spec_leaves)):
+        numel = math.prod(shape)
+        if isinstance(s, Replicate):
+            replicated.append((path, numel, 0, index))
+        else:
+            sharded.append((path, numel, granule_of(s, shape, path=path), index))
+
+    dtypes = sorted({str(shapes_dtypes[i][1]) for _, _, _, i in sharded + replicated})
+    if dtype is None:
+        if len(dtypes) > 1:
+            groups = {d: [p for p, _, _, i in sharded + replicated if str(shapes_dtypes[i][1]) == d] for d in dtypes}
+            listing = "; ".join(f"{d}: {', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''}" for d, ps in groups.items())
+            raise LayoutError(
+                f"params mixes dtypes ({listing}), but one buffer has one dtype. Fix: pass "
+                "make_plan(..., dtype=torch.float32) to keep an fp32 master buffer (shard() casts "
+                "into it), or plan each dtype as its own unit."
+            )
+        dtype = shapes_dtypes[0][1]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    align = align if align is not None else max(1, 16 // itemsize)
+
+    if order is None and strategy == "dp":
+        order = "search"
+    best = None
+    for candidate in _order_indices(order, sharded, world_size):
+        sizes = tuple(sharded[i][1] for i in candidate)
+        granules = tuple(sharded[i][2] for i in candidate)
+        S, offsets, split = _solve(sizes, granules, align, world_size, strategy)
+        if best is None or S < best[0]:
+            best = (S, offsets, split, candidate)
+    if best is None:  # only replicated leaves
+        best = (align, (), 0, [])
+    S, offsets, split, chosen = best
+
+    def layout(entry, offset):
+        path, numel, granule, index = entry
+        return LeafLayout(
+            path=path,
+            index=index,
+            shape=shapes_dtypes[index][0],
+            dtype=shapes_dtypes[index][1],
+            offset=offset,
+            numel=numel,
+            granule=granule,
+            spec=spec_leaves[index],
+        )
+
+    rep_layouts, rep_offset = [], 0
+    for entry in replicated:
+        rep_layouts.append(layout(entry, rep_offset))
+        rep_offset += -(-entry[1] // align) * align
+    return LayoutPlan(
+        leaves=tuple(layout(sharded[i], off) for i, off in zip(chosen, offsets)),
+        replicated=tuple(rep_layouts),
+        world_size=world_size,
+        shard_size=S,
+        dtype=dtype,
+        align=align,
+        strategy=strategy,
+        split_blocks=split,
+        treedef=treedef,
+    )

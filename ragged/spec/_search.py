@@ -1,0 +1,165 @@
+"""The shard-size search behind the ``"exact"`` and ``"dp"`` strategies.
+
+[Note: earliest placement is optimal for a fixed order and S]
+Tensors t are placed in a fixed order at offsets ``l_t`` (multiples of ``align``) into a
+buffer of ``m * S`` elements; rank k owns ``[kS, (k+1)S)``. A placement is valid when every
+rank boundary ``kS`` strictly inside ``[l_t, l_t + e_t)`` satisfies ``(kS - l_t) % g_t == 0``.
+Whether ``l_t`` is valid depends on ``l_t`` alone, and the set of valid positions for the
+next tensor only shrinks as the previous end grows. So placing every tensor at its earliest
+valid offset minimises every end, and S is feasible for the order iff that greedy ends
+within ``m * S``. The earliest valid offset at or after ``p`` has a closed form
+(``L = lcm(g, align)``, ``B`` = first boundary after ``p``):
+
+* the tensor fits before ``B``: ``l = p``;
+* ``S % g == 0`` (all boundaries congruent mod g): ``l = ceil(p / L) * L``;
+* otherwise it may cross one boundary only: ``l = B - floor((B - p) / L) * L`` if the
+  tensor then ends by ``B + S``; else the next band's ``l = B + S - floor(S / L) * L`` if it
+  ends by ``B + 2S``; else S is infeasible.
+
+The search evaluates that greedy for many candidate S at once (numpy, one pass over the
+tensors), ascending from the lower bound ``ceil(total / m)``, so the first feasible S is the
+optimum for the order. Candidates are first filtered by a necessary condition: a tensor
+too long to cross only one boundary forces ``S % g == 0``. An upper bound that is always
+feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_INFEASIBLE = np.int64(1) << np.int64(62)
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def earliest_offset(p, e, g, S, align: int):
+    """Earliest valid offset at or after ``p`` (vectorised; ``_INFEASIBLE`` where none).
+
+    ``p`` must be a multiple of ``align``; all array arguments broadcast together.
+    """
+    p, e, g, S = (np.asarray(x, dtype=np.int64) for x in (p, e, g, S))
+    L = np.lcm(g, np.int64(align))
+    off = p % S
+    B = p - off + S
+    l_div = -(-p // L) * L
+    l_one = B - ((B - p) // L) * L
+    l_next = B + S - (S // L) * L
+    l_cross = np.where(
+        S % g == 0,
+        l_div,
+        np.where(l_one + e <= B + S, l_one, np.where(l_next + e <= B + 2 * S, l_next, _INFEASIBLE)),
+    )
+    l = np.where((off + e <= S) | (e == 0), p, l_cross)
+    return np.where(p >= _INFEASIBLE, _INFEASIBLE, l)
+
+
+def greedy_ends(sizes, granules, align: int, shard_sizes, *, world_size: int | None = None) -> np.ndarray:
+    """End of the earliest-placement greedy for every candidate shard size at once.
+
+    Event driven: between rank boundaries the greedy only adds aligned sizes, so each step
+    jumps (``searchsorted`` on the aligned prefix sums) straight to the next tensor that does
+    not fit before its boundary and places that one with :func:`earliest_offset`. A run
+    therefore costs about one step per boundary crossing, not one per tensor.
+
+    Args:
+        sizes: element count of each tensor, in buffer order.
+        granules: granule (elements) of each tensor.
+        align: offset alignment in elements; every candidate must be a multiple of it.
+        shard_sizes: candidate S values.
+        world_size: when given, a candidate whose end plus the sizes still to place exceeds
+            ``world_size * S`` is dropped at once and reported infeasible.
+
+    Returns:
+        int64 array of ends (aligned), ``_INFEASIBLE`` where no placement exists.
+    """
+    S_all = np.asarray(shard_sizes, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    granules = np.asarray(granules, dtype=np.int64).reshape(-1)
+    n = sizes.size
+    aligned = -(-sizes // align) * align
+    prefix = np.concatenate([[0], np.cumsum(aligned)])
+    suffix = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])
+    ends = np.full(S_all.shape, _INFEASIBLE, dtype=np.int64)
+    S, idx = S_all, np.arange(S_all.size)
+    p = np.zeros_like(S)
+    i = np.zeros_like(S)
+    while S.size:
+        B = (p // S + 1) * S
+        # first tensor j >= i whose aligned end passes B when everything before it fits
+        j = np.searchsorted(prefix, B - p + prefix[i], side="right") - 1
+        done = j >= n
+        if done.any():
+            ends[idx[done]] = p[done] + prefix[n] - prefix[i[done]]
+        live = ~done
+        S, idx, p, i, j = S[live], idx[live], p[live], i[live], j[live]
+        if not S.size:
+            break
+        p = p + prefix[j] - prefix[i]
+        l = earliest_offset(p, sizes[j], granules[j], S, align)
+        p = np.where(l >= _INFEASIBLE, _INFEASIBLE, -(-(l + sizes[j]) // align) * align)
+        i = j + 1
+        keep = p < _INFEASIBLE
+        if world_size is not None:
+            keep &= p + suffix[i] <= S * world_size
+        S, idx, p, i = S[keep], idx[keep], p[keep], i[keep]
+    return ends
+
+
+def _forced_divisibility(sizes, granules, align: int, S: np.ndarray) -> np.ndarray:
+    """Mask of candidates passing the necessary condition (see the module note)."""
+    ok = np.ones(S.shape, dtype=bool)
+    for e, g in set(zip((int(x) for x in sizes), (int(x) for x in granules))):
+        if e <= g:
+            continue  # never split at all, so never forces anything
+        L = _lcm(g, align)
+        too_long = e > S + (S // L) * L
+        ok &= ~too_long | (S % g == 0)
+    return ok
+
+
+def upper_bound(sizes, granules, align: int, world_size: int) -> int:
+    """A shard size that is always feasible for any order (see the module note)."""
+    slack = sum(int(e) + _lcm(int(g), align) + align for e, g in zip(sizes, granules))
+    bound = max(max((int(e) for e in sizes), default=0), -(-slack // world_size), align)
+    return -(-bound // align) * align
+
+
+def min_shard_size(sizes, granules, align: int, world_size: int) -> int:
+    """The smallest S (multiple of ``align``) for which the order has a valid placement."""
+    total = sum(int(e) for e in sizes)
+    # A tensor no longer than its granule can never be cut, so it must fit in one shard.
+    atomic = max((int(e) for e, g in zip(sizes, granules) if int(e) <= int(g)), default=0)
+    lo = max(-(-total // world_size), atomic, 1)
+    lo = -(-lo // align) * align
+    hi = upper_bound(sizes, granules, align, world_size)
+    chunk = 256
+    start = lo
+    while start <= hi:
+        stop = min(start + chunk * align, hi + align)
+        S = np.arange(start, stop, align, dtype=np.int64)
+        S = S[_forced_divisibility(sizes, granules, align, S)]
+        if S.size:
+            ends = greedy_ends(sizes, granules, align, S, world_size=world_size)
+            feasible = np.nonzero(ends <= S * world_size)[0]
+            if feasible.size:
+                return int(S[feasible[0]])
+        start = stop
+        chunk *= 4
+    raise AssertionError("unreachable: the upper bound is always feasible")  # pragma: no cover
+
+
+def place(sizes, granules, align: int, shard_size: int) -> list[int]:
+    """Offsets of the earliest-placement greedy for one shard size (one tensor at a time,
+    with the same :func:`earliest_offset` the search uses)."""
+    offsets, p = [], 0
+    for e, g in zip(sizes, granules):
+        l = int(earliest_offset(p, e, g, shard_size, align))
+        if l >= _INFEASIBLE:
+            raise ValueError(f"shard size {shard_size} is infeasible for this order")
+        offsets.append(l)
+        p = -(-(l + int(e)) // align) * align
+    return offsets

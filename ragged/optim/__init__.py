@@ -1,0 +1,32 @@
+"""Functional optimizers over DBuffers, optax style: ``init(params)`` / ``update(grads, state, params)``."""
+
+from ragged.optim._alias import adam as adam
+from ragged.optim._alias import adamw as adamw
+from ragged.optim._alias import sgd as sgd
+from ragged.optim._base import EmptyState as EmptyState
+from ragged.optim._base import GradientTransformation as GradientTransformation
+from ragged.optim._base import Schedule as Schedule
+from ragged.optim._base import apply_updates as apply_updates
+from ragged.optim._base import identity as identity
+from ragged.optim._combine import MaskedState as MaskedState
+from ragged.optim._combine import MultiTransformState as MultiTransformState
+from ragged.optim._combine import chain as chain
+from ragged.optim._combine import leaf_labels as leaf_labels
+from ragged.optim._combine import leaf_masks as leaf_masks
+from ragged.optim._combine import masked as masked
+from ragged.optim._combine import multi_transform as multi_transform
+from ragged.optim._schedule import constant_schedule as constant_schedule
+from ragged.optim._schedule import cosine_decay_schedule as cosine_decay_schedule
+from ragged.optim._schedule import linear_schedule as linear_schedule
+from ragged.optim._schedule import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
+from ragged.optim._transform import ScaleByAdamState as ScaleByAdamState
+from ragged.optim._transform import ScaleByScheduleState as ScaleByScheduleState
+from ragged.optim._transform import TraceState as TraceState
+from ragged.optim._transform import add_decayed_weights as add_decayed_weights
+from ragged.optim._transform import clip_by_global_norm as clip_by_global_norm
+from ragged.optim._transform import global_norm as global_norm
+from ragged.optim._transform import scale as scale
+from ragged.optim._transform import scale_by_adam as scale_by_adam
+from ragged.optim._transform import scale_by_learning_rate as scale_by_learning_rate
+from ragged.optim._transform import scale_by_schedule as scale_by_schedule
+from ragged.optim._transform import trace as trace

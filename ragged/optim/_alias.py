@@ -1,0 +1,100 @@
+"""Ready-made optimizers built by chaining transforms (optax's ``alias.py``)."""
+
+from __future__ import annotations
+
+from ragged.optim._base import GradientTransformation, Schedule
+from ragged.optim._combine import chain
+from ragged.optim._transform import add_decayed_weights, scale_by_adam, scale_by_learning_rate, trace
+
+__all__ = ["sgd", "adam", "adamw"]
+
+
+def sgd(
+    learning_rate: float | Schedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent with optional (Nesterov) momentum.
+
+    Matches ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=...)`` with
+    ``dampening=0``: weight decay is coupled (added to the gradient before momentum).
+
+    Args:
+        learning_rate: a float or a schedule ``count -> lr``.
+        momentum: momentum decay, or ``None`` for plain SGD.
+        nesterov: use Nesterov momentum.
+        weight_decay: L2 coefficient added to the gradient (torch.optim.SGD semantics).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.sgd(0.1, momentum=0.9)
+        >>> p = torch.tensor([1.0])
+        >>> s = opt.init(p)
+        >>> for _ in range(2):
+        ...     u, s = opt.update(torch.tensor([1.0]), s, p)
+        ...     p = rg.optim.apply_updates(p, u)
+        >>> p
+        tensor([0.7100])
+    """
+    parts = []
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay))
+    if momentum is not None and momentum != 0:
+        parts.append(trace(momentum, nesterov=nesterov))
+    elif nesterov:
+        raise ValueError("nesterov=True needs a momentum > 0 (as in torch.optim.SGD).")
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+def adam(
+    learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> GradientTransformation:
+    """Adam (``torch.optim.Adam`` without weight decay).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.adam(0.1)
+        >>> u, _ = opt.update(torch.tensor([2.0, -3.0]), opt.init(torch.zeros(2)))
+        >>> u
+        tensor([-0.1000,  0.1000])
+    """
+    return chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+
+
+def adamw(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    mask=None,
+) -> GradientTransformation:
+    """AdamW with decoupled weight decay, matching ``torch.optim.AdamW``.
+
+    One step is ``p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, which is
+    torch's ``p *= 1 - lr * wd`` followed by the Adam step, with the same bias corrections.
+
+    Args:
+        learning_rate: a float or a schedule ``count -> lr``.
+        b1, b2, eps: Adam's hyperparameters.
+        weight_decay: decoupled weight decay coefficient.
+        mask: optional leaf predicate (``LeafLayout -> bool``) or pytree of bools choosing
+            which leaves get weight decay (e.g. skip biases and norms).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.adamw(0.1, weight_decay=0.5)
+        >>> p = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        >>> u, _ = opt.update(torch.tensor([2.0, 0.0], dtype=torch.float64), opt.init(p), p)
+        >>> [round(x, 6) for x in rg.optim.apply_updates(p, u).tolist()]   # p - lr * (1 + wd * p); 0 stays 0
+        [0.85, 0.0]
+    """
+    from ragged.optim._combine import masked
+
+    decay = add_decayed_weights(weight_decay)
+    if mask is not None and weight_decay:
+        decay = masked(decay, mask)
+    return chain(scale_by_adam(b1=b1, b2=b2, eps=eps), decay, scale_by_learning_rate(learning_rate))

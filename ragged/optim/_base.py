@@ -1,0 +1,116 @@
+"""Base types of ragged's functional optimizers (optax style).
+
+A :class:`GradientTransformation` is a pair of pure functions:
+
+* ``init(params) -> state``: builds the state for a pytree of parameters (usually a
+  :class:`~ragged.DBuffer`, whose pytree children are its two flat tensors).
+* ``update(updates, state, params=None) -> (updates, state)``: transforms a pytree of
+  gradients (same structure as ``params``) and returns the new state. Nothing is mutated.
+
+[Note: one kernel per buffer]
+Every transform maps over pytrees through :data:`ragged.pytree`. A DBuffer has two tensor
+children (``data``, ``replicated``), so an element-wise step such as Adam's moment update is one
+kernel over each whole flat buffer, never one per leaf. Padding elements hold zero parameters
+and zero gradients; every transform here maps (param 0, grad 0, state 0) to update 0 and state
+0, so padding stays exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ragged._pytree import pytree
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "Schedule",
+    "identity",
+    "apply_updates",
+    "first_tensor",
+]
+
+Params = Any
+Updates = Any
+OptState = Any
+Schedule = Callable[[Any], Any]
+"""A learning-rate schedule: ``count`` (0-d int tensor or int) -> learning rate."""
+
+
+class GradientTransformation(NamedTuple):
+    """A pair ``(init, update)`` of pure functions; see the module docstring for the contract.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.sgd(0.1)
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.full((3,), 2.0)}, state, params)
+        >>> rg.optim.apply_updates(params, updates)["w"]
+        tensor([0.8000, 0.8000, 0.8000])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+def identity() -> GradientTransformation:
+    """The transformation that returns the updates unchanged.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.identity()
+        >>> opt.update(torch.ones(2), opt.init(torch.ones(2)))[0]
+        tensor([1., 1.])
+    """
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params, updates):
+    """Returns ``params + updates`` leaf by leaf (one add per flat buffer of a DBuffer).
+
+    Updates are cast to each parameter's dtype. Neither argument is modified.
+
+    Args:
+        params: a pytree of tensors, e.g. a :class:`~ragged.DBuffer`.
+        updates: a pytree with the same structure (the output of ``opt.update``).
+
+    Returns:
+        A pytree like ``params``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    return pytree.map(lambda p, u: p + u.to(p.dtype), params, updates)
+
+
+def first_tensor(tree) -> torch.Tensor | None:
+    """The first tensor leaf of ``tree`` (used to pick the device of step counters)."""
+    for leaf in pytree.leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def zero_count(params) -> torch.Tensor:
+    """A 0-d int64 step counter on the device of ``params``."""
+    t = first_tensor(params)
+    return torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)

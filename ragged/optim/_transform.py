@@ -1,0 +1,312 @@
+"""Gradient transformations: the building blocks that ``_alias`` chains into optimizers.
+
+Every transform maps over pytrees through :data:`ragged.pytree`, so on a
+:class:`~ragged.DBuffer` each element-wise step is one kernel per flat buffer (see
+[Note: one kernel per buffer] in ``_base.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._pytree import pytree
+from ragged.optim._base import GradientTransformation, EmptyState, Schedule, zero_count
+
+__all__ = [
+    "ScaleState",
+    "ScaleByScheduleState",
+    "ScaleByAdamState",
+    "TraceState",
+    "AddDecayedWeightsState",
+    "ClipByGlobalNormState",
+    "scale",
+    "scale_by_schedule",
+    "scale_by_learning_rate",
+    "scale_by_adam",
+    "trace",
+    "add_decayed_weights",
+    "global_norm",
+    "clip_by_global_norm",
+]
+
+ScaleState = EmptyState
+AddDecayedWeightsState = EmptyState
+ClipByGlobalNormState = EmptyState
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`: ``count`` updates applied so far (0-d int64)."""
+
+    count: torch.Tensor
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`: step count and first/second moments like the params."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class TraceState(NamedTuple):
+    """State of :func:`trace`: the momentum buffer, like the params."""
+
+    trace: Any
+
+
+def _check_nonneg(name: str, value) -> None:
+    if callable(value):
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a float >= 0, got {value!r}.")
+
+
+def _check_beta(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}.")
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiplies updates by ``step_size``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale(-2.0)
+        >>> opt.update(torch.ones(2), opt.init(torch.ones(2)))[0]
+        tensor([-2., -2.])
+    """
+
+    def init(params):
+        del params
+        return ScaleState()
+
+    def update(updates, state, params=None):
+        del params
+        return pytree.map(lambda u: u * step_size, updates), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiplies updates by ``step_size_fn(count)``; ``count`` starts at 0.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale_by_schedule(lambda c: c + 1)
+        >>> state = opt.init(torch.ones(1))
+        >>> u, state = opt.update(torch.ones(1), state)
+        >>> u, state = opt.update(torch.ones(1), state)
+        >>> u
+        tensor([2.])
+    """
+
+    def init(params):
+        return ScaleByScheduleState(count=zero_count(params))
+
+    def update(updates, state, params=None):
+        del params
+        factor = step_size_fn(state.count)
+        updates = pytree.map(lambda u: u * factor.to(u.dtype) if isinstance(factor, torch.Tensor) else u * factor, updates)
+        return updates, ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """Scales updates by ``-learning_rate`` (a float, or a schedule of the step count).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale_by_learning_rate(0.5)
+        >>> opt.update(torch.ones(2), opt.init(torch.ones(2)))[0]
+        tensor([-0.5000, -0.5000])
+    """
+    _check_nonneg("learning_rate", learning_rate)
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: sign * learning_rate(count))
+    return scale(sign * learning_rate)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescales updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat) + eps)``.
+
+    The arithmetic follows ``torch.optim.AdamW``: ``v_hat`` is ``sqrt(v) / sqrt(1 - b2^t)``
+    and ``eps`` is added after the square root. A zero gradient on zero state gives a zero
+    update (padding stays zero); with ``eps == 0`` such elements are set to 0 instead of NaN.
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale_by_adam()
+        >>> g = torch.tensor([3.0, 0.0], dtype=torch.float64)
+        >>> u, state = opt.update(g, opt.init(torch.zeros_like(g)))
+        >>> [round(x, 6) for x in u.tolist()], int(state.count)
+        ([1.0, 0.0], 1)
+    """
+    _check_beta("b1", b1)
+    _check_beta("b2", b2)
+    _check_nonneg("eps", eps)
+
+    def init(params):
+        zeros = lambda p: torch.zeros_like(p)  # noqa: E731
+        return ScaleByAdamState(count=zero_count(params), mu=pytree.map(zeros, params), nu=pytree.map(zeros, params))
+
+    def update(updates, state, params=None):
+        del params
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bc1 = 1.0 - b1**t
+        bc2_sqrt = torch.sqrt(1.0 - b2**t)
+        mu = pytree.map(lambda m, g: m * b1 + g * (1.0 - b1), state.mu, updates)
+        nu = pytree.map(lambda v, g: v * b2 + (g * g) * (1.0 - b2), state.nu, updates)
+
+        def direction(m, v):
+            denom = torch.sqrt(v).div_(bc2_sqrt.to(v.dtype)).add_(eps)
+            out = (m / denom).div_(bc1.to(m.dtype))
+            if eps == 0:
+                out = torch.where(denom == 0, torch.zeros_like(out), out)
+            return out
+
+        return pytree.map(direction, mu, nu), ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return GradientTransformation(init, update)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: ``t = g + decay * t``; returns ``t`` (or ``g + decay * t`` with Nesterov).
+
+    Matches ``torch.optim.SGD``'s momentum buffer with ``dampening=0`` (the buffer starts at
+    the first gradient because it starts at zero).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.trace(0.5)
+        >>> s = opt.init(torch.zeros(1))
+        >>> u, s = opt.update(torch.ones(1), s)
+        >>> u, s = opt.update(torch.ones(1), s)
+        >>> u
+        tensor([1.5000])
+    """
+    _check_beta("decay", decay)
+
+    def init(params):
+        return TraceState(trace=pytree.map(torch.zeros_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        new = pytree.map(lambda g, t: g + t * decay, updates, state.trace)
+        out = pytree.map(lambda g, t: g + t * decay, updates, new) if nesterov else new
+        return out, TraceState(trace=new)
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Adds ``weight_decay * params`` to the updates (decoupled weight decay when chained
+    before :func:`scale_by_learning_rate`, as in ``torch.optim.AdamW``).
+
+    Zero parameters (padding) add zero. Restrict it to some leaves with
+    :func:`ragged.optim.masked`.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.add_decayed_weights(0.1)
+        >>> opt.update(torch.zeros(2), opt.init(None), torch.tensor([1.0, 0.0]))[0]
+        tensor([0.1000, 0.0000])
+    """
+    _check_nonneg("weight_decay", weight_decay)
+
+    def init(params):
+        del params
+        return AddDecayedWeightsState()
+
+    def update(updates, state, params=None):
+        if weight_decay == 0:
+            return updates, state
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights needs the params: call opt.update(grads, opt_state, params)."
+            )
+        return pytree.map(lambda u, p: u + p.to(u.dtype) * weight_decay, updates, params), state
+
+    return GradientTransformation(init, update)
+
+
+def _is_dbuffer(x) -> bool:
+    return isinstance(x, DBuffer)
+
+
+def global_norm(tree, *, comm=None) -> torch.Tensor:
+    """The L2 norm of every element of ``tree``, across all ranks of ``comm``.
+
+    Sharded parts (``DBuffer.data``) are summed locally, then all-reduced once (one scalar);
+    replicated parts (``DBuffer.replicated`` and plain tensors) are the same on every rank
+    and count once. Computed in float64 on the tensors' device; no host sync.
+
+    Args:
+        tree: a pytree of tensors and/or DBuffers.
+        comm: the shard group's :class:`~ragged.collectives.Collectives` (``None``: one rank).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> float(rg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
+        5.0
+    """
+    sharded, local = [], []
+    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
+        if isinstance(leaf, DBuffer):
+            sharded.append(leaf.data)
+            local.append(leaf.replicated)
+        elif isinstance(leaf, torch.Tensor):
+            local.append(leaf)
+    ref = (sharded + local)[0]
+    sq = lambda t: torch.sum(torch.square(t.to(torch.float64)))  # noqa: E731
+    total = torch.zeros((), dtype=torch.float64, device=ref.device)
+    if sharded:
+        shard_sq = sum((sq(t) for t in sharded), start=total.clone()).reshape(1)
+        if comm is not None and comm.world_size > 1:
+            comm.all_reduce(shard_sq, op="sum")
+        total = total + shard_sq[0]
+    for t in local:
+        total = total + sq(t)
+    return torch.sqrt(total)
+
+
+def clip_by_global_norm(max_norm: float, *, comm) -> GradientTransformation:
+    """Scales updates so that their global L2 norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
+    ``min(1, max_norm / (norm + 1e-6))``. The norm is global over the shard group (see
+    :func:`global_norm`: one all-reduce of one scalar; replicated leaves count once).
+
+    Args:
+        max_norm: the largest allowed norm.
+        comm: the shard group's collectives, or ``None`` for a single rank.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.clip_by_global_norm(1.0, comm=None)
+        >>> opt.update(torch.tensor([3.0, 4.0]), opt.init(None))[0]
+        tensor([0.6000, 0.8000])
+    """
+    _check_nonneg("max_norm", max_norm)
+
+    def init(params):
+        del params
+        return ClipByGlobalNormState()
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates, comm=comm)
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
+
+    return GradientTransformation(init, update)

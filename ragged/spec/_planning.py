@@ -34,6 +34,8 @@ _DEFAULT = Rows(1)
 
 
 def _leaf_shape_dtype(path: str, leaf):
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.dtype
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or not isinstance(dtype, torch.dtype):
         raise TypeError(
@@ -94,9 +96,10 @@ def _order_indices(order, leaves: list[tuple], world_size: int) -> list[list[int
 
 
 @functools.lru_cache(maxsize=4096)
-def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, strategy: str):
-    """Returns (S, offsets, split_blocks) for leaves in the given order (cached: identical
-    layers of a model plan once)."""
+def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, strategy: str,
+           limit: int | None = None):
+    """Returns (S, offsets, split_blocks) for leaves in the given order, or ``None`` when no
+    S <= ``limit`` exists (cached: identical layers of a model plan once)."""
     if strategy == "naive":
         offsets, p = [], 0
         for e in sizes:
@@ -110,8 +113,25 @@ def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_
             first, last = off // S + 1, (off + e - 1) // S
             split += sum(1 for k in range(first, last + 1) if (k * S - off) % g)
         return S, tuple(offsets), split
-    S = _search.min_shard_size(sizes, granules, align, world_size)
+    S = _search.min_shard_size(sizes, granules, align, world_size, limit=limit)
+    if S is None:
+        return None
     return S, tuple(_search.place(sizes, granules, align, S)), 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _paths(treedef) -> tuple[str, ...]:
+    return tuple(keystr(a) for a in treedef.accessors())
+
+
+# [Note: plan memo]
+# A plan depends only on the tree structure, each leaf's shape and dtype, the spec leaves and
+# the options; the leaves' data never matter. make_plan memoises on exactly that key, so the
+# 58 identical MoE layers of DeepSeek-V3 cost one plan plus 57 flattens. (Plans are frozen,
+# so sharing one object is safe.) The solve itself is cached separately in `_solve`, keyed
+# by sizes and granules, so units with other key names but equal shapes still share it.
+_PLAN_MEMO: dict = {}
+_PLAN_MEMO_MAX = 512
 
 
 def make_plan(
@@ -168,21 +188,40 @@ def make_plan(
     if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
         raise ValueError(f"align must be a positive int (elements) or None, got {align!r}.")
 
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(params, namespace="ragged")
+    leaves, treedef = optree.tree_flatten(params, namespace="ragged")
     if not leaves:
         raise LayoutError(NO_PARAMS_MSG)
-    paths = [keystr(a) for a in accessors]
-    shapes_dtypes = [_leaf_shape_dtype(p, leaf) for p, leaf in zip(paths, leaves)]
+    paths = _paths(treedef)
+    seen = {}  # id(leaf) -> (shape, dtype): model trees often share one meta tensor per shape
+    shapes_dtypes = []
+    for p, leaf in zip(paths, leaves):
+        sd = seen.get(id(leaf))
+        if sd is None:
+            sd = seen[id(leaf)] = _leaf_shape_dtype(p, leaf)
+        shapes_dtypes.append(sd)
     spec_tree = _broadcast_specs(specs, params)
     spec_leaves = [_DEFAULT] * len(leaves) if spec_tree is None else treedef.flatten_up_to(spec_tree)
+    order_key = order if order is None or isinstance(order, str) else tuple(order)
+    memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype)
+    try:
+        cached = _PLAN_MEMO.get(memo_key)
+    except TypeError:  # an unhashable spec or order: plan without the memo
+        memo_key, cached = None, None
+    if cached is not None:
+        return cached
 
     sharded, replicated = [], []  # (path, numel, granule, index)
+    granule_memo = {}
     for index, (path, (shape, leaf_dtype), s) in enumerate(zip(paths, shapes_dtypes, spec_leaves)):
         numel = math.prod(shape)
         if isinstance(s, Replicate):
             replicated.append((path, numel, 0, index))
         else:
-            sharded.append((path, numel, granule_of(s, shape, path=path), index))
+            key = (s, shape)
+            granule = granule_memo.get(key)
+            if granule is None:
+                granule = granule_memo[key] = granule_of(s, shape, path=path)
+            sharded.append((path, numel, granule, index))
 
     dtypes = sorted({str(shapes_dtypes[i][1]) for _, _, _, i in sharded + replicated})
     if dtype is None:
@@ -194,9 +233,11 @@ def make_plan(
                 "make_plan(..., dtype=torch.float32) to keep an fp32 master buffer (shard() casts "
                 "into it), or plan each dtype as its own unit."
             )
-        dtype = shapes_dtypes[0][1]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    align = align if align is not None else max(1, 16 // itemsize)
+        buffer_dtype = shapes_dtypes[0][1]
+    else:
+        buffer_dtype = dtype
+    itemsize = torch.empty((), dtype=buffer_dtype).element_size()
+    align_elems = align if align is not None else max(1, 16 // itemsize)
 
     if order is None and strategy == "dp":
         order = "search"
@@ -204,11 +245,18 @@ def make_plan(
     for candidate in _order_indices(order, sharded, world_size):
         sizes = tuple(sharded[i][1] for i in candidate)
         granules = tuple(sharded[i][2] for i in candidate)
-        S, offsets, split = _solve(sizes, granules, align, world_size, strategy)
+        # Later orders only need to beat the best S so far (strictly, so ties keep the first).
+        limit = None if best is None or strategy == "naive" else best[0] - align_elems
+        if limit is not None and limit < align_elems:
+            break
+        solved = _solve(sizes, granules, align_elems, world_size, strategy, limit)
+        if solved is None:
+            continue
+        S, offsets, split = solved
         if best is None or S < best[0]:
             best = (S, offsets, split, candidate)
     if best is None:  # only replicated leaves
-        best = (align, (), 0, [])
+        best = (align_elems, (), 0, [])
     S, offsets, split, chosen = best
 
     def layout(entry, offset):
@@ -227,15 +275,20 @@ def make_plan(
     rep_layouts, rep_offset = [], 0
     for entry in replicated:
         rep_layouts.append(layout(entry, rep_offset))
-        rep_offset += -(-entry[1] // align) * align
-    return LayoutPlan(
+        rep_offset += -(-entry[1] // align_elems) * align_elems
+    plan = LayoutPlan(
         leaves=tuple(layout(sharded[i], off) for i, off in zip(chosen, offsets)),
         replicated=tuple(rep_layouts),
         world_size=world_size,
         shard_size=S,
-        dtype=dtype,
-        align=align,
+        dtype=buffer_dtype,
+        align=align_elems,
         strategy=strategy,
         split_blocks=split,
         treedef=treedef,
     )
+    if memo_key is not None:
+        if len(_PLAN_MEMO) >= _PLAN_MEMO_MAX:
+            _PLAN_MEMO.pop(next(iter(_PLAN_MEMO)))
+        _PLAN_MEMO[memo_key] = plan
+    return plan

@@ -19,7 +19,8 @@ within ``m * S``. The earliest valid offset at or after ``p`` has a closed form
 The search evaluates that greedy for many candidate S at once (numpy, one pass over the
 tensors), ascending from the lower bound ``ceil(total / m)``, so the first feasible S is the
 optimum for the order. Candidates are first filtered by a necessary condition: a tensor
-too long to cross only one boundary forces ``S % g == 0``. An upper bound that is always
+too long to cross only one boundary forces ``S % g == 0``, so S only takes multiples of
+the lcm of the forced granules (which change at a few thresholds). An upper bound that is always
 feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search finite.
 """
 
@@ -109,16 +110,43 @@ def greedy_ends(sizes, granules, align: int, shard_sizes, *, world_size: int | N
     return ends
 
 
-def _forced_divisibility(sizes, granules, align: int, S: np.ndarray) -> np.ndarray:
-    """Mask of candidates passing the necessary condition (see the module note)."""
-    ok = np.ones(S.shape, dtype=bool)
+def _release_threshold(e: int, g: int, align: int) -> int:
+    """Smallest S at which a tensor of ``e`` elements and granule ``g`` may cross only one
+    boundary (``e <= S + floor(S / L) * L``); below it, S must be a multiple of ``g``."""
+    L = _lcm(g, align)
+    lo, hi = 0, max(e, 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if e <= mid + (mid // L) * L:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _candidate_intervals(sizes, granules, align: int, lo: int, hi: int):
+    """Yields ``(start, stop, step)``: ascending intervals of S in ``[lo, hi]`` where the set
+    of tensors forced to ``S % g == 0`` (see the module note) is constant, and ``step``, the
+    lcm of ``align`` and their granules, so only multiples of ``step`` can be feasible."""
+    thresholds = {}
     for e, g in set(zip((int(x) for x in sizes), (int(x) for x in granules))):
         if e <= g:
             continue  # never split at all, so never forces anything
-        L = _lcm(g, align)
-        too_long = e > S + (S // L) * L
-        ok &= ~too_long | (S % g == 0)
-    return ok
+        t = _release_threshold(e, g, align)
+        if t > lo:
+            thresholds.setdefault(t, []).append(g)
+    cuts = sorted(t for t in thresholds if t <= hi)
+    edges = [lo, *cuts, hi + 1]
+    for k in range(len(edges) - 1):
+        a, b = edges[k], edges[k + 1]
+        if a >= b:
+            continue
+        step = align
+        for t, gs in thresholds.items():
+            if t > a:
+                for g in gs:
+                    step = _lcm(step, g)
+        yield a, b, step
 
 
 def upper_bound(sizes, granules, align: int, world_size: int) -> int:
@@ -128,27 +156,39 @@ def upper_bound(sizes, granules, align: int, world_size: int) -> int:
     return -(-bound // align) * align
 
 
-def min_shard_size(sizes, granules, align: int, world_size: int) -> int:
-    """The smallest S (multiple of ``align``) for which the order has a valid placement."""
+def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int | None = None) -> int | None:
+    """The smallest S (multiple of ``align``) for which the order has a valid placement.
+
+    Candidates ascend from the lower bound ``max(ceil(total / m), largest uncuttable
+    tensor)``; within each interval of :func:`_candidate_intervals` only multiples of its
+    step are tried, a few at a time at first (usually the first one or two are feasible),
+    then in growing chunks.
+
+    Args:
+        limit: when given, look only at ``S <= limit`` and return ``None`` if none is
+            feasible (used to try further orders against the best S so far).
+    """
     total = sum(int(e) for e in sizes)
     # A tensor no longer than its granule can never be cut, so it must fit in one shard.
     atomic = max((int(e) for e, g in zip(sizes, granules) if int(e) <= int(g)), default=0)
     lo = max(-(-total // world_size), atomic, 1)
     lo = -(-lo // align) * align
     hi = upper_bound(sizes, granules, align, world_size)
-    chunk = 256
-    start = lo
-    while start <= hi:
-        stop = min(start + chunk * align, hi + align)
-        S = np.arange(start, stop, align, dtype=np.int64)
-        S = S[_forced_divisibility(sizes, granules, align, S)]
-        if S.size:
+    if limit is not None:
+        hi = min(hi, limit)
+    for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
+        start = -(-a // step) * step
+        chunk = 4
+        while start < b:
+            S = np.arange(start, min(start + chunk * step, b), step, dtype=np.int64)
             ends = greedy_ends(sizes, granules, align, S, world_size=world_size)
             feasible = np.nonzero(ends <= S * world_size)[0]
             if feasible.size:
                 return int(S[feasible[0]])
-        start = stop
-        chunk *= 4
+            start += chunk * step
+            chunk = min(chunk * 4, 4096)
+    if limit is not None:
+        return None
     raise AssertionError("unreachable: the upper bound is always feasible")  # pragma: no cover
 
 

@@ -1,11 +1,25 @@
 """ragged: functional RaggedShard sharding for PyTorch (veScale-FSDP ideas as pure functions)."""
 
+from ragged import checkpoint as checkpoint
 from ragged import optim as optim
 from ragged import spec as spec
 from ragged._errors import LayoutError as LayoutError
 from ragged._errors import PlanMismatchError as PlanMismatchError
 from ragged._errors import RaggedError as RaggedError
 from ragged._pytree import pytree as pytree
+from ragged import collectives as collectives
+from ragged import transforms as transforms
+from ragged._dbuffer import DBuffer as DBuffer
+from ragged._dbuffer import unflatten as unflatten
+from ragged.transforms import gather as gather
+from ragged.transforms import gather_start as gather_start
+from ragged.transforms import gather_wait as gather_wait
+from ragged.transforms import owned_plan as owned_plan
+from ragged.transforms import redistribute as redistribute
+from ragged.transforms import reduce_scatter as reduce_scatter
+from ragged.transforms import reduce_scatter_start as reduce_scatter_start
+from ragged.transforms import reduce_scatter_wait as reduce_scatter_wait
+from ragged.transforms import shard as shard
 from ragged.optim import apply_updates as apply_updates
 from ragged.spec import LayoutPlan as LayoutPlan
 from ragged.spec import make_plan as make_plan

@@ -47,7 +47,8 @@ class DBuffer:
         """
         plan = self.plan
         leaves = [None] * plan.num_leaves
-        held = {piece.leaf.index: piece for piece in plan.local_pieces(self.rank)}
+        pieces = plan.local_pieces(self.rank) if self.rank < plan.world_size else ()
+        held = {piece.leaf.index: piece for piece in pieces}
         for leaf in plan.leaves:
             piece = held.get(leaf.index)
             if piece is None:
@@ -60,11 +61,99 @@ class DBuffer:
             leaves[leaf.index] = self.replicated[leaf.offset : leaf.offset + leaf.numel].view(leaf.shape)
         return pytree.unflatten(plan.treedef, leaves)
 
+    # ---- group-level ops: one kernel over the whole buffer, never one per leaf -------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def zeros_like(self) -> DBuffer:
+        """A DBuffer of zeros with this one's plan, rank, dtype and device.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> plan = rg.make_plan({"w": torch.empty(4, 2)}, world_size=2, align=1)
+            >>> d = rg.shard(plan, {"w": torch.ones(4, 2)}, rank=1)
+            >>> d.zeros_like().data.tolist()
+            [0.0, 0.0, 0.0, 0.0]
+        """
+        return self.replace(data=torch.zeros_like(self.data), replicated=torch.zeros_like(self.replicated))
+
+    def scale(self, factor) -> DBuffer:
+        """``factor * self`` (padding stays zero)."""
+        return self.replace(data=self.data * factor, replicated=self.replicated * factor)
+
+    def add(self, other: DBuffer, *, alpha=1) -> DBuffer:
+        """``self + alpha * other`` for a DBuffer of the same plan and rank."""
+        _check_same_layout(self, other, "add")
+        return self.replace(
+            data=torch.add(self.data, other.data, alpha=alpha),
+            replicated=torch.add(self.replicated, other.replicated, alpha=alpha),
+        )
+
+    def cast(self, dtype: torch.dtype) -> DBuffer:
+        """This buffer in ``dtype`` (no copy when it already is). The plan is unchanged: a cast
+        DBuffer is e.g. the bf16 compute copy of an fp32 master shard."""
+        if dtype == self.data.dtype:
+            return self
+        return self.replace(data=self.data.to(dtype), replicated=self.replicated.to(dtype))
+
+    def global_norm(self, comm=None, *, ord: float = 2.0) -> torch.Tensor:
+        """The ``ord``-norm of all leaves together across the shard group (a 0-d fp32-or-wider
+        tensor, equal on every rank).
+
+        One local reduction per buffer and one all-reduce of a scalar; padding is zero so it
+        does not contribute; replicated leaves are counted once (they are equal on every rank).
+        Without ``comm`` the norm of this rank's part only.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> plan = rg.make_plan({"w": torch.empty(2, 2)}, world_size=2, align=1)
+            >>> w = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+            >>> rg.collectives.simulate(2, lambda c: float(rg.shard(plan, {"w": w}, c).global_norm(c)))
+            [5.0, 5.0]
+        """
+        acc_dtype = torch.promote_types(self.data.dtype, torch.float32)
+        if ord == float("inf"):
+            local = self.data.abs().amax().to(acc_dtype) if self.data.numel() else torch.zeros((), dtype=acc_dtype)
+            if comm is not None:
+                local = local.reshape(1).clone()
+                comm.all_reduce(local, op="max")
+                local = local[0]
+            if self.replicated.numel():
+                local = torch.maximum(local, self.replicated.abs().amax().to(acc_dtype))
+            return local
+        p = float(ord)
+        local = self.data.to(acc_dtype).abs().pow(p).sum() if p != 2.0 else torch.linalg.vector_norm(self.data, dtype=acc_dtype).square()
+        total = local.reshape(1).clone()
+        if comm is not None:
+            comm.all_reduce(total, op="sum")
+        if self.replicated.numel():
+            total = total + self.replicated.to(acc_dtype).abs().pow(p).sum()
+        return total[0].pow(1.0 / p)
+
+
+def _check_same_layout(a: DBuffer, b: DBuffer, what: str) -> None:
+    if not isinstance(b, DBuffer):
+        raise TypeError(f"DBuffer.{what} needs another DBuffer, got {type(b).__name__}.")
+    if a.plan != b.plan or a.rank != b.rank:
+        raise ValueError(
+            f"DBuffer.{what}: the two buffers have different plans or ranks ({a.plan!r} rank {a.rank} vs "
+            f"{b.plan!r} rank {b.rank}). Fix: redistribute one onto the other's plan first."
+        )
+
 
 def unflatten(plan: LayoutPlan, buffer: torch.Tensor, replicated: torch.Tensor | None = None):
     """Views of every leaf in a gathered flat buffer of ``plan.buffer_numel`` elements.
 
     Zero-copy: each returned tensor shares ``buffer``'s (or ``replicated``'s) storage.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"a": torch.empty(2), "b": torch.empty(3)}, world_size=2, align=1)
+        >>> flat = torch.arange(float(plan.buffer_numel))
+        >>> tree = rg.unflatten(plan, flat)
+        >>> tree["b"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        True
     """
     leaves = [None] * plan.num_leaves
     for leaf in plan.leaves:

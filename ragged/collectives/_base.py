@@ -4,6 +4,13 @@ Transforms talk to a ``Collectives`` value only; they never import torch.distrib
 All ops work on flat contiguous tensors. ``async_op=True`` returns a :class:`Handle`
 whose ``wait()`` completes the op; otherwise the op is done on return (and ``None`` is
 returned).
+
+[Note: shard group and replica group]
+A ``Collectives`` value is one rank's view of a 1-D shard group (FSDP) or of a 2-D mesh
+``(replicas, shard)`` (HSDP). ``rank`` / ``world_size`` always refer to the *shard group*:
+``all_gather_into``, ``reduce_scatter_into``, ``all_reduce`` and ``all_to_all`` run within it.
+``all_reduce_replicas`` runs across the replica group (a no-op when ``num_replicas == 1``),
+and ``all_gather_object`` spans every rank of the mesh (used to compare plans).
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 ReduceOp = Literal["sum", "mean", "max"]
+REDUCE_OPS = ("sum", "mean", "max")
+
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "DoneHandle", "check_op"]
 
 
 @runtime_checkable
@@ -20,12 +30,26 @@ class Handle(Protocol):
     def wait(self) -> None: ...
 
 
+class DoneHandle:
+    """A handle of an op that already completed (``wait()`` does nothing)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+
+def check_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
+    return op
+
+
 @runtime_checkable
 class Collectives(Protocol):
-    """One shard group, seen from one rank.
+    """One shard group (and, for HSDP, its replica group), seen from one rank.
 
-    For HSDP the value also knows its replica group: ``reduce_scatter_into`` then reduces
-    over every replica too, while ``all_gather_into`` stays within the shard group.
+    See [Note: shard group and replica group].
     """
 
     @property
@@ -34,16 +58,32 @@ class Collectives(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def num_replicas(self) -> int: ...
+
+    @property
+    def replica_rank(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """The device tensors passed to this backend live on."""
+
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
         """``output`` (world_size * n) <- concatenation of every rank's ``input`` (n)."""
 
     def reduce_scatter_into(
         self, output: torch.Tensor, input: torch.Tensor, *, op: ReduceOp = "sum", async_op: bool = False
     ) -> Handle | None:
-        """``output`` (n) <- chunk ``rank`` of the reduction of every rank's ``input`` (world_size * n)."""
+        """``output`` (n) <- chunk ``rank`` of the reduction over the shard group of every
+        rank's ``input`` (world_size * n). ``"mean"`` divides by ``world_size``."""
 
     def all_reduce(self, tensor: torch.Tensor, *, op: ReduceOp = "sum", async_op: bool = False) -> Handle | None:
-        """In-place reduction over the shard group (and replicas, for HSDP: see ``all_reduce_replicas``)."""
+        """In-place reduction over the shard group."""
+
+    def all_reduce_replicas(
+        self, tensor: torch.Tensor, *, op: ReduceOp = "sum", async_op: bool = False
+    ) -> Handle | None:
+        """In-place reduction over the replica group (no-op without replicas)."""
 
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
@@ -52,4 +92,5 @@ class Collectives(Protocol):
         """Uneven all-to-all of flat tensors (``input_splits[j]`` elements go to rank j)."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Small picklable objects from every rank (used for plan checks before collectives)."""
+        """Small picklable objects from every rank of the mesh (shard group x replicas), in
+        mesh order (replica-major)."""

@@ -1,0 +1,8 @@
+"""Collectives: one small protocol, a torch.distributed backend and an in-process simulation."""
+
+from ragged.collectives._base import Collectives as Collectives
+from ragged.collectives._base import Handle as Handle
+from ragged.collectives._simulated import SimulatedCollectives as SimulatedCollectives
+from ragged.collectives._simulated import simulate as simulate
+from ragged.collectives._torch import TorchCollectives as TorchCollectives
+from ragged.collectives._torch import from_torch as from_torch

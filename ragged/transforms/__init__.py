@@ -1,0 +1,13 @@
+"""Transforms over plans and DBuffers: shard, gather, reduce_scatter, redistribute."""
+
+from ragged.transforms._gather import GatherPending as GatherPending
+from ragged.transforms._gather import gather as gather
+from ragged.transforms._gather import gather_start as gather_start
+from ragged.transforms._gather import gather_wait as gather_wait
+from ragged.transforms._reduce_scatter import ReduceScatterPending as ReduceScatterPending
+from ragged.transforms._reduce_scatter import reduce_scatter as reduce_scatter
+from ragged.transforms._reduce_scatter import reduce_scatter_start as reduce_scatter_start
+from ragged.transforms._reduce_scatter import reduce_scatter_wait as reduce_scatter_wait
+from ragged.transforms._redistribute import owned_plan as owned_plan
+from ragged.transforms._redistribute import redistribute as redistribute
+from ragged.transforms._shard import shard as shard

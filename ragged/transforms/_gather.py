@@ -1,0 +1,168 @@
+"""`gather` / `gather_start` / `gather_wait`: DBuffer -> pytree of full tensors.
+
+[Note: gather is one collective and zero per-leaf work]
+The S-element shard (cast once to the compute dtype if asked: an S-element cast, never a full
+fp32 copy) is all-gathered into ONE flat buffer of m*S elements; every leaf of the result is a
+view of that buffer (``ragged.unflatten``). There is no copy-in (the shard already is the
+buffer's rank-k chunk) and no copy-out (leaves are contiguous ranges of the buffer).
+
+[Note: gather's backward]
+All-gather transposes to reduce-scatter(sum): ``_GatherStart`` is a new-style
+``autograd.Function`` (``setup_context``) whose backward reduce-scatters the m*S gradient into
+the S-element shard with ``comm.reduce_scatter_into`` (all_to_all + local sum on gloo, which,
+unlike gloo's ``reduce_scatter_single``, also works under ``torch.func.grad``). Replicated
+leaves are returned as views of ``dbuf.replicated``; their backward all-reduces (sums) the
+gradient over the shard group, the transpose of replication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ragged._dbuffer import DBuffer, unflatten
+from ragged.spec._plan import LayoutPlan
+from ragged.transforms._check import check_plan
+
+__all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
+
+
+class GatherPending(NamedTuple):
+    """An all-gather in flight (from :func:`gather_start`).
+
+    Attributes:
+        buffer: the flat ``m * S`` output tensor (filled once ``handle`` completes).
+        replicated: the replicated buffer (views of ``dbuf.replicated`` when no cast).
+        handle: the collective's handle.
+        plan: the layout.
+        source: the S-element tensor being sent (kept alive until the op completes).
+    """
+
+    buffer: torch.Tensor
+    replicated: torch.Tensor
+    handle: Any
+    plan: LayoutPlan
+    source: torch.Tensor
+
+
+class _Box:
+    """Carries the handle out of ``_GatherStart.forward`` (a plain object: torch.func maps over
+    list arguments, so a list would be copied)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self):
+        self.handle = None
+
+
+class _GatherStart(torch.autograd.Function):
+    @staticmethod
+    def forward(src, comm, box):
+        out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
+        box.handle = comm.all_gather_into(out, src, async_op=True)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = ctx.comm
+        grad = grad.contiguous()
+        out = torch.empty(grad.numel() // comm.world_size, dtype=grad.dtype, device=grad.device)
+        comm.reduce_scatter_into(out, grad, op="sum")
+        return out, None, None
+
+
+class _Replicated(torch.autograd.Function):
+    @staticmethod
+    def forward(x, comm):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.clone()
+        ctx.comm.all_reduce(out, op="sum")
+        return out, None
+
+
+def _check_dbuf(dbuf, comm, where):
+    if not isinstance(dbuf, DBuffer):
+        raise TypeError(f"{where} takes a DBuffer (from rg.shard / rg.reduce_scatter), got {type(dbuf).__name__}.")
+    plan = dbuf.plan
+    if plan.world_size != comm.world_size:
+        raise ValueError(
+            f"{where}: the DBuffer's plan shards over world_size={plan.world_size} but the comm's shard group "
+            f"has {comm.world_size} ranks. Fix: use the comm the plan was made for, or rg.redistribute first."
+        )
+    if dbuf.rank != comm.rank:
+        raise ValueError(f"{where}: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
+    if dbuf.data.numel() != plan.shard_size or dbuf.data.dim() != 1:
+        raise ValueError(
+            f"{where}: dbuf.data has shape {tuple(dbuf.data.shape)} but the plan's shard is ({plan.shard_size},)."
+        )
+
+
+def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None) -> GatherPending:
+    """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
+
+    Args:
+        dbuf: this rank's shard.
+        comm: the shard group's collectives.
+        dtype: compute dtype of the result (e.g. ``torch.bfloat16`` from an fp32 master shard:
+            only the S-element shard is cast). Default: ``dbuf.data.dtype``.
+
+    Returns:
+        A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
+    """
+    _check_dbuf(dbuf, comm, "gather")
+    check_plan(dbuf.plan, comm)
+    src = dbuf.data if dtype is None or dtype == dbuf.data.dtype else dbuf.data.to(dtype)
+    rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
+    box = _Box()
+    buffer = _GatherStart.apply(src, comm, box)
+    if rep.numel():
+        rep = _Replicated.apply(rep, comm)
+    return GatherPending(buffer=buffer, replicated=rep, handle=box.handle, plan=dbuf.plan, source=src)
+
+
+def gather_wait(pending: GatherPending):
+    """Completes :func:`gather_start`; returns the same tree as :func:`gather`."""
+    pending.handle.wait()
+    return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
+
+
+def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None):
+    """The full parameters: a pytree of views into ONE gathered flat buffer.
+
+    See [Note: gather is one collective and zero per-leaf work] and [Note: gather's backward]:
+    differentiable w.r.t. ``dbuf.data`` under ``.backward()`` and ``torch.func.grad``.
+
+    Args:
+        dbuf: this rank's shard.
+        comm: the shard group's collectives (for HSDP: gathers within the shard group).
+        dtype: compute dtype (cast the S-element shard, then gather). Default: the shard's.
+
+    Returns:
+        A pytree like the params the plan was made from.
+
+    Raises:
+        PlanMismatchError: ranks hold different plans (raised on every rank, before gathering).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def step(comm):
+        ...     full = rg.gather(rg.shard(plan, params, comm), comm)
+        ...     return all(torch.equal(full[k], params[k]) for k in params)
+        >>> rg.collectives.simulate(2, step)
+        [True, True]
+    """
+    return gather_wait(gather_start(dbuf, comm, dtype))

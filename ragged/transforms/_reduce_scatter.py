@@ -1,0 +1,207 @@
+"""`reduce_scatter` / `reduce_scatter_start` / `reduce_scatter_wait`: per-rank gradients ->
+this rank's DBuffer of the reduced gradient shard.
+
+[Note: reduce_scatter copies once or never]
+A pytree of gradients is packed ONCE into a flat m*S buffer in the reduce dtype (one
+``torch.cat(..., out=)`` over leaves and zero gaps: the copy-in, which also casts); a flat
+gradient of ``plan.buffer_numel`` elements (e.g. the gradient of ``gather``'s buffer) is
+reduced as is, with no copy. Then one reduce-scatter(sum) within the shard group; for HSDP one
+all-reduce(sum) of the S-element result across replicas; ``"mean"`` divides by every
+contributing rank (shard group x replicas). Replicated leaves are packed the same way and
+all-reduced over every rank. The result is cast to ``plan.dtype`` (an S-element cast).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged.spec._plan import LayoutPlan
+from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan
+from ragged.transforms._shard import replicated_size
+
+__all__ = ["reduce_scatter", "reduce_scatter_start", "reduce_scatter_wait", "ReduceScatterPending"]
+
+_OPS = ("mean", "sum")
+
+
+class ReduceScatterPending(NamedTuple):
+    """A reduce-scatter in flight (from :func:`reduce_scatter_start`)."""
+
+    output: torch.Tensor
+    replicated: torch.Tensor
+    handles: tuple
+    plan: LayoutPlan
+    comm: Any
+    op: str
+    zero_padding: bool
+    source: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _segments(plan: LayoutPlan):
+    """(leaf index or None for a zero gap, length) along the global buffer."""
+    segs, pos = [], 0
+    for leaf in sorted(plan.leaves, key=lambda l: l.offset):
+        if leaf.offset > pos:
+            segs.append((None, leaf.offset - pos))
+        segs.append((leaf.index, leaf.numel))
+        pos = leaf.stop
+    if plan.buffer_numel > pos:
+        segs.append((None, plan.buffer_numel - pos))
+    rsegs, pos = [], 0
+    for leaf in plan.replicated:
+        if leaf.offset > pos:
+            rsegs.append((None, leaf.offset - pos))
+        rsegs.append((leaf.index, leaf.numel))
+        pos = leaf.stop
+    end = replicated_size(plan)
+    if end > pos:
+        rsegs.append((None, end - pos))
+    return tuple(segs), tuple(rsegs)
+
+
+@functools.lru_cache(maxsize=256)
+def _padding_mask(plan: LayoutPlan, rank: int):
+    """A bool mask of this rank's padding elements, or None if it has none."""
+    mask = torch.ones(plan.shard_size, dtype=torch.bool)
+    for piece in plan.local_pieces(rank):
+        mask[piece.local_offset : piece.local_offset + piece.numel] = False
+    return mask if bool(mask.any()) else None
+
+
+def _pack(segs, leaves, numel, dtype, device):
+    out = torch.empty(numel, dtype=dtype, device=device)
+    if numel == 0:
+        return out
+    gap = max((n for i, n in segs if i is None), default=0)
+    zeros = torch.zeros(gap, dtype=dtype, device=device) if gap else None
+    parts = [zeros[:n] if i is None else leaves[i].reshape(-1) for i, n in segs]
+    with torch.no_grad():
+        torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts], out=out)
+    return out
+
+
+def reduce_scatter_start(
+    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None
+) -> ReduceScatterPending:
+    """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
+
+    Args: as :func:`reduce_scatter`.
+    """
+    check_plan_type(plan, "reduce_scatter")
+    if op not in _OPS:
+        raise ValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
+    if plan.world_size != comm.world_size:
+        raise ValueError(
+            f"reduce_scatter: the plan shards over world_size={plan.world_size} but the comm's shard group has "
+            f"{comm.world_size} ranks. Fix: plan with rg.make_plan(..., world_size=comm.world_size)."
+        )
+    rdtype = plan.dtype if dtype is None else dtype
+    device = comm.device
+    rep_numel = replicated_size(plan)
+    segs, rsegs = _segments(plan)
+    if isinstance(grads, torch.Tensor):
+        if grads.dim() != 1 or grads.numel() != plan.buffer_numel:
+            raise ValueError(
+                f"reduce_scatter: a flat gradient must be 1-D with plan.buffer_numel = {plan.buffer_numel} "
+                f"elements (world_size {plan.world_size} x shard_size {plan.shard_size}); got shape "
+                f"{tuple(grads.shape)}. Fix: pass the gradient of gather's buffer, or a pytree like the params."
+            )
+        if grads.device.type != device.type:
+            raise ValueError(f"reduce_scatter: the flat gradient is on {grads.device}; the comm works on {device}.")
+        if not grads.is_floating_point():
+            raise TypeError(f"reduce_scatter: the flat gradient has dtype {grads.dtype}; it must be floating point.")
+        if plan.replicated and replicated is None:
+            raise ValueError(
+                f"reduce_scatter: the plan has {len(plan.replicated)} replicated leaves "
+                f"({[l.path for l in plan.replicated][:3]}...); with a flat gradient pass their flat gradient "
+                f"too: replicated=<tensor of {rep_numel} elements>."
+            )
+        flat = grads.detach()
+        flat = (flat if flat.dtype == rdtype else flat.to(rdtype)).contiguous()
+        if replicated is not None:
+            if replicated.numel() != rep_numel:
+                raise ValueError(f"reduce_scatter: replicated= has {replicated.numel()} elements, expected {rep_numel}.")
+            rep = replicated.detach().reshape(-1).to(rdtype, copy=True)
+        else:
+            rep = torch.empty(0, dtype=rdtype, device=device)
+        zero_padding = True
+    else:
+        leaves = flatten_like_plan(plan, grads, "grads", device=device)
+        leaves = [l.detach() for l in leaves]
+        flat = _pack(segs, leaves, plan.buffer_numel, rdtype, device)
+        rep = _pack(rsegs, leaves, rep_numel, rdtype, device)
+        zero_padding = False
+    check_plan(plan, comm)
+    out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
+    handles = [comm.reduce_scatter_into(out, flat, op="sum", async_op=True)]
+    if rep.numel():
+        handles.append(comm.all_reduce(rep, op="sum", async_op=True))
+    return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat)
+
+
+def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
+    """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`."""
+    out, rep, handles, plan, comm, op, zero_padding, _ = pending
+    for h in handles:
+        h.wait()
+    replicas = comm.num_replicas
+    if replicas > 1:
+        comm.all_reduce_replicas(out, op="sum")
+        if rep.numel():
+            comm.all_reduce_replicas(rep, op="sum")
+    if op == "mean":
+        n = comm.world_size * replicas
+        out.div_(n)
+        rep.div_(n)
+    if zero_padding:
+        mask = _padding_mask(plan, comm.rank)
+        if mask is not None:
+            out.masked_fill_(mask.to(out.device), 0)
+    data = out if out.dtype == plan.dtype else out.to(plan.dtype)
+    if rep.dtype != plan.dtype:
+        rep = rep.to(plan.dtype)
+    if not plan.replicated:
+        rep = torch.zeros(0, dtype=plan.dtype, device=data.device)
+    return DBuffer(data=data, replicated=rep, plan=plan, rank=comm.rank)
+
+
+def reduce_scatter(plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None) -> DBuffer:
+    """This rank's shard of the reduction (over every rank) of every rank's ``grads``.
+
+    See [Note: reduce_scatter copies once or never].
+
+    Args:
+        plan: the layout of the params the gradients belong to.
+        grads: a pytree like the params (full-shape gradients), or a flat 1-D tensor of
+            ``plan.buffer_numel`` elements laid out as the plan's buffer (no copy-in).
+        comm: collectives; for HSDP the result is reduced over the replicas too.
+        op: ``"mean"`` (divide by shard group size x replicas) or ``"sum"``.
+        dtype: reduce dtype (e.g. ``torch.float32`` for bf16 gradients); the result is in
+            ``plan.dtype``. Default: ``plan.dtype``.
+        replicated: with a flat ``grads``, the flat gradient of the replicated buffer (needed
+            iff the plan has replicated leaves).
+
+    Returns:
+        A :class:`~ragged.DBuffer` (padding is zero; replicated leaves all-reduced).
+
+    Raises:
+        LayoutError, TypeError, ValueError: grads do not match the plan (named by key path),
+            raised before any communication.
+        PlanMismatchError: ranks hold different plans.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.zeros(4, 2)}
+        >>> plan = rg.make_plan(params, world_size=2, align=1)
+        >>> def step(comm):
+        ...     g = {"w": torch.full((4, 2), float(comm.rank + 1))}   # 1 on rank 0, 2 on rank 1
+        ...     return rg.reduce_scatter(plan, g, comm, op="sum").data.tolist()
+        >>> rg.collectives.simulate(2, step)
+        [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+    """
+    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated))

@@ -1,0 +1,144 @@
+"""Transforms on the simulated backend against unsharded float64 references."""
+
+import re
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import spec
+
+
+def _params(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(7, 6, generator=g, dtype=dtype),
+        "layers": [
+            {"w": torch.randn(5, 6, generator=g, dtype=dtype), "b": torch.randn(5, generator=g, dtype=dtype)},
+            {"w": torch.randn(3, 5, generator=g, dtype=dtype), "b": torch.randn(3, generator=g, dtype=dtype)},
+        ],
+        "scale": torch.randn((), generator=g, dtype=dtype),
+    }
+
+
+def _same(a, b, **kw):
+    la, lb = rg.pytree.leaves(a), rg.pytree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        torch.testing.assert_close(x, y, **kw)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4], ids=lambda m: f"m{m}")
+def test_gather_of_shard_is_identity(m):
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    out = rg.collectives.simulate(m, lambda c: rg.gather(rg.shard(plan, params, c), c))
+    for full in out:
+        _same(full, params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [2, 3], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_reduce_scatter_is_shard_of_sum(m, op):
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    grads = [_params(seed=10 + r) for r in range(m)]
+    ref = rg.pytree.map(lambda *xs: sum(xs) / (m if op == "mean" else 1), *grads)
+
+    def fn(c):
+        return rg.reduce_scatter(plan, grads[c.rank], c, op=op), rg.shard(plan, ref, c)
+
+    for got, want in rg.collectives.simulate(m, fn):
+        torch.testing.assert_close(got.data, want.data)
+
+
+def test_leaves_are_views_of_one_buffer():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+
+    def fn(c):
+        d = rg.shard(plan, params, c)
+        local_ok = all(
+            v.untyped_storage().data_ptr() == d.data.untyped_storage().data_ptr() for v in rg.pytree.leaves(d.views())
+        )
+        pending = rg.gather_start(d, c)
+        full = rg.gather_wait(pending)
+        ptr = pending.buffer.untyped_storage().data_ptr()
+        return local_ok and all(t.untyped_storage().data_ptr() == ptr for t in rg.pytree.leaves(full))
+
+    assert rg.collectives.simulate(2, fn) == [True, True]
+
+
+def test_gather_backward_is_reduce_scatter():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+    targets = [_params(seed=20 + r) for r in range(2)]
+
+    def loss(full, t):
+        return sum(((a - b) ** 2).sum() for a, b in zip(rg.pytree.leaves(full), rg.pytree.leaves(t)))
+
+    def fn(c):
+        d = rg.shard(plan, params, c)
+        data = d.data.clone().requires_grad_()
+        loss(rg.gather(d.replace(data=data), c), targets[c.rank]).backward()
+        g1 = data.grad
+        g2 = torch.func.grad(lambda x: loss(rg.gather(d.replace(data=x), c), targets[c.rank]))(d.data)
+        return g1, g2
+
+    ref = rg.pytree.map(lambda p, a, b: 2 * (p - a) + 2 * (p - b), params, *targets)
+    out = rg.collectives.simulate(2, fn)
+    for r, (g1, g2) in enumerate(out):
+        want = rg.shard(plan, ref, rank=r).data
+        torch.testing.assert_close(g1, want)
+        torch.testing.assert_close(g2, want)
+
+
+def test_plan_mismatch_raises_on_every_rank():
+    p0 = rg.make_plan(_params(), world_size=2)
+    other = _params()
+    other["emb"] = torch.randn(9, 6, dtype=torch.float64)
+    p1 = rg.make_plan(other, world_size=2)
+
+    def fn(c):
+        plan, params = (p0, _params()) if c.rank == 0 else (p1, other)
+        with pytest.raises(rg.PlanMismatchError, match=re.escape("['emb']")):
+            rg.shard(plan, params, c)
+        return True
+
+    assert rg.collectives.simulate(2, fn) == [True, True]
+
+
+def test_grads_shape_error_names_key_path():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+    bad = _params()
+    bad["layers"][1]["w"] = torch.randn(3, 4, dtype=torch.float64)
+
+    def fn(c):
+        rg.reduce_scatter(plan, bad, c)
+
+    with pytest.raises(rg.LayoutError, match=re.escape("grads['layers'][1]['w'] has shape (3, 4)")):
+        rg.collectives.simulate(2, fn, timeout=5)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_redistribute_round_trip(m):
+    params = _params()
+    rows = rg.make_plan(params, world_size=m)
+    elems = rg.make_plan(params, spec.Elements(1), world_size=m)
+    small = rg.make_plan(params, world_size=m - 1)
+    owned = rg.owned_plan(rows)
+
+    def fn(c):
+        d = rg.shard(plan := rows, params, c)
+        outs = []
+        for target in (elems, small, owned):
+            e = rg.redistribute(d, target, c)
+            if c.rank < target.world_size:
+                outs.append(torch.equal(e.data, rg.shard(target, params, rank=c.rank).data))
+            back = rg.redistribute(e, plan, c)
+            outs.append(torch.equal(back.data, d.data))
+        return outs
+
+    for res in rg.collectives.simulate(m, fn):
+        assert all(res), res

@@ -30,3 +30,10 @@ from ragged.optim._transform import scale_by_adam as scale_by_adam
 from ragged.optim._transform import scale_by_learning_rate as scale_by_learning_rate
 from ragged.optim._transform import scale_by_schedule as scale_by_schedule
 from ragged.optim._transform import trace as trace
+from ragged.optim._quant8 import Quant8Moments as Quant8Moments
+from ragged.optim._quant8 import ScaleByAdam8bitState as ScaleByAdam8bitState
+from ragged.optim._quant8 import adam8bit_leaf_state as adam8bit_leaf_state
+from ragged.optim._quant8 import adamw_8bit as adamw_8bit
+from ragged.optim._quant8 import dynamic_map as dynamic_map
+from ragged.optim._quant8 import scale_by_adam_8bit as scale_by_adam_8bit
+from ragged.optim._quant8 import state_nbytes as state_nbytes

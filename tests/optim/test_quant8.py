@@ -1,0 +1,182 @@
+"""Block-wise 8-bit Adam: world-size independence, quantization maps, numerics vs fp32 AdamW."""
+
+import math
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import spec
+from ragged.optim._quant8 import _Codec, _QPiece
+
+from tests.optim._util import gather_all, padding_mask, shard_all
+
+
+def _params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return {
+        "attn": r(100, 70),  # Blocks(32, 32): bands 32,32,32,4 x tiles 32,32,6 (edge tiles)
+        "experts": r(4, 64, 48),  # 3-D, Blocks(32, 32): 8 bands x 2 tiles (last 16 wide)
+        "flat": r(5000),  # Elements(256): last block 136 elements
+        "mlp": r(96, 64),  # Rows(1): fp32 state
+        "bias": r(70),  # small: fp32 state
+        "norm": r(70),  # Replicate: fp32 state
+    }
+
+
+SPECS = {
+    "attn": spec.Blocks(32, 32),
+    "experts": spec.Blocks(32, 32),
+    "flat": spec.Elements(256),
+    "mlp": spec.Rows(1),
+    "bias": spec.Elements(1),
+    "norm": spec.Replicate(),
+}
+QUANTIZED = ("['attn']", "['experts']", "['flat']")
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(500 + step)
+    return rg.pytree.map(lambda p: scale * torch.randn(p.shape, generator=g, dtype=p.dtype), params)
+
+
+def _run(world_size, steps=4, opt=None):
+    params = _params()
+    plan = rg.make_plan(params, SPECS, world_size=world_size)
+    opt = opt or rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)
+    shards = shard_all(plan, params)
+    states = [opt.init(s) for s in shards]
+    for step in range(steps):
+        gs = shard_all(plan, _grads(params, step))
+        for r in range(world_size):
+            u, states[r] = opt.update(gs[r], states[r], shards[r])
+            shards[r] = rg.apply_updates(shards[r], u)
+    return plan, shards, states
+
+
+def _leaf_states(plan, shards, states):
+    """Per leaf path: every state tensor concatenated over ranks in rank order."""
+    out = {}
+    for r, (s, st) in enumerate(zip(shards, states)):
+        per = rg.optim.adam8bit_leaf_state(st[0].moments, s, min_size=1000)
+        for path, parts in per.items():
+            if path in out and path in [l.path for l in plan.replicated]:
+                continue  # replicated: once
+            slot = out.setdefault(path, {})
+            for k, v in parts.items():
+                slot[k] = torch.cat([slot[k], v]) if k in slot else v.clone()
+    return out
+
+
+def test_state_bit_identical_across_world_sizes():
+    runs = {m: _run(m) for m in (1, 2, 4)}
+    # the big leaves really are split across ranks at m=4
+    plan4 = runs[4][0]
+    assert any(len(plan4.owners(plan4.leaf(p))) > 1 for p in QUANTIZED)
+    ref_state = _leaf_states(*runs[1])
+    ref_params = gather_all(runs[1][1])
+    for path in QUANTIZED:
+        assert ref_state[path]["mu_codes"].dtype == torch.uint8
+        assert ref_state[path]["nu_scales"].numel() > 1
+    for m in (2, 4):
+        state = _leaf_states(*runs[m])
+        assert state.keys() == ref_state.keys()
+        for path, parts in ref_state.items():
+            for k, v in parts.items():
+                assert torch.equal(state[path][k], v), (m, path, k)
+        params = gather_all(runs[m][1])
+        rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), params, ref_params)
+
+
+def test_padding_stays_zero_and_blocks_counted():
+    plan, shards, states = _run(3)
+    for r, s in enumerate(shards):
+        pad = padding_mask(plan, r)
+        assert torch.equal(s.data[pad], torch.zeros_like(s.data[pad]))
+    total_blocks = sum(int(st[0].moments.mu_scales.numel()) for st in states)
+    # attn: 4 bands x 3 tiles; experts: 4*64/32 = 8 bands x 2 tiles; flat: ceil(5000/256)
+    assert total_blocks == 4 * 3 + 8 * 2 + math.ceil(5000 / 256)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codec_roundtrip_error_bound(signed):
+    codec = _Codec(signed, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 100, generator=g) * torch.logspace(-4, 0, 100)
+    if not signed:
+        x = x.abs()
+    q = _QPiece("x", 0, x.numel(), 70, 100, 32, 32, 0, 0)
+    codes, absmax = codec.encode(x, q)
+    y = codec.decode(codes, absmax, q)
+    assert absmax.numel() == 3 * 4
+    # the absmax of each block is exact, and the map's relative step is at most 0.9/2 of a decade
+    # slot: |y - x| <= 0.5 * gap between neighbouring table values around x
+    table = codec.table.double()
+    xs = (x.double() / absmax.double().view(3, 1, 4, 1).expand(3, 32, 4, 32).reshape(96, 128)[:70, :100])
+    idx = torch.searchsorted(table, xs.clamp(-1, 1)).clamp(1, len(table) - 1)
+    gap = (table[idx] - table[idx - 1]).float()
+    scale = absmax.view(3, 1, 4, 1).expand(3, 32, 4, 32).reshape(96, 128)[:70, :100]
+    assert torch.all((y - x).abs() <= 0.5 * gap * scale * (1 + 1e-5) + 1e-12)
+    # max element of each block round-trips exactly
+    assert torch.equal(y.abs().amax(), x.abs().amax())
+
+
+def test_numerics_close_to_fp32_adamw():
+    """8-bit vs fp32 AdamW on a least-squares problem: loss curves within 5% relative."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(256, 64, generator=g)
+    W_true = torch.randn(64, 96, generator=g)
+    Y = X @ W_true + 0.01 * torch.randn(256, 96, generator=g)
+    params = {"w": 0.1 * torch.randn(64, 96, generator=g)}
+    plan = rg.make_plan(params, {"w": spec.Blocks(32, 32)}, world_size=2)
+
+    def loss_and_grad(full):
+        w = full["w"].clone().requires_grad_(True)
+        loss = ((X @ w - Y) ** 2).mean()
+        loss.backward()
+        return loss.item(), {"w": w.grad}
+
+    curves = {}
+    for name, opt in {"fp32": rg.optim.adamw(3e-2, weight_decay=0.01),
+                      "8bit": rg.optim.adamw_8bit(3e-2, weight_decay=0.01, min_size=1024)}.items():
+        shards = shard_all(plan, params)
+        states = [opt.init(s) for s in shards]
+        losses = []
+        for _ in range(150):
+            loss, grads = loss_and_grad(gather_all(shards))
+            losses.append(loss)
+            gs = shard_all(plan, grads)
+            for r in range(2):
+                u, states[r] = opt.update(gs[r], states[r], shards[r])
+                shards[r] = rg.apply_updates(shards[r], u)
+        curves[name] = torch.tensor(losses)
+    assert curves["8bit"][-1] < 0.05 * curves["8bit"][0]  # it trains
+    rel = (curves["8bit"] - curves["fp32"]).abs() / curves["fp32"]
+    assert rel.max() < 0.05, rel.max()
+
+
+def test_state_bytes_about_two_per_param():
+    params = {"w": torch.randn(256, 256), "e": torch.randn(8192)}
+    plan = rg.make_plan(params, {"w": spec.Blocks(32, 32), "e": spec.Elements(256)}, world_size=2)
+    shards = shard_all(plan, params)
+    n = sum(p.numel() for p in params.values())
+    nbytes = sum(rg.optim.state_nbytes(rg.optim.adamw_8bit(1e-3).init(s)) for s in shards)
+    fp32 = sum(rg.optim.state_nbytes(rg.optim.adamw(1e-3).init(s)) for s in shards)
+    # fp32 Adam keeps 8 bytes per buffer element (padding included); 8-bit keeps 2 per real
+    # element plus 8 per block (Blocks(32, 32): 1024 elements, Elements(256): 256)
+    assert fp32 == 8 * plan.buffer_numel + 2 * 8
+    assert nbytes == 2 * n + 8 * (256 * 256 // 1024 + 8192 // 256) + 2 * 8
+
+
+def test_rejects_naive_plan_that_cuts_blocks():
+    params = {"w": torch.randn(64, 64)}
+    plan = rg.make_plan(params, {"w": spec.Blocks(32, 32)}, world_size=3, strategy="naive")
+    assert plan.split_blocks > 0
+    with pytest.raises(rg.LayoutError, match="cuts .* block.*strategy='dp'"):
+        rg.optim.adamw_8bit(1e-3, min_size=1).init(shard_all(plan, params)[0])
+
+
+def test_rejects_plain_tensors():
+    with pytest.raises(TypeError, match="adamw_8bit works on DBuffers"):
+        rg.optim.adamw_8bit(1e-3).init({"w": torch.zeros(3)})

@@ -1,0 +1,12 @@
+"""Sharded checkpoints with torch.distributed.checkpoint: save each rank's ragged pieces, load
+into any world size or plan, export one consolidated file."""
+
+from ragged.checkpoint._dcp import SingleProcess as SingleProcess
+from ragged.checkpoint._format import CheckpointCorruptError as CheckpointCorruptError
+from ragged.checkpoint._format import CheckpointError as CheckpointError
+from ragged.checkpoint._format import CheckpointMismatchError as CheckpointMismatchError
+from ragged.checkpoint._format import PerRank as PerRank
+from ragged.checkpoint._load import export as export
+from ragged.checkpoint._load import load as load
+from ragged.checkpoint._load import read_manifest as read_manifest
+from ragged.checkpoint._save import save as save

@@ -23,5 +23,7 @@ from ragged.transforms import shard as shard
 from ragged.optim import apply_updates as apply_updates
 from ragged.spec import LayoutPlan as LayoutPlan
 from ragged.spec import make_plan as make_plan
+from ragged._viz import rank_table as rank_table
+from ragged._viz import visualize as visualize
 
 __version__ = "0.1.0"

@@ -13,3 +13,7 @@ from ragged.spec._plan import piece_shape as piece_shape
 from ragged.spec._planning import ORDERS as ORDERS
 from ragged.spec._planning import STRATEGIES as STRATEGIES
 from ragged.spec._planning import make_plan as make_plan
+from ragged.spec._peers import PEERS as PEERS
+from ragged.spec._peers import PeerPadding as PeerPadding
+from ragged.spec._peers import peer_padding as peer_padding
+from ragged.spec._peers import peer_shard_numel as peer_shard_numel

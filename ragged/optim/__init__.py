@@ -37,3 +37,10 @@ from ragged.optim._quant8 import adamw_8bit as adamw_8bit
 from ragged.optim._quant8 import dynamic_map as dynamic_map
 from ragged.optim._quant8 import scale_by_adam_8bit as scale_by_adam_8bit
 from ragged.optim._quant8 import state_nbytes as state_nbytes
+from ragged.optim._muon import MuonUnit as MuonUnit
+from ragged.optim._muon import ScaleByMuonState as ScaleByMuonState
+from ragged.optim._muon import default_muon_filter as default_muon_filter
+from ragged.optim._muon import muon as muon
+from ragged.optim._muon import muon_load as muon_load
+from ragged.optim._muon import newton_schulz as newton_schulz
+from ragged.optim._muon import scale_by_muon as scale_by_muon

@@ -1,0 +1,396 @@
+"""Distributed Muon: momentum on the shard, Newton-Schulz on one owner rank per matrix.
+
+[Note: distributed Muon data flow]
+1. Momentum is element-wise, so it runs on each rank's shard as is (one ``lerp`` per buffer),
+   with ``torch.optim.Muon``'s formulas: ``buf = lerp(buf, g, 1 - momentum)`` and, with
+   Nesterov, ``u = lerp(g, buf, momentum)``.
+2. Each Muon matrix (a 2-D leaf, or one ``(R, C)`` matrix of a 3-D fused-experts leaf) gets an
+   owner rank. Owners are chosen once per plan by longest-processing-time-first list
+   scheduling of the Newton-Schulz cost (``ns_steps * (4 a^2 b + 2 a^3)`` flops for an
+   ``a x b`` matrix, ``a <= b``), so the busiest rank exceeds the least busy by at most one
+   matrix's cost (:func:`muon_load` reports it).
+3. The matrices move to their owners by uneven ``all_to_all`` (the owned RaggedShard: one
+   non-zero unit per matrix, like :func:`ragged.owned_plan` but at matrix rather than leaf
+   granularity, so experts of one leaf can live on different ranks). The matrices are split
+   into waves; all waves' forward exchanges are issued asynchronously up front, and each wave's
+   result is sent back asynchronously as soon as its Newton-Schulz is done, so communication
+   of one wave overlaps the Newton-Schulz of the others.
+4. The owner runs Newton-Schulz (bf16, quintic (3.4445, -4.7750, 2.0315), Frobenius norm
+   clamped at ``eps``=1e-7, transposed when rows > cols) exactly as ``torch.optim.Muon`` does,
+   and scales the result by ``sqrt(max(1, rows / cols))``. The results go back to the ranks
+   that hold the pieces; weight decay and ``-learning_rate`` are chained after.
+
+Replicated matrices (``spec.Replicate()``) are orthogonalised locally on every rank.
+Elements that are not Muon matrices pass through (``multi_transform`` in :func:`muon`
+gives them to AdamW).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._pytree import pytree
+from ragged.optim._alias import adamw
+from ragged.optim._base import GradientTransformation, Schedule
+from ragged.optim._combine import chain, multi_transform
+from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_learning_rate
+from ragged.spec import LayoutPlan, LeafLayout
+
+__all__ = [
+    "ScaleByMuonState",
+    "newton_schulz",
+    "scale_by_muon",
+    "muon",
+    "muon_load",
+    "MuonUnit",
+    "default_muon_filter",
+]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalisation of a 2-D matrix, in bf16 (torch.optim.Muon's).
+
+    Returns a bf16 matrix like ``g`` whose singular values are roughly in [0.5, 1.5].
+
+    Examples:
+        >>> import torch
+        >>> from ragged.optim import newton_schulz
+        >>> o = newton_schulz(torch.randn(8, 32, generator=torch.Generator().manual_seed(0)))
+        >>> o.dtype, o.shape, bool(torch.linalg.svdvals(o.float()).max() < 1.6)
+        (torch.bfloat16, torch.Size([8, 32]), True)
+    """
+    if g.ndim != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}.")
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def default_muon_filter(leaf: LeafLayout) -> bool:
+    """Muon for 2-D leaves and 3-D fused-expert leaves; everything else goes to AdamW.
+
+    Embeddings and output heads are 2-D too: exclude them with your own filter, e.g.
+    ``lambda leaf: default_muon_filter(leaf) and "embed" not in leaf.path``.
+    """
+    return len(leaf.shape) in (2, 3) and leaf.numel > 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MuonUnit:
+    """One Muon matrix: ``rows x cols`` elements at global buffer offset ``start``.
+
+    ``matrix`` is the expert index inside a 3-D leaf (0 for a 2-D leaf).
+    """
+
+    path: str
+    matrix: int
+    start: int
+    rows: int
+    cols: int
+    owner: int
+    cost: float
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
+
+
+def _ns_cost(rows: int, cols: int, steps: int) -> float:
+    a, b = min(rows, cols), max(rows, cols)
+    return float(steps * (4 * a * a * b + 2 * a**3))
+
+
+def _units(plan: LayoutPlan, muon_filter, ns_steps: int) -> tuple[MuonUnit, ...]:
+    raw = []
+    for leaf in plan.leaves:
+        if not muon_filter(leaf):
+            continue
+        if len(leaf.shape) not in (2, 3):
+            raise ValueError(
+                f"muon: params{leaf.path} has shape {leaf.shape}; Muon matrices must be 2-D (or 3-D "
+                "stacks of expert matrices). Fix: exclude it with muon_filter (it then gets AdamW)."
+            )
+        rows, cols = leaf.shape[-2], leaf.shape[-1]
+        count = leaf.shape[0] if len(leaf.shape) == 3 else 1
+        for e in range(count):
+            raw.append((leaf.path, e, leaf.offset + e * rows * cols, rows, cols, _ns_cost(rows, cols, ns_steps)))
+    load = [0.0] * plan.world_size
+    owners = {}
+    for item in sorted(raw, key=lambda u: (-u[5], u[2])):  # LPT: largest first, least loaded rank
+        r = min(range(plan.world_size), key=lambda k: (load[k], k))
+        owners[item[2]] = r
+        load[r] += item[5]
+    return tuple(MuonUnit(p, e, s, r_, c, owners[s], cost) for p, e, s, r_, c, cost in sorted(raw, key=lambda u: u[2]))
+
+
+def muon_load(plan: LayoutPlan, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> dict[str, Any]:
+    """Newton-Schulz work per rank under ``plan``: ``{"units", "flops", "matrices"}``.
+
+    ``flops[r]`` is rank r's Newton-Schulz cost; ``max(flops) - min(flops)`` is at most the
+    largest single matrix's cost (list scheduling guarantee).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w1": torch.empty(64, 64), "w2": torch.empty(64, 64), "e": torch.empty(4, 32, 64)}
+        >>> load = rg.optim.muon_load(rg.make_plan(params, world_size=2))
+        >>> load["matrices"], len(load["units"])
+        ([3, 3], 6)
+    """
+    units = _units(plan, muon_filter, ns_steps)
+    flops = [0.0] * plan.world_size
+    count = [0] * plan.world_size
+    for u in units:
+        flops[u.owner] += u.cost
+        count[u.owner] += 1
+    return {"units": units, "flops": flops, "matrices": count}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wave:
+    send_idx: torch.Tensor  # local data offsets, grouped by destination rank
+    send_splits: tuple[int, ...]
+    recv_pos: torch.Tensor  # positions in the owned buffer, grouped by source rank
+    recv_splits: tuple[int, ...]
+    owned: tuple[tuple[MuonUnit, int], ...]  # (unit, offset in the owned buffer)
+    owned_numel: int
+
+
+def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: int, device) -> tuple[_Wave, ...]:
+    S, m = plan.shard_size, plan.world_size
+    n = max(1, min(num_waves, len(units)))
+    # contiguous groups of units in buffer order, balanced by element count
+    total = sum(u.numel for u in units) or 1
+    groups: list[list[MuonUnit]] = [[] for _ in range(n)]
+    acc = 0
+    for u in units:
+        groups[min(n - 1, int(acc * n / total))].append(u)
+        acc += u.numel
+    waves = []
+    for group in groups:
+        if not group:
+            continue
+        owned, off = [], 0
+        for u in group:
+            if u.owner == rank:
+                owned.append((u, off))
+                off += u.numel
+        owned_off = {u.start: o for u, o in owned}
+        send_idx, send_splits, recv_pos, recv_splits = [], [], [], []
+        lo_me, hi_me = rank * S, (rank + 1) * S
+        for j in range(m):
+            k = 0
+            for u in group:  # what I hold of units owned by j
+                if u.owner != j:
+                    continue
+                lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
+                if lo < hi:
+                    send_idx.append(torch.arange(lo - lo_me, hi - lo_me))
+                    k += hi - lo
+            send_splits.append(k)
+            k = 0
+            lo_j, hi_j = j * S, (j + 1) * S
+            for u in group:  # what j holds of units I own
+                if u.owner != rank:
+                    continue
+                lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
+                if lo < hi:
+                    base = owned_off[u.start] - u.start
+                    recv_pos.append(torch.arange(base + lo, base + hi))
+                    k += hi - lo
+            recv_splits.append(k)
+        cat = lambda xs: (torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)).to(device)  # noqa: E731
+        waves.append(_Wave(cat(send_idx), tuple(send_splits), cat(recv_pos), tuple(recv_splits), tuple(owned), off))
+    return tuple(waves)
+
+
+class ScaleByMuonState(NamedTuple):
+    """State of :func:`scale_by_muon`: the momentum buffer, like the params."""
+
+    momentum: Any
+
+
+def _is_dbuffer(x) -> bool:
+    return isinstance(x, DBuffer)
+
+
+def scale_by_muon(
+    *,
+    comm,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    muon_filter: Callable[[LeafLayout], bool] = default_muon_filter,
+    num_waves: int = 4,
+) -> GradientTransformation:
+    """Muon's direction (see [Note: distributed Muon data flow]): momentum, then Newton-Schulz
+    of each matrix on its owner rank, scaled by ``sqrt(max(1, rows / cols))``.
+
+    Elements of leaves that ``muon_filter`` rejects pass through as the momentum update (use
+    :func:`muon`, which gives them to AdamW).
+
+    Args:
+        comm: the shard group's collectives (``None`` only for single-rank plans).
+        momentum: momentum coefficient (torch.optim.Muon's EMA form).
+        nesterov: Nesterov momentum.
+        ns_steps: Newton-Schulz iterations.
+        muon_filter: ``LeafLayout -> bool``: which leaves are Muon matrices.
+        num_waves: how many groups of matrices to pipeline (communication of one group
+            overlaps Newton-Schulz of another).
+    """
+    _check_beta("momentum", momentum)
+    if ns_steps < 1 or ns_steps >= 100:
+        raise ValueError(f"ns_steps must be in [1, 100), got {ns_steps}.")
+    cache: dict = {}
+
+    def waves_for(d: DBuffer):
+        key = (d.plan, d.rank, d.data.device)
+        if key not in cache:
+            if d.plan.world_size > 1 and (comm is None or comm.world_size != d.plan.world_size):
+                raise ValueError(
+                    f"muon: the plan has world_size={d.plan.world_size} but comm is "
+                    f"{'None' if comm is None else f'a group of {comm.world_size}'}; pass the shard group's comm."
+                )
+            if comm is not None and comm.rank != d.rank:
+                raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+            units = _units(d.plan, muon_filter, ns_steps)
+            cache[key] = _waves(d.plan, d.rank, units, num_waves, d.data.device)
+        return cache[key]
+
+    def orthogonalize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        o = newton_schulz(x.view(rows, cols), steps=ns_steps)
+        return o.to(x.dtype).mul_(math.sqrt(max(1.0, rows / cols)))
+
+    def one(u: DBuffer) -> DBuffer:
+        waves = waves_for(u)
+        data, dev = u.data, u.data.device
+        out = data.clone()  # non-Muon elements pass through
+        pending = []
+        for w in waves:
+            send = data.index_select(0, w.send_idx)
+            recv = torch.empty(sum(w.recv_splits), dtype=data.dtype, device=dev)
+            h = _a2a(recv, send, w.recv_splits, w.send_splits)
+            pending.append((w, recv, h))
+        back = []
+        for w, recv, h in pending:
+            if h is not None:
+                h.wait()
+            owned = torch.empty(w.owned_numel, dtype=data.dtype, device=dev)
+            owned.index_copy_(0, w.recv_pos, recv)
+            for unit, off in w.owned:
+                owned[off : off + unit.numel] = orthogonalize(owned[off : off + unit.numel], unit.rows, unit.cols).reshape(-1)
+            ret = owned.index_select(0, w.recv_pos)
+            got = torch.empty(sum(w.send_splits), dtype=data.dtype, device=dev)
+            back.append((w, got, _a2a(got, ret, w.send_splits, w.recv_splits)))
+        for w, got, h in back:
+            if h is not None:
+                h.wait()
+            out.index_copy_(0, w.send_idx, got)
+        rep = u.replicated.clone()
+        for leaf in u.plan.replicated:
+            if muon_filter(leaf) and len(leaf.shape) in (2, 3):
+                rows, cols = leaf.shape[-2], leaf.shape[-1]
+                for e in range(leaf.numel // (rows * cols)):
+                    s = leaf.offset + e * rows * cols
+                    rep[s : s + rows * cols] = orthogonalize(rep[s : s + rows * cols], rows, cols).reshape(-1)
+        return u.replace(data=out, replicated=rep)
+
+    def _a2a(output, input, output_splits, input_splits):
+        if comm is None or comm.world_size == 1:
+            output.copy_(input)
+            return None
+        return comm.all_to_all(output, input, list(output_splits), list(input_splits), async_op=True)
+
+    def init(params):
+        for leaf in pytree.leaves(params, is_leaf=_is_dbuffer):
+            if not isinstance(leaf, DBuffer):
+                raise TypeError(
+                    f"muon works on DBuffers (rg.shard output), got a {type(leaf).__name__} leaf. "
+                    "Fix: pass the DBuffer(s); for plain tensors use torch.optim.Muon."
+                )
+            waves_for(leaf)  # validate filter / comm now, before any training step
+        return ScaleByMuonState(momentum=pytree.map(torch.zeros_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        buf = pytree.map(lambda b, g: torch.lerp(b, g, 1.0 - momentum), state.momentum, updates)
+        direction = pytree.map(lambda g, b: torch.lerp(g, b, momentum), updates, buf) if nesterov else buf
+        return pytree.map(one, direction, is_leaf=_is_dbuffer), ScaleByMuonState(momentum=buf)
+
+    return GradientTransformation(init, update)
+
+
+def muon(
+    learning_rate: float | Schedule,
+    *,
+    comm,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: float = 0.0,
+    muon_filter: Callable[[LeafLayout], bool] = default_muon_filter,
+    adam: GradientTransformation | None = None,
+    num_waves: int = 4,
+) -> GradientTransformation:
+    """Distributed Muon for the matrices, AdamW for everything else, via :func:`multi_transform`.
+
+    The Muon part matches ``torch.optim.Muon(lr=learning_rate, momentum=momentum,
+    nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)`` (adjust_lr_fn
+    "original"): ``p <- p * (1 - lr * wd) - lr * sqrt(max(1, rows/cols)) * NS(u)``.
+
+    Args:
+        learning_rate: Muon's learning rate (float or schedule).
+        comm: the shard group's collectives.
+        momentum, nesterov, ns_steps, weight_decay: as in ``torch.optim.Muon``.
+        muon_filter: ``LeafLayout -> bool`` choosing the Muon matrices (default: 2-D and 3-D
+            leaves; exclude embeddings and heads with your own filter).
+        adam: the transformation for the other leaves (default
+            ``rg.optim.adamw(3e-4, weight_decay=weight_decay)``).
+        num_waves: pipelining depth of the owner exchange.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(16, 8), "b": torch.randn(8)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def fn(comm):
+        ...     local = rg.shard(plan, params, comm)
+        ...     opt = rg.optim.muon(0.02, comm=comm)
+        ...     state = opt.init(local)
+        ...     updates, state = opt.update(local, state, local)
+        ...     return rg.gather(rg.apply_updates(local, updates), comm)["w"].shape
+        >>> rg.collectives.simulate(2, fn)
+        [torch.Size([16, 8]), torch.Size([16, 8])]
+    """
+    muon_part = chain(
+        scale_by_muon(
+            comm=comm, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, muon_filter=muon_filter,
+            num_waves=num_waves,
+        ),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )
+    other = adam if adam is not None else adamw(3e-4, weight_decay=weight_decay)
+    return multi_transform(
+        {"muon": muon_part, "adam": other},
+        lambda leaf: "muon" if muon_filter(leaf) else "adam",
+    )

@@ -9,6 +9,7 @@ from ragged._errors import RaggedError as RaggedError
 from ragged._pytree import pytree as pytree
 from ragged import collectives as collectives
 from ragged import transforms as transforms
+from ragged import fsdp as fsdp
 from ragged._dbuffer import DBuffer as DBuffer
 from ragged._dbuffer import unflatten as unflatten
 from ragged.transforms import gather as gather

@@ -46,6 +46,22 @@ def _leaf_shape_dtype(path: str, leaf):
     return tuple(int(d) for d in shape), dtype
 
 
+def _spec_leaves(specs, params, treedef, n: int) -> list:
+    """One granularity per params leaf. Fast paths for the common cases (one spec for all
+    leaves; a full spec tree); prefixes and every error go through `_broadcast_specs`."""
+    if specs is None:
+        return [_DEFAULT] * n
+    if isinstance(specs, GRANULARITY_TYPES):
+        return [specs] * n
+    try:
+        flat = treedef.flatten_up_to(specs)
+    except ValueError:
+        flat = None
+    if flat is not None and all(s is None or isinstance(s, GRANULARITY_TYPES) for s in flat):
+        return [_DEFAULT if s is None else s for s in flat]
+    return treedef.flatten_up_to(_broadcast_specs(specs, params))
+
+
 def _broadcast_specs(specs, params):
     if specs is None:
         return None
@@ -199,8 +215,7 @@ def make_plan(
         if sd is None:
             sd = seen[id(leaf)] = _leaf_shape_dtype(p, leaf)
         shapes_dtypes.append(sd)
-    spec_tree = _broadcast_specs(specs, params)
-    spec_leaves = [_DEFAULT] * len(leaves) if spec_tree is None else treedef.flatten_up_to(spec_tree)
+    spec_leaves = _spec_leaves(specs, params, treedef, len(leaves))
     order_key = order if order is None or isinstance(order, str) else tuple(order)
     memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype)
     try:

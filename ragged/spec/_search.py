@@ -26,6 +26,7 @@ feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search fin
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -56,6 +57,46 @@ def earliest_offset(p, e, g, S, align: int):
     )
     l = np.where((off + e <= S) | (e == 0), p, l_cross)
     return np.where(p >= _INFEASIBLE, _INFEASIBLE, l)
+
+
+def earliest_offset_scalar(p: int, e: int, g: int, S: int, align: int) -> int | None:
+    """:func:`earliest_offset` for one candidate, in plain Python ints (``None``: infeasible)."""
+    off = p % S
+    if e == 0 or off + e <= S:
+        return p
+    L = g * align // math.gcd(g, align)
+    if S % g == 0:
+        return -(-p // L) * L
+    B = p - off + S
+    l_one = B - ((B - p) // L) * L
+    if l_one + e <= B + S:
+        return l_one
+    l_next = B + S - (S // L) * L
+    if l_next + e <= B + 2 * S:
+        return l_next
+    return None
+
+
+def greedy_end_scalar(sizes, granules, align: int, S: int, world_size: int | None, prefix, suffix) -> int | None:
+    """:func:`greedy_ends` for one candidate S in plain Python (faster than numpy for a
+    handful of candidates). ``prefix``/``suffix``: aligned prefix sums and raw suffix sums."""
+    n = len(sizes)
+    p = i = 0
+    cap = None if world_size is None else S * world_size
+    while True:
+        B = (p // S + 1) * S
+        j = bisect.bisect_right(prefix, B - p + prefix[i]) - 1
+        if j >= n:
+            return p + prefix[n] - prefix[i]
+        p += prefix[j] - prefix[i]
+        e = sizes[j]
+        l = earliest_offset_scalar(p, e, granules[j], S, align)
+        if l is None:
+            return None
+        p = -(-(l + e) // align) * align
+        i = j + 1
+        if cap is not None and p + suffix[i] > cap:
+            return None
 
 
 def greedy_ends(sizes, granules, align: int, shard_sizes, *, world_size: int | None = None) -> np.ndarray:
@@ -176,9 +217,25 @@ def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int |
     hi = upper_bound(sizes, granules, align, world_size)
     if limit is not None:
         hi = min(hi, limit)
+    sizes_l = [int(e) for e in sizes]
+    granules_l = [int(g) for g in granules]
+    prefix = [0]
+    for e in sizes_l:
+        prefix.append(prefix[-1] + -(-e // align) * align)
+    suffix = [0] * (len(sizes_l) + 1)
+    for k in range(len(sizes_l) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + sizes_l[k]
     for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
         start = -(-a // step) * step
-        chunk = 4
+        # The first few candidates one by one in plain Python (usually one of them is feasible).
+        for _ in range(8):
+            if start >= b:
+                break
+            end = greedy_end_scalar(sizes_l, granules_l, align, start, world_size, prefix, suffix)
+            if end is not None and end <= start * world_size:
+                return start
+            start += step
+        chunk = 16
         while start < b:
             S = np.arange(start, min(start + chunk * step, b), step, dtype=np.int64)
             ends = greedy_ends(sizes, granules, align, S, world_size=world_size)
@@ -194,11 +251,12 @@ def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int |
 
 def place(sizes, granules, align: int, shard_size: int) -> list[int]:
     """Offsets of the earliest-placement greedy for one shard size (one tensor at a time,
-    with the same :func:`earliest_offset` the search uses)."""
+    with :func:`earliest_offset_scalar`, the scalar twin of what the search uses)."""
     offsets, p = [], 0
     for e, g in zip(sizes, granules):
-        l = int(earliest_offset(p, e, g, shard_size, align))
-        if l >= _INFEASIBLE:
+        e, g = int(e), int(g)
+        l = earliest_offset_scalar(p, e, g, shard_size, align)
+        if l is None:
             raise ValueError(f"shard size {shard_size} is infeasible for this order")
         offsets.append(l)
         p = -(-(l + int(e)) // align) * align

@@ -1,0 +1,206 @@
+"""Properties of every plan (hypothesis, "ci" profile from tests/conftest.py).
+
+The brute force here is independent of the planner: it enumerates every aligned offset of
+every tensor (memoised on (tensor, previous end)), with no greedy argument.
+"""
+
+import functools
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ragged as rg
+from ragged import spec
+from ragged.spec import _search
+from ragged.testing import strategies as rst
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def check_invariants(plan, params):
+    """Every invariant of the public contract; returns nothing, asserts."""
+    m, S = plan.world_size, plan.shard_size
+    assert S >= 1 and S % plan.align == 0
+    assert plan.buffer_numel == m * S
+    leaves = sorted(plan.leaves, key=lambda l: (l.offset, l.stop))
+    # each leaf contiguous, inside the buffer, disjoint from the next (padding only between leaves / at the end)
+    for a, b in zip(leaves, leaves[1:]):
+        assert a.stop <= b.offset, (a.path, b.path)
+    for leaf in leaves:
+        assert 0 <= leaf.offset and leaf.stop <= m * S
+        assert leaf.offset % plan.align == 0
+        assert leaf.numel == math.prod(leaf.shape)
+        if plan.strategy != "naive":  # blocks never cross a rank boundary
+            for k in range(1, m):
+                if leaf.offset < k * S < leaf.stop:
+                    assert (k * S - leaf.offset) % leaf.granule == 0, (leaf.path, k)
+    # all ranks hold S elements; local pieces tile every leaf exactly once, in order
+    covered = {leaf.path: 0 for leaf in plan.leaves}
+    for r in range(m):
+        pieces = plan.local_pieces(r)
+        assert sum(p.numel for p in pieces) <= S
+        for p in pieces:
+            assert 0 <= p.local_offset and p.local_offset + p.numel <= S
+            assert p.start == covered[p.leaf.path]
+            covered[p.leaf.path] = p.stop
+            assert math.prod(p.shape) == p.numel
+    assert covered == {leaf.path: leaf.numel for leaf in plan.leaves}
+    assert sum(plan.occupancy()) == plan.numel
+    assert plan.padding == m * S - plan.numel >= 0
+    # every params leaf appears exactly once (sharded or replicated)
+    paths = [leaf.path for leaf in plan.leaves + plan.replicated]
+    assert len(paths) == len(set(paths)) == len(rg.pytree.leaves(params))
+
+
+def brute_min_shard_size(sizes, granules, align, m):
+    """Smallest S (multiple of align) with any valid placement in this order: exhaustive."""
+    n = len(sizes)
+
+    def valid(l, e, g, S):
+        return all((k * S - l) % g == 0 for k in range(1, m) if l < k * S < l + e)
+
+    def feasible(S):
+        cap = m * S
+
+        @functools.lru_cache(maxsize=None)
+        def dfs(i, p):
+            if i == n:
+                return True
+            e, g = sizes[i], granules[i]
+            start = -(-p // align) * align
+            return any(valid(l, e, g, S) and dfs(i + 1, l + e) for l in range(start, cap - e + 1, align))
+
+        return dfs(0, 0)
+
+    S = max(align, -(-(-(-sum(sizes) // m)) // align) * align)
+    while not feasible(S):
+        S += align
+    return S
+
+
+tiny_instances = st.integers(1, 4).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(0, 12), min_size=n, max_size=n),
+        st.lists(st.integers(1, 6), min_size=n, max_size=n),
+        st.sampled_from([1, 2, 4]),
+        st.integers(1, 4),
+    )
+)
+
+
+def tiny_params(sizes, granules):
+    # keys sort in index order (t0 < t1 < ...), so tree order is the given order
+    params = {f"t{i}": torch.empty(e, device="meta") for i, e in enumerate(sizes)}
+    specs = {f"t{i}": spec.Elements(g) for i, g in enumerate(granules)}
+    return params, specs
+
+
+def reverse_insertion(tree):
+    if isinstance(tree, dict):
+        return {k: reverse_insertion(tree[k]) for k in reversed(list(tree))}
+    if isinstance(tree, list):
+        return [reverse_insertion(v) for v in tree]
+    return tree
+
+
+# ---- invariants --------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["dp", "exact", "naive"])
+@given(inputs=rst.plan_inputs(replicate=True), align=st.sampled_from([None, 1, 3, 8]))
+def test_every_plan_keeps_the_invariants(strategy, inputs, align):
+    params, specs, m = inputs
+    plan = rg.make_plan(params, specs, world_size=m, strategy=strategy, align=align)
+    check_invariants(plan, params)
+
+
+@given(inputs=rst.plan_inputs())
+def test_plans_are_deterministic_hashable_and_dict_order_free(inputs):
+    params, specs, m = inputs
+    a = rg.make_plan(params, specs, world_size=m)
+    b = rg.make_plan(reverse_insertion(params), reverse_insertion(specs), world_size=m)
+    c = rg.make_plan(params, specs, world_size=m)
+    assert a == b == c and hash(a) == hash(b) and a.fingerprint() == b.fingerprint()
+
+
+# ---- optimality --------------------------------------------------------------------------
+@given(tiny_instances)
+def test_exact_equals_brute_force(instance):
+    sizes, granules, align, m = instance
+    expected = brute_min_shard_size(sizes, granules, align, m)
+    assert _search.min_shard_size(sizes, granules, align, m) == expected
+    params, specs = tiny_params(sizes, granules)
+    plan = rg.make_plan(params, specs, world_size=m, align=align, strategy="exact")
+    assert plan.shard_size == expected
+    assert [leaf.path for leaf in plan.leaves] == [f"['t{i}']" for i in range(len(sizes))]
+    check_invariants(plan, params)
+
+
+@given(tiny_instances)
+def test_dp_between_free_order_optimum_and_exact(instance):
+    sizes, granules, align, m = instance
+    params, specs = tiny_params(sizes, granules)
+    dp = rg.make_plan(params, specs, world_size=m, align=align, strategy="dp")
+    exact = rg.make_plan(params, specs, world_size=m, align=align, strategy="exact")
+    free = min(
+        brute_min_shard_size([sizes[i] for i in perm], [granules[i] for i in perm], align, m)
+        for perm in itertools.permutations(range(len(sizes)))
+    )
+    lower = max(-(-sum(sizes) // m), max((e for e, g in zip(sizes, granules) if e <= g), default=0), 1)
+    assert lower <= free <= dp.shard_size <= exact.shard_size
+
+
+@given(inputs=rst.plan_inputs())
+def test_dp_never_worse_than_exact_tree_order(inputs):
+    params, specs, m = inputs
+    dp = rg.make_plan(params, specs, world_size=m, strategy="dp")
+    exact = rg.make_plan(params, specs, world_size=m, strategy="exact")
+    naive = rg.make_plan(params, specs, world_size=m, strategy="naive")
+    assert dp.shard_size <= exact.shard_size
+    lower = -(-dp.numel // m)
+    assert dp.shard_size >= lower
+    if naive.split_blocks == 0:  # a naive layout that happens to be valid bounds the exact one
+        assert exact.shard_size <= naive.shard_size
+
+
+@given(tiny_instances)
+def test_scalar_and_vectorised_greedy_agree(instance):
+    sizes, granules, align, m = instance
+    prefix = [0]
+    for e in sizes:
+        prefix.append(prefix[-1] + -(-e // align) * align)
+    suffix = [sum(sizes[k:]) for k in range(len(sizes) + 1)]
+    candidates = list(range(align, 40 * align, align))
+    vec = _search.greedy_ends(sizes, granules, align, candidates)
+    for S, v in zip(candidates, vec):
+        s = _search.greedy_end_scalar(sizes, granules, align, S, None, prefix, suffix)
+        assert (s is None and v >= _search._INFEASIBLE) or s == v
+
+
+# ---- naive -------------------------------------------------------------------------------
+@given(inputs=rst.plan_inputs(), align=st.sampled_from([1, 4]))
+def test_naive_is_concatenation_and_counts_split_blocks(inputs, align):
+    params, specs, m = inputs
+    plan = rg.make_plan(params, specs, world_size=m, strategy="naive", align=align)
+    p = 0
+    for leaf in plan.leaves:  # tree order, each start aligned, no other gaps
+        assert leaf.offset == -(-p // align) * align
+        p = leaf.stop
+    S = plan.shard_size
+    assert m * S >= p and (S == align or m * (S - align) < max(p, -(-plan.numel // m) * m))
+    split = sum(
+        1
+        for leaf in plan.leaves
+        for k in range(1, m)
+        if leaf.offset < k * S < leaf.stop and (k * S - leaf.offset) % leaf.granule
+    )
+    assert plan.split_blocks == split
+
+
+def test_naive_splits_what_dp_keeps_whole():
+    params = {"a": torch.empty(3, 4, device="meta"), "b": torch.empty(5, 4, device="meta")}
+    naive = rg.make_plan(params, spec.Rows(2), world_size=3, align=1, strategy="naive")
+    dp = rg.make_plan(params, spec.Rows(2), world_size=3, align=1)
+    assert naive.split_blocks > 0 and dp.split_blocks == 0
+    check_invariants(dp, params)

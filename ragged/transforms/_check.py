@@ -6,9 +6,14 @@ worst silently wrong numbers. Before the first large collective on a plan, every
 mesh all-gathers a small summary of its plan (``fingerprint()`` plus the fields needed to say
 what differs) and raises :class:`~ragged.PlanMismatchError` on every rank if any differ. The
 fingerprint is then remembered on the comm (``comm.checked_plans``), so the check costs one
-small ``all_gather_object`` per plan, not per step. Ranks that disagree about *whether* a
-plan was checked cannot happen: each rank checks each plan the first time it uses it, and
-equal programs use plans in the same order.
+small ``all_gather_object`` per plan, not per step.
+Limitation (the price of not checking every step): the check is a collective, so it only
+helps if every rank *runs* it, i.e. if the mismatching plan is new on every rank of this comm.
+That holds for the common failure (ranks built different models or options from the start).
+A rank that later switches to a plan the others never use, while they keep a plan they
+already checked, cannot be detected without per-step communication; gloo's process-group
+timeout then turns the mismatch into an error. Pass a fresh comm (``from_torch()``) to force
+the check again.
 """
 
 from __future__ import annotations

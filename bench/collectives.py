@@ -1,0 +1,195 @@
+"""gather / reduce_scatter vs raw collectives of the same bytes vs FSDP2's copy-in/copy-out.
+
+One GPT block's parameters (fp32; hidden h, ffn f: qkv, proj, w1, w2, w3, two norms) are laid
+out by ``rg.make_plan`` and moved, in the same processes and the same run, by:
+
+all-gather
+  * ``rg.gather``                 ragged (default path on gloo: p2p batch_isend_irecv, leaves are views)
+  * ``raw all_gather_into_tensor`` the native op on a flat buffer of the same m*S elements
+  * ``raw p2p``                    the fastest raw path we know (batch_isend_irecv into the output)
+  * ``raw all_to_all_single``     all-gather through all_to_all (needs the input replicated m times)
+  * ``FSDP2-style``               per-param Shard(0) chunks (dim 0 padded to a multiple of m):
+                                  copy-in of every param's shard into one send buffer,
+                                  all_gather_into_tensor, then ``split_with_sizes_copy`` copy-out
+                                  into per-param full tensors (what FSDP2 does)
+reduce-scatter
+  * ``rg.reduce_scatter (flat)``  gradient already in the plan's flat layout: no copy
+  * ``rg.reduce_scatter (tree)``  a pytree of full gradients: one packing copy-in
+  * ``raw reduce_scatter_tensor`` native op on the same m*S elements
+  * ``raw all_to_all + sum``      the fastest raw path (all_to_all_single then local sum)
+  * ``FSDP2-style``               ``torch._chunk_cat`` copy-in to rank-major + reduce_scatter_tensor
+
+Each iteration runs every method once (interleaved, so machine noise hits all alike), a
+barrier before each; the time of an iteration is the max over ranks. Reported: median over
+iterations, and the ratio to the fastest raw path of the same collective.
+
+Run:  OMP_NUM_THREADS=1 python3 bench/collectives.py [--world-sizes 2 4] [--hidden 512 1024] [--iters 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import time
+import warnings
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def block_params(h, f, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return {
+        "attn_norm": r(h), "qkv": r(3 * h, h), "proj": r(h, h),
+        "mlp_norm": r(h), "w1": r(f, h), "w3": r(f, h), "w2": r(h, f),
+    }
+
+
+def _worker(rank, m, port, hiddens, iters, out_q):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    import ragged as rg
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=m,
+                            timeout=datetime.timedelta(seconds=300))
+    comm = rg.collectives.from_torch()
+    rows = []
+    for h in hiddens:
+        f = int(h * 2.75)
+        params = block_params(h, f, torch.float32)
+        plan = rg.make_plan(params, world_size=m)
+        S = plan.shard_size
+        dbuf = rg.shard(plan, params, comm)
+        flat_in = torch.randn(S)
+        ag_out = torch.empty(m * S)
+        grads = block_params(h, f, torch.float32)
+        flat_grad = torch.randn(m * S)
+        rs_out = torch.empty(S)
+        a2a_tmp = torch.empty(m * S)
+        # FSDP2 layout: per-param Shard(0) with dim 0 padded to a multiple of m
+        names = sorted(params)
+        shard_rows = {n: -(-params[n].shape[0] // m) for n in names}
+        inner = {n: params[n][0].numel() if params[n].dim() > 1 else 1 for n in names}
+        fs_numel = {n: shard_rows[n] * inner[n] for n in names}
+        fs_S = sum(fs_numel.values())
+        fs_local = {n: torch.randn(fs_numel[n]) for n in names}
+        fs_send = torch.empty(fs_S)
+        fs_out = torch.empty(m * fs_S)
+        fs_full = {n: torch.empty(m, fs_numel[n]) for n in names}
+        fs_grads = {n: torch.randn(m * shard_rows[n], *params[n].shape[1:]) for n in names}
+        fs_rs_in = torch.empty(m * fs_S)
+        fs_rs_out = torch.empty(fs_S)
+
+        def p2p_ag():
+            ops = []
+            for j in range(m):
+                if j != rank:
+                    ops.append(dist.P2POp(dist.isend, flat_in, j))
+                    ops.append(dist.P2POp(dist.irecv, ag_out[j * S:(j + 1) * S], j))
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            ag_out[rank * S:(rank + 1) * S].copy_(flat_in)
+
+        def a2a_ag():
+            a2a_tmp.view(m, S).copy_(flat_in.expand(m, S))
+            dist.all_to_all_single(ag_out, a2a_tmp)
+
+        def fsdp2_ag():
+            torch.cat([fs_local[n] for n in names], out=fs_send)  # copy-in
+            dist.all_gather_into_tensor(fs_out, fs_send)
+            torch.split_with_sizes_copy(fs_out.view(m, fs_S), [fs_numel[n] for n in names], dim=1,
+                                        out=[fs_full[n] for n in names])  # copy-out
+
+        def a2a_rs():
+            dist.all_to_all_single(a2a_tmp, flat_grad)
+            torch.sum(a2a_tmp.view(m, S), 0, out=rs_out)
+
+        def fsdp2_rs():
+            torch._chunk_cat([fs_grads[n] for n in names], dim=0, num_chunks=m, out=fs_rs_in.view(m, fs_S))
+            dist.reduce_scatter_tensor(fs_rs_out, fs_rs_in)
+
+        methods = {
+            "ag": {
+                "rg.gather": lambda: rg.gather(dbuf, comm),
+                "raw all_gather_into_tensor": lambda: dist.all_gather_into_tensor(ag_out, flat_in),
+                "raw p2p (batch_isend_irecv)": p2p_ag,
+                "raw all_to_all_single": a2a_ag,
+                "FSDP2-style (copy-in + AG + copy-out)": fsdp2_ag,
+            },
+            "rs": {
+                "rg.reduce_scatter (flat grad)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum"),
+                "rg.reduce_scatter (pytree grads)": lambda: rg.reduce_scatter(plan, grads, comm, op="sum"),
+                "raw reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(rs_out, flat_grad),
+                "raw all_to_all + sum": a2a_rs,
+                "FSDP2-style (chunk_cat copy-in + RS)": fsdp2_rs,
+            },
+        }
+        for kind, ms in methods.items():
+            times = {k: [] for k in ms}
+            for _ in range(2):  # warm-up
+                for fn in ms.values():
+                    dist.barrier(); fn()
+            for _ in range(iters):
+                for name, fn in ms.items():
+                    dist.barrier()
+                    t0 = time.perf_counter(); fn(); dt = torch.tensor([time.perf_counter() - t0])
+                    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                    times[name].append(dt.item())
+            for name, ts in times.items():
+                rows.append((m, h, plan.buffer_numel * 4 / 2**20, kind, name, statistics.median(ts) * 1e3))
+    if rank == 0:
+        out_q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    import torch.multiprocessing as mp
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--iters", type=int, default=9)
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for m in args.world_sizes:
+        q = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, m, port, args.hidden, args.iters, q)) for r in range(m)]
+        for p in procs:
+            p.start()
+        rows += q.get(timeout=3600)
+        for p in procs:
+            p.join()
+    table = Table(title="gloo collectives, one GPT block (fp32), median ms (max over ranks)")
+    for col in ("W", "hidden", "MB", "collective", "method", "ms", "GB/s", "vs fastest raw"):
+        table.add_column(col, justify="right" if col not in ("collective", "method") else "left")
+    fastest = {}
+    for m, h, mb, kind, name, ms in rows:
+        if name.startswith("raw"):
+            key = (m, h, kind)
+            fastest[key] = min(fastest.get(key, float("inf")), ms)
+    for m, h, mb, kind, name, ms in rows:
+        table.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind], name,
+                      f"{ms:.1f}", f"{mb / 1024 / (ms / 1e3):.2f}", f"{ms / fastest[(m, h, kind)]:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The engine on real gloo process groups (2 and 4 ranks, HSDP 2x2), against float64
+references computed unsharded in each worker from the same seeds."""
+
+import re
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import spec
+from _harness import comm, mesh, workers_fixture
+
+pytestmark = pytest.mark.distributed
+
+workers2 = workers_fixture(2)
+workers4 = workers_fixture(4)
+
+
+@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
+def workers(request):
+    return request.getfixturevalue(f"workers{request.param}")
+
+
+def _params(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return {
+        "emb": r(11, 8),
+        "blocks": [{"w": r(9, 8), "b": r(9), "norm": r(8)}, {"w": r(5, 9), "b": r(5), "norm": r(8)}],
+        "experts": r(3, 4, 8),
+    }
+
+
+SPECS = {
+    "emb": spec.Rows(2),
+    "blocks": [{"w": spec.Blocks(3, 4), "b": None, "norm": spec.Replicate()}, {"w": None, "b": None, "norm": spec.Replicate()}],
+    "experts": spec.Blocks(4, 8),
+}
+
+
+def _plan(m, dtype=torch.float64):
+    return rg.make_plan(_params(dtype=dtype), SPECS, world_size=m)
+
+
+def _close(a, b, **kw):
+    for x, y in zip(rg.pytree.leaves(a), rg.pytree.leaves(b), strict=True):
+        torch.testing.assert_close(x, y, **kw)
+
+
+# ---- bodies (module level: they are pickled to the workers) ------------------------------------
+def _gather_shard(algorithm):
+    c = comm(algorithm=algorithm)
+    params = _params()
+    plan = _plan(c.world_size)
+    d = rg.shard(plan, params, c)
+    pending = rg.gather_start(d, c)
+    full = rg.gather_wait(pending)
+    _close(full, params, rtol=0, atol=0)
+    ptr = pending.buffer.untyped_storage().data_ptr()
+    sharded = [rg.pytree.leaves(full)[l.index] for l in plan.leaves]
+    assert all(t.untyped_storage().data_ptr() == ptr for t in sharded)
+    full2 = rg.gather(d, c)
+    _close(full2, params, rtol=0, atol=0)
+    return d.data.numel()
+
+
+def _reduce_scatter(algorithm, op, flat):
+    c = comm(algorithm=algorithm)
+    m = c.world_size
+    plan = _plan(m)
+    grads = [_params(seed=100 + r) for r in range(m)]
+    ref = rg.pytree.map(lambda *xs: sum(xs) / (m if op == "mean" else 1), *grads)
+    want = rg.shard(plan, ref, c)
+    if flat:
+        mine = rg.shard(plan, grads[c.rank], rank=0)  # build the flat buffer via a 1-rank trick
+        buf = torch.zeros(plan.buffer_numel, dtype=plan.dtype)
+        for l in plan.leaves:
+            buf[l.offset : l.stop] = _leaf(grads[c.rank], l.path).reshape(-1)
+        rep = torch.zeros_like(mine.replicated)
+        for l in plan.replicated:
+            rep[l.offset : l.stop] = _leaf(grads[c.rank], l.path).reshape(-1)
+        got = rg.reduce_scatter(plan, buf, c, op=op, replicated=rep)
+    else:
+        pending = rg.reduce_scatter_start(plan, grads[c.rank], c, op=op)
+        got = rg.reduce_scatter_wait(pending)
+    torch.testing.assert_close(got.data, want.data)
+    torch.testing.assert_close(got.replicated, want.replicated)
+    return True
+
+
+def _leaf(tree, path):
+    leaves = rg.pytree.leaves(tree)
+    paths = rg.pytree.paths(tree)
+    for p, leaf in zip(paths, leaves):
+        if "".join(f"[{k!r}]" for k in p) == path:
+            return leaf
+    raise KeyError(path)
+
+
+def _autograd():
+    c = comm()
+    m = c.world_size
+    params = _params()
+    plan = _plan(m)
+    targets = [_params(seed=200 + r) for r in range(m)]
+
+    def loss(full, t):
+        return sum(((a * a - b) ** 2).sum() for a, b in zip(rg.pytree.leaves(full), rg.pytree.leaves(t)))
+
+    d = rg.shard(plan, params, c)
+    data = d.data.clone().requires_grad_()
+    rep = d.replicated.clone().requires_grad_()
+    loss(rg.gather(d.replace(data=data, replicated=rep), c), targets[c.rank]).backward()
+    g_func = torch.func.grad(lambda x: loss(rg.gather(d.replace(data=x), c), targets[c.rank]))(d.data)
+    ref = rg.pytree.map(lambda p, *ts: sum(4 * p * (p * p - t) for t in ts), params, *targets)
+    want = rg.shard(plan, ref, c)
+    torch.testing.assert_close(data.grad, want.data)
+    torch.testing.assert_close(rep.grad, want.replicated)
+    torch.testing.assert_close(g_func, want.data)
+    return True
+
+
+def _mixed_precision():
+    c = comm()
+    params = _params(dtype=torch.float32)
+    plan = _plan(c.world_size, torch.float32)
+    d = rg.shard(plan, params, c)
+    full = rg.gather(d, c, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in rg.pytree.leaves(full))
+    _close(full, rg.pytree.map(lambda t: t.to(torch.bfloat16), params), rtol=0, atol=0)
+    grads = rg.pytree.map(lambda t: t.to(torch.bfloat16), _params(seed=300 + c.rank, dtype=torch.float32))
+    got = rg.reduce_scatter(plan, grads, c, op="mean", dtype=torch.float32)
+    assert got.data.dtype == torch.float32
+    allg = [rg.pytree.map(lambda t: t.to(torch.bfloat16).double(), _params(seed=300 + r, dtype=torch.float32)) for r in range(c.world_size)]
+    ref = rg.pytree.map(lambda *xs: sum(xs) / len(xs), *allg)
+    torch.testing.assert_close(got.data, rg.shard(plan, ref, c).data, rtol=1e-6, atol=1e-6)
+    return True
+
+
+def _redistribute():
+    c = comm()
+    m = c.world_size
+    params = _params()
+    base = _plan(m)
+    targets = [
+        rg.make_plan(params, SPECS, world_size=m, strategy="naive"),
+        rg.make_plan(params, dict(SPECS, emb=spec.Elements(1)), world_size=m),
+        rg.make_plan(params, SPECS, world_size=max(1, m - 1)),
+        rg.owned_plan(base),
+    ]
+    d = rg.shard(base, params, c)
+    for t in targets:
+        e = rg.redistribute(d, t, c)
+        if c.rank < t.world_size:
+            assert torch.equal(e.data, rg.shard(t, params, rank=c.rank).data), t
+        else:
+            assert e.data.numel() == 0
+        back = rg.redistribute(e, base, c)
+        assert torch.equal(back.data, d.data) and torch.equal(back.replicated, d.replicated)
+    owned = rg.redistribute(d, targets[-1], c)
+    for l in targets[-1].leaves:
+        v = _leaf(owned.views(), l.path)
+        assert v.numel() in (0, l.numel) and (v.numel() == 0) == (c.rank not in targets[-1].owners(l))
+    return True
+
+
+def _plan_mismatch():
+    c = rg.collectives.from_torch()  # a fresh comm: the plan check is cached per comm
+    params = _params()
+    if c.rank == c.world_size - 1:
+        params["emb"] = torch.randn(13, 8, dtype=torch.float64)
+    plan = rg.make_plan(params, SPECS, world_size=c.world_size)
+    try:
+        rg.gather(rg.shard(plan, params, rank=c.rank).replace(), c)
+    except rg.PlanMismatchError as e:
+        return str(e)
+    return None
+
+
+def _bad_grads():
+    c = comm()
+    plan = _plan(c.world_size)
+    grads = _params()
+    grads["blocks"][1]["w"] = grads["blocks"][1]["w"].float()[:, :4]
+    try:
+        rg.reduce_scatter(plan, grads, c)
+    except rg.LayoutError as e:
+        return str(e)
+    return None
+
+
+def _global_norm():
+    c = comm()
+    params = _params()
+    d = rg.shard(_plan(c.world_size), params, c)
+    ref = torch.sqrt(sum((t * t).sum() for t in rg.pytree.leaves(params)))
+    torch.testing.assert_close(d.global_norm(c), ref)
+    ref_inf = max(t.abs().max() for t in rg.pytree.leaves(params))
+    torch.testing.assert_close(d.global_norm(c, ord=float("inf")), ref_inf)
+    return True
+
+
+def _hsdp():
+    from _harness import rank as grank
+
+    dm = mesh((2, 2))
+    c = rg.collectives.from_torch(dm)
+    assert (c.world_size, c.num_replicas) == (2, 2)
+    params = _params()
+    plan = _plan(2)
+    d = rg.shard(plan, params, c)
+    _close(rg.gather(d, c), params, rtol=0, atol=0)
+    grads = [_params(seed=400 + r) for r in range(4)]
+    ref = rg.pytree.map(lambda *xs: sum(xs) / 4, *grads)
+    got = rg.reduce_scatter(plan, grads[grank()], c, op="mean")
+    want = rg.shard(plan, ref, c)
+    torch.testing.assert_close(got.data, want.data)
+    torch.testing.assert_close(got.replicated, want.replicated)
+    return (c.rank, c.replica_rank)
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", [None, "p2p", "all_to_all", "native"])
+def test_gather_of_shard_is_identity(workers, algorithm):
+    sizes = workers.run(_gather_shard, algorithm)
+    assert len(set(sizes)) == 1
+
+
+@pytest.mark.parametrize("algorithm", [None, "p2p", "native"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_reduce_scatter_pytree(workers, algorithm, op):
+    assert all(workers.run(_reduce_scatter, algorithm, op, False))
+
+
+def test_reduce_scatter_flat(workers):
+    assert all(workers.run(_reduce_scatter, None, "mean", True))
+
+
+def test_autograd_through_gather(workers):
+    assert all(workers.run(_autograd))
+
+
+def test_mixed_precision(workers):
+    assert all(workers.run(_mixed_precision))
+
+
+def test_redistribute(workers):
+    assert all(workers.run(_redistribute))
+
+
+def test_global_norm(workers):
+    assert all(workers.run(_global_norm))
+
+
+def test_plan_mismatch_raises_on_every_rank(workers):
+    msgs = workers.run(_plan_mismatch)
+    assert all(m is not None and "['emb']" in m and "(11, 8) vs (13, 8)" in m for m in msgs), msgs
+
+
+def test_bad_grads_named_before_communication(workers):
+    msgs = workers.run(_bad_grads)
+    assert all(m is not None and "grads['blocks'][1]['w'] has shape (5, 4)" in m for m in msgs), msgs
+
+
+def test_hsdp_2x2(workers4):
+    assert sorted(workers4.run(_hsdp)) == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -7,6 +7,9 @@ from ragged.checkpoint._format import CheckpointError as CheckpointError
 from ragged.checkpoint._format import CheckpointMismatchError as CheckpointMismatchError
 from ragged.checkpoint._format import PerRank as PerRank
 from ragged.checkpoint._load import export as export
+from ragged.checkpoint._quant8 import Quant8 as Quant8
+from ragged.checkpoint._quant8 import bind_quant8 as bind_quant8
+from ragged.checkpoint._quant8 import unbind as unbind
 from ragged.checkpoint._load import load as load
 from ragged.checkpoint._load import read_manifest as read_manifest
 from ragged.checkpoint._save import save as save

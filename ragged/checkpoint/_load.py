@@ -12,9 +12,10 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged.checkpoint import _format as fmt
+from ragged.checkpoint import _quant8 as q8
 from ragged.checkpoint._dcp import Piece, SingleProcess, agree, dcp_load, read_metadata
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, PerRank
-from ragged.checkpoint._save import describe, flatten_state
+from ragged.checkpoint._save import check_comm, describe, flatten_state
 from ragged.spec._plan import LayoutPlan
 
 __all__ = ["load", "export", "read_manifest"]
@@ -96,6 +97,9 @@ def _check(manifest: dict, paths, leaves, treedef, comm, *, strict: bool) -> lis
                 problems.append(f"{where}: saved shape {shape} on rank {comm.rank}, expected {tuple(leaves[paths.index(p)].value.shape)}")
             if s["dtype"] != l["dtype"]:
                 problems.append(f"{where}: saved dtype {s['dtype']}, expected dtype {l['dtype']}")
+        elif kind == "quant8":
+            _compare_plans(where, s["plan"], l["plan"], problems)
+            q8.compare(where, s, l, problems)
         elif kind == "plan":
             _compare_plans(where, s["plan"], l["plan"], problems)
         elif kind == "value":
@@ -118,6 +122,8 @@ def _stored_fqns(manifest: dict, path: str, entry: dict, rank: int | None) -> di
     if kind == "tensor":
         n = math.prod(entry["shape"])
         return {path: n} if n else {}
+    if kind == "quant8":
+        return {f: n for f, (n, _) in q8.stored(path, entry).items()}
     if kind == "per_rank":
         ranks = range(manifest["world_size"]) if rank is None else [rank]
         return {
@@ -182,6 +188,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
         CheckpointMismatchError: the checkpoint does not fit ``like_state``; the message lists
             every differing key path with saved and expected shape / dtype / kind.
     """
+    check_comm(comm, "load")
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(like_state)
 
@@ -222,6 +229,10 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
                 if rleaf.numel:
                     pieces.append(Piece(fmt.leaf_fqn(p, rleaf.path), 0, rleaf.numel, rep[rleaf.offset : rleaf.stop]))
             new_leaves.append(leaf.replace(data=data, replicated=rep))
+        elif isinstance(leaf, q8.Quant8):
+            new = q8.allocate(leaf)
+            pieces += [Piece(f, s, n, t) for f, s, n, t in q8.pieces(p, new, comm.rank)]
+            new_leaves.append(new)
         elif isinstance(leaf, PerRank):
             value = torch.empty_like(leaf.value)
             if value.numel():
@@ -307,6 +318,11 @@ def export(path, out_file=None, *, prefix: str | None = None, verify: bool = Tru
                 if flat.numel():
                     pieces.append(Piece(fmt.per_rank_fqn(p, r), 0, flat.numel(), flat))
                 put(".".join(base) + f"@rank{r}", flat.view(tuple(shape)))
+        elif kind == "quant8":
+            for parts, view, f, flat in q8.export(p, entry):
+                if flat.numel():
+                    pieces.append(Piece(f, 0, flat.numel(), flat))
+                put(".".join(base + parts), view)
         elif kind == "value":
             put(".".join(base), float("nan") if entry.get("nan") else entry["value"])
         # kind == "plan": metadata only, nothing to export

@@ -15,6 +15,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
+from ragged.checkpoint import _quant8 as q8
 from ragged.checkpoint._dcp import Piece, agree, dcp_save
 from ragged.checkpoint._format import CheckpointError, PerRank
 from ragged.spec._plan import LayoutPlan
@@ -22,19 +23,33 @@ from ragged.spec._plan import LayoutPlan
 __all__ = ["save"]
 
 _SUPPORTED = (
-    "DBuffers, torch tensors, rg.checkpoint.PerRank(tensor), LayoutPlans, and Python scalars "
+    "DBuffers, torch tensors, rg.checkpoint.PerRank(tensor), 8-bit Adam moments bound with "
+    "rg.checkpoint.bind_quant8, LayoutPlans, and Python scalars "
     "(bool, int, float, str, None)"
 )
 
 
 def is_entry(x) -> bool:
-    return isinstance(x, (DBuffer, PerRank))
+    return isinstance(x, (DBuffer, PerRank, q8.Quant8))
 
 
 def flatten_state(state):
     """``(paths, leaves, treedef)`` with DBuffers and PerRank values kept whole as leaves."""
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(state, namespace="ragged", is_leaf=is_entry)
     return [keystr(a) for a in accessors], leaves, treedef
+
+
+def check_comm(comm, what: str) -> None:
+    """Refuses comms the checkpoint protocol does not cover (before any communication)."""
+    if getattr(comm, "num_replicas", 1) != 1:
+        raise ValueError(
+            f"rg.checkpoint.{what} got an HSDP comm ({comm.num_replicas} replicas x {comm.world_size} shards); "
+            "checkpointing over replica groups is not supported yet. Fix: save from one replica group with "
+            "the shard group's comm (rg.collectives.from_torch(shard_process_group)); all replicas hold the same shards."
+        )
+    for name in ("rank", "world_size", "all_gather_object"):
+        if not hasattr(comm, name):
+            raise TypeError(f"rg.checkpoint.{what}: comm is a {type(comm).__name__} without .{name}; pass a ragged Collectives.")
 
 
 def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
@@ -69,6 +84,8 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
             "replicated_dtype": fmt.dtype_name(leaf.replicated.dtype),
             "plan": fmt.describe_plan(plan),
         }
+    if isinstance(leaf, q8.Quant8):
+        return q8.describe(where, leaf, comm)
     if isinstance(leaf, PerRank):
         if not isinstance(leaf.value, torch.Tensor):
             raise TypeError(f"{where} is PerRank({type(leaf.value).__name__}); PerRank holds a torch tensor.")
@@ -104,6 +121,8 @@ def pieces_of(path: str, leaf, rank: int) -> list[Piece]:
             if rleaf.numel:
                 view = leaf.replicated.detach()[rleaf.offset : rleaf.offset + rleaf.numel]
                 out.append(Piece(fmt.leaf_fqn(path, rleaf.path), 0, rleaf.numel, view))
+    elif isinstance(leaf, q8.Quant8):
+        out += [Piece(f, s, n, t) for f, s, n, t in q8.pieces(path, leaf, rank)]
     elif isinstance(leaf, PerRank):
         if leaf.value.numel():
             out.append(Piece(fmt.per_rank_fqn(path, rank), 0, leaf.value.numel(), leaf.value.detach().reshape(-1)))
@@ -181,6 +200,7 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         >>> rg.checkpoint.load(path, {"params": dbuf, "step": 0}, comm)["step"]
         7
     """
+    check_comm(comm, "save")
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(state)
     # Local validation first: a bad leaf raises here, before any communication.

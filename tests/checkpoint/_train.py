@@ -25,7 +25,10 @@ SPECS = {
     "rows": None,
     "elements": spec.Elements(1),
     "blocks": {"w1": spec.Blocks(2, 8), "b1": None, "w2": spec.Rows(2), "b2": spec.Replicate()},
+    # 8-bit Adam quantizes blocks of >= 32 elements: w1 in 2x16 tiles, w2 in runs of 32
+    "blocks8": {"w1": spec.Blocks(2, 16), "b1": None, "w2": spec.Elements(32), "b2": spec.Replicate()},
 }
+MIN_SIZE_8BIT = 32
 
 
 def loss_fn(p, x, y):
@@ -36,6 +39,8 @@ def loss_fn(p, x, y):
 def optimizer(name: str = "adamw"):
     if name == "adamw":
         return rg.optim.adamw(3e-2, weight_decay=0.01)
+    if name == "adamw_8bit":
+        return rg.optim.adamw_8bit(3e-2, weight_decay=0.01, min_size=MIN_SIZE_8BIT)
     if name == "sgd":
         return rg.optim.sgd(5e-2, momentum=0.9, nesterov=True)
     raise ValueError(name)
@@ -43,7 +48,8 @@ def optimizer(name: str = "adamw"):
 
 def init_state(comm, granularity: str = "rows", opt: str = "adamw", seed: int = 0):
     params = model_params(seed)
-    plan = rg.make_plan(params, SPECS[granularity], world_size=comm.world_size)
+    specs = SPECS[granularity] if isinstance(granularity, str) else granularity
+    plan = rg.make_plan(params, specs, world_size=comm.world_size)
     local = rg.shard(plan, params, comm)
     return {
         "params": local,

@@ -418,3 +418,14 @@ def test_named_tuple_state_types(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="tree structure differs"):
         simulate(2, fn)
     assert AdamLike._fields == OtherState._fields
+
+
+def test_hsdp_comm_is_refused_before_communication(tmp_path):
+    params = make_params(0)
+    plan = plan_for(params, 2)
+
+    def fn(comm):
+        rg.checkpoint.save(tmp_path / "x", {"params": rg.shard(plan, params, rank=comm.rank)}, comm)
+
+    with pytest.raises(ValueError, match=re.escape("got an HSDP comm (2 replicas x 2 shards)")):
+        simulate(4, fn, mesh_shape=(2, 2))

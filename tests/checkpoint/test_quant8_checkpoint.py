@@ -1,0 +1,116 @@
+"""8-bit Adam state (codes + per-block scales) survives a world-size change exactly."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import spec
+from ragged.checkpoint import CheckpointMismatchError
+from ragged.optim._quant8 import adam8bit_leaf_state
+from tests.checkpoint import _train
+
+simulate = rg.collectives.simulate
+OPT = "adamw_8bit"
+MIN = _train.MIN_SIZE_8BIT
+# Same blocks for the quantized leaves, other layout for the rest (b1 sharded by elements,
+# b2 sharded instead of replicated): codes still carry over.
+SPECS_OTHER = {"w1": spec.Blocks(2, 16), "b1": spec.Elements(1), "w2": spec.Elements(32), "b2": spec.Rows(1)}
+
+
+def _leaf_state(comm, state):
+    """This rank's 8-bit state per leaf (codes, scales, fp32 moments)."""
+    moments = state["opt"][0].moments
+    moments = moments.moments if isinstance(moments, rg.checkpoint.Quant8) else moments
+    return {k: {n: t.clone() for n, t in v.items()} for k, v in adam8bit_leaf_state(moments, state["params"], min_size=MIN).items()}
+
+
+def _concat(per_rank, replicated=("['b2']",)):
+    """Whole-leaf state: each leaf's parts concatenated over ranks in rank order."""
+    out = {}
+    for leaf in sorted({leaf for r in per_rank for leaf in r}):
+        ranks = [r for r in per_rank if leaf in r]
+        ranks = ranks[:1] if leaf in replicated else ranks
+        out[leaf] = {part: torch.cat([r[leaf][part] for r in ranks]) for part in ranks[0][leaf]}
+    return out
+
+
+def _trained_and_saved(path, m, steps=3):
+    def fn(comm):
+        state = _train.train(comm, _train.init_state(comm, "blocks8", opt=OPT), steps, OPT)
+        to_save = dict(state, opt=rg.checkpoint.bind_quant8(state["opt"], state["params"], min_size=MIN))
+        rg.checkpoint.save(path, to_save, comm)
+        return _leaf_state(comm, state)
+
+    return _concat(simulate(m, fn))
+
+
+def _loaded(path, m, specs="blocks8"):
+    def fn(comm):
+        like = _train.init_state(comm, specs, opt=OPT, seed=3)
+        like["opt"] = rg.checkpoint.bind_quant8(like["opt"], like["params"], min_size=MIN)
+        state = rg.checkpoint.load(path, like, comm)
+        state["opt"] = rg.checkpoint.unbind(state["opt"])
+        return _leaf_state(comm, state)
+
+    return simulate(m, fn)
+
+
+@pytest.mark.parametrize("m_save, m_load", [(4, 2), (4, 1), (2, 4), (1, 3)])
+def test_8bit_state_survives_world_size_change_exactly(tmp_path, m_save, m_load):
+    path = tmp_path / "ckpt"
+    saved = _trained_and_saved(path, m_save)
+    assert saved["['w1']"]["mu_codes"].dtype == torch.uint8 and saved["['w1']"]["mu_scales"].numel() == 3  # (6, 16) in 2x16 tiles
+    assert (saved["['w1']"]["mu_codes"] != saved["['w1']"]["mu_codes"][0]).any()  # real, varied codes
+    loaded = _concat(_loaded(path, m_load))
+    assert loaded.keys() == saved.keys()
+    for leaf in saved:
+        for part in saved[leaf]:
+            assert torch.equal(loaded[leaf][part], saved[leaf][part]), (leaf, part)
+
+
+def test_8bit_state_into_another_layout_with_the_same_blocks(tmp_path):
+    path = tmp_path / "ckpt"
+    saved = _trained_and_saved(path, 4)
+    loaded = _concat(_loaded(path, 2, SPECS_OTHER), replicated=())
+    for leaf in ("['w1']", "['w2']"):
+        for part in saved[leaf]:
+            assert torch.equal(loaded[leaf][part], saved[leaf][part]), (leaf, part)
+    exported = rg.checkpoint.export(path)
+    torch.testing.assert_close(exported["opt.0.moments.w1.mu_codes"].reshape(-1), saved["['w1']"]["mu_codes"], rtol=0, atol=0)
+    torch.testing.assert_close(exported["opt.0.moments.w2.nu_scales"], saved["['w2']"]["nu_scales"], rtol=0, atol=0)
+    torch.testing.assert_close(exported["opt.0.moments.b1.mu"], saved["['b1']"]["mu"], rtol=0, atol=0)
+
+
+def test_8bit_codes_refused_into_other_blocks(tmp_path):
+    path = tmp_path / "ckpt"
+    _trained_and_saved(path, 2)
+    other = {"w1": spec.Blocks(2, 32), "b1": None, "w2": spec.Rows(1), "b2": spec.Replicate()}
+    with pytest.raises(CheckpointMismatchError) as info:
+        _loaded(path, 2, other)
+    text = str(info.value)
+    assert re.search(r"like_state\['opt'\]\[0\]\.moments\['w1'\]: saved with 8-bit blocks \(2, 16\), like_state's optimizer keeps 8-bit blocks \(2, 32\)", text)
+    assert "moments['w2']: saved with 8-bit blocks (1, 32), like_state's optimizer keeps fp32 moments" in text
+
+
+@pytest.mark.parametrize("m_before, m_after", [(4, 2), (2, 4), (2, 2)])
+def test_8bit_resume_equals_uninterrupted(tmp_path, m_before, m_after):
+    path = tmp_path / "ckpt"
+    _trained_and_saved(path, m_before)
+
+    def second(comm):
+        like = _train.init_state(comm, "blocks8", opt=OPT, seed=5)
+        like["opt"] = rg.checkpoint.bind_quant8(like["opt"], like["params"], min_size=MIN)
+        state = rg.checkpoint.load(path, like, comm)
+        state["opt"] = rg.checkpoint.unbind(state["opt"])
+        return _train.full_params(comm, _train.train(comm, state, 3, OPT))
+
+    def uninterrupted(comm):
+        return _train.full_params(comm, _train.train(comm, _train.init_state(comm, "blocks8", opt=OPT), 6, OPT))
+
+    resumed, reference = simulate(m_after, second)[0], simulate(m_after, uninterrupted)[0]
+    for k in reference:
+        torch.testing.assert_close(resumed[k], reference[k], msg=k)

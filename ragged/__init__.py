@@ -2,6 +2,7 @@
 
 from ragged import checkpoint as checkpoint
 from ragged import optim as optim
+from ragged import parallel as parallel
 from ragged import spec as spec
 from ragged._errors import LayoutError as LayoutError
 from ragged._errors import PlanMismatchError as PlanMismatchError

@@ -17,3 +17,9 @@ from ragged.spec._peers import PEERS as PEERS
 from ragged.spec._peers import PeerPadding as PeerPadding
 from ragged.spec._peers import peer_padding as peer_padding
 from ragged.spec._peers import peer_shard_numel as peer_shard_numel
+from ragged.spec._mesh import Mesh as Mesh
+from ragged.spec._mesh import MeshLeaf as MeshLeaf
+from ragged.spec._mesh import MeshPlan as MeshPlan
+from ragged.spec._mesh import Placements as Placements
+from ragged.spec._mesh import Shard as Shard
+from ragged.spec._mesh import make_mesh_plan as make_mesh_plan

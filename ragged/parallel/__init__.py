@@ -1,0 +1,18 @@
+"""FSDP composed with tensor and expert parallelism: RaggedShard on one mesh axis,
+``Shard(dim)`` on the others (plans: :func:`ragged.spec.make_mesh_plan`)."""
+
+from ragged.parallel._comm import MeshComm as MeshComm
+from ragged.parallel._comm import from_device_mesh as from_device_mesh
+from ragged.parallel._comm import simulate_mesh as simulate_mesh
+from ragged.parallel._global import from_global as from_global
+from ragged.parallel._global import global_plan as global_plan
+from ragged.parallel._global import to_global as to_global
+from ragged.parallel._ops import all_to_all as all_to_all
+from ragged.parallel._ops import copy_to as copy_to
+from ragged.parallel._ops import reduce_from as reduce_from
+from ragged.parallel._transforms import full_params as full_params
+from ragged.parallel._transforms import gather as gather
+from ragged.parallel._transforms import local_params as local_params
+from ragged.parallel._transforms import reduce_scatter as reduce_scatter
+from ragged.parallel._transforms import shard as shard
+from ragged.parallel._transforms import to_dtensor as to_dtensor

@@ -1,0 +1,214 @@
+"""Conversion between a mesh layout (FSDP x TP/EP) and a global ragged layout (checkpoints).
+
+[Note: checkpoints of a mesh run are global]
+A rank of an FSDP x TP run holds FSDP pieces of TP-local tensors: strided sets of global
+elements (see [Note: strided placements]). ``to_global`` moves every element to its place
+in a plain :class:`~ragged.LayoutPlan` of the *global* shapes over every rank of the mesh
+(``global_plan``), with one all-to-all over the whole mesh (each element is sent once, by the
+rank at coordinate 0 of every axis the leaf is replicated on). The result is an ordinary
+DBuffer: ``rg.checkpoint.save`` writes it as one 1-D tensor per leaf, so the checkpoint is
+independent of the mesh and loads on any world size or mesh (``rg.checkpoint.load`` into a
+plain plan, or into ``global_plan`` and then ``from_global`` onto another mesh).
+``from_global`` is the inverse: each rank requests the global positions of its local elements
+from their owners (all-to-all of positions, then of values). Both run on any pytree of
+DBuffers (params, optimizer moments); other leaves pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import optree
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._pytree import pytree
+from ragged.spec._granularity import Replicate, Rows
+from ragged.spec._mesh import MeshPlan
+from ragged.spec._plan import LayoutPlan
+from ragged.spec._planning import make_plan
+from ragged.transforms._shard import replicated_size
+
+__all__ = ["global_plan", "to_global", "from_global"]
+
+
+def global_plan(mplan: MeshPlan, world_size: int | None = None) -> LayoutPlan:
+    """A plain ragged plan of the global shapes over ``world_size`` ranks (default: the whole
+    mesh): FSDP granularities kept, ``Replicate()`` leaves sharded as ``Rows(1)``.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec, parallel
+        >>> mp = spec.make_mesh_plan({"w": torch.empty(8, 4)}, spec.Shard(0), mesh=spec.Mesh((2, 2), ("dp", "tp")))
+        >>> gp = parallel.global_plan(mp)
+        >>> gp.world_size, gp.leaves[0].shape
+        (4, (8, 4))
+    """
+    world_size = mplan.mesh.size if world_size is None else world_size
+    shapes = optree.tree_unflatten(mplan.treedef, [torch.empty(l.shape, dtype=l.dtype, device="meta") for l in mplan.leaves])
+    grans = optree.tree_unflatten(
+        mplan.treedef, [Rows(1) if isinstance(l.granularity, Replicate) else l.granularity for l in mplan.leaves]
+    )
+    return make_plan(shapes, grans, world_size=world_size, dtype=mplan.plan.dtype)
+
+
+def _coords_key(coords) -> tuple:
+    return tuple(sorted((k, int(v)) for k, v in coords.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _local_map(mplan: MeshPlan, gplan: LayoutPlan, coords: tuple, canonical_only: bool):
+    """(local positions in cat(data, replicated), global buffer positions) of this rank's
+    elements; with ``canonical_only`` only elements this rank is the designated sender of."""
+    coords = dict(coords)
+    plan = mplan.plan
+    fsdp_rank = coords[mplan.fsdp_axis]
+    S = plan.shard_size
+    gleaf = {l.index: l for l in gplan.leaves}
+    pieces = {}
+    for p in plan.local_pieces(fsdp_rank):
+        pieces.setdefault(p.leaf.index, []).append(p)
+    rep = {l.index: l for l in plan.replicated}
+    src, dst = [], []
+    for ml in mplan.leaves:
+        if canonical_only and any(coords[a] != 0 for a in ml.replicated_on):
+            continue
+        if ml.index in rep and canonical_only and fsdp_rank != 0:
+            continue
+        gidx = ml.local_index(coords)
+        off = gleaf[ml.index].offset
+        if ml.index in rep:
+            l = rep[ml.index]
+            src.append(torch.arange(S + l.offset, S + l.stop))
+            dst.append(gidx + off)
+        for p in pieces.get(ml.index, ()):
+            src.append(torch.arange(p.local_offset, p.local_offset + p.numel))
+            dst.append(gidx[p.start : p.stop] + off)
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)
+    return cat(src), cat(dst)
+
+
+def _exchange_counts(world, counts: torch.Tensor) -> torch.Tensor:
+    W = world.world_size
+    recv = torch.empty(W, dtype=torch.int64)
+    world.all_to_all(recv, counts.to(torch.int64), [1] * W, [1] * W)
+    return recv
+
+
+def _sorted_by_owner(positions: torch.Tensor, S: int, W: int):
+    owner = torch.div(positions, S, rounding_mode="floor")
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=W) if positions.numel() else torch.zeros(W, dtype=torch.int64)
+    return order, counts
+
+
+def _check(mplan, mcomm, where):
+    if mcomm.world is None:
+        raise ValueError(f"{where} needs mcomm.world (a Collectives over every rank of the mesh); this MeshComm has none.")
+    if mcomm.world.world_size != mplan.mesh.size or mcomm.world.rank != mplan.mesh.rank(mcomm.coords):
+        raise ValueError(
+            f"{where}: mcomm.world (rank {mcomm.world.rank} of {mcomm.world.world_size}) does not match the mesh "
+            f"{mplan.mesh.shape} at {dict(mcomm.coords)} (row-major rank {mplan.mesh.rank(mcomm.coords)})."
+        )
+
+
+def _is_dbuf(x):
+    return isinstance(x, DBuffer)
+
+
+def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
+    """Every DBuffer of ``mplan.plan`` in ``tree`` moved to ``plan`` (default
+    ``global_plan(mplan)``) over every rank of the mesh; other leaves unchanged.
+
+    See [Note: checkpoints of a mesh run are global].
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec, parallel
+        >>> mesh = spec.Mesh((2, 2), ("dp", "tp"))
+        >>> w = torch.arange(24.0).view(4, 6)
+        >>> mp = spec.make_mesh_plan({"w": w}, spec.Shard(1), mesh=mesh)
+        >>> def fn(mc):
+        ...     g = parallel.to_global(mp, parallel.shard(mp, {"w": w}, mc), mc)
+        ...     return g.data.tolist()
+        >>> parallel.simulate_mesh(mesh, fn)[1]   # global rows 2-3 (S = 12 elements per rank)
+        [12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 23.0]
+    """
+    _check(mplan, mcomm, "to_global")
+    gplan = global_plan(mplan) if plan is None else plan
+    world = mcomm.world
+    W, Sg = world.world_size, gplan.shard_size
+    if gplan.world_size != W:
+        raise ValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
+    src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
+    order, counts = _sorted_by_owner(dst, Sg, W)
+    src, dst = src[order], dst[order]
+    recv_counts = _exchange_counts(world, counts)
+    n_in = int(recv_counts.sum())
+    send_pos = dst - torch.div(dst, Sg, rounding_mode="floor") * Sg
+    recv_pos = torch.empty(n_in, dtype=torch.int64)
+    world.all_to_all(recv_pos, send_pos, recv_counts.tolist(), counts.tolist())
+
+    def convert(d):
+        if not isinstance(d, DBuffer) or d.plan != mplan.plan:
+            return d
+        flat = torch.cat([d.data.detach(), d.replicated.detach()])
+        vals = flat[src.to(flat.device)]
+        recv = torch.empty(n_in, dtype=flat.dtype, device=flat.device)
+        world.all_to_all(recv, vals, recv_counts.tolist(), counts.tolist())
+        data = torch.zeros(Sg, dtype=flat.dtype, device=flat.device)
+        data[recv_pos.to(flat.device)] = recv
+        rep = torch.zeros(replicated_size(gplan), dtype=flat.dtype, device=flat.device)
+        return DBuffer(data=data, replicated=rep, plan=gplan, rank=world.rank)
+
+    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+
+
+def from_global(mplan: MeshPlan, tree, mcomm):
+    """Inverse of :func:`to_global`: every DBuffer of a global plan (any plain plan of the same
+    leaves over every rank of the mesh) in ``tree`` becomes this rank's DBuffer of
+    ``mplan.plan``; other leaves unchanged.
+    """
+    _check(mplan, mcomm, "from_global")
+    world = mcomm.world
+    W = world.world_size
+    fsdp_rank = mcomm.coords[mplan.fsdp_axis]
+    S = mplan.plan.shard_size
+    R = replicated_size(mplan.plan)
+    cache = {}
+
+    def convert(d):
+        if not isinstance(d, DBuffer) or d.plan.world_size != W or d.plan.replicated:
+            return d
+        gplan = d.plan
+        if gplan not in cache:
+            _check_same_leaves(mplan, gplan)
+            Sg = gplan.shard_size
+            dst, need = _local_map(mplan, gplan, _coords_key(mcomm.coords), False)
+            order, counts = _sorted_by_owner(need, Sg, W)
+            dst, need = dst[order], need[order]
+            recv_counts = _exchange_counts(world, counts)
+            req = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+            world.all_to_all(req, need - torch.div(need, Sg, rounding_mode="floor") * Sg, recv_counts.tolist(), counts.tolist())
+            cache[gplan] = (dst, counts, recv_counts, req)
+        dst, counts, recv_counts, req = cache[gplan]
+        src = d.data.detach()
+        vals = src[req.to(src.device)]
+        got = torch.empty(int(counts.sum()), dtype=src.dtype, device=src.device)
+        world.all_to_all(got, vals, counts.tolist(), recv_counts.tolist())
+        flat = torch.zeros(S + R, dtype=src.dtype, device=src.device)
+        flat[dst.to(src.device)] = got
+        return DBuffer(data=flat[:S].clone(), replicated=flat[S:].clone(), plan=mplan.plan, rank=fsdp_rank)
+
+    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+
+
+def _check_same_leaves(mplan: MeshPlan, gplan: LayoutPlan) -> None:
+    want = {l.path: l.shape for l in mplan.leaves}
+    have = {l.path: l.shape for l in gplan.leaves}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))
+        raise ValueError(
+            f"from_global: the global plan's leaves differ from the mesh plan's global shapes: {diff[:4]}. "
+            "Fix: load the checkpoint into parallel.global_plan(mplan) first."
+        )

@@ -1,0 +1,145 @@
+"""The three ways the step benchmark trains the same model on the same batches.
+
+* :class:`RaggedMethod`: ``rg.fsdp`` (units = every block + the rest, ``rg.optim.adamw``).
+* :class:`FSDP2Method`: ``torch.distributed.fsdp.fully_shard`` on every block and the root,
+  ``reshard_after_forward=True``, default prefetching, ``torch.optim.AdamW``.
+* :class:`LocalMethod`: the same model unsharded on every rank, no communication
+  (the compute floor: what a step costs with nothing sharded).
+
+All three start from the same weights (``torch.manual_seed(seed)`` before building the model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RaggedMethod", "FSDP2Method", "LocalMethod", "dtypes"]
+
+
+def dtypes(policy: str):
+    """``(param/compute dtype, reduce dtype)`` of a dtype policy name: ``fp32`` or ``bf16``
+    (bf16 compute, fp32 master weights and gradient reduction)."""
+    if policy == "fp32":
+        return None, None
+    if policy == "bf16":
+        return torch.bfloat16, torch.float32
+    raise ValueError(f"unknown dtype policy {policy!r}; use 'fp32' or 'bf16'.")
+
+
+def _model(cfg, seed, device):
+    from ragged.examples.gpt import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    return model.to(device)
+
+
+def _ce(logits, targets):
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class RaggedMethod:
+    name = "ragged"
+
+    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None):
+        import ragged as rg
+        from ragged import fsdp
+        from ragged.examples.gpt import GPT, loss_fn
+        from ragged.optim import GradientTransformation
+        from torch.profiler import record_function
+
+        compute, reduce = dtypes(policy)
+        model = _model(cfg, seed, device)
+        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
+        opt = optimizer if optimizer is not None else rg.optim.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+
+        def update(grads, state, params=None):
+            with record_function("ragged::optimizer"):
+                return opt.update(grads, state, params)
+
+        self.optimizer = GradientTransformation(opt.init, update)
+        self.state = fsdp.init(self.units, model, self.optimizer, comm)
+        del model
+        template = GPT(cfg, device="meta")  # functional_call supplies every parameter
+        self.step_fn = fsdp.make_step(self.units, loss_fn(template), self.optimizer, comm, compute_dtype=compute,
+                                      reduce_dtype=reduce)
+        self.comm = comm
+        self.metrics = {}
+
+    def step(self, batch):
+        self.state, self.metrics = self.step_fn(self.state, batch)
+        return self.metrics["loss"]
+
+    def state_tensors(self):
+        from ragged._pytree import pytree
+
+        return [t for t in pytree.leaves(self.state) if isinstance(t, torch.Tensor)]
+
+
+class FSDP2Method:
+    name = "fsdp2"
+
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        compute, reduce = dtypes(policy)
+        model = _model(cfg, seed, device)
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                     foreach=foreach)
+
+    def step(self, batch):
+        inputs, targets = batch
+        loss = _ce(self.model(inputs), targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = loss.detach().reshape(1).float()
+        torch.distributed.all_reduce(loss)  # same reporting as ragged: the mean loss over ranks
+        return float(loss) / torch.distributed.get_world_size()
+
+    def state_tensors(self):
+        out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
+        for st in self.opt.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out
+
+
+class LocalMethod:
+    """The unsharded model on every rank (its own batch; no gradient averaging)."""
+
+    name = "local"
+
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True):
+        compute, _ = dtypes(policy)
+        self.model = _model(cfg, seed, device)
+        self.compute = compute
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                     foreach=foreach)
+
+    def step(self, batch):
+        inputs, targets = batch
+        if self.compute is not None:
+            with torch.autocast(inputs.device.type, dtype=self.compute):
+                loss = _ce(self.model(inputs), targets)
+        else:
+            loss = _ce(self.model(inputs), targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def state_tensors(self):
+        out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
+        for st in self.opt.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out

@@ -1,0 +1,250 @@
+"""Training step, ragged vs PyTorch FSDP2, side by side in one run.
+
+The same GPT (``ragged.examples.gpt``), the same processes, backend, batches, initial weights and
+dtype policy, trained with
+
+* ``ragged``: ``rg.fsdp.make_step`` (every block + the rest as units, ``rg.optim.adamw``);
+* ``fsdp2``: ``fully_shard`` on every block and the root (``reshard_after_forward=True``,
+  default prefetch), ``torch.optim.AdamW`` (``foreach=True``);
+* ``local``: the unsharded model on every rank, no communication (the compute floor;
+  ``--no-local`` drops it).
+
+Each repeat runs one step of every method on the same batch, the order alternating between
+repeats; warm-up steps are excluded. Reported: median step time (max over ranks) and its
+spread, tokens/s, per-rank peak allocated tensor bytes (state kept between steps + the rise
+during a step), the RSS a step adds, bytes communicated per step, host time in copies, the
+ratios ragged / FSDP2, the losses of both (they train the same model on the same data, so
+they agree to float rounding), and a profile of where each method's time goes. See
+``bench/_measure.py`` for how each number is taken.
+
+Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
+
+    python3 bench/step.py --model dense --world 2 4
+    python3 bench/step.py --model moe --world 2
+    python3 bench/step.py --model 120m --world 2 --repeats 3
+    python3 bench/step.py --model dense --world 2 --policy bf16
+
+On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# model, sequence length and per-rank batch (torch-notes "FSDP2 baseline on this machine")
+CONFIGS = {
+    "dense": dict(vocab_size=8192, dim=512, num_layers=4, num_heads=8, ffn_dim=1408, max_seq_len=256),
+    "moe": dict(vocab_size=8192, dim=512, num_layers=4, num_heads=8, ffn_dim=1408, max_seq_len=256,
+                num_experts=8, moe_every=2, top_k=2),
+    "120m": dict(vocab_size=16384, dim=768, num_layers=12, num_heads=12, ffn_dim=2304, max_seq_len=256),
+    "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32),
+    "tiny-moe": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32,
+                     num_experts=4, moe_every=2, top_k=2),
+}
+
+
+def _bench(rank, world, backend, opts):
+    import ragged as rg
+    from ragged.examples.data import SyntheticLM, rank_slice
+    from ragged.examples.gpt import GPTConfig
+
+    from bench._launch import device_for
+    from bench._measure import CommCounter, Timer, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
+    from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
+
+    device = device_for(backend, rank)
+    cfg = GPTConfig(**opts["cfg"])
+    comm = rg.collectives.from_torch()
+    counter = CommCounter()
+    counter.install_torch("fsdp2")
+    counter.install_comm(comm, "ragged")
+    kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"])
+    methods = {"ragged": RaggedMethod(cfg, comm=comm, **kw), "fsdp2": FSDP2Method(cfg, **kw)}
+    if opts["local"]:
+        methods["local"] = LocalMethod(cfg, **kw)
+    task = SyntheticLM(cfg.vocab_size, cfg.max_seq_len, seed=0)
+
+    def batch(step):
+        x, y = rank_slice(task.batch(step, opts["batch"] * world), rank, world)
+        return x.to(device), y.to(device)
+
+    timer = Timer(device)
+    names = list(methods)
+    times = {n: [] for n in names}
+    rss_rise = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    comm_bytes = {}
+    total = opts["warmup"] + opts["repeats"]
+    for r in range(total):
+        b = batch(r)
+        counter.reset()
+        for name in names if r % 2 == 0 else names[::-1]:
+            m = methods[name]
+            counter.active = name
+            before = rss()
+            reset_peak_rss()
+            dt, loss = timer(lambda: m.step(b))
+            after = rss()
+            counter.active = None
+            losses[name].append(loss)
+            if r >= opts["warmup"]:
+                times[name].append(dt)
+                if before and after:
+                    rss_rise[name].append(after["VmHWM"] - before["VmRSS"])
+        for name in names:
+            comm_bytes[name] = counter.per(name)
+        if rank == 0 and opts["verbose"]:
+            print(f"  repeat {r}{' (warm-up)' if r < opts['warmup'] else ''}: "
+                  + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" if r >= opts["warmup"] else n for n in names),
+                  flush=True)
+    # one profiled step per method (not timed): memory rise, labelled ranges, copy ops
+    prof = {}
+    b = batch(total)
+    for name in names:
+        m = methods[name]
+        state = storage_bytes(m.state_tensors())
+        torch.distributed.barrier()
+        with ragged_labels():
+            peak, ranges, copies = profile_step(lambda: m.step(b), device=device)
+        prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies)
+    extra = {}
+    if "ragged" in methods:
+        units = methods["ragged"].units
+        extra["ragged_padding"] = sum(u.plan.padding for u in units)
+        extra["numel"] = sum(u.plan.numel for u in units)
+        extra["num_gathers"] = methods["ragged"].metrics.get("num_gathers")
+    return dict(times=times, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+
+
+def _fmt_mib(n):
+    return f"{n / 2**20:,.1f}"
+
+
+_RAGGED_COPY_LABELS = ("ragged::grad_copy_in", "ragged::all_gather_start")
+
+
+def _copy_ms(p, name):
+    """Host ms in copies made for communication: FSDP2's copy-in / copy-out ops; ragged's
+    gradient copy into the flat buffer and the own-chunk copy of the all-gather."""
+    c = p["copies"]
+    if name == "fsdp2":
+        return sum(v for k, v in c.items() if k.startswith("fsdp::"))
+    if name == "ragged":
+        return sum(v for k, v in c.items() if k.split(" @ ")[1] in _RAGGED_COPY_LABELS)
+    return 0.0
+
+
+def summarize(model: str, world: int, results, opts) -> dict:
+    """Per-method numbers (max over ranks for memory and time, rank 0 for bytes and profile)."""
+    r0 = results[0]
+    out = {"model": model, "world": world, "policy": opts["policy"], "tokens_per_step": opts["batch"] * world *
+           CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
+    for name in r0["times"]:
+        t = r0["times"][name]
+        med = statistics.median(t)
+        peak = max(res["prof"][name]["state_bytes"] + res["prof"][name]["step_rise_bytes"] for res in results)
+        state = max(res["prof"][name]["state_bytes"] for res in results)
+        rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
+        out["methods"][name] = dict(
+            median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
+            peak_bytes=peak, state_bytes=state, rss_rise_bytes=max(rise) if rise else None,
+            comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
+            ranges=r0["prof"][name]["ranges"], copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
+        )
+    return out
+
+
+def render(summary, console=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(150, Console().width))
+    ms = summary["methods"]
+    t = Table(title=f"{summary['model']} GPT, W={summary['world']}, {summary['policy']}: one training step "
+                    f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
+    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)",
+                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for name, m in ms.items():
+        c = m["comm"]
+        t.add_row(name, f"{m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f})",
+                  f"{m['tokens_per_s']:,.0f}", _fmt_mib(m["peak_bytes"]),
+                  f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}",
+                  _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
+                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}")
+    if "ragged" in ms and "fsdp2" in ms:
+        a, b = ms["ragged"], ms["fsdp2"]
+
+        def ratio(x, y):
+            return f"{x / y:.2f}x" if y else "-"
+
+        t.add_row("[bold]ragged / fsdp2", ratio(a["median_s"], b["median_s"]), ratio(a["tokens_per_s"], b["tokens_per_s"]),
+                  ratio(a["peak_bytes"], b["peak_bytes"]), "",
+                  ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
+                  ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
+                  ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
+                  ratio(a["copies_ms"], b["copies_ms"]))
+        diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+        t.caption = (f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
+                     f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
+                     f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
+    console.print(t)
+    # where the time goes (profiled step, host time, rank 0)
+    p = Table(title="where the time goes: one profiled step (rank 0, host ms; profiler overhead included): "
+                    "exclusive time of labelled ranges, then copy / reduction ops by the range they run in",
+              title_justify="left")
+    p.add_column("range / op @ range")
+    for name in ms:
+        p.add_column(name, justify="right")
+    for field in ("ranges", "copies"):
+        keys = sorted({k for m in ms.values() for k in m[field]})
+        for k in keys:
+            p.add_row(k, *[f"{m[field][k]:,.1f}" if k in m[field] else "" for m in ms.values()],
+                      end_section=k == keys[-1])
+    console.print(p)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="dense")
+    ap.add_argument("--world", type=int, nargs="+", default=[2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--policy", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
+    ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--json", default=None, help="append the summaries to this JSON-lines file")
+    ap.add_argument("-q", "--quiet", dest="verbose", action="store_false")
+    args = ap.parse_args(argv)
+    from bench._launch import launch, pick_backend
+
+    opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
+                policy=args.policy, lr=args.lr, local=args.local, verbose=args.verbose)
+    for world in args.world:
+        backend = pick_backend(world, args.backend)
+        print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",
+              flush=True)
+        results = launch(world, _bench, opts, backend=args.backend, threads=args.threads)
+        summary = summarize(args.model, world, results, opts)
+        summary["backend"] = backend
+        render(summary)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,7 +78,11 @@ def _broadcast_specs(specs, params):
     except ValueError:
         errors = optree.prefix_errors(specs, params, namespace="ragged")
         if errors:
-            raise errors[0]("specs") from None
+            err = errors[0]("specs")
+            raise type(err)(
+                f"{err}\nFix: give specs the structure of params, or a prefix of it (one spec stands for "
+                "a whole subtree, e.g. {'layers': spec.Rows(1)}); None leaves mean Rows(1)."
+            ) from None
         raise
 
 

@@ -445,7 +445,7 @@ class Step:
                                     rank=shards[u.name].rank)
         updates, opt_state = self.optimizer.update(grads, opt_state, shards)
         new_shards = apply_updates(shards, updates)
-        loss = torch.stack([l.float() for l in losses]).mean().reshape(1)
+        loss = torch.stack([l.double() for l in losses]).mean().reshape(1)
         self.comm.all_reduce(loss, op="sum")
         replicas = getattr(self.comm, "num_replicas", 1)
         if replicas > 1:

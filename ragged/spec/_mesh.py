@@ -450,6 +450,9 @@ def _check_granules(path, shape, local, gran, shards, fsdp_axis) -> None:
     ndim = len(shape)
     for axis, dim, groups, size in shards:
         problem = None
+        local = list(local)
+        local[dim] //= groups  # a strided shard's local dim is `groups` separate runs
+        local = tuple(local)
         if isinstance(gran, Blocks) and ndim >= 2:
             if dim == ndim - 1 and local[-1] % gran.c:
                 problem = (f"{local[-1]} local columns is not a multiple of c = {gran.c}", f"c dividing {local[-1]}")

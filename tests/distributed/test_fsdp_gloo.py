@@ -1,0 +1,76 @@
+"""The FSDP training step on real gloo process groups (2 and 4 ranks): N AdamW steps give the
+parameters of single-process ``torch.optim.AdamW`` on the same global batch (float64, computed
+in each worker), with gradient accumulation and the MoE model too; bf16 compute runs."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
+
+from _fsdp_cases import Case, fsdp_run, max_diff, reference_run  # noqa: E402
+from _harness import comm, workers_fixture  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+workers2 = workers_fixture(2)
+workers4 = workers_fixture(4)
+
+
+@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
+def workers(request):
+    return request.getfixturevalue(f"workers{request.param}")
+
+
+def _compare(case):
+    params, metrics = fsdp_run(comm(), case, trace=True)
+    ref, ref_losses = reference_run(case)
+    diff, where = max_diff(params, ref)
+    loss_err = max(abs(m["loss"] - r) for m, r in zip(metrics, ref_losses))
+    init = dict(case.model().named_parameters())
+    moved = max_diff(params, init)[0]
+    last = metrics[-1]
+    return dict(diff=diff, where=where, loss_err=loss_err, moved=moved,
+                peak=last["peak_gathered_bytes"], model=last["model_bytes"], largest=last["largest_unit_bytes"],
+                trace=last["trace"])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(), Case(micro_batches=2), Case(moe=True, micro_batches=2)],
+    ids=["adamw", "adamw-accum2", "moe-adamw-accum2"],
+)
+def test_adamw_matches_torch_optim(workers, case):
+    for r, out in enumerate(workers.run(_compare, case)):
+        assert out["diff"] < 1e-10, f"rank {r}: {out['where']} differs by {out['diff']}"
+        assert out["loss_err"] < 1e-9
+        assert out["moved"] > 1e-3
+        assert out["peak"] < out["model"]
+        assert out["peak"] <= 2 * out["largest"]
+
+
+def _bf16(case):
+    params, metrics = fsdp_run(comm(), case)
+    return [m["loss"] for m in metrics], all(v.dtype == torch.float32 for v in params.values())
+
+
+def test_bf16_compute_trains(workers2):
+    case = Case(dtype=torch.float32, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, steps=6, lr=3e-3,
+                micro_batches=2)
+    for losses, fp32_master in workers2.run(_bf16, case):
+        assert fp32_master
+        assert losses[-1] < losses[0]
+
+
+def _overlap(case):
+    _, metrics = fsdp_run(comm(), case, trace=True)
+    trace = metrics[-1]["trace"]
+    pos = {(ev, u, ph): i for i, (ev, u, ph) in enumerate(trace)}
+    return (pos[("gather_start", "blocks.1", "forward")] < pos[("compute", "blocks.0", "forward")],
+            pos[("reduce_start", "blocks.2", "backward")] < pos[("compute", "blocks.0", "backward")])
+
+
+def test_prefetch_and_reduce_overlap_on_gloo(workers2):
+    assert workers2.run(_overlap, Case(steps=2, dtype=torch.float32)) == [(True, True)] * 2

@@ -36,7 +36,9 @@ def loss_fn(p, x, y):
     return ((h @ p["w2"] + p["b2"] - y) ** 2).mean()
 
 
-def optimizer(name: str = "adamw"):
+def optimizer(name: str = "adamw", comm=None):
+    if name == "muon":  # Newton-Schulz on w1 / w2 (owner ranks), AdamW for the biases
+        return rg.optim.muon(2e-2, comm=comm, weight_decay=0.01)
     if name == "adamw":
         return rg.optim.adamw(3e-2, weight_decay=0.01)
     if name == "adamw_8bit":
@@ -53,7 +55,7 @@ def init_state(comm, granularity: str = "rows", opt: str = "adamw", seed: int = 
     local = rg.shard(plan, params, comm)
     return {
         "params": local,
-        "opt": optimizer(opt).init(local),
+        "opt": optimizer(opt, comm).init(local),
         "step": 0,
         "data_rng": torch.Generator().manual_seed(1000 + seed).get_state(),
     }
@@ -62,7 +64,7 @@ def init_state(comm, granularity: str = "rows", opt: str = "adamw", seed: int = 
 def train(comm, state, steps: int, opt: str = "adamw"):
     """``steps`` steps of data-parallel training on a global batch of 8 drawn from the state's
     own RNG (so the data stream resumes exactly); returns the new state."""
-    tx = optimizer(opt)
+    tx = optimizer(opt, comm)
     local, opt_state = state["params"], state["opt"]
     gen = torch.Generator()
     gen.set_state(state["data_rng"])

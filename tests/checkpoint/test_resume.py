@@ -24,12 +24,13 @@ def _uninterrupted(m, steps, opt):
 
 @pytest.mark.parametrize(
     "m_before, m_after, granularity, opt",
-    [(4, 2, "elements", "adamw"), (2, 4, "blocks", "adamw"), (2, 1, "rows", "adamw"), (4, 2, "blocks", "sgd")],
+    [(4, 2, "elements", "adamw"), (2, 4, "blocks", "adamw"), (2, 1, "rows", "adamw"), (4, 2, "blocks", "sgd"), (4, 2, "rows", "muon"), (1, 4, "elements", "muon")],
 )
 def test_resume_after_reshard_equals_uninterrupted(tmp_path, m_before, m_after, granularity, opt):
     n1, n2 = 3, 3
     path = tmp_path / "ckpt"
 
+    # Muon momentum, AdamW moments inside multi_transform, SGD traces: all DBuffers.
     def first(comm):
         state = _train.train(comm, _train.init_state(comm, opt=opt), n1, opt)
         rg.checkpoint.save(path, state, comm)

@@ -44,3 +44,4 @@ from ragged.optim._muon import muon as muon
 from ragged.optim._muon import muon_load as muon_load
 from ragged.optim._muon import newton_schulz as newton_schulz
 from ragged.optim._muon import scale_by_muon as scale_by_muon
+from ragged.optim._transform import scale_by_adamw as scale_by_adamw

@@ -82,14 +82,17 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def apply_updates(params, updates):
+def apply_updates(params, updates, *, donate: bool = False):
     """Returns ``params + updates`` leaf by leaf (one add per flat buffer of a DBuffer).
 
-    Updates are cast to each parameter's dtype. Neither argument is modified.
+    Updates are cast to each parameter's dtype. Neither argument is modified, unless
+    ``donate=True``: then the sum is written into ``params``' buffers (no allocation; the
+    caller must not rely on the old values) and the same buffers are returned.
 
     Args:
         params: a pytree of tensors, e.g. a :class:`~ragged.DBuffer`.
         updates: a pytree with the same structure (the output of ``opt.update``).
+        donate: add in place.
 
     Returns:
         A pytree like ``params``.
@@ -99,6 +102,9 @@ def apply_updates(params, updates):
         >>> rg.optim.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
         {'w': tensor([1.5000, 0.0000])}
     """
+    if donate:
+        with torch.no_grad():
+            return pytree.map(lambda p, u: p.add_(u.to(p.dtype)), params, updates)
     return pytree.map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 

@@ -169,3 +169,38 @@ def test_adam_eps_zero_keeps_padding_zero():
 def test_chain_rejects_uncalled_transform():
     with pytest.raises(TypeError, match="did you pass a function instead of calling it"):
         rg.optim.chain(rg.optim.scale_by_adam)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_donate_gives_the_same_params(name):
+    """donate=True (in-place state, update written into the gradient buffer, in-place apply)
+    equals the functional path bit for bit, and really reuses the buffers."""
+    params = _params(9)
+    plan = rg.make_plan(params, SPECS, world_size=2, align=4)
+    make = {"adamw": lambda d: rg.optim.adamw(0.01, weight_decay=0.2, donate=d), "adam": lambda d: rg.optim.adam(0.01, donate=d)}[name]
+    out = {}
+    for donate in (False, True):
+        opt = make(donate)
+        shards = shard_all(plan, params)
+        states = [opt.init(s) for s in shards]
+        for step in range(STEPS):
+            gs = shard_all(plan, _grads(params, step))
+            for r in range(2):
+                mu_before = states[r][0].mu.data
+                u, states[r] = opt.update(gs[r], states[r], shards[r])
+                assert (u.data.data_ptr() == gs[r].data.data_ptr()) == donate
+                assert (states[r][0].mu.data.data_ptr() == mu_before.data_ptr()) == donate
+                new = rg.apply_updates(shards[r], u, donate=donate)
+                assert (new.data.data_ptr() == shards[r].data.data_ptr()) == donate
+                shards[r] = new
+        out[donate] = gather_all(shards)
+    rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), out[True], out[False])
+
+
+def test_fused_adamw_equals_the_chain():
+    params = _params(4)
+    sched = rg.optim.linear_schedule(0.02, 0.005, 4)
+    fused, _ = _run_ragged(rg.optim.adamw(sched, weight_decay=0.3), 3, params)
+    chained, _ = _run_ragged(rg.optim.chain(rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.3),
+                                            rg.optim.scale_by_learning_rate(sched)), 3, params)
+    rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14), fused, chained)

@@ -1,0 +1,201 @@
+"""Optimizer state memory, Muon load balance and optimizer step time, side by side.
+
+Sections (all in one run, each a rich table):
+
+state   Bytes of optimizer state per parameter for one FSDP unit of each bundled model (meta
+        tensors: nothing is allocated), fp32 master shards at world size m:
+        ``rg.optim.adamw`` (fp32 moments) vs ``rg.optim.adamw_8bit`` (uint8 codes + one fp32
+        absmax per block; ``Blocks(32, 32)`` on matrices, ``Elements(256)`` on large vectors,
+        fp32 moments for the rest). Also counts the padding the fp32 state carries.
+muon    Newton-Schulz work per rank for one unit (every 2-D matrix and every expert matrix of
+        3-D fused experts): max / mean / min flops over ranks and the largest single matrix
+        (balanced means max - min <= one matrix).
+step    Wall time of one optimizer step on one process (torch.set_num_threads(1)) over the same
+        fp32 parameters: ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW`` foreach and
+        for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one flat tensor,
+        and ``rg.optim.adamw_8bit`` on the DBuffer. Median of --iters, interleaved.
+
+Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import ragged as rg
+from ragged import spec
+from ragged._dbuffer import DBuffer
+
+
+def specs_for(params):
+    def one(p):
+        if p.ndim == 2 or (p.ndim >= 3 and p.shape[-2] % 32 == 0):
+            return spec.Blocks(32, 32)
+        if p.ndim == 1 and p.numel() >= 4096:
+            return spec.Elements(256)
+        return spec.Rows(1)
+
+    return {k: one(v) for k, v in params.items()}
+
+
+def meta_dbuffer(plan, rank):
+    return DBuffer(
+        data=torch.empty(plan.shard_size, device="meta"),
+        replicated=torch.empty(plan.replicated_numel, device="meta"),
+        plan=plan,
+        rank=rank,
+    )
+
+
+def pick_units():
+    from ragged.models import MODELS, model_units
+
+    out = []
+    for name in MODELS:
+        units = model_units(name, dtype=torch.float32)
+        kinds = {}
+        for u in units:
+            kinds.setdefault(u.kind, u)
+        for kind, u in kinds.items():
+            if kind in ("layer", "moe_layer", "dense_layer"):
+                out.append((f"{name} {u.name} ({kind})", u.params))
+    return out
+
+
+def section_state(console, m):
+    table = Table(title=f"optimizer state per parameter (fp32 master, world size {m}, one unit; meta tensors)")
+    for col in ("unit", "params", "adamw B/param", "adamw_8bit B/param", "of which scales", "fp32-state leaves", "ratio"):
+        table.add_column(col, justify="right" if col != "unit" else "left")
+    for label, params in pick_units():
+        plan = rg.make_plan(params, specs_for(params), world_size=m, dtype=torch.float32)
+        n = plan.numel + plan.replicated_numel
+        fp32 = q8 = scales = 0
+        for r in range(m):
+            d = meta_dbuffer(plan, r)
+            fp32 += rg.optim.state_nbytes(rg.optim.adamw(1e-3).init(d))
+            st = rg.optim.adamw_8bit(1e-3).init(d)
+            q8 += rg.optim.state_nbytes(st)
+            mom = st[0].moments
+            scales += (mom.mu_scales.numel() + mom.nu_scales.numel()) * 4
+        small = sum(1 for l in plan.leaves if l.numel < 4096 or isinstance(l.spec, spec.Rows)) + len(plan.replicated)
+        table.add_row(label, f"{n / 1e6:.1f}M", f"{fp32 / n:.3f}", f"{q8 / n:.3f}", f"{scales / n:.4f}",
+                      f"{small}/{plan.num_leaves}", f"{fp32 / q8:.2f}x")
+    console.print(table)
+
+
+def section_muon(console, m_list):
+    table = Table(title="Newton-Schulz load per rank (distributed Muon owners, LPT)")
+    for col in ("unit", "m", "matrices", "max GFLOP", "mean", "min", "largest matrix", "max-min <= largest"):
+        table.add_column(col, justify="right" if col != "unit" else "left")
+    for label, params in pick_units():
+        for m in m_list:
+            plan = rg.make_plan(params, specs_for(params), world_size=m, dtype=torch.float32)
+            load = rg.optim.muon_load(plan)
+            f = load["flops"]
+            big = max(u.cost for u in load["units"])
+            table.add_row(label, str(m), str(len(load["units"])), f"{max(f) / 1e9:.1f}",
+                          f"{statistics.mean(f) / 1e9:.1f}", f"{min(f) / 1e9:.1f}", f"{big / 1e9:.1f}",
+                          str(max(f) - min(f) <= big))
+    console.print(table)
+
+
+def section_step(console, iters, hidden):
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    h, f = hidden, int(hidden * 8 / 3) // 64 * 64
+    params = {}
+    for i in range(4):
+        for name, shape in (("qkv", (3 * h, h)), ("proj", (h, h)), ("w1", (f, h)), ("w3", (f, h)), ("w2", (h, f)),
+                            ("n1", (h,)), ("n2", (h,))):
+            params[f"l{i}.{name}"] = torch.randn(*shape, generator=g)
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    plan = rg.make_plan(params, specs_for(params), world_size=1, dtype=torch.float32)
+    buf = torch.zeros(plan.shard_size)
+    gbuf = torch.zeros(plan.shard_size)
+    for leaf in plan.leaves:
+        buf[leaf.offset : leaf.stop] = params[leaf.path[2:-2]].reshape(-1)
+        gbuf[leaf.offset : leaf.stop] = grads[leaf.path[2:-2]].reshape(-1)
+    local = DBuffer(data=buf, replicated=torch.zeros(0), plan=plan, rank=0)
+    gsh = DBuffer(data=gbuf, replicated=torch.zeros(0), plan=plan, rank=0)
+    n = plan.numel
+
+    def ours(make, donate=False):
+        opt = make()
+        p0 = local.replace(data=local.data.clone())
+        box = {"p": p0, "s": opt.init(p0), "g": gsh.replace(data=gsh.data.clone())}
+
+        def step():
+            g = box["g"]
+            if donate:  # the gradient buffer is donated: refill it as the next backward would
+                g.data.copy_(gsh.data)
+            u, box["s"] = opt.update(g, box["s"], box["p"])
+            box["p"] = rg.apply_updates(box["p"], u, donate=donate)
+
+        return step
+
+    def torch_opt(flat, **kw):
+        if flat:
+            ps = [buf.clone().requires_grad_(True)]
+            ps[0].grad = gbuf.clone()
+        else:
+            ps = [p.clone().requires_grad_(True) for p in params.values()]
+            for p, gr in zip(ps, grads.values()):
+                p.grad = gr.clone()
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **kw)
+        return opt.step
+
+    methods = {
+        "rg.optim.adamw (DBuffer, functional)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1)),
+        "rg.optim.adamw (DBuffer, donate=True)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1, donate=True), True),
+        "unfused chain(scale_by_adam, add_decayed_weights, lr)": ours(lambda: rg.optim.chain(
+            rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.1), rg.optim.scale_by_learning_rate(1e-3))),
+        "torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True),
+        "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
+        "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
+        "rg.optim.adamw_8bit (DBuffer)": ours(lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1)),
+    }
+    times = {k: [] for k in methods}
+    for _ in range(2):  # warm-up (state allocation)
+        for fn in methods.values():
+            fn()
+    for _ in range(iters):
+        for k, fn in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    table = Table(title=f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, 1 thread (median of {iters})")
+    table.add_column("method")
+    table.add_column("ms", justify="right")
+    table.add_column("vs torch foreach per-leaf", justify="right")
+    base = statistics.median(times["torch AdamW foreach (per-leaf)"])
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x")
+    console.print(table)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", default=["state", "muon", "step"], choices=["state", "muon", "step"])
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--muon-world-sizes", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--hidden", type=int, default=512)
+    args = ap.parse_args()
+    console = Console(width=150)
+    if "state" in args.sections:
+        section_state(console, args.world_size)
+    if "muon" in args.sections:
+        section_muon(console, args.muon_world_sizes)
+    if "step" in args.sections:
+        section_step(console, args.iters, args.hidden)
+
+
+if __name__ == "__main__":
+    main()

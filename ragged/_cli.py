@@ -169,11 +169,13 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
     lines = []
     ideal = _lower_bound(plan)
     if forced:
-        big = max(forced, key=lambda l: l.granule)
+        shown = sorted(forced, key=lambda l: (-l.granule, l.path))[:4]
+        listing = ", ".join(f"{l.path} {l.shape} granule {l.granule}" for l in shown)
+        more = f", +{len(forced) - len(shown)} more" if len(forced) > len(shown) else ""
         lines.append(
             f"{len(forced)} leaves are longer than 2*S (S~{ideal}), so S must be a multiple of the lcm of their "
-            f"granules = {step} elements (largest granule: {big.path} {big.shape}, {big.granule}); "
-            f"S={plan.shard_size} is {plan.shard_size / ideal:.2f}x the ideal."
+            f"granules = {step} elements ({listing}{more}); S={plan.shard_size} is {plan.shard_size / ideal:.2f}x "
+            "the ideal."
         )
     else:
         lines.append(f"no leaf forces S (S={plan.shard_size}, ideal {ideal}); large granules relative to S cost the rest.")

@@ -247,6 +247,9 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
             leg.append(f"... {len(plan.leaves) - 32} more leaves (colours cycle)\n", style="dim")
         leg.append("· ", style=_PAD_STYLE)
         leg.append(f"padding ({plan.padding} elements, {plan.overhead:.2%})")
+        if plan.replicated:
+            leg.append(f"\n{len(plan.replicated)} replicated leaves ({plan.replicated_numel} elements) on every rank, "
+                       "outside the sharded buffer", style="italic")
         parts.append(leg)
     if details:
         parts.append(rank_table(plan))

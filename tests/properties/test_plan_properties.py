@@ -204,3 +204,36 @@ def test_naive_splits_what_dp_keeps_whole():
     dp = rg.make_plan(params, spec.Rows(2), world_size=3, align=1)
     assert naive.split_blocks > 0 and dp.split_blocks == 0
     check_invariants(dp, params)
+
+
+medium_instances = st.integers(1, 6).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(0, 3000), min_size=n, max_size=n),
+        st.lists(st.sampled_from([1, 2, 3, 7, 16, 64, 100, 384, 1000]), min_size=n, max_size=n),
+        st.sampled_from([1, 2, 8]),
+        st.integers(1, 32),
+    )
+)
+
+
+@given(medium_instances)
+def test_candidate_filter_never_skips_a_feasible_shard_size(instance):
+    """min_shard_size only tries multiples of the forced lcm per interval; a plain scan of
+    every aligned S with the greedy must find the same first feasible S."""
+    import numpy as np
+
+    sizes, granules, align, m = instance
+    got = _search.min_shard_size(sizes, granules, align, m)
+    lo = max(-(-sum(sizes) // m), max((e for e, g in zip(sizes, granules) if e <= g), default=0), 1)
+    lo = -(-lo // align) * align
+    S = np.arange(lo, got + align, align, dtype=np.int64)
+    ends = _search.greedy_ends(sizes, granules, align, S)
+    feasible = S[ends <= S * m]
+    assert feasible.size and int(feasible[0]) == got
+
+
+@given(inputs=rst.plan_inputs())
+def test_occupancy_matches_local_pieces(inputs):
+    params, specs, m = inputs
+    plan = rg.make_plan(params, specs, world_size=m)
+    assert plan.occupancy() == tuple(sum(p.numel for p in plan.local_pieces(r)) for r in range(m))

@@ -2,9 +2,9 @@
 
 Backend: NCCL with one GPU per rank when CUDA has enough devices, gloo on CPU otherwise
 (``backend=`` overrides). Workers run with ``OMP_NUM_THREADS`` (default 1: the ranks share the
-machine's cores) and ``MALLOC_MMAP_THRESHOLD_`` fixed (glibc then returns freed large tensors to
-the OS at once, so a process's RSS follows its live tensors and the peak RSS of a step means
-something). The function's return value of every rank comes back to the parent, in rank order.
+machine's cores). ``exact_rss=True`` also fixes ``MALLOC_MMAP_THRESHOLD_`` (glibc then returns
+every freed large tensor to the OS at once, so RSS follows live tensors; but every new tensor
+then costs fresh pages, which slows allocating code: leave it off when timing). The function's return value of every rank comes back to the parent, in rank order.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _worker(rank, world_size, port, backend, fn, args, queue, threads, pg_timeou
 
 
 def launch(world_size: int, fn, *args, backend: str | None = None, threads: int = 1, timeout: float = 900.0,
-           pg_timeout: float = 300.0):
+           pg_timeout: float = 300.0, exact_rss: bool = False):
     """Runs ``fn(rank, world_size, backend, *args)`` on ``world_size`` fresh processes.
 
     Returns:
@@ -72,7 +72,8 @@ def launch(world_size: int, fn, *args, backend: str | None = None, threads: int 
 
     backend = pick_backend(world_size, backend)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if exact_rss:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

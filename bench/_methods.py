@@ -78,11 +78,17 @@ class RaggedMethod:
 
         return [t for t in pytree.leaves(self.state) if isinstance(t, torch.Tensor)]
 
+    def optimizer_state_bytes(self):
+        from bench._measure import storage_bytes
+        from ragged._pytree import pytree
+
+        return storage_bytes([t for t in pytree.leaves(self.state.opt_state) if isinstance(t, torch.Tensor)])
+
 
 class FSDP2Method:
     name = "fsdp2"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,8 +100,8 @@ class FSDP2Method:
             fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                     foreach=foreach)
+        self.opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)
 
     def step(self, batch):
         inputs, targets = batch
@@ -113,18 +119,23 @@ class FSDP2Method:
             out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
         return out
 
+    def optimizer_state_bytes(self):
+        from bench._measure import storage_bytes
+
+        return storage_bytes([v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+
 
 class LocalMethod:
     """The unsharded model on every rank (its own batch; no gradient averaging)."""
 
     name = "local"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None):
         compute, _ = dtypes(policy)
         self.model = _model(cfg, seed, device)
         self.compute = compute
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                     foreach=foreach)
+        self.opt = optimizer(self.model.parameters()) if optimizer else torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)
 
     def step(self, batch):
         inputs, targets = batch
@@ -136,10 +147,15 @@ class LocalMethod:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     def state_tensors(self):
         out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
         for st in self.opt.state.values():
             out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
         return out
+
+    def optimizer_state_bytes(self):
+        from bench._measure import storage_bytes
+
+        return storage_bytes([v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])

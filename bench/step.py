@@ -46,6 +46,9 @@ CONFIGS = {
     "moe": dict(vocab_size=8192, dim=512, num_layers=4, num_heads=8, ffn_dim=1408, max_seq_len=256,
                 num_experts=8, moe_every=2, top_k=2),
     "120m": dict(vocab_size=16384, dim=768, num_layers=12, num_heads=12, ffn_dim=2304, max_seq_len=256),
+    # FSDP2 pads heavily: 2 fused experts in every block over 4 ranks (dim 0 = 2 < W)
+    "moe-few": dict(vocab_size=8192, dim=512, num_layers=4, num_heads=8, ffn_dim=1408, max_seq_len=256,
+                    num_experts=2, moe_every=1, top_k=1),
     "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32),
     "tiny-moe": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32,
                      num_experts=4, moe_every=2, top_k=2),
@@ -68,9 +71,21 @@ def _bench(rank, world, backend, opts):
     counter.install_torch("fsdp2")
     counter.install_comm(comm, "ragged")
     kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"])
-    methods = {"ragged": RaggedMethod(cfg, comm=comm, **kw), "fsdp2": FSDP2Method(cfg, **kw)}
+    if opts["optim"] == "adamw8bit":  # ragged: aligned 32x32 blocks; torch: per-local-shard blocks (bench/_fsdp2.py)
+        from ragged import spec
+
+        from bench._fsdp2 import PerShardAdamW8bit
+
+        def torch_opt(params):
+            return PerShardAdamW8bit(params, lr=opts["lr"], block_size=32 * 32)
+
+        rkw = dict(optimizer=rg.optim.adamw_8bit(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+                   specs=lambda name, t: spec.Blocks(32, 32) if t.dim() >= 2 else spec.Rows(1))
+    else:
+        torch_opt, rkw = None, {}
+    methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
     if opts["local"]:
-        methods["local"] = LocalMethod(cfg, **kw)
+        methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(cfg.vocab_size, cfg.max_seq_len, seed=0)
 
     def batch(step):
@@ -115,7 +130,8 @@ def _bench(rank, world, backend, opts):
         torch.distributed.barrier()
         with ragged_labels():
             peak, ranges, copies = profile_step(lambda: m.step(b), device=device)
-        prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies)
+        prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies,
+                          opt_bytes=m.optimizer_state_bytes())
     extra = {}
     if "ragged" in methods:
         units = methods["ragged"].units
@@ -146,17 +162,18 @@ def _copy_ms(p, name):
 def summarize(model: str, world: int, results, opts) -> dict:
     """Per-method numbers (max over ranks for memory and time, rank 0 for bytes and profile)."""
     r0 = results[0]
-    out = {"model": model, "world": world, "policy": opts["policy"], "tokens_per_step": opts["batch"] * world *
+    out = {"model": model, "world": world, "policy": opts["policy"], "optim": opts["optim"], "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
         t = r0["times"][name]
         med = statistics.median(t)
         peak = max(res["prof"][name]["state_bytes"] + res["prof"][name]["step_rise_bytes"] for res in results)
         state = max(res["prof"][name]["state_bytes"] for res in results)
+        opt_bytes = max(res["prof"][name]["opt_bytes"] for res in results)
         rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
-            peak_bytes=peak, state_bytes=state, rss_rise_bytes=max(rise) if rise else None,
+            peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
             ranges=r0["prof"][name]["ranges"], copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
@@ -169,16 +186,16 @@ def render(summary, console=None):
 
     console = console or Console(width=max(150, Console().width))
     ms = summary["methods"]
-    t = Table(title=f"{summary['model']} GPT, W={summary['world']}, {summary['policy']}: one training step "
+    t = Table(title=f"{summary['model']} GPT, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
-    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)",
+    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
                 "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
         c = m["comm"]
         t.add_row(name, f"{m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f})",
                   f"{m['tokens_per_s']:,.0f}", _fmt_mib(m["peak_bytes"]),
-                  f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}",
+                  f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
                   _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}")
     if "ragged" in ms and "fsdp2" in ms:
@@ -188,7 +205,7 @@ def render(summary, console=None):
             return f"{x / y:.2f}x" if y else "-"
 
         t.add_row("[bold]ragged / fsdp2", ratio(a["median_s"], b["median_s"]), ratio(a["tokens_per_s"], b["tokens_per_s"]),
-                  ratio(a["peak_bytes"], b["peak_bytes"]), "",
+                  ratio(a["peak_bytes"], b["peak_bytes"]), "", ratio(a["opt_bytes"], b["opt_bytes"]),
                   ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
@@ -221,22 +238,26 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--policy", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--optim", choices=("adamw", "adamw8bit"), default="adamw",
+                    help="adamw8bit: rg.optim.adamw_8bit on Blocks(32, 32) vs FSDP2 + per-local-shard 8-bit AdamW")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--exact-rss", action="store_true",
+                    help="make glibc return freed tensors to the OS (RSS follows live tensors; slows allocation)")
     ap.add_argument("--json", default=None, help="append the summaries to this JSON-lines file")
     ap.add_argument("-q", "--quiet", dest="verbose", action="store_false")
     args = ap.parse_args(argv)
     from bench._launch import launch, pick_backend
 
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
-                policy=args.policy, lr=args.lr, local=args.local, verbose=args.verbose)
+                policy=args.policy, lr=args.lr, optim=args.optim, local=args.local, verbose=args.verbose)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",
               flush=True)
-        results = launch(world, _bench, opts, backend=args.backend, threads=args.threads)
+        results = launch(world, _bench, opts, backend=args.backend, threads=args.threads, exact_rss=args.exact_rss)
         summary = summarize(args.model, world, results, opts)
         summary["backend"] = backend
         render(summary)

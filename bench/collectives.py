@@ -19,6 +19,11 @@ reduce-scatter
   * ``raw all_to_all + sum``      the fastest raw path (all_to_all_single then local sum)
   * ``FSDP2-style``               ``torch._chunk_cat`` copy-in to rank-major + reduce_scatter_tensor
 
+``rg.gather (fresh buffer)`` allocates its output each call, as does ``raw p2p, fresh output
+buffer``: the pair shows what first touch of fresh memory costs (see the Note "reusing gather
+buffers" in ragged/transforms/_gather.py); the "fastest raw" reference reuses its buffers, so
+the like-for-like comparison is ``rg.gather (out= reused buffer)``.
+
 Each iteration runs every method once (interleaved, so machine noise hits all alike), a
 barrier before each; the time of an iteration is the max over ranks. Reported: median over
 iterations, and the ratio to the fastest raw path of the same collective.
@@ -103,6 +108,13 @@ def _worker(rank, m, port, hiddens, iters, out_q):
                 w.wait()
             ag_out[rank * S:(rank + 1) * S].copy_(flat_in)
 
+        def p2p_ag_fresh():
+            nonlocal ag_out
+            keep = ag_out
+            ag_out = torch.empty(m * S)
+            p2p_ag()
+            ag_out = keep
+
         def a2a_ag():
             a2a_tmp.view(m, S).copy_(flat_in.expand(m, S))
             dist.all_to_all_single(ag_out, a2a_tmp)
@@ -123,13 +135,16 @@ def _worker(rank, m, port, hiddens, iters, out_q):
 
         methods = {
             "ag": {
-                "rg.gather": lambda: rg.gather(dbuf, comm),
+                "rg.gather (out= reused buffer)": lambda: rg.gather(dbuf, comm, out=ag_out),
+                "rg.gather (fresh buffer)": lambda: rg.gather(dbuf, comm),
                 "raw all_gather_into_tensor": lambda: dist.all_gather_into_tensor(ag_out, flat_in),
                 "raw p2p (batch_isend_irecv)": p2p_ag,
+                "raw p2p, fresh output buffer": p2p_ag_fresh,
                 "raw all_to_all_single": a2a_ag,
                 "FSDP2-style (copy-in + AG + copy-out)": fsdp2_ag,
             },
             "rs": {
+                "rg.reduce_scatter (flat grad, out= reused)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum", out=rs_out),
                 "rg.reduce_scatter (flat grad)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum"),
                 "rg.reduce_scatter (pytree grads)": lambda: rg.reduce_scatter(plan, grads, comm, op="sum"),
                 "raw reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(rs_out, flat_grad),
@@ -182,13 +197,13 @@ def main(argv=None):
         table.add_column(col, justify="right" if col not in ("collective", "method") else "left")
     fastest = {}
     for m, h, mb, kind, name, ms in rows:
-        if name.startswith("raw"):
+        if name.startswith("raw") and "fresh" not in name:
             key = (m, h, kind)
             fastest[key] = min(fastest.get(key, float("inf")), ms)
     for m, h, mb, kind, name, ms in rows:
         table.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind], name,
                       f"{ms:.1f}", f"{mb / 1024 / (ms / 1e3):.2f}", f"{ms / fastest[(m, h, kind)]:.2f}x")
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":

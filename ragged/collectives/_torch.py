@@ -119,7 +119,7 @@ class TorchCollectives:
         self.ag_algorithm, self.rs_algorithm = ag, rs
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
         self._scratch = _Scratch()
-        self.checked_plans: set[str] = set()  # fingerprints already compared across ranks
+        self.checked_plans: dict = {}  # fingerprints (and ids) of plans already compared across ranks
 
     def __repr__(self) -> str:
         return (

@@ -88,8 +88,11 @@ def check_plan(plan: LayoutPlan, comm) -> None:
     """Compares ``plan`` across every rank of ``comm`` once (see [Note: plan check before
     collectives]); raises :class:`PlanMismatchError` on every rank if they differ."""
     checked = getattr(comm, "checked_plans", None)
+    if checked is not None and id(plan) in checked:  # fast path: this very plan object
+        return
     fp = plan.fingerprint()
     if checked is not None and fp in checked:
+        checked[id(plan)] = plan
         return
     summaries = comm.all_gather_object(_summary(plan))
     distinct = []
@@ -105,7 +108,8 @@ def check_plan(plan: LayoutPlan, comm) -> None:
             f"and options (check that all ranks build the same model and call make_plan the same way)."
         )
     if checked is not None:
-        checked.add(fp)
+        checked[fp] = plan
+        checked[id(plan)] = plan  # the value keeps the plan alive, so its id is not reused
 
 
 def flatten_like_plan(plan: LayoutPlan, tree, what: str, *, device=None, allow_dtypes=None):

@@ -13,6 +13,15 @@ the S-element shard with ``comm.reduce_scatter_into`` (all_to_all + local sum on
 unlike gloo's ``reduce_scatter_single``, also works under ``torch.func.grad``). Replicated
 leaves are returned as views of ``dbuf.replicated``; their backward all-reduces (sums) the
 gradient over the shard group, the transpose of replication.
+
+[Note: reusing gather buffers]
+Each gather allocates its m*S output. On CPU, glibc serves allocations above its mmap
+threshold (dynamic, at most 32 MiB by default) with fresh pages, and the first write to a fresh
+page costs a page fault: filling fresh memory runs ~5x slower than warm memory (torch-notes),
+which for a 50 MB unit is a large share of a gloo all-gather. ``out=`` lets a caller that
+gathers the same unit every step (e.g. a training step) keep one buffer per unit; the
+returned leaves then view that buffer, so it must not be reused while an earlier result (or
+an autograd graph through it) is still needed. ``bench/collectives.py`` shows both.
 """
 
 from __future__ import annotations
@@ -58,8 +67,9 @@ class _Box:
 
 class _GatherStart(torch.autograd.Function):
     @staticmethod
-    def forward(src, comm, box):
-        out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
+    def forward(src, comm, box, out):
+        if out is None:
+            out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
         box.handle = comm.all_gather_into(out, src, async_op=True)
         return out
 
@@ -73,7 +83,7 @@ class _GatherStart(torch.autograd.Function):
         grad = grad.contiguous()
         out = torch.empty(grad.numel() // comm.world_size, dtype=grad.dtype, device=grad.device)
         comm.reduce_scatter_into(out, grad, op="sum")
-        return out, None, None
+        return out, None, None, None
 
 
 class _Replicated(torch.autograd.Function):
@@ -109,7 +119,22 @@ def _check_dbuf(dbuf, comm, where):
         )
 
 
-def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None) -> GatherPending:
+def _check_out(out, numel, dtype, device):
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(
+            f"gather: out= must be a contiguous 1-D tensor of plan.buffer_numel = {numel} elements, got "
+            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
+        )
+    if out.dtype != dtype or out.device != device:
+        raise ValueError(f"gather: out= is {out.dtype} on {out.device}; the gather produces {dtype} on {device}.")
+    if out.requires_grad:
+        raise ValueError("gather: out= must not require grad (it is overwritten).")
+    return out
+
+
+def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
     Args:
@@ -117,6 +142,8 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None) -> Gathe
         comm: the shard group's collectives.
         dtype: compute dtype of the result (e.g. ``torch.bfloat16`` from an fp32 master shard:
             only the S-element shard is cast). Default: ``dbuf.data.dtype``.
+        out: optional flat ``m * S`` buffer to gather into (reused across steps it saves the
+            allocation and first touch of fresh memory, see [Note: reusing gather buffers]).
 
     Returns:
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
@@ -126,7 +153,8 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None) -> Gathe
     src = dbuf.data if dtype is None or dtype == dbuf.data.dtype else dbuf.data.to(dtype)
     rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
     box = _Box()
-    buffer = _GatherStart.apply(src, comm, box)
+    out = _check_out(out, dbuf.plan.buffer_numel, src.dtype, src.device)
+    buffer = _GatherStart.apply(src, comm, box, out)
     if rep.numel():
         rep = _Replicated.apply(rep, comm)
     return GatherPending(buffer=buffer, replicated=rep, handle=box.handle, plan=dbuf.plan, source=src)
@@ -138,7 +166,7 @@ def gather_wait(pending: GatherPending):
     return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
 
 
-def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None):
+def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 
     See [Note: gather is one collective and zero per-leaf work] and [Note: gather's backward]:
@@ -148,6 +176,7 @@ def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None):
         dbuf: this rank's shard.
         comm: the shard group's collectives (for HSDP: gathers within the shard group).
         dtype: compute dtype (cast the S-element shard, then gather). Default: the shard's.
+        out: optional flat ``m * S`` buffer to gather into (see [Note: reusing gather buffers]).
 
     Returns:
         A pytree like the params the plan was made from.
@@ -165,4 +194,4 @@ def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None):
         >>> rg.collectives.simulate(2, step)
         [True, True]
     """
-    return gather_wait(gather_start(dbuf, comm, dtype))
+    return gather_wait(gather_start(dbuf, comm, dtype, out=out))

@@ -14,6 +14,7 @@ all-reduced over every rank. The result is cast to ``plan.dtype`` (an S-element 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ class ReduceScatterPending(NamedTuple):
     op: str
     zero_padding: bool
     source: torch.Tensor
+    pooled: bool
 
 
 @functools.lru_cache(maxsize=256)
@@ -65,16 +67,45 @@ def _segments(plan: LayoutPlan):
 
 
 @functools.lru_cache(maxsize=256)
-def _padding_mask(plan: LayoutPlan, rank: int):
-    """A bool mask of this rank's padding elements, or None if it has none."""
-    mask = torch.ones(plan.shard_size, dtype=torch.bool)
+def _padding_gaps(plan: LayoutPlan, rank: int):
+    """``(lo, hi)`` ranges of this rank's padding inside its shard (between and after leaves)."""
+    gaps, pos = [], 0
     for piece in plan.local_pieces(rank):
-        mask[piece.local_offset : piece.local_offset + piece.numel] = False
-    return mask if bool(mask.any()) else None
+        if piece.local_offset > pos:
+            gaps.append((pos, piece.local_offset))
+        pos = piece.local_offset + piece.numel
+    if plan.shard_size > pos:
+        gaps.append((pos, plan.shard_size))
+    return tuple(gaps)
+
+
+class _Pool:
+    """Packing buffers reused across calls (taken at start, returned at wait): fresh large
+    allocations cost a first touch per page on CPU (see [Note: reusing gather buffers])."""
+
+    def __init__(self):
+        self._free: dict = {}
+        self._lock = threading.Lock()
+
+    def take(self, numel, dtype, device):
+        with self._lock:
+            pool = self._free.get((numel, dtype, str(device)))
+            if pool:
+                return pool.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t):
+        with self._lock:
+            pool = self._free.setdefault((t.numel(), t.dtype, str(t.device)), [])
+            if len(pool) < 2:
+                pool.append(t)
+
+
+_POOL = _Pool()
 
 
 def _pack(segs, leaves, numel, dtype, device):
-    out = torch.empty(numel, dtype=dtype, device=device)
+    out = _POOL.take(numel, dtype, device)
     if numel == 0:
         return out
     gap = max((n for i, n in segs if i is None), default=0)
@@ -86,7 +117,7 @@ def _pack(segs, leaves, numel, dtype, device):
 
 
 def reduce_scatter_start(
-    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None
+    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
 ) -> ReduceScatterPending:
     """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
 
@@ -129,26 +160,35 @@ def reduce_scatter_start(
             rep = replicated.detach().reshape(-1).to(rdtype, copy=True)
         else:
             rep = torch.empty(0, dtype=rdtype, device=device)
-        zero_padding = True
+        zero_padding, pooled = True, False
     else:
         leaves = flatten_like_plan(plan, grads, "grads", device=device)
         leaves = [l.detach() for l in leaves]
         flat = _pack(segs, leaves, plan.buffer_numel, rdtype, device)
         rep = _pack(rsegs, leaves, rep_numel, rdtype, device)
-        zero_padding = False
+        zero_padding, pooled = False, True
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != (plan.shard_size,) or out.dtype != rdtype or not out.is_contiguous():
+            raise ValueError(
+                f"reduce_scatter: out= must be a contiguous ({plan.shard_size},) tensor of the reduce dtype {rdtype}, "
+                f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}."
+            )
     check_plan(plan, comm)
-    out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
+    if out is None:
+        out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
     handles = [comm.reduce_scatter_into(out, flat, op="sum", async_op=True)]
     if rep.numel():
         handles.append(comm.all_reduce(rep, op="sum", async_op=True))
-    return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat)
+    return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat, pooled)
 
 
 def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`."""
-    out, rep, handles, plan, comm, op, zero_padding, _ = pending
+    out, rep, handles, plan, comm, op, zero_padding, source, pooled = pending
     for h in handles:
         h.wait()
+    if pooled:
+        _POOL.give(source)
     replicas = comm.num_replicas
     if replicas > 1:
         comm.all_reduce_replicas(out, op="sum")
@@ -158,10 +198,9 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
         n = comm.world_size * replicas
         out.div_(n)
         rep.div_(n)
-    if zero_padding:
-        mask = _padding_mask(plan, comm.rank)
-        if mask is not None:
-            out.masked_fill_(mask.to(out.device), 0)
+    if zero_padding:  # a flat gradient's padding need not be zero; the result's must
+        for lo, hi in _padding_gaps(plan, comm.rank):
+            out[lo:hi].zero_()
     data = out if out.dtype == plan.dtype else out.to(plan.dtype)
     if rep.dtype != plan.dtype:
         rep = rep.to(plan.dtype)
@@ -170,7 +209,9 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     return DBuffer(data=data, replicated=rep, plan=plan, rank=comm.rank)
 
 
-def reduce_scatter(plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None) -> DBuffer:
+def reduce_scatter(
+    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
+) -> DBuffer:
     """This rank's shard of the reduction (over every rank) of every rank's ``grads``.
 
     See [Note: reduce_scatter copies once or never].
@@ -185,6 +226,8 @@ def reduce_scatter(plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch
             ``plan.dtype``. Default: ``plan.dtype``.
         replicated: with a flat ``grads``, the flat gradient of the replicated buffer (needed
             iff the plan has replicated leaves).
+        out: optional ``(plan.shard_size,)`` tensor of the reduce dtype to reduce into (its
+            storage becomes the result's ``data`` when the reduce dtype is ``plan.dtype``).
 
     Returns:
         A :class:`~ragged.DBuffer` (padding is zero; replicated leaves all-reduced).
@@ -204,4 +247,4 @@ def reduce_scatter(plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch
         >>> rg.collectives.simulate(2, step)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated))
+    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out))

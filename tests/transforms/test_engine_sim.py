@@ -142,3 +142,58 @@ def test_redistribute_round_trip(m):
 
     for res in rg.collectives.simulate(m, fn):
         assert all(res), res
+
+
+def test_out_buffers_are_used_and_checked():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+    grads = [_params(seed=30 + r) for r in range(2)]
+
+    def fn(c):
+        d = rg.shard(plan, params, c)
+        buf = torch.full((plan.buffer_numel,), float("nan"), dtype=torch.float64)
+        full = rg.gather(d, c, out=buf)
+        same = all(t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for t in rg.pytree.leaves(full))
+        out = torch.empty(plan.shard_size, dtype=torch.float64)
+        g = rg.reduce_scatter(plan, grads[c.rank], c, op="sum", out=out)
+        with pytest.raises(ValueError, match="out= must be a contiguous 1-D tensor"):
+            rg.gather(d, c, out=buf[:-1])
+        return same, full, g.data.data_ptr() == out.data_ptr(), g, rg.shard(plan, rg.pytree.map(torch.add, *grads), c)
+
+    for same, full, used, g, want in rg.collectives.simulate(2, fn):
+        assert same and used
+        _same(full, params, rtol=0, atol=0)
+        torch.testing.assert_close(g.data, want.data)
+
+
+def test_flat_gradient_padding_is_zeroed():
+    params = {"a": torch.randn(3, dtype=torch.float64), "b": torch.randn(5, 2, dtype=torch.float64)}
+    plan = rg.make_plan(params, world_size=3, align=4)
+    assert plan.padding > 0
+
+    def fn(c):
+        g = torch.randn(plan.buffer_numel, dtype=torch.float64, generator=torch.Generator().manual_seed(c.rank))
+        return rg.reduce_scatter(plan, g, c, op="sum")
+
+    for d in rg.collectives.simulate(3, fn):
+        views = torch.cat([v.reshape(-1) for v in rg.pytree.leaves(d.views())])
+        assert torch.count_nonzero(d.data) == torch.count_nonzero(views) == views.numel()
+
+
+def test_dbuffer_group_ops_match_per_leaf_reference():
+    params = _params()
+    other = _params(seed=5)
+    plan = rg.make_plan(params, world_size=3)
+
+    def fn(c):
+        a, b = rg.shard(plan, params, c), rg.shard(plan, other, c)
+        z = a.zeros_like()
+        s = a.scale(0.5).add(b, alpha=-2.0)
+        return bool((z.data == 0).all()), rg.gather(s, c), float(a.global_norm(c)), a.cast(torch.float32).data.dtype
+
+    ref = rg.pytree.map(lambda x, y: 0.5 * x - 2.0 * y, params, other)
+    norm = float(torch.sqrt(sum((t * t).sum() for t in rg.pytree.leaves(params))))
+    for zero, full, n, dt in rg.collectives.simulate(3, fn):
+        assert zero and dt == torch.float32
+        _same(full, ref)
+        assert abs(n - norm) < 1e-9 * norm

@@ -53,6 +53,7 @@ def test_bad_inputs_exit_non_zero(capsys):
     assert "not one of rows:N" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "ragged", "plan", "--model", "llama3-70b", "-m", "8"],
                          capture_output=True, text=True, timeout=300)

@@ -184,3 +184,36 @@ def test_checkpoint_2x2_loads_on_4x1_1x1_2x2(kind, tmp_path):
     # and back onto 2x2 through from_global
     got = parallel.simulate_mesh(mp22.mesh, _resume_mesh, kind, mp22, path, 2)
     _close_trees(got[0], ref_continue(batches_per_step(kind, mp22.mesh)))
+
+
+# ---- composition with rg.fsdp.make_step ---------------------------------------------------------
+def _tp_with_fsdp_step(mc, mplan):
+    from ragged import fsdp
+    from tests.parallel._models import LR, WD, tp_batch, tp_loss, tp_params
+
+    units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
+                            groups=lambda p: p[:13] if "blocks" in p else "rest",
+                            specs=lambda path, t: mplan.leaf(path).granularity)
+    opt = rg.optim.adamw(LR, weight_decay=WD)
+    state = fsdp.init(units, parallel.local_params(mplan, tp_params(), mc.coords), opt, mc["dp"])
+    step = fsdp.make_step(units, lambda params, batch: tp_loss(params, batch, mc["tp"]), opt, mc["dp"])
+    losses = []
+    for s in range(STEPS):
+        state, metrics = step(state, tp_batch(s, mc.coords["dp"]))
+        losses.append(metrics["loss"])
+    return fsdp.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords)
+
+
+def test_fsdp_make_step_on_tp_local_units():
+    """rg.fsdp units planned on mplan.local_meta() over mcomm["dp"], with TP collectives inside
+    the loss: the overlapped FSDP step composes with TP unchanged."""
+    from tests.parallel._models import LAYERS, tp_params, tp_specs
+
+    specs = tp_specs()
+    specs = {"blocks": [dict(specs["blocks"][0], norm=None)] * LAYERS, "out": None}  # the step has no Replicate yet
+    mplan = spec.make_mesh_plan(tp_params(), specs, mesh=spec.Mesh((2, 2), ("dp", "tp")))
+    out = parallel.simulate_mesh(mplan.mesh, _tp_with_fsdp_step, mplan)
+    ref, _, ref_losses = reference_train("tp", STEPS, n_batches=2)
+    for local, losses, coords in out:
+        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)

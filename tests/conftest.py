@@ -13,3 +13,7 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Helper modules (``_util.py``, ``_harness.py``, ...) are imported by tests, not collected;
+# --doctest-modules would otherwise import them under clashing top-level names.
+collect_ignore_glob = ["*/_*.py"]

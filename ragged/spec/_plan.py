@@ -259,3 +259,11 @@ class LayoutPlan:
         from ragged._viz import plan_summary
 
         return plan_summary(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        # Jupyter: show the rich summary (text/html + text/plain) as a cell's output.
+        from rich.panel import Panel
+
+        from ragged._viz import plan_summary
+
+        return Panel(plan_summary(self), expand=False)._repr_mimebundle_(include, exclude, **kwargs)

@@ -62,3 +62,9 @@ def test_details_add_the_rank_table_and_jupyter_display_works():
     view = rg.visualize(plan, details=True)
     assert "per-rank pieces" in render(view)
     assert hasattr(view, "_repr_mimebundle_")  # rich renderables display themselves in Jupyter
+
+
+def test_plans_display_themselves_in_jupyter():
+    plan = rg.make_plan({"w": torch.empty(6, 4)}, world_size=2, align=1)
+    bundle = plan._repr_mimebundle_(include=None, exclude=None)
+    assert set(bundle) == {"text/plain", "text/html"} and "shard_size S=12" in bundle["text/plain"]

@@ -213,33 +213,74 @@ def _layout(dbuf: DBuffer, min_size: int) -> _Layout:
     return hit
 
 
+_KEY_SHIFT = 13  # keep 8 exponent + 10 mantissa bits of |x| as the lookup key
+
+
 class _Codec:
-    """Quantize / dequantize (rows, cols) pieces with per-block absmax."""
+    """Quantize / dequantize (rows, cols) pieces with per-block absmax.
+
+    [Note: exact nearest-code lookup without a search]
+    The code of a normalised value ``x`` is ``z + sign(x) * n(|x|)``, where ``z`` is the code
+    of 0 and ``n(a)`` counts the positive midpoints between neighbouring table values that are
+    below ``a`` (the map is symmetric, so this is the nearest value). ``n`` is read from two
+    small tables indexed by the top bits of ``a``'s float32 pattern (monotone in ``a``): the
+    count of midpoints below the key's interval, and the one midpoint inside it (the table is
+    built so that no interval holds two; checked here). That is a handful of element-wise
+    integer ops instead of a binary search per element, and, like everything here, exact and
+    independent of where an element sits in the buffer.
+    """
 
     def __init__(self, signed: bool, device):
-        self.table = dynamic_map(signed).to(device)
-        self.bounds = ((self.table[:-1].double() + self.table[1:].double()) / 2).to(torch.float32)
+        table = dynamic_map(signed)
+        self.table = table.to(device)
+        self.zero = int((table == 0).nonzero()[0, 0])
+        pos = table[self.zero :].double()  # 0, then the positive values ascending
+        mids = ((pos[:-1] + pos[1:]) / 2).to(torch.float32)  # positive midpoints
+        nkeys = (int(torch.tensor(1.0).view(torch.int32)) >> _KEY_SHIFT) + 1
+        keys = torch.arange(nkeys, dtype=torch.int64)
+        lo = (keys << _KEY_SHIFT).to(torch.int32).view(torch.float32)
+        hi = (((keys + 1) << _KEY_SHIFT) - 1).to(torch.int32).view(torch.float32)
+        base = torch.searchsorted(mids, lo, right=False)  # midpoints < lo
+        inside = torch.searchsorted(mids, hi, right=True) - base  # midpoints in [lo, hi]
+        if int(inside.max()) > 1:
+            raise AssertionError("quantization map too fine for the lookup key; lower _KEY_SHIFT")
+        thr = torch.where(inside > 0, mids[base.clamp(max=len(mids) - 1)], torch.tensor(float("inf")))
+        self.max_key = nkeys - 1
+        self.base = base.to(torch.int32).to(device)
+        self.thr = thr.to(device)
 
     @staticmethod
     def _pad(x: torch.Tensor, q: _QPiece) -> torch.Tensor:
         pr, pc = q.bands * q.br - q.rows, q.tiles * q.bc - q.cols
         return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
 
+    def _codes(self, normed: torch.Tensor) -> torch.Tensor:
+        a = normed.abs()
+        key = (a.view(torch.int32) >> _KEY_SHIFT).clamp_(max=self.max_key).reshape(-1)
+        n = self.base.index_select(0, key).view(a.shape)
+        n += a > self.thr.index_select(0, key).view(a.shape)
+        if self.zero:
+            n = torch.where(normed < 0, self.zero - n, n + self.zero)
+        return n.to(torch.uint8)
+
     def encode(self, x: torch.Tensor, q: _QPiece) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (rows, cols) fp32 -> (uint8 codes (rows*cols,), fp32 absmax (num_blocks,))."""
         xp = self._pad(x, q).view(q.bands, q.br, q.tiles, q.bc)
         absmax = xp.abs().amax(dim=(1, 3))
         safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        normed = xp / safe[:, None, :, None]
-        codes = torch.bucketize(normed, self.bounds).to(torch.uint8)
-        codes = codes.view(q.bands * q.br, q.tiles * q.bc)[: q.rows, : q.cols]
+        codes = self._codes(xp / safe[:, None, :, None])
+        if xp.data_ptr() != x.data_ptr():  # padded: cut back to the piece
+            codes = codes.view(q.bands * q.br, q.tiles * q.bc)[: q.rows, : q.cols]
         return codes.reshape(-1), absmax.reshape(-1)
 
     def decode(self, codes: torch.Tensor, absmax: torch.Tensor, q: _QPiece) -> torch.Tensor:
-        values = self.table[codes.view(q.rows, q.cols).long()]
+        values = self.table.index_select(0, codes.to(torch.int32)).view(q.rows, q.cols)
+        if q.rows % q.br == 0 and q.cols % q.bc == 0:
+            values.view(q.bands, q.br, q.tiles, q.bc).mul_(absmax.view(q.bands, 1, q.tiles, 1))
+            return values
         scale = absmax.view(q.bands, 1, q.tiles, 1).expand(q.bands, q.br, q.tiles, q.bc)
         scale = scale.reshape(q.bands * q.br, q.tiles * q.bc)[: q.rows, : q.cols]
-        return values * scale
+        return values.mul_(scale)
 
 
 def _moments_init(dbuf: DBuffer, min_size: int) -> Quant8Moments:

@@ -429,3 +429,17 @@ def test_hsdp_comm_is_refused_before_communication(tmp_path):
 
     with pytest.raises(ValueError, match=re.escape("got an HSDP comm (2 replicas x 2 shards)")):
         simulate(4, fn, mesh_shape=(2, 2))
+
+
+def test_truncation_is_caught_without_verify(tmp_path):
+    """verify=False skips the sha256 pass but still compares every file's size."""
+    path, full = _saved(tmp_path)
+    target = path / _corrupt_file(path)
+    target.write_bytes(target.read_bytes()[:-1])
+    plan = plan_for(full["params"], 2)
+
+    def fn(comm):
+        return rg.checkpoint.load(path, make_state(comm.rank, plan, full), comm, verify=False)
+
+    with pytest.raises(CheckpointCorruptError, match="truncated or extended"):
+        simulate(2, fn)

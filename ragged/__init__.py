@@ -27,5 +27,6 @@ from ragged.spec import LayoutPlan as LayoutPlan
 from ragged.spec import make_plan as make_plan
 from ragged._viz import rank_table as rank_table
 from ragged._viz import visualize as visualize
+from ragged import testing as testing
 
 __version__ = "0.1.0"

@@ -5,7 +5,9 @@ tensors only), each granularity (rows:1, rows:16, rows:128, blocks:128x128) and 
 group size m (8 ... 1024):
 
 * whole-model padding of ragged's ``dp``, ``exact`` (tree order) and ``naive`` plans (naive:
-  plus how many granules it splits), and of FSDP2 / FSDP1 / ZeRO-3 / Megatron-FSDP;
+  plus how many granules it splits), and of FSDP2 / FSDP1 / ZeRO-3 / Megatron-FSDP; ``bound``
+  is the order-free lower bound (``_search.order_free_lower_bound``): no planner, in any
+  order, pads less;
 * the worst layer's ``dp`` padding per layer kind (the paper's Figure 11 view);
 * the time to plan the whole model (every unit; identical units hit the plan memo) with
   cold caches, on one pinned core, median of ``--repeat`` runs at the largest m.
@@ -59,6 +61,7 @@ def sweep(models, granularities, world_sizes, strategies):
     from ragged import spec
     from ragged._cli import parse_granularity, unit_specs
     from ragged._models import model_units
+    from ragged.spec import _search
 
     cells = []
     for model in models:
@@ -68,6 +71,7 @@ def sweep(models, granularities, world_sizes, strategies):
             g = parse_granularity(gtext)
             for m in world_sizes:
                 cell = {"model": model, "granularity": gtext, "m": m}
+                bound_cache = {}
                 numel = None
                 for strategy in strategies:
                     plans, seconds = plan_model(units, g, m, strategy, unit_specs)
@@ -77,6 +81,16 @@ def sweep(models, granularities, world_sizes, strategies):
                     if strategy == "naive":
                         cell["naive_split"] = sum(p.split_blocks for p in plans)
                     if strategy == "dp":
+                        bound_pad, at_bound = 0, 0
+                        for p in plans:
+                            key = (tuple(l.numel for l in p.leaves), tuple(l.granule for l in p.leaves), p.align)
+                            if key not in bound_cache:
+                                bound_cache[key] = _search.order_free_lower_bound(*key, m)
+                            lb = bound_cache[key]
+                            bound_pad += m * lb - p.numel
+                            at_bound += p.shard_size == lb
+                        cell["bound"] = bound_pad / numel
+                        cell["dp_at_bound"] = (at_bound, len(plans))
                         worst = {}
                         for u, p in zip(units, plans):
                             if u.kind not in ("embed", "head"):
@@ -136,7 +150,8 @@ def main(argv=None) -> int:
     for model in args.models:
         table = Table(title=f"{model}: whole-model padding (all units) and cold dp planning time",
                       header_style="bold", title_justify="left")
-        for col in ("granularity", "m", *args.strategies, *spec.PEERS, "dp time"):
+        bound_cols = ("bound",) if "dp" in args.strategies else ()
+        for col in ("granularity", "m", *bound_cols, *args.strategies, *spec.PEERS, "dp time"):
             table.add_column(col, justify="right")
         for c in (c for c in cells if c["model"] == model):
             vals = []
@@ -145,7 +160,8 @@ def main(argv=None) -> int:
                 if s == "naive" and c.get("naive_split"):
                     v += f" ({c['naive_split']} split)"
                 vals.append(v)
-            table.add_row(c["granularity"], str(c["m"]), *vals, *(f"{c[p]:.2%}" for p in spec.PEERS),
+            bounds = (f"{c['bound']:.2%}",) if "dp" in args.strategies else ()
+            table.add_row(c["granularity"], str(c["m"]), *bounds, *vals, *(f"{c[p]:.2%}" for p in spec.PEERS),
                           f"{c.get('dp_time', float('nan')) * 1e3:.0f} ms")
         console.print(table)
 
@@ -193,6 +209,11 @@ def main(argv=None) -> int:
                       + ("[green]PASS[/] (<= 0.1)" if gap <= 0.1 else "[red]FAIL[/]")
                       + f"; dp's order search gains up to {gain:.3f} pp over exact(tree order)")
     if "dp" in args.strategies:
+        reached = sum(c["dp_at_bound"][0] for c in cells)
+        total_units = sum(c["dp_at_bound"][1] for c in cells)
+        console.print(f"check: dp reaches the order-free lower bound ('bound' column: no order or planner can do "
+                      f"better) on {reached} of {total_units} unit plans; max gap "
+                      f"{max((c['dp'] - c['bound']) * 100 for c in cells):.4f} pp of whole-model padding")
         bad = []
         worst = 0.0
         for c in cells:

@@ -197,6 +197,24 @@ def upper_bound(sizes, granules, align: int, world_size: int) -> int:
     return -(-bound // align) * align
 
 
+def order_free_lower_bound(sizes, granules, align: int, world_size: int) -> int:
+    """A lower bound on S valid for *every* order: the smallest multiple of ``align`` that is
+    at least ``ceil(total / m)`` and the largest uncuttable tensor, and a multiple of every
+    granule its forced tensors require (see the module note). When a plan reaches it, no
+    order and no planner can do better.
+    """
+    total = sum(int(e) for e in sizes)
+    atomic = max((int(e) for e, g in zip(sizes, granules) if int(e) <= int(g)), default=0)
+    lo = max(-(-total // world_size), atomic, 1)
+    lo = -(-lo // align) * align
+    hi = upper_bound(sizes, granules, align, world_size)
+    for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
+        start = -(-a // step) * step
+        if start < b:
+            return start
+    return hi  # pragma: no cover (the last interval always holds hi)
+
+
 def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int | None = None) -> int | None:
     """The smallest S (multiple of ``align``) for which the order has a valid placement.
 

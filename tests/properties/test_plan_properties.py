@@ -237,3 +237,14 @@ def test_occupancy_matches_local_pieces(inputs):
     params, specs, m = inputs
     plan = rg.make_plan(params, specs, world_size=m)
     assert plan.occupancy() == tuple(sum(p.numel for p in plan.local_pieces(r)) for r in range(m))
+
+
+@given(tiny_instances)
+def test_order_free_lower_bound_is_below_every_order(instance):
+    sizes, granules, align, m = instance
+    lb = _search.order_free_lower_bound(sizes, granules, align, m)
+    free = min(
+        brute_min_shard_size([sizes[i] for i in perm], [granules[i] for i in perm], align, m)
+        for perm in itertools.permutations(range(len(sizes)))
+    )
+    assert lb <= free

@@ -144,9 +144,14 @@ _TOKEN = re.compile(r"\[((?:'(?:[^'\\]|\\.)*')|(?:\"(?:[^\"\\]|\\.)*\")|[^\]]*)\
 def path_parts(path: str) -> list[str]:
     """Splits a key path such as ``['layers'][0].mu['w']`` into ``['layers', '0', 'mu', 'w']``.
 
+    A string key that is itself a key path (FSDP units plan ``{key path: tensor}`` trees) is
+    split too.
+
     Examples:
         >>> path_parts("['layers'][0].mu['w']")
         ['layers', '0', 'mu', 'w']
+        >>> path_parts('''["['layers'][0]"]["['layers'][0]['w']"]''')
+        ['layers', '0', 'layers', '0', 'w']
     """
     if path == "<root>":
         return []
@@ -163,6 +168,13 @@ def path_parts(path: str) -> list[str]:
                 value = ast.literal_eval(bracket)
             except (ValueError, SyntaxError):
                 value = bracket
+            if isinstance(value, str) and value.startswith("["):
+                try:  # a key that is itself a key path (plans over {path: tensor} trees)
+                    parts.extend(path_parts(value))
+                    pos = match.end()
+                    continue
+                except ValueError:
+                    pass
             parts.append(str(value))
         pos = match.end()
     return parts

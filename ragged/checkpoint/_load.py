@@ -256,22 +256,34 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     return treedef.unflatten(new_leaves)
 
 
-def export(path, out_file=None, *, prefix: str | None = None, verify: bool = True) -> dict[str, Any]:
+def export(
+    path, out_file=None, *, prefix: str | None = None, leaf_names: bool = False, verify: bool = True
+) -> dict[str, Any]:
     """Consolidates a checkpoint into one flat state dict of full tensors (single process).
 
-    Keys are dotted names (``params.layers.0.w``; a DBuffer's leaves continue its own path),
+    Keys are dotted names (``params.layers.0.w``: a DBuffer's leaves continue its own path),
     values are full tensors of their true shapes in the saved dtype, Python scalars as saved,
-    and per-rank values as ``name@rank<r>``. Padding is not included.
+    per-rank values as ``name@rank<r>``, 8-bit Adam moments as ``<leaf>.mu_codes`` (uint8, leaf
+    shape), ``<leaf>.mu_scales`` (fp32, one per block), ``<leaf>.mu`` (fp32). No padding.
 
     Args:
         path: a checkpoint written by :func:`save` (any world size).
         out_file: if given, the dict is also written there with ``torch.save`` (atomically).
-        prefix: keep only names under this dotted prefix, with the prefix removed (e.g.
+        prefix: export only the entries under this dotted prefix, named relative to it (e.g.
             ``prefix="params"`` gives keys that ``nn.Module.load_state_dict`` accepts).
-        verify: check every file's checksum first.
+        leaf_names: name each DBuffer leaf by its own path in the DBuffer's plan only (the
+            DBuffer's place in the state dropped). For FSDP unit shards
+            (``{unit name: DBuffer}``, whose plans carry full parameter names), ``prefix=
+            "<path to the shards>", leaf_names=True`` gives the module's state dict.
+        verify: check every file's sha256 first (sizes are checked either way).
 
     Returns:
         The consolidated dict.
+
+    Raises:
+        CheckpointCorruptError: missing or damaged files.
+        KeyError: nothing under ``prefix``.
+        CheckpointMismatchError: two entries would get the same name.
 
     Examples:
         >>> import tempfile, os, torch, ragged as rg
@@ -290,53 +302,63 @@ def export(path, out_file=None, *, prefix: str | None = None, verify: bool = Tru
     """
     path = os.path.abspath(os.fspath(path))
     manifest, metadata = _open(path, 0, 1, verify=verify)
+    head = None if prefix is None else prefix.strip(".")
     out: dict[str, Any] = {}
     pieces = []
 
-    def put(name: str, value) -> None:
-        if name in out:
-            raise CheckpointMismatchError(f"two entries of {path!r} export under the same name {name!r}.")
-        out[name] = value
-
     for p, entry in manifest["entries"].items():
-        base = fmt.path_parts(p)
+        parts = fmt.path_parts(p)
+        base = ".".join(parts)
+        if head is None:
+            rel = parts
+        elif base == head:
+            rel = []
+        elif base.startswith(head + "."):
+            rel = [base[len(head) + 1 :]]
+        else:
+            continue
         kind = entry["kind"]
+        own = leaf_names and kind in ("dbuffer", "quant8")
+
+        def put(leaf_parts: list[str], value, suffix: str = "") -> None:
+            name = ".".join(leaf_parts if own else rel + leaf_parts) or (parts[-1] if parts else "state")
+            name += suffix
+            if name in out:
+                raise CheckpointMismatchError(f"two entries of {path!r} export under the same name {name!r}.")
+            out[name] = value
+
+        def read(fqn: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            flat = torch.zeros(numel, dtype=dtype)
+            if numel:
+                pieces.append(Piece(fqn, 0, numel, flat))
+            return flat
+
         if kind == "dbuffer":
             plan = entry["plan"]
             for leaf, dtype in [(l, entry["dtype"]) for l in plan["leaves"]] + [
                 (l, entry["replicated_dtype"]) for l in plan["replicated"]
             ]:
                 shape = tuple(leaf["shape"])
-                flat = torch.zeros(math.prod(shape), dtype=fmt.dtype_from_name(dtype))
-                if flat.numel():
-                    pieces.append(Piece(fmt.leaf_fqn(p, leaf["path"]), 0, flat.numel(), flat))
-                put(".".join(base + fmt.path_parts(leaf["path"])), flat.view(shape))
+                flat = read(fmt.leaf_fqn(p, leaf["path"]), math.prod(shape), fmt.dtype_from_name(dtype))
+                put(fmt.path_parts(leaf["path"]), flat.view(shape))
         elif kind == "tensor":
             shape = tuple(entry["shape"])
-            flat = torch.zeros(math.prod(shape), dtype=fmt.dtype_from_name(entry["dtype"]))
-            if flat.numel():
-                pieces.append(Piece(p, 0, flat.numel(), flat))
-            put(".".join(base), flat.view(shape))
+            put([], read(p, math.prod(shape), fmt.dtype_from_name(entry["dtype"])).view(shape))
         elif kind == "per_rank":
             for r, shape in enumerate(entry["shapes"]):
-                flat = torch.zeros(math.prod(shape), dtype=fmt.dtype_from_name(entry["dtype"]))
-                if flat.numel():
-                    pieces.append(Piece(fmt.per_rank_fqn(p, r), 0, flat.numel(), flat))
-                put(".".join(base) + f"@rank{r}", flat.view(tuple(shape)))
+                flat = read(fmt.per_rank_fqn(p, r), math.prod(shape), fmt.dtype_from_name(entry["dtype"]))
+                put([], flat.view(tuple(shape)), f"@rank{r}")
         elif kind == "quant8":
-            for parts, view, f, flat in q8.export(p, entry):
+            for leaf_parts, view, f, flat in q8.export(p, entry):
                 if flat.numel():
                     pieces.append(Piece(f, 0, flat.numel(), flat))
-                put(".".join(base + parts), view)
+                put(leaf_parts, view)
         elif kind == "value":
-            put(".".join(base), float("nan") if entry.get("nan") else entry["value"])
+            put([], float("nan") if entry.get("nan") else entry["value"])
         # kind == "plan": metadata only, nothing to export
+    if head is not None and not out:
+        raise KeyError(f"checkpoint {path!r} has no entry under {prefix!r}; entries are {list(manifest['entries'])}.")
     dcp_load(path, pieces, metadata, SingleProcess())
-    if prefix is not None:
-        head = prefix.rstrip(".") + "."
-        out = {k[len(head) :]: v for k, v in out.items() if k.startswith(head)}
-        if not out:
-            raise KeyError(f"no exported name starts with {head!r}.")
     if out_file is not None:
         out_file = os.fspath(out_file)
         tmp = out_file + ".tmp"

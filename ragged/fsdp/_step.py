@@ -172,9 +172,24 @@ class _Run:
         self.remaining = [0] * self.n
         self.rs_pending: list[tuple[int, Any, int]] = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.hook_handles = [
+            t.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+            for i in range(self.n)
+            for _, _, t in self.leaf_ranges[i]
+        ]
+
+    def close(self):
+        """Breaks the leaf -> hook -> run reference cycle (it runs through C++ hook storage the
+        garbage collector cannot see) and drops every buffer of this call."""
+        for h in self.hook_handles:
+            h.remove()
         for i in range(self.n):
-            for _, _, t in self.leaf_ranges[i]:
-                t.register_post_accumulate_grad_hook(self._make_grad_hook(i))
+            if self.state[i] != _FREE:
+                self.free(i)
+        self.hook_handles = []
+        self.flat = self.leaves = self.leaf_ranges = self.params_tree = None
+        self.gflat = self.sources = self.handles = None
+        self.key_to_unit = {}
 
     # ---- tracing / accounting --------------------------------------------------------
     def _log(self, event: str, i: int):
@@ -435,9 +450,12 @@ class Step:
                    prefetch=self.prefetch, reshard=self.reshard_after_forward, schedule=self._schedule,
                    max_inflight_reduce=self.max_inflight_reduce, trace=self.trace)
         losses = []
-        for mb in micro:
-            losses.append(run.micro_batch(self.loss_fn, mb, 1.0 / self.micro_batches))
-        run.finish_reduces()
+        try:
+            for mb in micro:
+                losses.append(run.micro_batch(self.loss_fn, mb, 1.0 / self.micro_batches))
+            run.finish_reduces()
+        finally:
+            run.close()
         grads = {}
         for u in self.units:
             g = run.grads[u.name]  # micro-batch losses were scaled by 1 / micro_batches

@@ -30,6 +30,8 @@ class MeshComm:
         axes: ``axis name -> Collectives`` of this rank's group along that axis.
         world: a Collectives over every rank of the mesh (rank = row-major mesh rank), or None.
         device_mesh: the torch ``DeviceMesh`` it was built from (for DTensor export), or None.
+        checked_plans: fingerprints of mesh plans already compared across the mesh (see
+            [Note: mesh plan check]).
     """
 
     mesh: Mesh
@@ -37,6 +39,7 @@ class MeshComm:
     axes: Mapping[str, Any]
     world: Any = None
     device_mesh: Any = None
+    checked_plans: set = dataclasses.field(default_factory=set, repr=False)
 
     def __getitem__(self, axis: str):
         try:

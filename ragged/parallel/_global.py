@@ -27,6 +27,7 @@ from ragged.spec._granularity import Replicate, Rows
 from ragged.spec._mesh import MeshPlan
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._planning import make_plan
+from ragged.parallel._transforms import check_mesh_plan
 from ragged.transforms._shard import replicated_size
 
 __all__ = ["global_plan", "to_global", "from_global"]
@@ -135,6 +136,7 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
         [12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 23.0]
     """
     _check(mplan, mcomm, "to_global")
+    check_mesh_plan(mplan, mcomm)
     gplan = global_plan(mplan) if plan is None else plan
     world = mcomm.world
     W, Sg = world.world_size, gplan.shard_size
@@ -170,6 +172,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
     ``mplan.plan``; other leaves unchanged.
     """
     _check(mplan, mcomm, "from_global")
+    check_mesh_plan(mplan, mcomm)
     world = mcomm.world
     W = world.world_size
     fsdp_rank = mcomm.coords[mplan.fsdp_axis]
@@ -178,9 +181,15 @@ def from_global(mplan: MeshPlan, tree, mcomm):
     cache = {}
 
     def convert(d):
-        if not isinstance(d, DBuffer) or d.plan.world_size != W or d.plan.replicated:
+        if not isinstance(d, DBuffer):
             return d
         gplan = d.plan
+        if gplan.world_size != W or gplan.replicated or d.rank != world.rank:
+            raise ValueError(
+                f"from_global: a DBuffer of {gplan!r} at rank {d.rank} is not a global DBuffer of this mesh "
+                f"({W} ranks, this is rank {world.rank}; global plans shard every leaf). Fix: load the checkpoint "
+                "into DBuffers of parallel.global_plan(mplan) (see parallel.to_global)."
+            )
         if gplan not in cache:
             _check_same_leaves(mplan, gplan)
             Sg = gplan.shard_size

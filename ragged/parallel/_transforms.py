@@ -45,6 +45,40 @@ def _check_mesh(mplan: MeshPlan, mcomm, where):
         )
 
 
+# [Note: mesh plan check]
+# ``rg.shard`` / ``rg.gather`` compare the FSDP plan within the FSDP group only. Ranks of one TP
+# group that planned different placements (or shapes) would issue TP collectives of different
+# sizes. Before the first use of a mesh plan, ``shard``, ``reduce_scatter``, ``full_params``,
+# ``to_global`` and ``from_global`` all-gather its fingerprint over the whole mesh
+# (``mcomm.world``, one small object per rank, once per plan) and raise
+# :class:`~ragged.PlanMismatchError` on every rank if any differ.
+def check_mesh_plan(mplan: MeshPlan, mcomm) -> None:
+    """See [Note: mesh plan check]. A no-op without ``mcomm.world``."""
+    world = getattr(mcomm, "world", None)
+    if world is None:
+        return
+    fp = mplan.fingerprint()
+    if fp in mcomm.checked_plans:
+        return
+    summary = (fp, {l.path: (l.shape, l.local_shape, repr(l.granularity), l.shards) for l in mplan.leaves})
+    everything = world.all_gather_object(summary)
+    if any(s[0] != fp for s in everything):
+        other_rank, other = next((r, s) for r, s in enumerate(everything) if s[0] != everything[0][0])
+        first = everything[0][1]
+        diffs = [
+            f"{p}: {first.get(p)} vs {other[1].get(p)}" for p in sorted(set(first) | set(other[1]))
+            if first.get(p) != other[1].get(p)
+        ]
+        from ragged._errors import PlanMismatchError
+
+        raise PlanMismatchError(
+            f"ranks hold different mesh plans: rank 0 vs rank {other_rank} differ in "
+            f"{'; '.join(diffs[:3]) or 'mesh, FSDP axis or planning options'} (path: (shape, local shape, "
+            "granularity, shards)). Fix: build the mesh plan identically on every rank."
+        )
+    mcomm.checked_plans.add(fp)
+
+
 def local_params(mplan: MeshPlan, params, coords: Mapping[str, int]):
     """The TP/EP-local part of every leaf of ``params`` (global tensors) at mesh ``coords``.
 
@@ -87,7 +121,9 @@ def shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
     """
     _check_mplan(mplan, "shard")
     _check_mesh(mplan, mcomm, "shard")
-    return _shard(mplan.plan, local_params(mplan, params, mcomm.coords), mcomm[mplan.fsdp_axis])
+    local = local_params(mplan, params, mcomm.coords)
+    check_mesh_plan(mplan, mcomm)
+    return _shard(mplan.plan, local, mcomm[mplan.fsdp_axis])
 
 
 def gather(dbuf: DBuffer, mcomm, dtype: torch.dtype | None = None, *, fsdp_axis: str = "dp"):
@@ -154,6 +190,7 @@ def reduce_scatter(
                 f"({mplan.other_axes}); the FSDP axis {mplan.fsdp_axis!r} is always reduced."
             )
     fsdp = mcomm[mplan.fsdp_axis]
+    check_mesh_plan(mplan, mcomm)
     out = _reduce_scatter(mplan.plan, grads, fsdp, op="sum", dtype=dtype)
     data, rep = out.data, out.replicated
     n = fsdp.world_size
@@ -205,6 +242,7 @@ def full_params(mplan: MeshPlan, dbuf: DBuffer, mcomm):
     """
     _check_mplan(mplan, "full_params")
     _check_mesh(mplan, mcomm, "full_params")
+    check_mesh_plan(mplan, mcomm)
     with torch.no_grad():
         local = _gather(dbuf.replace(data=dbuf.data.detach(), replicated=dbuf.replicated.detach()), mcomm[mplan.fsdp_axis])
         tensors = [t.clone() for t in mplan.treedef.flatten_up_to(local)]

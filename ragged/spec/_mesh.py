@@ -243,8 +243,25 @@ class MeshLeaf:
             >>> mp.leaves[0].local_index({"dp": 0, "tp": 1}).tolist()
             [1, 3, 5, 7]
         """
-        t = torch.arange(math.prod(self.shape), dtype=dtype).view(self.shape)
-        return local_part(t, self, coords).reshape(-1)
+        # One index vector per dim, narrowed like the tensor (O(local numel), never the global).
+        ndim = len(self.shape)
+        if ndim == 0:
+            return torch.zeros(1, dtype=dtype)
+        per_dim = [torch.arange(n, dtype=dtype) for n in self.shape]
+        for axis, dim, groups, size in self.shards:
+            n = per_dim[dim].numel()
+            chunk = n // groups // size
+            c = int(coords[axis])
+            per_dim[dim] = per_dim[dim].view(groups, n // groups)[:, c * chunk : (c + 1) * chunk].reshape(-1)
+        strides = [math.prod(self.shape[i + 1 :]) for i in range(ndim)]
+        index = torch.zeros(self.local_shape, dtype=dtype)
+        for i, (idx, st) in enumerate(zip(per_dim, strides)):
+            index += (idx * st).view([-1 if j == i else 1 for j in range(ndim)])
+        return index.reshape(-1)
+
+    def fingerprint_fields(self) -> tuple:
+        return (self.path, self.index, self.shape, self.local_shape, str(self.dtype), repr(self.granularity),
+                self.shards, self.replicated_on)
 
 
 def local_part(t: torch.Tensor, leaf: MeshLeaf, coords: Mapping[str, int]) -> torch.Tensor:
@@ -286,6 +303,13 @@ class MeshPlan:
     def other_axes(self) -> tuple[str, ...]:
         """Mesh axes other than the FSDP axis, in mesh order."""
         return tuple(a for a in self.mesh.names if a != self.fsdp_axis)
+
+    def fingerprint(self) -> str:
+        """A digest equal on two processes exactly when their mesh plans are equal."""
+        import hashlib
+
+        text = repr((self.mesh, self.fsdp_axis, [l.fingerprint_fields() for l in self.leaves], self.plan.fingerprint()))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def leaf(self, path: str) -> MeshLeaf:
         for leaf in self.leaves:

@@ -148,3 +148,17 @@ def test_property_roundtrips(case):
     mesh, params, specs = case
     mplan = spec.make_mesh_plan(params, specs, mesh=mesh)
     assert all(parallel.simulate_mesh(mesh, _property_body, mplan, params))
+
+
+def _mismatched(mc):
+    shard_dim = 0 if mc.coords["tp"] == 0 else 1  # TP ranks disagree about the placement
+    mplan = spec.make_mesh_plan({"w": meta(8, 4)}, {"w": {"tp": spec.Shard(shard_dim)}}, mesh=MESH)
+    try:
+        parallel.shard(mplan, {"w": torch.zeros(8, 4)}, mc)
+    except rg.PlanMismatchError as e:
+        return str(e)
+
+
+def test_mismatched_mesh_plans_raise_on_every_rank():
+    msgs = parallel.simulate_mesh(MESH, _mismatched, timeout=10.0)
+    assert all(m is not None and "different mesh plans" in m and "['w']" in m for m in msgs), msgs

@@ -22,6 +22,8 @@ __all__ = ["run", "build_parser", "parse_granularity", "unit_specs", "SUBCOMMAND
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan every FSDP unit of a model and compare padding with FSDP2/FSDP1/ZeRO-3/Megatron-FSDP",
              "ragged._cli:configure_plan"),
+    "train": ("train the example GPT (dense or --moe) with the functional FSDP step on gloo/NCCL ranks",
+              "ragged.examples.train:configure"),
 }
 
 

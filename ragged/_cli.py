@@ -179,6 +179,12 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
             f"granules = {step} elements ({listing}{more}); S={plan.shard_size} is {plan.shard_size / ideal:.2f}x "
             "the ideal."
         )
+        from ragged.spec import _search
+
+        lb = _search.order_free_lower_bound([l.numel for l in plan.leaves], [l.granule for l in plan.leaves],
+                                            plan.align, m)
+        if plan.shard_size == lb:
+            lines.append("this S is the order-free lower bound: no leaf order and no planner pads less here.")
     else:
         lines.append(f"no leaf forces S (S={plan.shard_size}, ideal {ideal}); large granules relative to S cost the rest.")
     fixes = []

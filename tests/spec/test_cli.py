@@ -28,6 +28,7 @@ def test_coarse_granules_are_explained_with_numbers(capsys):
     assert code == 0
     assert "warning: moe_layer at m=1024 with rows:128" in out
     assert "longer than 2*S" in out and "multiple of the lcm of their granules" in out
+    assert "order-free lower bound" in out
     assert "shard group 512 (2 replicas):" in out and "layers per unit at m=1024 2:" in out
     assert "granularity rows:1 at m=1024:" in out
 

@@ -7,9 +7,10 @@ state   Bytes of optimizer state per parameter for one FSDP unit of each bundled
         ``rg.optim.adamw`` (fp32 moments) vs ``rg.optim.adamw_8bit`` (uint8 codes + one fp32
         absmax per block; ``Blocks(32, 32)`` on matrices, ``Elements(256)`` on large vectors,
         fp32 moments for the rest). Also counts the padding the fp32 state carries.
-muon    Newton-Schulz work per rank for one unit (every 2-D matrix and every expert matrix of
-        3-D fused experts): max / mean / min flops over ranks and the largest single matrix
-        (balanced means max - min <= one matrix).
+muon    Newton-Schulz work per rank (every 2-D matrix and every expert matrix of 3-D fused
+        experts; embeddings and heads included, as the default filter does): max / mean / min
+        flops over ranks and the largest single matrix (balanced means max - min <= one
+        matrix), for owners balanced within one unit and jointly over the whole model.
 step    Wall time of one optimizer step on one process (torch.set_num_threads(1)) over the same
         fp32 parameters: ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW`` foreach and
         for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one flat tensor,
@@ -90,18 +91,28 @@ def section_state(console, m):
 
 
 def section_muon(console, m_list):
-    table = Table(title="Newton-Schulz load per rank (distributed Muon owners, LPT)")
-    for col in ("unit", "m", "matrices", "max GFLOP", "mean", "min", "largest matrix", "max-min <= largest"):
-        table.add_column(col, justify="right" if col != "unit" else "left")
-    for label, params in pick_units():
+    from ragged.models import MODELS, model_units
+
+    table = Table(title="Newton-Schulz load per rank (distributed Muon owners, LPT; 2-D matrices and every expert matrix)")
+    for col in ("owners balanced over", "m", "matrices", "max TFLOP", "mean", "min", "max/mean", "largest matrix",
+                "max-min <= largest"):
+        table.add_column(col, justify="right" if col != "owners balanced over" else "left")
+
+    def row(label, plans, m):
+        load = rg.optim.muon_load(plans)
+        f = load["flops"]
+        big = max(u.cost for u in load["units"])
+        mean = statistics.mean(f)
+        table.add_row(label, str(m), str(len(load["units"])), f"{max(f) / 1e12:.1f}", f"{mean / 1e12:.1f}",
+                      f"{min(f) / 1e12:.1f}", f"{max(f) / mean:.3f}", f"{big / 1e12:.1f}", str(max(f) - min(f) <= big))
+
+    for name in MODELS:
+        units = model_units(name, dtype=torch.float32)
         for m in m_list:
-            plan = rg.make_plan(params, specs_for(params), world_size=m, dtype=torch.float32)
-            load = rg.optim.muon_load(plan)
-            f = load["flops"]
-            big = max(u.cost for u in load["units"])
-            table.add_row(label, str(m), str(len(load["units"])), f"{max(f) / 1e9:.1f}",
-                          f"{statistics.mean(f) / 1e9:.1f}", f"{min(f) / 1e9:.1f}", f"{big / 1e9:.1f}",
-                          str(max(f) - min(f) <= big))
+            plans = [rg.make_plan(u.params, specs_for(u.params), world_size=m, dtype=torch.float32) for u in units]
+            layer = next(p for p, u in zip(plans, units) if "layer" in u.kind)
+            row(f"{name}: one unit ({units[plans.index(layer)].name})", layer, m)
+            row(f"{name}: whole model ({len(units)} units)", plans, m)
     console.print(table)
 
 

@@ -5,8 +5,8 @@
    with ``torch.optim.Muon``'s formulas: ``buf = lerp(buf, g, 1 - momentum)`` and, with
    Nesterov, ``u = lerp(g, buf, momentum)``.
 2. Each Muon matrix (a 2-D leaf, or one ``(R, C)`` matrix of a 3-D fused-experts leaf) gets an
-   owner rank. Owners are chosen once per plan by longest-processing-time-first list
-   scheduling of the Newton-Schulz cost (``ns_steps * (4 a^2 b + 2 a^3)`` flops for an
+   owner rank. Owners are chosen once, jointly over every DBuffer of the params tree (e.g. all
+   FSDP units of a model), by longest-processing-time-first list scheduling of the Newton-Schulz cost (``ns_steps * (4 a^2 b + 2 a^3)`` flops for an
    ``a x b`` matrix, ``a <= b``), so the busiest rank exceeds the least busy by at most one
    matrix's cost (:func:`muon_load` reports it).
 3. The matrices move to their owners by uneven ``all_to_all`` (the owned RaggedShard: one
@@ -121,31 +121,48 @@ def _ns_cost(rows: int, cols: int, steps: int) -> float:
     return float(steps * (4 * a * a * b + 2 * a**3))
 
 
-def _units(plan: LayoutPlan, muon_filter, ns_steps: int) -> tuple[MuonUnit, ...]:
-    raw = []
-    for leaf in plan.leaves:
-        if not muon_filter(leaf):
-            continue
-        if len(leaf.shape) not in (2, 3):
-            raise ValueError(
-                f"muon: params{leaf.path} has shape {leaf.shape}; Muon matrices must be 2-D (or 3-D "
-                "stacks of expert matrices). Fix: exclude it with muon_filter (it then gets AdamW)."
-            )
-        rows, cols = leaf.shape[-2], leaf.shape[-1]
-        count = leaf.shape[0] if len(leaf.shape) == 3 else 1
-        for e in range(count):
-            raw.append((leaf.path, e, leaf.offset + e * rows * cols, rows, cols, _ns_cost(rows, cols, ns_steps)))
-    load = [0.0] * plan.world_size
-    owners = {}
-    for item in sorted(raw, key=lambda u: (-u[5], u[2])):  # LPT: largest first, least loaded rank
-        r = min(range(plan.world_size), key=lambda k: (load[k], k))
-        owners[item[2]] = r
-        load[r] += item[5]
-    return tuple(MuonUnit(p, e, s, r_, c, owners[s], cost) for p, e, s, r_, c, cost in sorted(raw, key=lambda u: u[2]))
+def _units(plans, muon_filter, ns_steps: int) -> list[tuple[MuonUnit, ...]]:
+    """The Muon matrices of every plan, with owners chosen jointly over all plans (LPT)."""
+    plans = list(plans)
+    m = plans[0].world_size if plans else 1
+    raw = []  # (plan index, path, expert, start, rows, cols, cost)
+    for i, plan in enumerate(plans):
+        if plan.world_size != m:
+            raise ValueError(f"muon: all buffers must share one world size, got {m} and {plan.world_size}.")
+        for leaf in plan.leaves:
+            if not muon_filter(leaf):
+                continue
+            if len(leaf.shape) not in (2, 3):
+                raise ValueError(
+                    f"muon: params{leaf.path} has shape {leaf.shape}; Muon matrices must be 2-D (or 3-D "
+                    "stacks of expert matrices). Fix: exclude it with muon_filter (it then gets AdamW)."
+                )
+            rows, cols = leaf.shape[-2], leaf.shape[-1]
+            count = leaf.shape[0] if len(leaf.shape) == 3 else 1
+            for e in range(count):
+                start = leaf.offset + e * rows * cols
+                raw.append((i, leaf.path, e, start, rows, cols, _ns_cost(rows, cols, ns_steps)))
+    load = [0.0] * m
+    owner = {}
+    for item in sorted(raw, key=lambda u: (-u[6], u[0], u[3])):  # LPT: largest first, least loaded rank
+        r = min(range(m), key=lambda k: (load[k], k))
+        owner[(item[0], item[3])] = r
+        load[r] += item[6]
+    out: list[list[MuonUnit]] = [[] for _ in plans]
+    for i, path, e, start, rows, cols, cost in sorted(raw, key=lambda u: (u[0], u[3])):
+        out[i].append(MuonUnit(path, e, start, rows, cols, owner[(i, start)], cost))
+    return [tuple(u) for u in out]
 
 
-def muon_load(plan: LayoutPlan, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> dict[str, Any]:
-    """Newton-Schulz work per rank under ``plan``: ``{"units", "flops", "matrices"}``.
+def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> dict[str, Any]:
+    """Newton-Schulz work per rank: ``{"units", "flops", "matrices"}``.
+
+    Args:
+        plans: one :class:`~ragged.spec.LayoutPlan`, or a sequence of them (e.g. one per FSDP
+            unit): owners are balanced jointly over all of them, as :func:`muon` does for a
+            pytree of DBuffers.
+        muon_filter: which leaves are Muon matrices.
+        ns_steps: Newton-Schulz iterations (scales the cost).
 
     ``flops[r]`` is rank r's Newton-Schulz cost; ``max(flops) - min(flops)`` is at most the
     largest single matrix's cost (list scheduling guarantee).
@@ -157,9 +174,11 @@ def muon_load(plan: LayoutPlan, muon_filter=default_muon_filter, *, ns_steps: in
         >>> load["matrices"], len(load["units"])
         ([3, 3], 6)
     """
-    units = _units(plan, muon_filter, ns_steps)
-    flops = [0.0] * plan.world_size
-    count = [0] * plan.world_size
+    plans = [plans] if isinstance(plans, LayoutPlan) else list(plans)
+    units = [u for group in _units(plans, muon_filter, ns_steps) for u in group]
+    m = plans[0].world_size
+    flops = [0.0] * m
+    count = [0] * m
     for u in units:
         flops[u.owner] += u.cost
         count[u.owner] += 1
@@ -263,26 +282,36 @@ def scale_by_muon(
         raise ValueError(f"ns_steps must be in [1, 100), got {ns_steps}.")
     cache: dict = {}
 
-    def waves_for(d: DBuffer):
-        key = (d.plan, d.rank, d.data.device)
+    def waves_for(tree) -> list:
+        """Per DBuffer of ``tree`` (flattened order): its exchange waves; owners are balanced
+        jointly over all the buffers."""
+        bufs = pytree.leaves(tree, is_leaf=_is_dbuffer)
+        key = tuple((d.plan, d.rank, d.data.device) for d in bufs)
         if key not in cache:
-            if d.plan.world_size > 1 and (comm is None or comm.world_size != d.plan.world_size):
-                raise ValueError(
-                    f"muon: the plan has world_size={d.plan.world_size} but comm is "
-                    f"{'None' if comm is None else f'a group of {comm.world_size}'}; pass the shard group's comm."
-                )
-            if comm is not None and comm.rank != d.rank:
-                raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
-            units = _units(d.plan, muon_filter, ns_steps)
-            cache[key] = _waves(d.plan, d.rank, units, num_waves, d.data.device)
+            for d in bufs:
+                if not isinstance(d, DBuffer):
+                    raise TypeError(
+                        f"muon works on DBuffers (rg.shard output), got a {type(d).__name__} leaf. "
+                        "Fix: pass the DBuffer(s); for plain tensors use torch.optim.Muon."
+                    )
+                if d.plan.world_size > 1 and (comm is None or comm.world_size != d.plan.world_size):
+                    raise ValueError(
+                        f"muon: the plan has world_size={d.plan.world_size} but comm is "
+                        f"{'None' if comm is None else f'a group of {comm.world_size}'}; pass the shard group's comm."
+                    )
+                if comm is not None and comm.rank != d.rank:
+                    raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+            units = _units([d.plan for d in bufs], muon_filter, ns_steps)
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = [_waves(d.plan, d.rank, u, num_waves, d.data.device) for d, u in zip(bufs, units)]
         return cache[key]
 
     def orthogonalize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         o = newton_schulz(x.view(rows, cols), steps=ns_steps)
         return o.to(x.dtype).mul_(math.sqrt(max(1.0, rows / cols)))
 
-    def one(u: DBuffer) -> DBuffer:
-        waves = waves_for(u)
+    def one(u: DBuffer, waves) -> DBuffer:
         data, dev = u.data, u.data.device
         out = data.clone()  # non-Muon elements pass through
         pending = []
@@ -322,20 +351,16 @@ def scale_by_muon(
         return comm.all_to_all(output, input, list(output_splits), list(input_splits), async_op=True)
 
     def init(params):
-        for leaf in pytree.leaves(params, is_leaf=_is_dbuffer):
-            if not isinstance(leaf, DBuffer):
-                raise TypeError(
-                    f"muon works on DBuffers (rg.shard output), got a {type(leaf).__name__} leaf. "
-                    "Fix: pass the DBuffer(s); for plain tensors use torch.optim.Muon."
-                )
-            waves_for(leaf)  # validate filter / comm now, before any training step
+        waves_for(params)  # validate buffers / filter / comm now, before any training step
         return ScaleByMuonState(momentum=pytree.map(torch.zeros_like, params))
 
     def update(updates, state, params=None):
         del params
         buf = pytree.map(lambda b, g: torch.lerp(b, g, 1.0 - momentum), state.momentum, updates)
         direction = pytree.map(lambda g, b: torch.lerp(g, b, momentum), updates, buf) if nesterov else buf
-        return pytree.map(one, direction, is_leaf=_is_dbuffer), ScaleByMuonState(momentum=buf)
+        bufs, treedef = pytree.flatten(direction, is_leaf=_is_dbuffer)
+        out = [one(d, w) for d, w in zip(bufs, waves_for(direction))]
+        return pytree.unflatten(treedef, out), ScaleByMuonState(momentum=buf)
 
     return GradientTransformation(init, update)
 

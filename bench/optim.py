@@ -191,9 +191,97 @@ def section_step(console, iters, hidden):
     console.print(table)
 
 
+def _muon_worker(rank, m, port, iters, size, out_q):
+    import datetime
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=m,
+                            timeout=datetime.timedelta(seconds=120))
+    comm = rg.collectives.from_torch()
+    g = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(size * (1 + i % 3) // 2, size, generator=g) for i in range(12)}
+    params["experts"] = torch.randn(8, size // 2, size, generator=g)
+    plan = rg.make_plan(params, world_size=m)
+    local = rg.shard(plan, params, comm)
+    grads = rg.shard(plan, rg.pytree.map(lambda p: torch.randn(p.shape, generator=g), params), comm)
+
+    def muon_step(num_waves):
+        opt = rg.optim.scale_by_muon(comm=comm, num_waves=num_waves)
+        state = opt.init(local)
+        return lambda: opt.update(grads, state)
+
+    def replicated_ns():
+        # baseline: all-gather the whole update, every rank runs Newton-Schulz on every matrix
+        full = torch.empty(plan.buffer_numel)
+
+        def step():
+            comm.all_gather_into(full, grads.data)
+            for leaf in plan.leaves:
+                x = full[leaf.offset : leaf.stop]
+                rows, cols = leaf.shape[-2], leaf.shape[-1]
+                for e in range(leaf.numel // (rows * cols)):
+                    rg.optim.newton_schulz(x[e * rows * cols : (e + 1) * rows * cols].view(rows, cols))
+
+        return step
+
+    methods = {"muon, owners, 1 wave (no overlap)": muon_step(1), "muon, owners, 4 waves (overlap)": muon_step(4),
+               "muon, owners, 8 waves (overlap)": muon_step(8), "replicated NS (all-gather, NS everywhere)": replicated_ns()}
+    times = {k: [] for k in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(iters):
+        for k, fn in methods.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[k].append(float(t))
+    load = rg.optim.muon_load(plan)
+    if rank == 0:
+        out_q.put((times, load["flops"], len(load["units"]), plan.numel))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def section_muon_gloo(console, m, iters, size):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_muon_worker, args=(r, m, port, iters, size, q)) for r in range(m)]
+    for p in procs:
+        p.start()
+    times, flops, units, numel = q.get(timeout=900)
+    for p in procs:
+        p.join()
+    table = Table(title=f"Muon direction on {m} gloo ranks: {units} matrices, {numel / 1e6:.1f}M params, 1 thread/rank "
+                        f"(max over ranks, median of {iters}); NS GFLOP per rank {[round(f / 1e9, 1) for f in flops]}")
+    table.add_column("method")
+    table.add_column("ms", justify="right")
+    table.add_column("vs 1 wave", justify="right")
+    base = statistics.median(times["muon, owners, 1 wave (no overlap)"])
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        table.add_row(k, f"{t * 1e3:.0f}", f"{t / base:.2f}x")
+    console.print(table)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="+", default=["state", "muon", "step"], choices=["state", "muon", "step"])
+    ap.add_argument("--sections", nargs="+", default=["state", "muon", "step", "muon-gloo"],
+                    choices=["state", "muon", "step", "muon-gloo"])
+    ap.add_argument("--gloo-world-size", type=int, default=2)
+    ap.add_argument("--muon-size", type=int, default=256)
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--muon-world-sizes", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--iters", type=int, default=7)
@@ -206,6 +294,8 @@ def main():
         section_muon(console, args.muon_world_sizes)
     if "step" in args.sections:
         section_step(console, args.iters, args.hidden)
+    if "muon-gloo" in args.sections:
+        section_muon_gloo(console, args.gloo_world_size, args.iters, args.muon_size)
 
 
 if __name__ == "__main__":

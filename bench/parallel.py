@@ -1,0 +1,116 @@
+"""FSDP x TP and FSDP x EP on real model shapes: ragged's padding on the TP/EP-local shapes next
+to FSDP2's (``Shard(0)`` per parameter on the same local shapes), and the planning time.
+
+Placements follow Megatron/torchtitan: Llama-3-70B with TP: q/k/v/gate/up ``Shard(0)``
+(column-parallel), o/down ``Shard(1)`` (row-parallel), embedding and LM head ``Shard(0)``
+(vocab-parallel), norms replicated. GPT-OSS-120B with EP: the stacked experts (128 of them)
+``Shard(0)`` on "ep", everything else replicated on "ep". The FSDP axis gets ``Rows(n)`` or
+``Blocks(128, 128)`` on decoder-layer matrices (embedding / head / 1-D leaves ``Rows(1)``).
+Padding = what every rank all-gathers on top of the parameters, summed over all units (one per
+decoder layer, plus embedding and head): ``(m * per-rank elements - elements) / elements``.
+
+Usage::
+
+    python3 bench/parallel.py
+    python3 bench/parallel.py --models llama3-70b --degree 4 --fsdp 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+ROW = ("o_proj", "down_proj")
+
+
+def placements(model: str, name: str, t, granularity):
+    from ragged import spec
+
+    layer_matrix = name.count(".") >= 2 and t.dim() >= 2 and "embed" not in name and "lm_head" not in name
+    gran = granularity if layer_matrix else spec.Rows(1)
+    if model.startswith("gpt-oss"):
+        if "experts" in name:
+            return spec.Placements(dp=gran, ep=spec.Shard(0))
+        return spec.Placements(dp=gran)
+    if any(k in name for k in COLUMN):
+        return spec.Placements(dp=gran, tp=spec.Shard(0))
+    if any(k in name for k in ROW):
+        return spec.Placements(dp=gran, tp=spec.Shard(1))
+    return spec.Placements(dp=gran)
+
+
+def run(models, degree, fsdp_sizes, granularities):
+    from ragged import spec
+    from ragged._models import model_units
+
+    rows = []
+    for model in models:
+        axis = "ep" if model.startswith("gpt-oss") else "tp"
+        units = model_units(model)
+        for gname, gran in granularities:
+            for m in fsdp_sizes:
+                mesh = spec.Mesh((m, degree), ("dp", axis))
+                numel = per_rank_ragged = per_rank_fsdp2 = 0
+                t0 = time.perf_counter()
+                error = None
+                plans = []
+                try:
+                    for u in units:
+                        specs = {k: placements(model, k, t, gran) for k, t in u.params.items()}
+                        plans.append(spec.make_mesh_plan(u.params, specs, mesh=mesh))
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    error = str(e)
+                dt = time.perf_counter() - t0
+                if error is None:
+                    for mp in plans:
+                        local = mp.local_meta()
+                        numel += mp.plan.numel + mp.plan.replicated_numel
+                        per_rank_ragged += mp.plan.shard_size + mp.plan.replicated_numel / m
+                        per_rank_fsdp2 += spec.peer_shard_numel(local, m, "fsdp2")
+                rows.append(dict(model=model, axis=f"{axis}={degree}", gran=gname, m=m, error=error, time=dt,
+                                 ragged=(m * per_rank_ragged - numel) / numel if numel else None,
+                                 fsdp2=(m * per_rank_fsdp2 - numel) / numel if numel else None))
+    return rows
+
+
+def main(argv=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    from ragged import spec
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["llama3-70b", "gpt-oss-120b"])
+    ap.add_argument("--degree", type=int, default=8, help="TP (Llama) / EP (GPT-OSS) degree")
+    ap.add_argument("--fsdp", type=int, nargs="+", default=[8, 32, 64, 128, 256])
+    args = ap.parse_args(argv)
+    grans = [("rows:1", spec.Rows(1)), ("rows:16", spec.Rows(16)), ("blocks:128x128", spec.Blocks(128, 128))]
+    rows = run(args.models, args.degree, args.fsdp, grans)
+    table = Table(title="FSDP x TP / EP: all-gather padding on TP/EP-local shapes (whole model)")
+    for col in ("model", "axis", "FSDP granularity", "FSDP m", "ragged padding", "FSDP2 padding", "plan time"):
+        table.add_column(col, justify="right" if col not in ("model", "axis", "FSDP granularity") else "left")
+    errors = []
+    for r in rows:
+        if r["error"]:
+            if r["error"] not in errors:
+                errors.append(r["error"])
+            table.add_row(r["model"], r["axis"], r["gran"], str(r["m"]), f"refused [{errors.index(r['error']) + 1}]", "-",
+                          f"{r['time']:.2f}s")
+        else:
+            table.add_row(r["model"], r["axis"], r["gran"], str(r["m"]), f"{r['ragged']:.2%}", f"{r['fsdp2']:.2%}",
+                          f"{r['time']:.2f}s")
+    console = Console()
+    console.print(table)
+    for i, e in enumerate(errors, 1):
+        console.print(f"[{i}] {e}", markup=False)
+
+
+if __name__ == "__main__":
+    main()

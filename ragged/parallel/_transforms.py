@@ -118,6 +118,21 @@ def shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
 
     Returns:
         A :class:`~ragged.DBuffer` of ``mplan.plan`` (rank = FSDP-axis index).
+
+    Raises:
+        LayoutError: ``params`` do not have the plan's global shapes (before any communication).
+        PlanMismatchError: ranks hold different mesh plans (see [Note: mesh plan check]).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec, parallel
+        >>> mesh = spec.Mesh((2, 2), ("dp", "tp"))
+        >>> w = torch.arange(32.0).view(8, 4)
+        >>> mp = spec.make_mesh_plan({"w": w}, spec.Shard(0), mesh=mesh, align=1)
+        >>> def fn(mc):  # tp splits the rows in halves, then dp splits each half
+        ...     return parallel.shard(mp, {"w": w}, mc).views()["w"][:, 0].tolist()
+        >>> parallel.simulate_mesh(mesh, fn)   # ranks (dp, tp) = (0,0) (0,1) (1,0) (1,1)
+        [[0.0, 4.0], [16.0, 20.0], [8.0, 12.0], [24.0, 28.0]]
     """
     _check_mplan(mplan, "shard")
     _check_mesh(mplan, mcomm, "shard")
@@ -177,6 +192,19 @@ def reduce_scatter(
 
     Returns:
         A :class:`~ragged.DBuffer` of ``mplan.plan``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec, parallel
+        >>> mesh = spec.Mesh((2, 2), ("dp", "ep"))
+        >>> params = {"experts": torch.zeros(2, 2), "router": torch.zeros(2)}
+        >>> mp = spec.make_mesh_plan(params, {"experts": {"ep": spec.Shard(0)}, "router": None}, mesh=mesh, align=1)
+        >>> def fn(mc):  # every rank's gradient is 1 + its rank
+        ...     g = rg.pytree.map(lambda t: torch.full(t.shape, mc.rank + 1.0), parallel.local_params(mp, params, mc.coords))
+        ...     out = parallel.reduce_scatter(mp, g, mc, op="sum", data_axes=("ep",))
+        ...     return {k: v.reshape(-1).tolist() for k, v in parallel.gather(out, mc).items()}
+        >>> parallel.simulate_mesh(mesh, fn)[0]   # experts: summed over dp (1 + 3); router: over dp and ep
+        {'experts': [4.0, 4.0], 'router': [10.0, 10.0]}
     """
     _check_mplan(mplan, "reduce_scatter")
     _check_mesh(mplan, mcomm, "reduce_scatter")

@@ -9,6 +9,11 @@ Three strategies share one validated input:
   the tree order, hence never worse than the paper's heuristic on that order.
 * ``"naive"``: concatenation with the end padded to a multiple of m, as DeepSpeed / FSDP1
   lay flat buffers; granules may be cut, and ``plan.split_blocks`` counts the cuts.
+
+Speed: solves are cached by (sizes, granules, align, m, strategy), whole plans by
+[Note: plan memo], and each further ``"dp"`` order is searched only below the best S so
+far. A whole DeepSeek-V3 (63 units, 45k tensors) plans at m = 1024 in ~0.15-0.35 s on one
+core (``bench/plan.py``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ within ``m * S``. The earliest valid offset at or after ``p`` has a closed form
   tensor then ends by ``B + S``; else the next band's ``l = B + S - floor(S / L) * L`` if it
   ends by ``B + 2S``; else S is infeasible.
 
-The search evaluates that greedy for many candidate S at once (numpy, one pass over the
-tensors), ascending from the lower bound ``ceil(total / m)``, so the first feasible S is the
-optimum for the order. Candidates are first filtered by a necessary condition: a tensor
+The search evaluates that greedy for candidate S ascending from the lower bound
+``ceil(total / m)`` (plain Python for the first few candidates of an interval, then numpy
+over many candidates at once), so the first feasible S is the optimum for the order. Candidates are first filtered by a necessary condition: a tensor
 too long to cross only one boundary forces ``S % g == 0``, so S only takes multiples of
 the lcm of the forced granules (which change at a few thresholds). An upper bound that is always
 feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search finite.

@@ -219,6 +219,30 @@ def _hsdp():
     return (c.rank, c.replica_rank)
 
 
+def _overlap():
+    """Two units in flight at once (prefetch), gathered into reused out= buffers, and two
+    reduce-scatters in flight; results equal the synchronous ones."""
+    c = comm()
+    m = c.world_size
+    p1, p2 = _params(seed=1), _params(seed=2)
+    plan = _plan(m)
+    d1, d2 = rg.shard(plan, p1, c), rg.shard(plan, p2, c)
+    bufs = [torch.empty(plan.buffer_numel, dtype=plan.dtype) for _ in range(2)]
+    for _ in range(2):  # reuse the buffers across "steps"
+        a, b = rg.gather_start(d1, c, out=bufs[0]), rg.gather_start(d2, c, out=bufs[1])
+        f2, f1 = rg.gather_wait(b), rg.gather_wait(a)
+        _close(f1, p1, rtol=0, atol=0)
+        _close(f2, p2, rtol=0, atol=0)
+    g1, g2 = _params(seed=10 + c.rank), _params(seed=20 + c.rank)
+    r1, r2 = rg.reduce_scatter_start(plan, g1, c), rg.reduce_scatter_start(plan, g2, c)
+    s2, s1 = rg.reduce_scatter_wait(r2), rg.reduce_scatter_wait(r1)
+    torch.testing.assert_close(s1.data, rg.reduce_scatter(plan, g1, c).data)
+    torch.testing.assert_close(s2.data, rg.reduce_scatter(plan, g2, c).data)
+    ref = rg.pytree.map(lambda *xs: sum(xs) / m, *[_params(seed=20 + r) for r in range(m)])
+    torch.testing.assert_close(s2.data, rg.shard(plan, ref, c).data)
+    return True
+
+
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("algorithm", [None, "p2p", "all_to_all", "native"])
 def test_gather_of_shard_is_identity(workers, algorithm):
@@ -234,6 +258,10 @@ def test_reduce_scatter_pytree(workers, algorithm, op):
 
 def test_reduce_scatter_flat(workers):
     assert all(workers.run(_reduce_scatter, None, "mean", True))
+
+
+def test_overlapped_gathers_and_reduce_scatters(workers):
+    assert all(workers.run(_overlap))
 
 
 def test_autograd_through_gather(workers):

@@ -98,3 +98,13 @@ def test_expand_names():
     assert len(expand_names("a{0..1}b{0..2}")) == 6
     with pytest.raises(ValueError, match="empty"):
         expand_names("e.{3..1}")
+
+
+def test_the_documented_example_format_loads():
+    import ragged.models
+
+    doc = ragged.models.__doc__
+    text = doc[doc.index("    {\n") : doc.index("    }\n") + 6]
+    units = model_units(json.loads(text))
+    assert [u.kind for u in units] == ["embed", "dense_layer", "dense_layer"] + ["moe_layer"] * 30 + ["head"]
+    assert len(units[3].params) == 9

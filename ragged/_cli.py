@@ -110,8 +110,8 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=MODELS, help="a bundled model")
     src.add_argument("--shapes", metavar="JSON", help="your own shapes file (format: ragged.models docs)")
-    p.add_argument("--world-size", "-m", type=int, nargs="+", required=True, metavar="N",
-                   help="shard group size(s) m, e.g. 64 256 1024")
+    p.add_argument("--world-size", "-m", type=_world_sizes, nargs="+", required=True, metavar="N",
+                   help="shard group size(s) m, e.g. 64 256 1024, or A..B for the powers of two from A to B")
     p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
                    help="rows:N | elements:N | blocks:RxC (default rows:1)")
     p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp")
@@ -126,6 +126,26 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def _world_sizes(text: str) -> list[int]:
+    """``"64"`` -> [64]; ``"8..64"`` -> [8, 16, 32, 64] (powers of two from A to B)."""
+    try:
+        if ".." in text:
+            a, b = (int(x) for x in text.split(".."))
+            if a < 1 or b < a:
+                raise ValueError
+            out, m = [], a
+            while m <= b:
+                out.append(m)
+                m *= 2
+            return out
+        m = int(text)
+        if m < 1:
+            raise ValueError
+        return [m]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B).") from None
 
 
 def _lower_bound(plan) -> int:
@@ -236,10 +256,7 @@ def run_plan(args) -> int:
     except ValueError as err:
         console.print(f"[bold red]error:[/] {err}")
         return 2
-    for m in args.world_size:
-        if m < 1:
-            console.print(f"[bold red]error:[/] --world-size must be >= 1, got {m}.")
-            return 2
+    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
 
     kinds: dict[str, list] = {}
     for unit in units:

@@ -46,12 +46,23 @@ def test_user_shapes(capsys, tmp_path):
     assert code == 0 and "block x4" in out
 
 
+def test_world_size_ranges(capsys):
+    code, out = run(capsys, "--model", "llama3-70b", "-m", "8..32", "64")
+    assert code == 0
+    table = out[out.index("whole model"):]
+    rows = [line.split("│")[1].strip() for line in table.splitlines() if line.startswith("│")]
+    assert rows == ["8", "16", "32", "64"]
+
+
 def test_bad_inputs_exit_non_zero(capsys):
     assert run(capsys, "--shapes", "/no/such.json", "-m", "8")[0] == 2
     with pytest.raises(SystemExit) as info:
         main(["plan", "--model", "llama3-70b", "-m", "8", "-g", "rows:x"])
     assert info.value.code == 2
     assert "not one of rows:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama3-70b", "-m", "0"])
+    assert "must be a positive int" in capsys.readouterr().err
 
 
 @pytest.mark.slow

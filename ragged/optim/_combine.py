@@ -228,15 +228,25 @@ class MultiTransformState(NamedTuple):
     inner_states: Any
 
 
-def multi_transform(transforms: Mapping[Any, GradientTransformation], labels) -> GradientTransformation:
+def multi_transform(
+    transforms: Mapping[Any, GradientTransformation], labels, *, compact=()
+) -> GradientTransformation:
     """Applies ``transforms[label]`` to the elements of the leaves with that label.
 
     Args:
         transforms: label -> transformation.
         labels: a function ``LeafLayout -> label`` evaluated per leaf of each DBuffer, or, for
             plain tensor trees, a pytree of labels like the params.
+        compact: labels whose transformation sees only its own elements: each buffer is
+            packed (one ``masked_select``) into a short 1-D tensor before the transformation and
+            the result scattered back (one ``masked_scatter``), so its state holds only those
+            elements instead of the whole buffer. Only for transformations that do not use the
+            layout (element-wise ones such as ``adamw``, ``sgd``, and ``clip_by_global_norm``,
+            whose norm stays correct: packed DBuffers keep sharded and replicated parts apart).
 
-    Padding elements (no leaf) get a zero update.
+    Padding elements (no leaf) get a zero update. Without ``compact`` each transformation runs
+    over whole buffers with zero gradients outside its elements (see [Note: per-element masks
+    over a DBuffer]).
 
     Examples:
         >>> import torch, ragged as rg
@@ -249,6 +259,9 @@ def multi_transform(transforms: Mapping[Any, GradientTransformation], labels) ->
     names = tuple(transforms)
     if not names:
         raise ValueError("multi_transform needs at least one transformation.")
+    compact = frozenset(compact)
+    if not compact <= set(names):
+        raise ValueError(f"compact names labels {sorted(map(str, compact - set(names)))} that have no transformation.")
     cache = _MaskCache(labels, names, "labels") if callable(labels) else None
 
     def label_index(tree):
@@ -260,8 +273,18 @@ def multi_transform(transforms: Mapping[Any, GradientTransformation], labels) ->
             return torch.full(t.shape, names.index(lab), dtype=torch.int8, device=t.device)
         return pytree.map(one, labels, tree)
 
+    def pack(tree, m):
+        return pytree.map(lambda t, k: t[k], tree, m)
+
     def init(params):
-        return MultiTransformState(inner_states={k: transforms[k].init(params) for k in names})
+        idx = label_index(params) if compact else None
+        states = {}
+        for i, k in enumerate(names):
+            if k in compact:
+                states[k] = transforms[k].init(pack(params, pytree.map(lambda t: t == i, idx)))
+            else:
+                states[k] = transforms[k].init(params)
+        return MultiTransformState(inner_states=states)
 
     def update(updates, state, params=None):
         idx = label_index(updates)
@@ -269,6 +292,11 @@ def multi_transform(transforms: Mapping[Any, GradientTransformation], labels) ->
         new_states = {}
         for i, name in enumerate(names):
             m = pytree.map(lambda t: t == i, idx)
+            if name in compact:
+                p = pack(params, m) if params is not None else None
+                new, new_states[name] = transforms[name].update(pack(updates, m), state.inner_states[name], p)
+                out = pytree.map(lambda o, u, k: o.masked_scatter(k, u.to(o.dtype)), out, new, m)
+                continue
             inside = pytree.map(lambda g, k: torch.where(k, g, torch.zeros_like(g)), updates, m)
             new, new_states[name] = transforms[name].update(inside, state.inner_states[name], params)
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)

@@ -390,7 +390,9 @@ def muon(
         muon_filter: ``LeafLayout -> bool`` choosing the Muon matrices (default: 2-D and 3-D
             leaves; exclude embeddings and heads with your own filter).
         adam: the transformation for the other leaves (default
-            ``rg.optim.adamw(3e-4, weight_decay=weight_decay)``).
+            ``rg.optim.adamw(3e-4, weight_decay=weight_decay)``); it runs on their elements
+            packed into short buffers (``multi_transform(compact=...)``), so it must be
+            element-wise, and its state covers only those elements.
         num_waves: pipelining depth of the owner exchange.
 
     Examples:
@@ -418,4 +420,5 @@ def muon(
     return multi_transform(
         {"muon": muon_part, "adam": other},
         lambda leaf: "muon" if muon_filter(leaf) else "adam",
+        compact=("adam",),  # AdamW state only for the non-Muon elements
     )

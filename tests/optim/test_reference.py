@@ -204,3 +204,22 @@ def test_fused_adamw_equals_the_chain():
     chained, _ = _run_ragged(rg.optim.chain(rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.3),
                                             rg.optim.scale_by_learning_rate(sched)), 3, params)
     rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14), fused, chained)
+
+
+def test_multi_transform_compact_equals_full_and_state_is_small():
+    params = _params(8)
+    label = lambda leaf: "adamw" if len(leaf.shape) >= 2 else "sgd"  # noqa: E731
+    make = lambda compact: rg.optim.multi_transform(  # noqa: E731
+        {"adamw": rg.optim.adamw(0.01, weight_decay=0.1),
+         "sgd": rg.optim.chain(rg.optim.clip_by_global_norm(0.3, comm=None), rg.optim.sgd(0.1, momentum=0.9))},
+        label, compact=compact)
+    full, plan = _run_ragged(make(()), 1, params)
+    packed, _ = _run_ragged(make(("adamw", "sgd")), 1, params)
+    rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14), packed, full)
+    d = shard_all(plan, params)[0]
+    state = make(("adamw",)).init(d)
+    n_matrix = sum(l.numel for l in plan.leaves if len(l.shape) >= 2)
+    adam_state = state.inner_states["adamw"][0]
+    assert adam_state.mu.data.numel() == n_matrix < plan.shard_size
+    with pytest.raises(ValueError, match="compact names labels"):
+        rg.optim.multi_transform({"a": rg.optim.sgd(0.1)}, label, compact=("b",))

@@ -11,7 +11,7 @@ import torch
 
 import ragged as rg
 from ragged import parallel, spec
-from tests.parallel._models import (
+from _parallel_models import (
     STEPS,
     batches_per_step,
     init_params,
@@ -56,7 +56,7 @@ def test_training_equals_single_process(kind):
 def _ep_without_data_axis(mc, mplan):
     local = parallel.gather(parallel.shard(mplan, init_params("ep"), mc), mc)
     local = rg.pytree.map(lambda t: t.detach().requires_grad_(), local)
-    from tests.parallel._models import D, TOKENS, moe_batch, moe_loss_sum
+    from _parallel_models import D, TOKENS, moe_batch, moe_loss_sum
 
     (moe_loss_sum(local, moe_batch(0, mc.rank), mc["ep"]) / (mc.mesh.size * TOKENS * D)).backward()
     grads = rg.pytree.map(lambda t: t.grad, local)
@@ -189,7 +189,7 @@ def test_checkpoint_2x2_loads_on_4x1_1x1_2x2(kind, tmp_path):
 # ---- composition with rg.fsdp.make_step ---------------------------------------------------------
 def _tp_with_fsdp_step(mc, mplan):
     from ragged import fsdp
-    from tests.parallel._models import LR, WD, tp_batch, tp_loss, tp_params
+    from _parallel_models import LR, WD, tp_batch, tp_loss, tp_params
 
     units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: p[:13] if "blocks" in p else "rest",
@@ -207,7 +207,7 @@ def _tp_with_fsdp_step(mc, mplan):
 def test_fsdp_make_step_on_tp_local_units():
     """rg.fsdp units planned on mplan.local_meta() over mcomm["dp"], with TP collectives inside
     the loss: the overlapped FSDP step composes with TP unchanged."""
-    from tests.parallel._models import LAYERS, tp_params, tp_specs
+    from _parallel_models import LAYERS, tp_params, tp_specs
 
     specs = tp_specs()
     specs = {"blocks": [dict(specs["blocks"][0], norm=None)] * LAYERS, "out": None}  # the step has no Replicate yet

@@ -327,6 +327,28 @@ class MeshPlan:
             self.treedef, [torch.empty(l.local_shape, dtype=l.dtype, device="meta") for l in self.leaves]
         )
 
+    def __rich__(self):
+        """A table: one row per leaf with its global shape, placements, local shape and granule."""
+        from rich.table import Table
+
+        mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
+        plan = self.plan
+        table = Table(title=f"MeshPlan ({mesh}; FSDP over {self.fsdp_axis!r}: S={plan.shard_size}, "
+                            f"padding {plan.padding} = {plan.overhead:.2%})")
+        for col in ("leaf", "shape", *self.mesh.names, "local shape", "granule"):
+            table.add_column(col)
+        granules = {l.index: l.granule for l in plan.leaves}
+        for l in self.leaves:
+            per_axis = []
+            for a in self.mesh.names:
+                if a == self.fsdp_axis:
+                    per_axis.append(repr(l.granularity))
+                    continue
+                s = [x for x in l.shards if x[0] == a]
+                per_axis.append("Replicate()" if not s else f"Shard({s[0][1]}" + (f", groups={s[0][2]})" if s[0][2] > 1 else ")"))
+            table.add_row(l.path, str(l.shape), *per_axis, str(l.local_shape), str(granules.get(l.index, "-")))
+        return table
+
     def __repr__(self) -> str:
         mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
         return f"MeshPlan(mesh=({mesh}), fsdp_axis={self.fsdp_axis!r}, leaves={len(self.leaves)}, plan={self.plan!r})"

@@ -162,3 +162,13 @@ def _mismatched(mc):
 def test_mismatched_mesh_plans_raise_on_every_rank():
     msgs = parallel.simulate_mesh(MESH, _mismatched, timeout=10.0)
     assert all(m is not None and "different mesh plans" in m and "['w']" in m for m in msgs), msgs
+
+
+def test_rich_table_lists_every_leaf():
+    from rich.console import Console
+
+    mp = spec.make_mesh_plan({"qkv": meta(12, 4), "n": meta(4)}, {"qkv": {"tp": spec.Shard(0, groups=3)}, "n": None}, mesh=MESH)
+    console = Console(record=True, width=200)
+    console.print(mp)
+    text = console.export_text()
+    assert "Shard(0, groups=3)" in text and "(6, 4)" in text and "Replicate()" in text and "['n']" in text

@@ -217,3 +217,20 @@ def test_fsdp_make_step_on_tp_local_units():
     for local, losses, coords in out:
         _close_trees(local, parallel.local_params(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+
+
+def _mean_vs_sum(mc, mplan):
+    g = rg.pytree.map(lambda t: torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(mc.rank)),
+                      mplan.local_meta())
+    g = rg.pytree.map(lambda t: t.to(torch.float64), g)
+    mean = parallel.reduce_scatter(mplan, g, mc, op="mean", data_axes=("ep",))
+    total = parallel.reduce_scatter(mplan, g, mc, op="sum", data_axes=("ep",))
+    return mean.data, total.data, mean.replicated, total.replicated
+
+
+def test_reduce_scatter_mean_divides_by_fsdp_times_data_axes():
+    mplan = _mplan("ep")
+    for mean, total, rmean, rtotal in parallel.simulate_mesh(mplan.mesh, _mean_vs_sum, mplan):
+        torch.testing.assert_close(mean, total / 4, rtol=1e-14, atol=0)
+        torch.testing.assert_close(rmean, rtotal / 4, rtol=1e-14, atol=0)
+        assert total.abs().sum() > 0

@@ -183,15 +183,17 @@ def profile_step(fn, *, device: torch.device):
     """Runs ``fn()`` once under torch's profiler.
 
     Returns:
-        ``(peak_rise_bytes, ranges_ms, copies_ms)``: the largest rise of allocated CPU bytes
+        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where)``: the largest rise of allocated CPU bytes
         during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
         host time of every labelled range (``FSDP::...`` / ``ragged::...`` / optimizer step,
         summed by label with the module fqn stripped; time in nested labelled ranges is
         subtracted); and the host time of copy / reduction ops, keyed ``"op @ label"`` by the
-        innermost labelled range they run in.
+        innermost labelled range they run in; and where the memory peak was reached (CPU: the
+        innermost labelled ranges and op running at that moment).
     """
     from torch.profiler import ProfilerActivity, profile
 
+    peak_where = ""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -202,12 +204,19 @@ def profile_step(fn, *, device: torch.device):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort()
+        kevents = prof.profiler.kineto_results.events()
+        events = sorted((e.start_ns(), e.nbytes()) for e in kevents if e.name() == "[memory]")
         cur = peak = 0
-        for _, n in events:
+        peak_ns = None
+        for ts, n in events:
             cur += n
-            peak = max(peak, cur)
+            if cur > peak:
+                peak, peak_ns = cur, ts
+        if peak_ns is not None:  # which labelled range / op was running when the peak was reached
+            inside = [e for e in kevents if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.end_ns()]
+            labels = sorted((e for e in inside if _label(e.name())), key=lambda e: e.start_ns())
+            ops = sorted((e for e in inside if not _label(e.name())), key=lambda e: e.start_ns())
+            peak_where = " > ".join([_label(e.name()) for e in labels[-2:]] + [e.name() for e in ops[-1:]])
     ranges = collections.Counter()
     copies = collections.Counter()
 
@@ -234,7 +243,7 @@ def profile_step(fn, *, device: torch.device):
                 p = p.cpu_parent
             if where is not None:
                 copies[f"{e.name} @ {where}"] += e.cpu_time_total / 1e3
-    return peak, dict(ranges), dict(copies)
+    return peak, dict(ranges), dict(copies), peak_where
 
 
 _COPYISH = ("aten::copy_", "aten::cat", "aten::sum", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::zero_",

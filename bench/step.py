@@ -83,6 +83,8 @@ def _bench(rank, world, backend, opts):
                    specs=lambda name, t: spec.Blocks(32, 32) if t.dim() >= 2 else spec.Rows(1))
     else:
         torch_opt, rkw = None, {}
+        if opts.get("donate"):
+            rkw = dict(optimizer=rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True))
     methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
@@ -129,8 +131,8 @@ def _bench(rank, world, backend, opts):
         state = storage_bytes(m.state_tensors())
         torch.distributed.barrier()
         with ragged_labels():
-            peak, ranges, copies = profile_step(lambda: m.step(b), device=device)
-        prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies,
+            peak, ranges, copies, where = profile_step(lambda: m.step(b), device=device)
+        prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies, peak_where=where,
                           opt_bytes=m.optimizer_state_bytes())
     extra = {}
     if "ragged" in methods:
@@ -162,7 +164,8 @@ def _copy_ms(p, name):
 def summarize(model: str, world: int, results, opts) -> dict:
     """Per-method numbers (max over ranks for memory and time, rank 0 for bytes and profile)."""
     r0 = results[0]
-    out = {"model": model, "world": world, "policy": opts["policy"], "optim": opts["optim"], "tokens_per_step": opts["batch"] * world *
+    out = {"model": model, "world": world, "policy": opts["policy"],
+           "optim": opts["optim"] + (" (ragged donate=True)" if opts.get("donate") else ""), "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
         t = r0["times"][name]
@@ -175,7 +178,7 @@ def summarize(model: str, world: int, results, opts) -> dict:
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
-            ranges=r0["prof"][name]["ranges"], copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
+            ranges=r0["prof"][name]["ranges"], peak_where=r0["prof"][name].get("peak_where", ""), copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
     return out
 
@@ -215,6 +218,9 @@ def render(summary, console=None):
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
     console.print(t)
+    for name, m in ms.items():
+        if m.get("peak_where"):
+            console.print(f"  {name}: allocated-bytes peak (rank 0) reached in {m['peak_where']}")
     # where the time goes (profiled step, host time, rank 0)
     p = Table(title="where the time goes: one profiled step (rank 0, host ms; profiler overhead included): "
                     "exclusive time of labelled ranges, then copy / reduction ops by the range they run in",
@@ -240,6 +246,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--optim", choices=("adamw", "adamw8bit"), default="adamw",
                     help="adamw8bit: rg.optim.adamw_8bit on Blocks(32, 32) vs FSDP2 + per-local-shard 8-bit AdamW")
+    ap.add_argument("--donate", action="store_true",
+                    help="ragged: rg.optim.adamw(donate=True) (moments updated in place, update written into the "
+                         "gradient shard), as torch.optim.AdamW updates its state in place")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
@@ -252,7 +261,7 @@ def main(argv=None) -> int:
     from bench._launch import launch, pick_backend
 
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
-                policy=args.policy, lr=args.lr, optim=args.optim, local=args.local, verbose=args.verbose)
+                policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

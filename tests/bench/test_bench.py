@@ -1,0 +1,127 @@
+"""The benchmark's own parts: the torchao-style per-shard 8-bit AdamW, the quant8 comparison,
+the padding sweep, and (slow) one tiny ragged-vs-FSDP2 step run on 2 gloo processes.
+
+No timing is asserted anywhere (speed claims live in the bench output, not in tests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import ragged as rg  # noqa: E402
+from ragged import spec  # noqa: E402
+
+
+def _params_grads(steps=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(96, 200, generator=g), "b": torch.randn(50, generator=g)}
+    grads = []
+    for _ in range(steps):
+        grads.append({k: torch.randn(v.shape, generator=g)
+                      * torch.exp(torch.randn(v.shape[0], *([1] * (v.dim() - 1)), generator=g)) for k, v in params.items()})
+    return params, grads
+
+
+def _ragged_8bit(params, grads, specs, world, lr=1e-2):
+    plan = rg.make_plan(params, specs, world_size=world)
+
+    def fn(comm):
+        opt = rg.optim.adamw_8bit(lr, min_size=4096)
+        p = rg.shard(plan, params, comm)
+        st = opt.init(p)
+        for g in grads:
+            u, st = opt.update(rg.shard(plan, g, comm), st, p)
+            p = rg.apply_updates(p, u)
+        return {k: v.clone() for k, v in rg.gather(p, comm).items()}
+
+    return rg.collectives.simulate(world, fn)[0]
+
+
+def test_per_shard_adamw8bit_at_one_rank_is_ragged_with_element_blocks():
+    """At W=1 the local shard is the whole tensor: 1-D blocks of 256 elements are exactly
+    ragged's Elements(256) blocks, and both use the same quantizer."""
+    from bench._fsdp2 import PerShardAdamW8bit
+
+    params, grads = _params_grads()
+    ps = {k: v.clone() for k, v in params.items()}
+    opt = PerShardAdamW8bit(list(ps.values()), lr=1e-2, block_size=256, min_size=4096)
+    for g in grads:
+        for k in ps:
+            ps[k].grad = g[k].clone()
+        opt.step()
+    ref = _ragged_8bit(params, grads, {"w": spec.Elements(256), "b": spec.Rows(1)}, 1)
+    for k in params:
+        torch.testing.assert_close(ps[k], ref[k], rtol=0, atol=1e-6)
+        assert not torch.equal(ps[k], params[k])
+
+
+def test_per_shard_state_depends_on_world_size_ragged_blocks_do_not():
+    from bench.quant8 import compare, per_shard
+
+    params, grads = _params_grads()
+    lr = 1e-2
+    ps1, _, blocks1 = per_shard(params, grads, 1, lr=lr, block=1024)
+    ps3, _, blocks3 = per_shard(params, grads, 3, lr=lr, block=1024)
+    diff, changed = compare(ps3, ps1)
+    assert blocks3 != blocks1 and diff > 1e-4 and changed > 0.01  # 96 rows / 3 ranks = 6400-element shards: cut blocks
+    specs = {"w": spec.Blocks(32, 32), "b": spec.Rows(1)}
+    r1 = _ragged_8bit(params, grads, specs, 1, lr)
+    r3 = _ragged_8bit(params, grads, specs, 3, lr)
+    for k in params:
+        assert torch.equal(r1[k], r3[k]), k
+        assert not torch.equal(r1[k], params[k])
+
+
+def test_padding_sweep_matches_planner_and_peer_rules():
+    from bench.padding import chart, sweep
+    from ragged._models import model_units
+
+    rows = sweep(["gpt-oss-120b"], [256], [1])
+    units = model_units("gpt-oss-120b")
+    numel = sum(t.numel() for u in units for t in u.params.values())
+    pad = sum(rg.make_plan(u.params, spec.Rows(1), world_size=256).padding for u in units)
+    fsdp2 = sum(spec.peer_padding(u.params, 256)["fsdp2"].padding for u in units)
+    assert rows[0]["ragged r1"] == pytest.approx(pad / numel)
+    assert rows[0]["fsdp2"] == pytest.approx(fsdp2 / numel)
+    assert rows[0]["fsdp2"] > 0.5 > 0.01 > rows[0]["ragged r1"]  # 128 experts on 256 ranks: FSDP2 doubles them
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    console.print(chart(rows, [1]))
+    text = console.export_text()
+    assert "gpt-oss-120b" in text and "█" in text
+
+
+def _smoke(rank, world, backend):
+    from bench.step import CONFIGS, _bench
+
+    opts = dict(cfg=CONFIGS["tiny-moe"], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
+                verbose=False, optim="adamw")
+    return _bench(rank, world, backend, opts)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_step_bench_ragged_trains_like_fsdp2_on_gloo():
+    """One tiny MoE run of bench/step.py: ragged and FSDP2 see the same data from the same
+    weights, so their losses agree step by step; both all-gather every parameter."""
+    from bench._launch import launch
+    from bench.step import summarize
+
+    results = launch(2, _smoke, backend="gloo", timeout=600)
+    opts = dict(batch=2, policy="fp32", optim="adamw")
+    s = summarize("tiny-moe", 2, results, opts)
+    a, b = s["methods"]["ragged"], s["methods"]["fsdp2"]
+    assert len(a["losses"]) == len(b["losses"]) == 3
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-5)
+    assert a["losses"][-1] < a["losses"][0]
+    numel_bytes = s["extra"]["numel"] * 4
+    for m in (a, b):
+        assert m["comm"]["all_gather"] >= numel_bytes and m["comm"]["reduce_scatter"] >= numel_bytes
+        assert m["peak_bytes"] > m["state_bytes"] > 0

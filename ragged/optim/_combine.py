@@ -216,7 +216,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         m = element_masks(updates)
         inside = pytree.map(lambda g, k: torch.where(k, g, torch.zeros_like(g)), updates, m)
         new, inner_state = inner.update(inside, state.inner_state, params)
-        out = pytree.map(lambda u, g, k: torch.where(k, u.to(g.dtype), g), new, updates, m)
+        out = pytree.map(lambda u, g, k: torch.where(k, u, g.to(torch.promote_types(u.dtype, g.dtype))), new, updates, m)
         return out, MaskedState(inner_state=inner_state)
 
     return GradientTransformation(init, update)
@@ -288,17 +288,26 @@ def multi_transform(
 
     def update(updates, state, params=None):
         idx = label_index(updates)
-        out = pytree.map(torch.zeros_like, updates)
+        out = None  # created at the first result: dtype wide enough for every transform's updates
         new_states = {}
+
+        def widen(out, new):
+            like = lambda g, u: torch.zeros_like(g, dtype=torch.promote_types(g.dtype, u.dtype))  # noqa: E731
+            if out is None:
+                return pytree.map(like, updates, new)
+            return pytree.map(lambda o, u: o if o.dtype == torch.promote_types(o.dtype, u.dtype) else o.to(u.dtype), out, new)
+
         for i, name in enumerate(names):
             m = pytree.map(lambda t: t == i, idx)
             if name in compact:
                 p = pack(params, m) if params is not None else None
                 new, new_states[name] = transforms[name].update(pack(updates, m), state.inner_states[name], p)
+                out = widen(out, new)
                 out = pytree.map(lambda o, u, k: o.masked_scatter(k, u.to(o.dtype)), out, new, m)
                 continue
             inside = pytree.map(lambda g, k: torch.where(k, g, torch.zeros_like(g)), updates, m)
             new, new_states[name] = transforms[name].update(inside, state.inner_states[name], params)
+            out = widen(out, new)
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)
         return out, MultiTransformState(inner_states=new_states)
 

@@ -356,8 +356,8 @@ def scale_by_muon(
 
     def update(updates, state, params=None):
         del params
-        buf = pytree.map(lambda b, g: torch.lerp(b, g, 1.0 - momentum), state.momentum, updates)
-        direction = pytree.map(lambda g, b: torch.lerp(g, b, momentum), updates, buf) if nesterov else buf
+        buf = pytree.map(lambda b, g: torch.lerp(b, g.to(b.dtype), 1.0 - momentum), state.momentum, updates)
+        direction = pytree.map(lambda g, b: torch.lerp(g.to(b.dtype), b, momentum), updates, buf) if nesterov else buf
         bufs, treedef = pytree.flatten(direction, is_leaf=_is_dbuffer)
         out = [one(d, w) for d, w in zip(bufs, waves_for(direction))]
         return pytree.unflatten(treedef, out), ScaleByMuonState(momentum=buf)

@@ -391,7 +391,8 @@ def scale_by_adam_8bit(
                 out.masked_scatter_(lay.fp32_mask, u)
             mu_rep, nu_rep, u_rep = adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32))
             new = Quant8Moments(mu_codes, nu_codes, mu_scales, nu_scales, mu_fp32, nu_fp32, mu_rep, nu_rep)
-            return g.replace(data=out.to(g.data.dtype), replicated=u_rep.to(g.replicated.dtype)), new
+            wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
+            return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
 
         flat_g, treedef = pytree.flatten(updates, is_leaf=_is_dbuffer)
         flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)

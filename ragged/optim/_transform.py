@@ -58,6 +58,11 @@ class TraceState(NamedTuple):
     trace: Any
 
 
+def _wide(u: torch.Tensor) -> torch.Tensor:
+    """``u`` in at least float32: bf16 / fp16 gradients give fp32 updates (mixed precision)."""
+    return u.to(torch.float32) if u.is_floating_point() and u.element_size() < 4 else u
+
+
 def _check_nonneg(name: str, value) -> None:
     if callable(value):
         return
@@ -86,7 +91,7 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        return pytree.map(lambda u: u * step_size, updates), state
+        return pytree.map(lambda u: _wide(u) * step_size, updates), state
 
     return GradientTransformation(init, update)
 
@@ -110,7 +115,9 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update(updates, state, params=None):
         del params
         factor = step_size_fn(state.count)
-        updates = pytree.map(lambda u: u * factor.to(u.dtype) if isinstance(factor, torch.Tensor) else u * factor, updates)
+        updates = pytree.map(
+            lambda u: _wide(u) * (factor.to(_wide(u).dtype) if isinstance(factor, torch.Tensor) else factor), updates
+        )
         return updates, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)

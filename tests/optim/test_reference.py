@@ -223,3 +223,39 @@ def test_multi_transform_compact_equals_full_and_state_is_small():
     assert adam_state.mu.data.numel() == n_matrix < plan.shard_size
     with pytest.raises(ValueError, match="compact names labels"):
         rg.optim.multi_transform({"a": rg.optim.sgd(0.1)}, label, compact=("b",))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adamw_8bit", "muon", "multi", "masked"])
+def test_bf16_grads_on_fp32_params(name):
+    """Mixed precision: bf16 gradient shards, fp32 master shards -> fp32 updates equal to
+    feeding the same (bf16-rounded) gradients in fp32."""
+    from ragged import spec as sp
+
+    g = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(64, 96, generator=g), "b": torch.randn(96, generator=g)}
+    plan = rg.make_plan(params, {"w": sp.Blocks(32, 32), "b": sp.Elements(1)}, world_size=2)
+    make = {
+        "adamw": lambda: rg.optim.adamw(1e-2, weight_decay=0.1),
+        "sgd": lambda: rg.optim.sgd(0.1, momentum=0.9),
+        "adamw_8bit": lambda: rg.optim.adamw_8bit(1e-2, min_size=1000),
+        "muon": lambda: rg.optim.muon(0.02, comm=None),
+        "multi": lambda: rg.optim.multi_transform({"a": rg.optim.adamw(1e-3), "b": rg.optim.sgd(0.1)},
+                                                  lambda leaf: "a" if len(leaf.shape) == 2 else "b", compact=("b",)),
+        "masked": lambda: rg.optim.adamw(1e-3, weight_decay=0.1, mask=lambda leaf: len(leaf.shape) == 2),
+    }[name]
+    grads = rg.pytree.map(lambda p: torch.randn(p.shape, generator=g).bfloat16(), params)
+    results = {}
+    for gdtype in (torch.bfloat16, torch.float32):
+        opt = make()
+        world = 1 if name == "muon" else 2  # muon with comm=None: one rank
+        pl = rg.make_plan(params, {"w": sp.Blocks(32, 32), "b": sp.Elements(1)}, world_size=world)
+        shards = shard_all(pl, params)
+        gsh = [s.replace(data=s.data.to(gdtype), replicated=s.replicated.to(gdtype)) for s in shard_all(pl, grads)]
+        states = [opt.init(s) for s in shards]
+        for _ in range(2):
+            for r in range(world):
+                u, states[r] = opt.update(gsh[r], states[r], shards[r])
+                assert u.data.dtype == torch.float32
+                shards[r] = rg.apply_updates(shards[r], u)
+        results[gdtype] = gather_all(shards)
+    rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), results[torch.bfloat16], results[torch.float32])

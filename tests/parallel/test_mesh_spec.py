@@ -3,6 +3,7 @@ incompatible spec raises (before any tensor or communication is touched)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -172,3 +173,41 @@ def test_rich_table_lists_every_leaf():
     console.print(mp)
     text = console.export_text()
     assert "Shard(0, groups=3)" in text and "(6, 4)" in text and "Replicate()" in text and "['n']" in text
+
+
+@st.composite
+def block_cases(draw):
+    dp, tp = draw(st.sampled_from([(1, 2), (2, 2), (3, 2), (2, 4), (4, 1)]))
+    r, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    dim = draw(st.sampled_from([None, 0, 1]))
+    groups = draw(st.sampled_from([1, 2])) if dim is not None else 1
+    rows = r * draw(st.integers(1, 3)) * (tp * groups if dim == 0 else 1)
+    cols = c * draw(st.integers(1, 3)) * (tp * groups if dim == 1 else 1)
+    lead = draw(st.sampled_from([(), (2,)]))
+    placement = {"dp": spec.Blocks(r, c)}
+    if dim is not None:
+        placement["tp"] = spec.Shard(dim + len(lead), groups=groups)
+    extra = {"v": meta(draw(st.integers(1, 7)))}  # another leaf shares the buffer
+    return spec.Mesh((dp, tp), ("dp", "tp")), {"w": meta(*lead, rows, cols), **extra}, {"w": placement, "v": None}
+
+
+@given(block_cases())
+def test_property_global_tiles_never_straddle_any_boundary(case):
+    """Map every rank's FSDP piece of a Blocks leaf back to global (matrix, row, col): each
+    global r x c tile lies wholly on one rank, for every TP and FSDP coordinate."""
+    mesh, params, specs = case
+    mp = spec.make_mesh_plan(params, specs, mesh=mesh, align=1)
+    leaf = mp.leaf("['w']")
+    r, c = leaf.granularity.r, leaf.granularity.c
+    R, C = leaf.shape[-2], leaf.shape[-1]
+    covered = set()
+    for rank in range(mesh.size):
+        coords = mesh.coords(rank)
+        index = leaf.local_index(coords)
+        held = torch.cat([index[p.start : p.stop] for p in mp.plan.local_pieces(coords["dp"]) if p.leaf.index == leaf.index]
+                         or [torch.zeros(0, dtype=torch.int64)])
+        covered.update(held.tolist())
+        tile = (held // (R * C)) * (R * C) + ((held % (R * C)) // C // r) * C + (held % C) // c
+        _, counts = torch.unique(tile, return_counts=True)
+        assert bool((counts == r * c).all()), (rank, counts.tolist())  # every tile touched is held whole
+    assert len(covered) == math.prod(leaf.shape)

@@ -108,6 +108,31 @@ def apply_updates(params, updates, *, donate: bool = False):
     return pytree.map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 
+def check_like_state(updates, state_tree, where: str) -> None:
+    """Raises a clear error when ``updates`` is not structured like the state (other plan,
+    other rank, other tree): the usual cause is an ``opt_state`` built for other params."""
+    got, want = pytree.structure(updates), pytree.structure(state_tree)
+    if got == want:
+        return
+    from ragged._dbuffer import DBuffer
+
+    def describe(tree):
+        leaves = pytree.leaves(tree, is_leaf=lambda x: isinstance(x, DBuffer))
+        parts = []
+        for x in leaves[:3]:
+            if isinstance(x, DBuffer):
+                parts.append(f"DBuffer(rank={x.rank}, {x.plan!r})")
+            else:
+                parts.append(f"{type(x).__name__}{tuple(getattr(x, 'shape', ()))}")
+        return f"{len(leaves)} buffer(s): " + ", ".join(parts) + (", ..." if len(leaves) > 3 else "")
+
+    raise ValueError(
+        f"{where}: the updates do not match the optimizer state: updates are {describe(updates)}; the state "
+        f"was built for {describe(state_tree)}. Fix: call opt.init on the same DBuffer(s) (same plan, same "
+        "rank) whose gradients you pass to opt.update."
+    )
+
+
 def first_tensor(tree) -> torch.Tensor | None:
     """The first tensor leaf of ``tree`` (used to pick the device of step counters)."""
     for leaf in pytree.leaves(tree):

@@ -37,7 +37,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.optim._alias import adamw
-from ragged.optim._base import GradientTransformation, Schedule
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state
 from ragged.optim._combine import chain, multi_transform
 from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_learning_rate
 from ragged.spec import LayoutPlan, LeafLayout
@@ -301,6 +301,11 @@ def scale_by_muon(
                     )
                 if comm is not None and comm.rank != d.rank:
                     raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+            if comm is not None and comm.world_size > 1:
+                from ragged.transforms._check import check_plan
+
+                for d in bufs:  # every rank must hold the same plans before the all_to_alls
+                    check_plan(d.plan, comm)
             units = _units([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()
@@ -356,6 +361,7 @@ def scale_by_muon(
 
     def update(updates, state, params=None):
         del params
+        check_like_state(updates, state.momentum, "muon")
         buf = pytree.map(lambda b, g: torch.lerp(b, g.to(b.dtype), 1.0 - momentum), state.momentum, updates)
         direction = pytree.map(lambda g, b: torch.lerp(g.to(b.dtype), b, momentum), updates, buf) if nesterov else buf
         bufs, treedef = pytree.flatten(direction, is_leaf=_is_dbuffer)

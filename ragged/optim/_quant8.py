@@ -396,6 +396,15 @@ def scale_by_adam_8bit(
 
         flat_g, treedef = pytree.flatten(updates, is_leaf=_is_dbuffer)
         flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)
+        for g, m in zip(flat_g, flat_m):
+            lay = _layout(g, min_size)
+            if m.mu_codes.numel() != lay.num_codes or m.mu_fp32.numel() != lay.num_fp32:
+                raise ValueError(
+                    f"adamw_8bit: the updates (DBuffer of rank {g.rank}, {g.plan!r}) do not match the 8-bit "
+                    f"state ({m.mu_codes.numel()} codes / {m.mu_fp32.numel()} fp32 moments, expected "
+                    f"{lay.num_codes} / {lay.num_fp32}). Fix: call opt.init on the DBuffer(s) whose "
+                    "gradients you pass to opt.update."
+                )
         if len(flat_m) != len(flat_g):
             raise ValueError(f"the 8-bit Adam state holds {len(flat_m)} buffers but the updates hold {len(flat_g)}.")
         results = [one(g, m) for g, m in zip(flat_g, flat_m)]

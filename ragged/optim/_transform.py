@@ -13,7 +13,7 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, EmptyState, Schedule, zero_count
+from ragged.optim._base import EmptyState, GradientTransformation, Schedule, check_like_state, zero_count
 
 __all__ = [
     "ScaleState",
@@ -205,6 +205,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
 
     def update(updates, state, params=None):
         del params
+        check_like_state(updates, state.mu, "scale_by_adam")
         count = state.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         step = 1.0 / bc1
@@ -253,6 +254,7 @@ def scale_by_adamw(
         adam, decay_state, lr_state = state
         if weight_decay and params is None:
             raise ValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
+        check_like_state(updates, adam.mu, "adamw")
         count = adam.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         lr = learning_rate(lr_state.count) if scheduled else learning_rate
@@ -296,6 +298,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
+        check_like_state(updates, state.trace, "trace")
         new = pytree.map(lambda g, t: g + t * decay, updates, state.trace)
         out = pytree.map(lambda g, t: g + t * decay, updates, new) if nesterov else new
         return out, TraceState(trace=new)

@@ -259,3 +259,20 @@ def test_bf16_grads_on_fp32_params(name):
                 shards[r] = rg.apply_updates(shards[r], u)
         results[gdtype] = gather_all(shards)
     rg.pytree.map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), results[torch.bfloat16], results[torch.float32])
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adam_chain", "adamw_8bit", "muon"])
+def test_state_for_other_params_is_a_clear_error(name):
+    from ragged import spec as sp
+
+    params = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    specs = {"w": sp.Blocks(32, 32), "b": sp.Elements(1)}
+    a = shard_all(rg.make_plan(params, specs, world_size=2), params)[0]
+    b = shard_all(rg.make_plan(params, specs, world_size=1), params)[0]
+    opt = {"adamw": lambda: rg.optim.adamw(1e-3), "sgd": lambda: rg.optim.sgd(0.1, momentum=0.9),
+           "adam_chain": lambda: rg.optim.chain(rg.optim.scale_by_adam(), rg.optim.scale(-1.0)),
+           "adamw_8bit": lambda: rg.optim.adamw_8bit(1e-3, min_size=1000),
+           "muon": lambda: rg.optim.muon(0.02, comm=None)}[name]()
+    state = opt.init(b)
+    with pytest.raises(ValueError, match=r"do not match the (8-bit |optimizer )?state.*Fix: call opt.init"):
+        opt.update(a, state, a)

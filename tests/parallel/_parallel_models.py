@@ -159,14 +159,24 @@ def mesh_names(kind):
 
 
 def batches_per_step(kind, mesh):
-    """Distinct batches per step: one per FSDP rank (TP ranks share a batch), or one per rank
-    (EP ranks route their own tokens)."""
-    return mesh.size if kind == "ep" else mesh.axis_size("dp")
+    """Distinct batches per step: one per rank of the data axes (every axis but "tp": TP ranks
+    share a batch; EP ranks route their own tokens; an HSDP "rep" axis splits the batch too)."""
+    return mesh.size // (mesh.axis_size("tp") if "tp" in mesh.names else 1)
+
+
+def _data_index(mc):
+    """This rank's batch index: its row-major index over the data axes (all but "tp")."""
+    index = 0
+    for name, size in zip(mc.mesh.names, mc.mesh.shape):
+        if name != "tp":
+            index = index * size + mc.coords[name]
+    return index
 
 
 # ---- training loops ----------------------------------------------------------------------------
 def mesh_train(kind, mc, mplan, steps, *, shards=None, opt_state=None, start=0):
-    """FSDP x TP (kind="tp") or FSDP x EP (kind="ep") training on one rank of a mesh.
+    """FSDP x TP (kind="tp", "dt": DTensor) or FSDP x EP (kind="ep") training on one rank of a
+    mesh; axes other than "dp" and "tp" are data axes (EP, or HSDP replication).
 
     Returns ``(shards, opt_state, losses)``; losses are the global batch losses.
     """
@@ -175,33 +185,34 @@ def mesh_train(kind, mc, mplan, steps, *, shards=None, opt_state=None, start=0):
         full = init_params(kind)
         shards = parallel.shard(mplan, full, mc)
         opt_state = opt.init(shards)
-    dp = mc["dp"]
+    data_axes = tuple(a for a in mc.mesh.names if a not in ("dp", "tp"))  # "ep", or an HSDP "rep" axis
+    batch = _data_index(mc)
     losses = []
     for step in range(start, start + steps):
         local = parallel.gather(shards, mc)
         local = rg.pytree.map(lambda t: t.detach().requires_grad_(), local)
         if kind == "tp":
-            loss = tp_loss(local, tp_batch(step, mc.coords["dp"]), mc["tp"])
-            op, data_axes, norm = "mean", (), dp.world_size
+            loss = tp_loss(local, tp_batch(step, batch), mc["tp"])  # mean over the local batch
+            op = "mean"
         elif kind == "dt":
             tp_mesh = mc.device_mesh["tp"]
-            loss = dt_loss(parallel.to_dtensor(mplan, local, mc.device_mesh), tp_batch(step, mc.coords["dp"]), tp_mesh)
-            op, data_axes, norm = "mean", (), dp.world_size
+            loss = dt_loss(parallel.to_dtensor(mplan, local, mc.device_mesh), tp_batch(step, batch), tp_mesh)
+            op = "mean"
         else:
-            ep = mc["ep"]
             n_global = mc.mesh.size * TOKENS * D
-            loss = moe_loss_sum(local, moe_batch(step, mc.rank), ep) / n_global
-            op, data_axes, norm = "sum", ("ep",), 1
+            loss = moe_loss_sum(local, moe_batch(step, batch), mc["ep"]) / n_global  # a share of the global mean
+            op = "sum"
         loss.backward()
         grads = rg.pytree.map(lambda t: t.grad, local)
         g = parallel.reduce_scatter(mplan, grads, mc, op=op, data_axes=data_axes)
         updates, opt_state = opt.update(g, opt_state, shards)
         shards = rg.optim.apply_updates(shards, updates)
         total = loss.detach().reshape(1).clone()
-        dp.all_reduce(total)
-        if kind == "ep":
-            mc["ep"].all_reduce(total)
-        losses.append(float(total) / norm)
+        n = 1
+        for a in ("dp", *data_axes):
+            mc[a].all_reduce(total)
+            n *= mc[a].world_size
+        losses.append(float(total) / (n if op == "mean" else 1))
     return shards, opt_state, losses
 
 

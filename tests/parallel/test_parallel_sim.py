@@ -234,3 +234,18 @@ def test_reduce_scatter_mean_divides_by_fsdp_times_data_axes():
         torch.testing.assert_close(mean, total / 4, rtol=1e-14, atol=0)
         torch.testing.assert_close(rmean, rtotal / 4, rtol=1e-14, atol=0)
         assert total.abs().sum() > 0
+
+
+def test_hsdp_x_tp_training_equals_single_process():
+    """HSDP x TP on a 2x2x2 mesh: FSDP over "dp", replicas on "rep" (a data axis on which every
+    leaf is replicated: one all-reduce of the whole shard), TP on "tp"."""
+    from _parallel_models import tp_params, tp_specs
+
+    mesh = spec.Mesh((2, 2, 2), ("rep", "dp", "tp"))
+    mplan = spec.make_mesh_plan(tp_params(), tp_specs(), mesh=mesh)
+    out = parallel.simulate_mesh(mesh, _train_and_collect, "tp", mplan, STEPS)
+    ref, _, ref_losses = reference_train("tp", STEPS, n_batches=batches_per_step("tp", mesh))
+    assert batches_per_step("tp", mesh) == 4
+    for full, losses in out:
+        _close_trees(full, ref)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)

@@ -7,6 +7,9 @@ from ragged.checkpoint._format import CheckpointError as CheckpointError
 from ragged.checkpoint._format import CheckpointMismatchError as CheckpointMismatchError
 from ragged.checkpoint._format import PerRank as PerRank
 from ragged.checkpoint._load import export as export
+from ragged.checkpoint._packed import Packed as Packed
+from ragged.checkpoint._packed import bind_muon as bind_muon
+from ragged.checkpoint._packed import bind_packed as bind_packed
 from ragged.checkpoint._quant8 import Quant8 as Quant8
 from ragged.checkpoint._quant8 import bind_quant8 as bind_quant8
 from ragged.checkpoint._quant8 import unbind as unbind

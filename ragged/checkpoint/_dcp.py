@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ragged.checkpoint._format import CheckpointError, error_type
 
-__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess"]
+__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,9 +68,23 @@ class SingleProcess:
         return [obj]
 
 
+def everyone(comm) -> tuple[int, int]:
+    """``(index, count)`` of this process among all processes ``comm.all_gather_object``
+    reaches: the shard group, times the replicas for an HSDP comm (replica-major)."""
+    replicas = getattr(comm, "num_replicas", 1)
+    return getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, replicas * comm.world_size
+
+
+def _who(comm, index: int) -> str:
+    if getattr(comm, "num_replicas", 1) == 1:
+        return f"rank {index}"
+    return f"rank {index % comm.world_size} of replica {index // comm.world_size}"
+
+
 def agree(comm, what: str, fn: Callable[[], Any]) -> list[Any]:
-    """Runs ``fn()`` on every rank and gathers the results; if any rank failed, raises on every
-    rank (a CheckpointError subclass named by the first failing rank's error).
+    """Runs ``fn()`` on every rank and gathers the results (indexed as :func:`everyone`); if any
+    rank failed, raises on every rank (a CheckpointError subclass named by the first failing
+    rank's error).
 
     The only collective is one ``all_gather_object``, which every rank reaches whether or not
     its ``fn`` raised: an error on one rank never leaves the others waiting.
@@ -86,12 +100,12 @@ def agree(comm, what: str, fn: Callable[[], Any]) -> list[Any]:
     results = comm.all_gather_object(out)
     failures = [(rank, payload) for rank, (ok, payload) in enumerate(results) if not ok]
     if failures:
-        rank, (name, message) = failures[0]
-        others = [r for r, _ in failures[1:]]
-        extra = f" (ranks {others} failed too)" if others else ""
-        if comm.world_size == 1:
+        index, (name, message) = failures[0]
+        others = [_who(comm, i) for i, _ in failures[1:]]
+        extra = f" ({', '.join(others)} failed too)" if others else ""
+        if len(results) == 1:
             raise error_type(name)(f"{what}: {message}")
-        raise error_type(name)(f"{what} failed on rank {rank}{extra}: {message}")
+        raise error_type(name)(f"{what} failed on {_who(comm, index)}{extra}: {message}")
     return [payload for _, payload in results]
 
 
@@ -137,11 +151,12 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
     """
     planner = _PieceSavePlanner(pieces)
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-    coordinator = comm.rank == 0
+    me, _ = everyone(comm)
+    coordinator = me == 0
 
     def local_step():
         planner.set_up_planner(is_coordinator=coordinator)
-        writer.set_up_storage_writer(coordinator, rank=comm.rank, use_collectives=True)
+        writer.set_up_storage_writer(coordinator, rank=me, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
     all_local = agree(comm, "checkpoint save (local plans)", local_step)
@@ -154,7 +169,7 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
         state["metadata"] = metadata
         return writer.prepare_global_plan(plans)
 
-    central = agree(comm, "checkpoint save (global plan)", global_step)[0][comm.rank]
+    central = agree(comm, "checkpoint save (global plan)", global_step)[0][me]
 
     def write_step():
         final = planner.finish_plan(central)
@@ -165,13 +180,13 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
     all_results = agree(comm, "checkpoint save (writing data)", write_step)
 
     def finish_step():
-        names = sorted({r.storage_data.relative_path for r in all_results[comm.rank]})
+        names = sorted({r.storage_data.relative_path for r in all_results[me]})
         if coordinator:
             writer.finish(metadata=state["metadata"], results=all_results)
             names.append(".metadata")
         return names
 
-    return agree(comm, "checkpoint save (metadata)", finish_step)[comm.rank]
+    return agree(comm, "checkpoint save (metadata)", finish_step)[me]
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -227,8 +242,9 @@ def dcp_load(path: str, pieces: list[Piece], metadata: Metadata, comm) -> None:
     def read_step():
         planner = _PieceLoadPlanner(pieces)
         reader = FileSystemReader(path)
-        planner.set_up_planner(metadata=metadata, is_coordinator=comm.rank == 0)
-        reader.set_up_storage_reader(metadata, comm.rank == 0, rank=comm.rank, use_collectives=True)
+        me, _ = everyone(comm)
+        planner.set_up_planner(metadata=metadata, is_coordinator=me == 0)
+        reader.set_up_storage_reader(metadata, me == 0, rank=me, use_collectives=True)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(plan)
         reader.read_data(plan, planner).wait()

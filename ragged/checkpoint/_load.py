@@ -12,8 +12,9 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged.checkpoint import _format as fmt
+from ragged.checkpoint import _packed as pk
 from ragged.checkpoint import _quant8 as q8
-from ragged.checkpoint._dcp import Piece, SingleProcess, agree, dcp_load, read_metadata
+from ragged.checkpoint._dcp import Piece, SingleProcess, agree, dcp_load, everyone, read_metadata
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, PerRank
 from ragged.checkpoint._save import check_comm, describe, flatten_state
 from ragged.spec._plan import LayoutPlan
@@ -86,20 +87,28 @@ def _check(manifest: dict, paths, leaves, treedef, comm, *, strict: bool) -> lis
             if s["dtype"] != l["dtype"]:
                 problems.append(f"{where}: saved dtype {s['dtype']}, expected dtype {l['dtype']}")
         elif kind == "per_rank":
-            if manifest["world_size"] != comm.world_size:
+            me, count = everyone(comm)
+            if len(s["shapes"]) != count or manifest["world_size"] != comm.world_size:
                 problems.append(
-                    f"{where}: a PerRank value saved by {manifest['world_size']} ranks cannot load on "
-                    f"{comm.world_size} ranks (leave it out of like_state with strict=False and make a fresh one)"
+                    f"{where}: a PerRank value saved by {len(s['shapes'])} ranks cannot load on "
+                    f"{count} ranks (leave it out of like_state with strict=False and make a fresh one)"
                 )
                 continue
-            shape = tuple(s["shapes"][comm.rank])
+            shape = tuple(s["shapes"][me])
             if shape != tuple(leaves[paths.index(p)].value.shape):
-                problems.append(f"{where}: saved shape {shape} on rank {comm.rank}, expected {tuple(leaves[paths.index(p)].value.shape)}")
+                problems.append(f"{where}: saved shape {shape} on rank {me}, expected {tuple(leaves[paths.index(p)].value.shape)}")
             if s["dtype"] != l["dtype"]:
                 problems.append(f"{where}: saved dtype {s['dtype']}, expected dtype {l['dtype']}")
         elif kind == "quant8":
             _compare_plans(where, s["plan"], l["plan"], problems)
             q8.compare(where, s, l, problems)
+        elif kind == "packed":
+            _compare_plans(where, s["plan"], l["plan"], problems)
+            if s["paths"] != l["paths"]:
+                problems.append(f"{where}: saved a packed buffer of leaves {s['paths']}, like_state's holds {l['paths']} (other labels)")
+            for key in ("dtype", "replicated_dtype"):
+                if s[key] != l[key]:
+                    problems.append(f"{where}: saved {key.replace('_', ' ')} {s[key]}, expected {l[key]}")
         elif kind == "plan":
             _compare_plans(where, s["plan"], l["plan"], problems)
         elif kind == "value":
@@ -124,8 +133,10 @@ def _stored_fqns(manifest: dict, path: str, entry: dict, rank: int | None) -> di
         return {path: n} if n else {}
     if kind == "quant8":
         return {f: n for f, (n, _) in q8.stored(path, entry).items()}
+    if kind == "packed":
+        return pk.stored(path, entry)
     if kind == "per_rank":
-        ranks = range(manifest["world_size"]) if rank is None else [rank]
+        ranks = range(len(entry["shapes"])) if rank is None else [rank]
         return {
             fmt.per_rank_fqn(path, r): math.prod(entry["shapes"][r]) for r in ranks if math.prod(entry["shapes"][r])
         }
@@ -197,8 +208,10 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(like_state)
 
+    me, count = everyone(comm)
+
     def check():
-        manifest, metadata = _open(path, comm.rank, comm.world_size, verify=verify, entries=set(paths))
+        manifest, metadata = _open(path, me, count, verify=verify, entries=set(paths))
         problems = _check(manifest, paths, leaves, treedef, comm, strict=strict)
         if problems:
             listed = "\n  ".join(problems[:_MAX_LISTED])
@@ -234,6 +247,10 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
                 if rleaf.numel:
                     pieces.append(Piece(fmt.leaf_fqn(p, rleaf.path), 0, rleaf.numel, rep[rleaf.offset : rleaf.stop]))
             new_leaves.append(leaf.replace(data=data, replicated=rep))
+        elif isinstance(leaf, pk.Packed):
+            new = pk.allocate(leaf)
+            pieces += [Piece(f, s, n, t) for f, s, n, t in pk.pieces(p, new, comm.rank)]
+            new_leaves.append(new)
         elif isinstance(leaf, q8.Quant8):
             new = q8.allocate(leaf)
             pieces += [Piece(f, s, n, t) for f, s, n, t in q8.pieces(p, new, comm.rank)]
@@ -241,7 +258,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
         elif isinstance(leaf, PerRank):
             value = torch.empty_like(leaf.value)
             if value.numel():
-                pieces.append(Piece(fmt.per_rank_fqn(p, comm.rank), 0, value.numel(), value.view(-1)))
+                pieces.append(Piece(fmt.per_rank_fqn(p, me), 0, value.numel(), value.view(-1)))
             new_leaves.append(PerRank(value))
         elif isinstance(leaf, torch.Tensor):
             value = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
@@ -318,7 +335,7 @@ def export(
         else:
             continue
         kind = entry["kind"]
-        own = leaf_names and kind in ("dbuffer", "quant8")
+        own = leaf_names and kind in ("dbuffer", "packed", "quant8")
 
         def put(leaf_parts: list[str], value, suffix: str = "") -> None:
             name = ".".join(leaf_parts if own else rel + leaf_parts) or (parts[-1] if parts else "state")
@@ -333,11 +350,14 @@ def export(
                 pieces.append(Piece(fqn, 0, numel, flat))
             return flat
 
-        if kind == "dbuffer":
+        if kind in ("dbuffer", "packed"):
             plan = entry["plan"]
+            keep = set(entry["paths"]) if kind == "packed" else None
             for leaf, dtype in [(l, entry["dtype"]) for l in plan["leaves"]] + [
                 (l, entry["replicated_dtype"]) for l in plan["replicated"]
             ]:
+                if keep is not None and leaf["path"] not in keep:
+                    continue
                 shape = tuple(leaf["shape"])
                 flat = read(fmt.leaf_fqn(p, leaf["path"]), math.prod(shape), fmt.dtype_from_name(dtype))
                 put(fmt.path_parts(leaf["path"]), flat.view(shape))

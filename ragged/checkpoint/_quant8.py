@@ -81,8 +81,16 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
 
 
 def unbind(state):
-    """``state`` with every :class:`Quant8` replaced by its moments."""
-    return pytree.map(lambda x: x.moments if isinstance(x, Quant8) else x, state, is_leaf=lambda x: isinstance(x, Quant8))
+    """``state`` with every :class:`Quant8` replaced by its moments and every ``Packed`` by its
+    DBuffer (undoes :func:`bind_quant8`, ``bind_packed`` and ``bind_muon``)."""
+    from ragged.checkpoint._packed import Packed
+
+    def one(x):
+        if isinstance(x, Quant8):
+            return x.moments
+        return x.dbuf if isinstance(x, Packed) else x
+
+    return pytree.map(one, state, is_leaf=lambda x: isinstance(x, (Quant8, Packed)))
 
 
 def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:

@@ -15,8 +15,9 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
+from ragged.checkpoint import _packed as pk
 from ragged.checkpoint import _quant8 as q8
-from ragged.checkpoint._dcp import Piece, agree, dcp_save
+from ragged.checkpoint._dcp import Piece, agree, dcp_save, everyone
 from ragged.checkpoint._format import CheckpointError, PerRank
 from ragged.spec._plan import LayoutPlan
 
@@ -24,13 +25,14 @@ __all__ = ["save"]
 
 _SUPPORTED = (
     "DBuffers, torch tensors, rg.checkpoint.PerRank(tensor), 8-bit Adam moments bound with "
-    "rg.checkpoint.bind_quant8, LayoutPlans, and Python scalars "
+    "rg.checkpoint.bind_quant8, packed states bound with rg.checkpoint.bind_packed / bind_muon, "
+    "LayoutPlans, and Python scalars "
     "(bool, int, float, str, None)"
 )
 
 
 def is_entry(x) -> bool:
-    return isinstance(x, (DBuffer, PerRank, q8.Quant8))
+    return isinstance(x, (DBuffer, PerRank, q8.Quant8, pk.Packed))
 
 
 def flatten_state(state):
@@ -40,13 +42,7 @@ def flatten_state(state):
 
 
 def check_comm(comm, what: str) -> None:
-    """Refuses comms the checkpoint protocol does not cover (before any communication)."""
-    if getattr(comm, "num_replicas", 1) != 1:
-        raise ValueError(
-            f"rg.checkpoint.{what} got an HSDP comm ({comm.num_replicas} replicas x {comm.world_size} shards); "
-            "checkpointing over replica groups is not supported yet. Fix: save from one replica group with "
-            "the shard group's comm (rg.collectives.from_torch(shard_process_group)); all replicas hold the same shards."
-        )
+    """Refuses values that are not a ragged Collectives (before any communication)."""
     for name in ("rank", "world_size", "all_gather_object"):
         if not hasattr(comm, name):
             raise TypeError(f"rg.checkpoint.{what}: comm is a {type(comm).__name__} without .{name}; pass a ragged Collectives.")
@@ -70,7 +66,9 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
         if leaf.data.dim() != 1 or leaf.data.numel() != plan.shard_size:
             raise ValueError(
                 f"{where}.data has shape {tuple(leaf.data.shape)}; its plan needs a 1-D tensor of "
-                f"shard_size={plan.shard_size} elements."
+                f"shard_size={plan.shard_size} elements. If it is the packed state of a compact "
+                "multi_transform label (e.g. rg.optim.muon's AdamW part), bind the optimizer state first: "
+                "rg.checkpoint.bind_muon(opt_state) or rg.checkpoint.bind_packed(opt_state, labels, compact)."
             )
         rep_end = max((l.stop for l in plan.replicated), default=0)
         if leaf.replicated.dim() != 1 or leaf.replicated.numel() < rep_end:
@@ -86,6 +84,8 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
         }
     if isinstance(leaf, q8.Quant8):
         return q8.describe(where, leaf, comm)
+    if isinstance(leaf, pk.Packed):
+        return pk.describe(where, leaf, comm)
     if isinstance(leaf, PerRank):
         if not isinstance(leaf.value, torch.Tensor):
             raise TypeError(f"{where} is PerRank({type(leaf.value).__name__}); PerRank holds a torch tensor.")
@@ -109,8 +109,9 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
-def pieces_of(path: str, leaf, rank: int) -> list[Piece]:
-    """This rank's pieces of one state leaf (1-D chunks; see [Note: checkpoint layout])."""
+def pieces_of(path: str, leaf, rank: int, *, index: int | None = None) -> list[Piece]:
+    """This rank's pieces of one state leaf (1-D chunks; see [Note: checkpoint layout]).
+    ``index`` names PerRank values (the process index, replicas included)."""
     out = []
     if isinstance(leaf, DBuffer):
         data, plan = leaf.data.detach(), leaf.plan
@@ -123,9 +124,12 @@ def pieces_of(path: str, leaf, rank: int) -> list[Piece]:
                 out.append(Piece(fmt.leaf_fqn(path, rleaf.path), 0, rleaf.numel, view))
     elif isinstance(leaf, q8.Quant8):
         out += [Piece(f, s, n, t) for f, s, n, t in q8.pieces(path, leaf, rank)]
+    elif isinstance(leaf, pk.Packed):
+        out += [Piece(f, s, n, t.detach()) for f, s, n, t in pk.pieces(path, leaf, rank)]
     elif isinstance(leaf, PerRank):
         if leaf.value.numel():
-            out.append(Piece(fmt.per_rank_fqn(path, rank), 0, leaf.value.numel(), leaf.value.detach().reshape(-1)))
+            who = rank if index is None else index
+            out.append(Piece(fmt.per_rank_fqn(path, who), 0, leaf.value.numel(), leaf.value.detach().reshape(-1)))
     elif isinstance(leaf, torch.Tensor):
         if leaf.numel():
             out.append(Piece(path, 0, leaf.numel(), leaf.detach().reshape(-1)))
@@ -160,7 +164,8 @@ def _short(entry: dict) -> str:
 def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     """Saves a training state as a sharded checkpoint: every rank writes only its own pieces.
 
-    Call it on every rank of ``comm`` with that rank's state. The checkpoint appears at
+    Call it on every rank of ``comm`` with that rank's state (for an HSDP comm: on every
+    process of every replica; replica 0 writes the shards). The checkpoint appears at
     ``path`` complete or not at all: files go to a hidden sibling directory that rank 0
     renames to ``path`` after all ranks finished and the manifest (sizes and sha256 of every
     file) is on disk.
@@ -248,7 +253,15 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         if entry["kind"] == "per_rank":
             entry["shapes"] = [g[3][p] for g in gathered]
 
-    pieces = [pc for p, leaf in zip(paths, leaves) for pc in pieces_of(p, leaf, comm.rank)]
+    # [Note: HSDP] Replicas hold identical shards: replica 0 writes them, the others write
+    # only their PerRank values; every process takes part in the protocol (and in loading).
+    me, _ = everyone(comm)
+    replica = getattr(comm, "replica_rank", 0)
+    pieces = [
+        pc for p, leaf in zip(paths, leaves)
+        for pc in pieces_of(p, leaf, comm.rank, index=me)
+        if replica == 0 or isinstance(leaf, PerRank)
+    ]
     try:
         written = dcp_save(tmp, pieces, comm)
         digests = agree(
@@ -258,15 +271,19 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         )
 
         def publish():
-            if comm.rank != 0:
+            if me != 0:
                 return None
             files = {}
             for d in digests:
                 files.update(d)
+            for name_ in os.listdir(tmp):  # e.g. the empty file of a rank with nothing to write
+                if name_ not in files and name_ != fmt.MANIFEST:
+                    files[name_] = fmt.file_digest(os.path.join(tmp, name_))
             manifest = {
                 "format": fmt.FORMAT,
                 "version": fmt.VERSION,
                 "world_size": comm.world_size,
+                "replicas": getattr(comm, "num_replicas", 1),
                 "treedef": str(treedef),
                 "entries": entries,
                 "files": files,
@@ -279,7 +296,7 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
 
         return agree(comm, "checkpoint save (publishing)", publish)[0]
     except BaseException:
-        if comm.rank == 0:
+        if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 

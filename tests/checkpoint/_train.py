@@ -84,3 +84,17 @@ def train(comm, state, steps: int, opt: str = "adamw"):
 def full_params(comm, state):
     """The gathered parameters (every rank), detached copies."""
     return rg.pytree.map(lambda t: t.detach().clone(), rg.gather(state["params"], comm))
+
+
+def bound(state, opt: str = "adamw"):
+    """The state as the checkpoint takes it: optimizer states that are not plain DBuffers bound
+    to what describes them (8-bit moments to their params, Muon's packed AdamW part to its labels)."""
+    if opt == "muon":
+        return dict(state, opt=rg.checkpoint.bind_muon(state["opt"]))
+    if opt == "adamw_8bit":
+        return dict(state, opt=rg.checkpoint.bind_quant8(state["opt"], state["params"], min_size=MIN_SIZE_8BIT))
+    return state
+
+
+def unbound(state):
+    return dict(state, opt=rg.checkpoint.unbind(state["opt"]))

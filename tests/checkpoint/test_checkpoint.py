@@ -64,7 +64,8 @@ def _assert_state_equals(states, full, step=5):
     for s in states:
         assert s["step"] == step and isinstance(s["step"], int)
         assert int(s["opt"][0].count) == step and s["opt"][0].count.dtype == torch.int64
-        assert torch.equal(s["rng"], torch.Generator().manual_seed(1234).get_state())
+        if "rng" in s:
+            assert torch.equal(s["rng"], torch.Generator().manual_seed(1234).get_state())
         assert s["lr"] == 0.25 and s["name"] == "run-1" and s["nothing"] is None
 
 
@@ -420,15 +421,49 @@ def test_named_tuple_state_types(tmp_path):
     assert AdamLike._fields == OtherState._fields
 
 
-def test_hsdp_comm_is_refused_before_communication(tmp_path):
-    params = make_params(0)
-    plan = plan_for(params, 2)
+def test_hsdp_save_writes_one_replica_and_loads_anywhere(tmp_path):
+    """HSDP (2 replicas x 2 shards): replica 0 writes the shards, replica 1 only takes part;
+    the checkpoint loads on HSDP again, on 4 plain ranks and on 1 rank."""
+    path = tmp_path / "ckpt"
+    full = full_trees()
+    plan = plan_for(full["params"], 2)
 
-    def fn(comm):
-        rg.checkpoint.save(tmp_path / "x", {"params": rg.shard(plan, params, rank=comm.rank)}, comm)
+    def save(comm):
+        state = make_state(comm.rank, plan, full)
+        state["rng"] = PerRank(torch.full((2,), 10 * comm.replica_rank + comm.rank))
+        return rg.checkpoint.save(path, state, comm)
 
-    with pytest.raises(ValueError, match=re.escape("got an HSDP comm (2 replicas x 2 shards)")):
-        simulate(4, fn, mesh_shape=(2, 2))
+    manifest = simulate(4, save, mesh_shape=(2, 2))[0]
+    assert manifest["replicas"] == 2 and manifest["world_size"] == 2
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    # replica 1's files hold only its PerRank values (2 int64 each, plus torch.save framing)
+    sizes = {n: f["size"] for n, f in manifest["files"].items()}
+    assert sizes["__2_0.distcp"] < sizes["__0_0.distcp"] / 4
+
+    def load_hsdp(comm):
+        like = make_state(comm.rank, plan, full_trees(9), step=0)
+        like["rng"] = PerRank(torch.zeros(2, dtype=torch.int64))
+        like["lr"], like["name"] = 0.0, ""
+        return rg.checkpoint.load(path, like, comm)
+
+    states = simulate(4, load_hsdp, mesh_shape=(2, 2))
+    assert [s["rng"].value.tolist() for s in states] == [[0, 0], [1, 1], [10, 10], [11, 11]]
+    for replica in (states[:2], states[2:]):
+        for s in replica:
+            s.pop("rng")
+        _assert_state_equals(replica, full)
+    with pytest.raises(CheckpointMismatchError, match="a PerRank value saved by 4 ranks cannot load on 2 ranks"):
+        simulate(2, lambda comm: rg.checkpoint.load(path, {"rng": PerRank(torch.zeros(2, dtype=torch.int64))}, comm, strict=False))
+    for m in (4, 1):
+        plan_m = plan_for(full["params"], m, "elements")
+
+        def load(comm):
+            like = make_state(comm.rank, plan_m, full_trees(9), step=0)
+            like["lr"], like["name"] = 0.0, ""
+            del like["rng"]  # per-rank values do not move to another number of processes
+            return rg.checkpoint.load(path, like, comm, strict=False)
+
+        _assert_state_equals(simulate(m, load), full)
 
 
 def test_truncation_is_caught_without_verify(tmp_path):
@@ -443,3 +478,23 @@ def test_truncation_is_caught_without_verify(tmp_path):
 
     with pytest.raises(CheckpointCorruptError, match="truncated or extended"):
         simulate(2, fn)
+
+
+def test_unbound_packed_state_is_refused_with_the_fix(tmp_path):
+    """rg.optim.muon's AdamW part is packed (compact multi_transform label): saving it unbound
+    raises before any communication and names the fix."""
+    from tests.checkpoint import _train
+
+    def fn(comm):
+        state = _train.init_state(comm, opt="muon")
+        rg.checkpoint.save(tmp_path / "x", state, comm)
+
+    with pytest.raises(ValueError, match=re.escape("rg.checkpoint.bind_muon(opt_state)")):
+        simulate(1, fn)
+
+    def other_labels(comm):  # binding with labels the optimizer was not built with
+        state = _train.init_state(comm, opt="muon")
+        rg.checkpoint.bind_muon(state["opt"], muon_filter=lambda leaf: False)
+
+    with pytest.raises(ValueError, match="the labels function differs"):
+        simulate(1, other_labels)

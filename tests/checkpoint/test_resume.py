@@ -30,16 +30,16 @@ def test_resume_after_reshard_equals_uninterrupted(tmp_path, m_before, m_after, 
     n1, n2 = 3, 3
     path = tmp_path / "ckpt"
 
-    # Muon momentum, AdamW moments inside multi_transform, SGD traces: all DBuffers.
+    # SGD traces, AdamW moments: DBuffers; Muon: momentum DBuffer + packed AdamW part (bound).
     def first(comm):
         state = _train.train(comm, _train.init_state(comm, opt=opt), n1, opt)
-        rg.checkpoint.save(path, state, comm)
+        rg.checkpoint.save(path, _train.bound(state, opt), comm)
 
     simulate(m_before, first)
 
     def second(comm):
         like = _train.init_state(comm, granularity, opt=opt, seed=7)  # other values: only the layout counts
-        state = rg.checkpoint.load(path, like, comm)
+        state = _train.unbound(rg.checkpoint.load(path, _train.bound(like, opt), comm))
         assert state["step"] == n1
         state = _train.train(comm, state, n2, opt)
         return _train.full_params(comm, state), state["step"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ragged as rg
-from _harness import comm, group, rank, workers_fixture
+from _harness import comm, group, mesh, rank, workers_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -221,3 +221,28 @@ def test_8bit_state_exact_across_world_sizes(workers4, tmp_path, m_save, m_load)
     for leaf in saved:
         for part in saved[leaf]:
             assert torch.equal(saved[leaf][part], loaded[leaf][part]), (leaf, part)
+
+
+def _hsdp_save_then_load(path):
+    """Save on a 2x2 HSDP mesh (replica 0 writes), load on the mesh and on 4 plain ranks."""
+    from tests.checkpoint._util import full_trees, make_state, plan_for, tree_leaves_by_path
+
+    hsdp = rg.collectives.from_torch(mesh((2, 2)))
+    full = full_trees(0)
+    plan = plan_for(full["params"], 2)
+    manifest = rg.checkpoint.save(path, make_state(hsdp.rank, plan, full), hsdp)
+    out = {"files": sorted(manifest["files"]) if manifest else None}
+    for name, c, m in (("hsdp", hsdp, 2), ("plain", comm(), 4)):
+        state = rg.checkpoint.load(path, make_state(c.rank, plan_for(full["params"], m, "elements"), full_trees(8)), c)
+        got = tree_leaves_by_path(rg.gather(state["opt"][0].nu, c))
+        want = tree_leaves_by_path(full["nu"])
+        out[name] = all(torch.equal(got[p], want[p]) for p in want) and state["step"] == 5
+    return out
+
+
+def test_hsdp_save_and_load(workers4, tmp_path):
+    results = workers4.run(_hsdp_save_then_load, str(tmp_path / "ckpt"))
+    files = results[0]["files"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    assert all(os.path.getsize(tmp_path / "ckpt" / f) == 0 for f in files[3:])  # replica 1 wrote nothing
+    assert all(r["hsdp"] and r["plain"] for r in results)

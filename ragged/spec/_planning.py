@@ -91,23 +91,30 @@ def _broadcast_specs(specs, params):
         raise
 
 
-def _order_indices(order, leaves: list[tuple], world_size: int) -> list[list[int]]:
-    """Candidate orders (lists of positions into ``leaves``) to evaluate."""
-    by_tree = list(range(len(leaves)))
-    by_granule = sorted(by_tree, key=lambda i: (-leaves[i][2], -leaves[i][1], i))
-    by_size = sorted(by_tree, key=lambda i: (-leaves[i][1], i))
-    named = {"tree": by_tree, "granule": by_granule, "size": by_size}
+@functools.lru_cache(maxsize=256)
+def _named_orders(items: tuple[tuple[int, int], ...]) -> dict[str, tuple[int, ...]]:
+    """The named orders of leaves with these (numel, granule) pairs (cached: identical units
+    sort once)."""
+    by_tree = tuple(range(len(items)))
+    by_granule = tuple(sorted(by_tree, key=lambda i: (-items[i][1], -items[i][0], i)))
+    by_size = tuple(sorted(by_tree, key=lambda i: (-items[i][0], i)))
+    return {"tree": by_tree, "granule": by_granule, "size": by_size}
+
+
+def _order_indices(order, leaves: list[tuple], world_size: int) -> list[tuple[int, ...]]:
+    """Candidate orders (sequences of positions into ``leaves``) to evaluate."""
     if order is None:
-        return [by_tree]
+        return [tuple(range(len(leaves)))]
     if isinstance(order, str):
+        if order != "search" and order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
+        named = _named_orders(tuple((leaf[1], leaf[2]) for leaf in leaves))
         if order == "search":
             unique = []
-            for candidate in (by_tree, by_granule, by_size):
-                if candidate not in unique:
-                    unique.append(candidate)
+            for name in ORDERS:
+                if named[name] not in unique:
+                    unique.append(named[name])
             return unique
-        if order not in named:
-            raise ValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
         return [named[order]]
     paths = [leaf[0] for leaf in leaves]
     order = list(order)
@@ -117,7 +124,8 @@ def _order_indices(order, leaves: list[tuple], world_size: int) -> list[list[int
             f"order must list every sharded leaf's key path exactly once; missing {missing}, "
             f"unknown {extra}. Paths are {paths}."
         )
-    return [[paths.index(p) for p in order]]
+    position = {p: i for i, p in enumerate(paths)}
+    return [tuple(position[p] for p in order)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -144,8 +152,23 @@ def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_
     return S, tuple(_search.place(sizes, granules, align, S)), 0
 
 
+_BUILTIN_NODES = (dict, list, tuple, type(None))
+
+
+def _builtin_only(treedef) -> bool:
+    if treedef.is_leaf():
+        return True
+    if treedef.type not in _BUILTIN_NODES:
+        return False
+    return all(_builtin_only(c) for c in treedef.children() if not c.is_leaf())
+
+
 @functools.lru_cache(maxsize=1024)
 def _paths(treedef) -> tuple[str, ...]:
+    """Key path strings of every leaf. Trees of plain dicts / lists / tuples format their
+    raw paths directly (4x faster than building accessors, same text); others use accessors."""
+    if _builtin_only(treedef):
+        return tuple("".join(f"[{k!r}]" for k in path) or "<root>" for path in treedef.paths())
     return tuple(keystr(a) for a in treedef.accessors())
 
 

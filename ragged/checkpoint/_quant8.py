@@ -65,6 +65,18 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
         opt_state: any optimizer state; every ``ScaleByAdam8bitState`` in it is bound.
         params: the DBuffer (or pytree of DBuffers) passed to ``opt.init``.
         min_size: the optimizer's ``min_size``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(8, 64)}
+        >>> def fn(comm):
+        ...     plan = rg.make_plan(params, {"w": rg.spec.Blocks(4, 32)}, world_size=1)
+        ...     local = rg.shard(plan, params, comm)
+        ...     state = rg.optim.adamw_8bit(1e-3, min_size=256).init(local)
+        ...     return rg.checkpoint.bind_quant8(state, local, min_size=256)[0].moments
+        >>> bound = rg.collectives.simulate(1, fn)[0]
+        >>> type(bound).__name__, bound.moments.mu_scales.numel()  # 2 x 2 tiles of 4 x 32
+        ('Quant8', 4)
     """
     from ragged.optim._quant8 import Quant8Moments
 

@@ -25,8 +25,11 @@ buffers" in ragged/transforms/_gather.py); the "fastest raw" reference reuses it
 the like-for-like comparison is ``rg.gather (out= reused buffer)``.
 
 Each iteration runs every method once (interleaved, so machine noise hits all alike), a
-barrier before each; the time of an iteration is the max over ranks. Reported: median over
-iterations, and the ratio to the fastest raw path of the same collective.
+barrier before each; the time of an iteration is the max over ranks. Reported: the median over
+iterations and its ratio to the fastest raw path (smallest median, reused buffers) of the same
+collective; the "paired ratio", the median over iterations of (this method's time / the
+reference's time in the same iteration), which cancels the slow load drifts of a shared
+machine; and the min.
 
 Run:  OMP_NUM_THREADS=1 python3 bench/collectives.py [--world-sizes 2 4] [--hidden 512 1024] [--iters 9]
 """
@@ -164,7 +167,7 @@ def _worker(rank, m, port, hiddens, iters, out_q):
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                     times[name].append(dt.item())
             for name, ts in times.items():
-                rows.append((m, h, plan.buffer_numel * 4 / 2**20, kind, name, statistics.median(ts) * 1e3))
+                rows.append((m, h, plan.buffer_numel * 4 / 2**20, kind, name, [t * 1e3 for t in ts]))
     if rank == 0:
         out_q.put(rows)
     dist.barrier()
@@ -193,16 +196,22 @@ def main(argv=None):
         for p in procs:
             p.join()
     table = Table(title="gloo collectives, one GPT block (fp32), median ms (max over ranks)")
-    for col in ("W", "hidden", "MB", "collective", "method", "ms", "GB/s", "vs fastest raw"):
+    cols = ("W", "hidden", "MB", "collective", "method", "median ms", "GB/s", "vs fastest raw", "paired ratio", "min ms")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("collective", "method") else "left")
-    fastest = {}
-    for m, h, mb, kind, name, ms in rows:
+    ref = {}  # (m, h, kind) -> times of the raw path with the smallest median (reused buffers)
+    for m, h, mb, kind, name, ts in rows:
         if name.startswith("raw") and "fresh" not in name:
             key = (m, h, kind)
-            fastest[key] = min(fastest.get(key, float("inf")), ms)
-    for m, h, mb, kind, name, ms in rows:
+            if key not in ref or statistics.median(ts) < statistics.median(ref[key]):
+                ref[key] = ts
+    for m, h, mb, kind, name, ts in rows:
+        r = ref[(m, h, kind)]
+        med = statistics.median(ts)
+        paired = statistics.median(a / b for a, b in zip(ts, r))
         table.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind], name,
-                      f"{ms:.1f}", f"{mb / 1024 / (ms / 1e3):.2f}", f"{ms / fastest[(m, h, kind)]:.2f}x")
+                      f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
+                      f"{paired:.2f}x", f"{min(ts):.1f}")
     Console(width=200).print(table)
 
 

@@ -197,3 +197,20 @@ def test_dbuffer_group_ops_match_per_leaf_reference():
         assert zero and dt == torch.float32
         _same(full, ref)
         assert abs(n - norm) < 1e-9 * norm
+
+
+def test_hsdp_reduce_scatter_means_over_all_ranks_and_gathers_within_shard_group():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+    grads = [_params(seed=40 + g) for g in range(4)]
+    ref = rg.pytree.map(lambda *xs: sum(xs) / 4, *grads)
+
+    def fn(c):
+        g = c.replica_rank * c.world_size + c.rank
+        d = rg.shard(plan, params, c)
+        return rg.gather(d, c), rg.reduce_scatter(plan, grads[g], c, op="mean"), rg.shard(plan, ref, c)
+
+    for full, got, want in rg.collectives.simulate(4, fn, mesh_shape=(2, 2)):
+        _same(full, params, rtol=0, atol=0)
+        torch.testing.assert_close(got.data, want.data)
+        torch.testing.assert_close(got.replicated, want.replicated)

@@ -21,6 +21,7 @@ from tests.checkpoint._util import (
     make_state,
     padding_is_zero,
     plan_for,
+    tree_leaves_by_path,
 )
 
 simulate = rg.collectives.simulate
@@ -54,8 +55,6 @@ def _assert_state_equals(states, full, step=5):
     for key, ref in (("params", full["params"]), ("mu", full["mu"]), ("nu", full["nu"])):
         dbufs = [s["params"] if key == "params" else getattr(s["opt"][0], key) for s in states]
         got = full_leaves(dbufs)
-        from tests.checkpoint._util import tree_leaves_by_path
-
         want = tree_leaves_by_path(ref)
         assert got.keys() == want.keys()
         for p in want:

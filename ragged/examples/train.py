@@ -59,6 +59,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None)
     g.add_argument("--no-prefetch", action="store_true")
     g.add_argument("--no-reshard", action="store_true", help="keep parameters gathered from forward to backward")
+    g.add_argument("--no-donate", action="store_true",
+                   help="allocate new shards / optimizer buffers every step instead of updating in place")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write per-step metrics and the summary here (rank 0)")
@@ -91,7 +93,7 @@ def _optimizer(args, comm):
     steps = max(args.steps, args.warmup + 1)
     lr = rg.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, steps, end_value=args.lr / 10)
     if args.optimizer == "adamw":
-        core = rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay)
+        core = rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate)
     elif args.optimizer == "adamw_8bit":
         core = rg.optim.adamw_8bit(lr, b2=0.98, weight_decay=args.weight_decay)
     elif args.optimizer == "sgd":
@@ -143,7 +145,8 @@ def train(args) -> dict:
     step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
                           compute_dtype=_DTYPES[args.compute_dtype],
                           reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)
+                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
+                          donate=not args.no_donate)
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     n_params = sum(u.plan.numel for u in units)
     console = None

@@ -424,7 +424,8 @@ class Step:
     reduce_dtype: torch.dtype | None = None
     prefetch: bool = True
     reshard_after_forward: bool = True
-    max_inflight_reduce: int = 2
+    max_inflight_reduce: int = 1
+    donate: bool = False
     trace: bool = False
     _schedule: _Schedule = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -462,7 +463,7 @@ class Step:
             grads[u.name] = DBuffer(data=g, replicated=shards[u.name].replicated.new_zeros(0), plan=u.plan,
                                     rank=shards[u.name].rank)
         updates, opt_state = self.optimizer.update(grads, opt_state, shards)
-        new_shards = apply_updates(shards, updates)
+        new_shards = apply_updates(shards, updates, donate=self.donate)
         loss = torch.stack([l.double() for l in losses]).mean().reshape(1)
         self.comm.all_reduce(loss, op="sum")
         replicas = getattr(self.comm, "num_replicas", 1)
@@ -494,7 +495,8 @@ def make_step(
     reduce_dtype: torch.dtype | None = None,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
-    max_inflight_reduce: int = 2,
+    max_inflight_reduce: int = 1,
+    donate: bool = False,
     trace: bool = False,
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
@@ -519,7 +521,12 @@ def make_step(
         prefetch: start the next unit's all-gather before the current unit computes.
         reshard_after_forward: free each unit's parameters after its forward (re-gather in
             backward); ``False`` keeps them from forward to backward (more memory, fewer gathers).
-        max_inflight_reduce: reduce-scatters in flight before the oldest is waited.
+        max_inflight_reduce: reduce-scatters in flight before the oldest is waited (each
+            holds its unit's flat gradient; 1 waits unit k's when unit k-1's starts).
+        donate: like ``jax.jit(donate_argnums=...)``: the new shards are written into the
+            input state's shard buffers (no allocation); the caller must not read the old
+            state after the call. Pair with ``rg.optim.adamw(..., donate=True)``, whose update
+            reuses the gradient buffers (which the step owns) and the moments.
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
 
     Returns:
@@ -565,4 +572,5 @@ def make_step(
         )
     return Step(units=units, loss_fn=loss_fn, optimizer=optimizer, comm=comm, micro_batches=micro_batches,
                 compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch,
-                reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce, trace=trace)
+                reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce, donate=donate,
+                trace=trace)

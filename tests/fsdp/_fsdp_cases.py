@@ -34,11 +34,13 @@ class Case:
     num_layers: int = 3
     seed: int = 0
     optimizer: str = "adamw"  # or "sgd"
+    donate: bool = False
+    max_inflight_reduce: int = 1
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
             return rg.optim.sgd(self.lr)
-        return rg.optim.adamw(self.lr, weight_decay=self.weight_decay)
+        return rg.optim.adamw(self.lr, weight_decay=self.weight_decay, donate=self.donate)
 
     def config(self) -> GPTConfig:
         return GPTConfig(vocab_size=64, dim=32, num_layers=self.num_layers, num_heads=4, ffn_dim=48,
@@ -62,7 +64,8 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
                           compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype, prefetch=case.prefetch,
-                          reshard_after_forward=case.reshard_after_forward, trace=trace)
+                          reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
+                          max_inflight_reduce=case.max_inflight_reduce)
     task, metrics = case.task(), []
     for s in range(case.steps):
         state, m = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))

@@ -69,10 +69,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 LeafFn = Callable[[LeafLayout], Any]
 
 
-def _labels_buffer(plan: LayoutPlan, rank: int, fn: LeafFn, labels: tuple, device, *, replicated: bool):
-    """An int8 tensor: for each element, the index of ``fn(leaf)`` in ``labels`` (-1 on padding)."""
-    if replicated:
-        out = torch.full((plan.replicated_numel,), -1, dtype=torch.int8, device=device)
+def _labels_buffer(plan: LayoutPlan, rank: int, fn: LeafFn, labels: tuple, device, *, replicated: int | None = None):
+    """An int8 tensor: for each element, the index of ``fn(leaf)`` in ``labels`` (-1 on padding).
+
+    ``replicated``: the replicated buffer's length (its offsets are aligned, so it may be longer
+    than the replicated leaves) to label that buffer instead of the shard.
+    """
+    if replicated is not None:
+        out = torch.full((replicated,), -1, dtype=torch.int8, device=device)
         spans = [(leaf, leaf.offset, leaf.numel) for leaf in plan.replicated]
     else:
         out = torch.full((plan.shard_size,), -1, dtype=torch.int8, device=device)
@@ -108,11 +112,13 @@ class _MaskCache:
         self.cache: dict = {}
 
     def get(self, dbuf: DBuffer) -> DBuffer:
-        key = (dbuf.plan, dbuf.rank, dbuf.data.device)
+        key = (dbuf.plan, dbuf.rank, dbuf.data.device, dbuf.replicated.numel())
         hit = self.cache.get(key)
         if hit is None:
-            data = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device, replicated=False)
-            rep = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device, replicated=True)
+            data = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device)
+            rep = _labels_buffer(
+                dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device, replicated=dbuf.replicated.numel()
+            )
             hit = DBuffer(data=data, replicated=rep, plan=dbuf.plan, rank=dbuf.rank)
             if len(self.cache) > 16:
                 self.cache.clear()

@@ -201,6 +201,7 @@ def _build_layout(plan: LayoutPlan, rank: int, device, min_size: int) -> _Layout
 
 
 _LAYOUTS: dict = {}
+_CODECS: dict = {}  # (signed, device) -> _Codec (its lookup tables are built once per process)
 
 
 def _layout(dbuf: DBuffer, min_size: int) -> _Layout:
@@ -329,13 +330,11 @@ def scale_by_adam_8bit(
     _check_beta("b1", b1)
     _check_beta("b2", b2)
     _check_nonneg("eps", eps)
-    codecs: dict = {}
-
     def codec(signed, device):
         key = (signed, device)
-        if key not in codecs:
-            codecs[key] = _Codec(signed, device)
-        return codecs[key]
+        if key not in _CODECS:
+            _CODECS[key] = _Codec(signed, device)
+        return _CODECS[key]
 
     def check(tree, what):
         for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):

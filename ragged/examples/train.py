@@ -131,11 +131,7 @@ def train(args) -> dict:
     if args.batch % world or (args.batch // world) % args.micro_batches:
         raise SystemExit(f"--batch {args.batch} must split into {world} ranks x {args.micro_batches} micro-batches.")
     model = GPT(cfg, device=device)
-    model.reset_parameters(torch.Generator().manual_seed(args.seed)) if device.type == "cpu" else None
-    if device.type != "cpu":  # same init on every rank: draw on CPU, copy over
-        cpu = GPT(cfg)
-        cpu.reset_parameters(torch.Generator().manual_seed(args.seed))
-        model.load_state_dict(cpu.state_dict())
+    model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
     opt = _optimizer(args, comm)
     state = fsdp.init(units, model, opt, comm)

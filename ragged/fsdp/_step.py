@@ -442,11 +442,11 @@ class Step:
         if missing:
             raise KeyError(f"state.shards lacks units {missing}; build the state with rg.fsdp.init(units, ...).")
         for u in self.units:
-            d = shards[u.name]
-            if d.plan != u.plan:
+            if shards[u.name].plan != u.plan:
                 raise ValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
+        micro = _split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
+        for u in self.units:
             check_plan(u.plan, self.comm)  # once per (comm, plan): raises on every rank if plans differ
-        micro = _split_batch(batch, self.micro_batches)
         run = _Run(self.units, shards, self.comm, compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
                    prefetch=self.prefetch, reshard=self.reshard_after_forward, schedule=self._schedule,
                    max_inflight_reduce=self.max_inflight_reduce, trace=self.trace)

@@ -9,9 +9,10 @@
    FSDP units of a model), by longest-processing-time-first list scheduling of the Newton-Schulz cost (``ns_steps * (4 a^2 b + 2 a^3)`` flops for an
    ``a x b`` matrix, ``a <= b``), so the busiest rank exceeds the least busy by at most one
    matrix's cost (:func:`muon_load` reports it).
-3. The matrices move to their owners by uneven ``all_to_all`` (the owned RaggedShard: one
-   non-zero unit per matrix, like :func:`ragged.owned_plan` but at matrix rather than leaf
-   granularity, so experts of one leaf can live on different ranks). The matrices are split
+3. The matrices move to their owners by uneven ``all_to_all`` of contiguous slices (no index
+   tensors: each (matrix, rank) piece is one slice). This is the owned RaggedShard (one
+   non-zero unit per matrix), like :func:`ragged.owned_plan` but at matrix rather than leaf
+   granularity, so experts of one leaf can live on different ranks. The matrices are split
    into waves; all waves' forward exchanges are issued asynchronously up front, and each wave's
    result is sent back asynchronously as soon as its Newton-Schulz is done, so communication
    of one wave overlaps the Newton-Schulz of the others.
@@ -187,15 +188,18 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
 
 @dataclasses.dataclass(frozen=True)
 class _Wave:
-    send_idx: torch.Tensor  # local data offsets, grouped by destination rank
+    """One wave's exchange, as contiguous spans (no per-element index tensors: the plan keeps
+    every matrix contiguous, so each (matrix, rank) piece is one slice)."""
+
+    send_spans: tuple[tuple[int, int], ...]  # (offset in my shard, length), grouped by destination
     send_splits: tuple[int, ...]
-    recv_pos: torch.Tensor  # positions in the owned buffer, grouped by source rank
+    recv_spans: tuple[tuple[int, int, int], ...]  # (offset in recv, offset in owned buffer, length)
     recv_splits: tuple[int, ...]
     owned: tuple[tuple[MuonUnit, int], ...]  # (unit, offset in the owned buffer)
     owned_numel: int
 
 
-def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: int, device) -> tuple[_Wave, ...]:
+def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: int) -> tuple[_Wave, ...]:
     S, m = plan.shard_size, plan.world_size
     n = max(1, min(num_waves, len(units)))
     # contiguous groups of units in buffer order, balanced by element count
@@ -215,8 +219,9 @@ def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: 
                 owned.append((u, off))
                 off += u.numel
         owned_off = {u.start: o for u, o in owned}
-        send_idx, send_splits, recv_pos, recv_splits = [], [], [], []
+        send_spans, send_splits, recv_spans, recv_splits = [], [], [], []
         lo_me, hi_me = rank * S, (rank + 1) * S
+        recv_at = 0
         for j in range(m):
             k = 0
             for u in group:  # what I hold of units owned by j
@@ -224,7 +229,7 @@ def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: 
                     continue
                 lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
                 if lo < hi:
-                    send_idx.append(torch.arange(lo - lo_me, hi - lo_me))
+                    send_spans.append((lo - lo_me, hi - lo))
                     k += hi - lo
             send_splits.append(k)
             k = 0
@@ -234,13 +239,19 @@ def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: 
                     continue
                 lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
                 if lo < hi:
-                    base = owned_off[u.start] - u.start
-                    recv_pos.append(torch.arange(base + lo, base + hi))
+                    recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
+                    recv_at += hi - lo
                     k += hi - lo
             recv_splits.append(k)
-        cat = lambda xs: (torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long)).to(device)  # noqa: E731
-        waves.append(_Wave(cat(send_idx), tuple(send_splits), cat(recv_pos), tuple(recv_splits), tuple(owned), off))
+        waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)
+
+
+def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:
+    """The spans ``(offset, length)`` of ``src`` concatenated (one ``torch.cat``)."""
+    if not spans:
+        return src.new_empty(0)
+    return torch.cat([src[o : o + n] for o, n in spans])
 
 
 class ScaleByMuonState(NamedTuple):
@@ -309,7 +320,7 @@ def scale_by_muon(
             units = _units([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()
-            cache[key] = [_waves(d.plan, d.rank, u, num_waves, d.data.device) for d, u in zip(bufs, units)]
+            cache[key] = [_waves(d.plan, d.rank, u, num_waves) for d, u in zip(bufs, units)]
         return cache[key]
 
     def orthogonalize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -321,7 +332,7 @@ def scale_by_muon(
         out = data.clone()  # non-Muon elements pass through
         pending = []
         for w in waves:
-            send = data.index_select(0, w.send_idx)
+            send = _cat_spans(data, w.send_spans)
             recv = torch.empty(sum(w.recv_splits), dtype=data.dtype, device=dev)
             h = _a2a(recv, send, w.recv_splits, w.send_splits)
             pending.append((w, recv, h))
@@ -330,16 +341,20 @@ def scale_by_muon(
             if h is not None:
                 h.wait()
             owned = torch.empty(w.owned_numel, dtype=data.dtype, device=dev)
-            owned.index_copy_(0, w.recv_pos, recv)
+            for r_off, o_off, n in w.recv_spans:
+                owned[o_off : o_off + n].copy_(recv[r_off : r_off + n])
             for unit, off in w.owned:
                 owned[off : off + unit.numel] = orthogonalize(owned[off : off + unit.numel], unit.rows, unit.cols).reshape(-1)
-            ret = owned.index_select(0, w.recv_pos)
+            ret = _cat_spans(owned, [(o_off, n) for _, o_off, n in w.recv_spans])
             got = torch.empty(sum(w.send_splits), dtype=data.dtype, device=dev)
             back.append((w, got, _a2a(got, ret, w.send_splits, w.recv_splits)))
         for w, got, h in back:
             if h is not None:
                 h.wait()
-            out.index_copy_(0, w.send_idx, got)
+            k = 0
+            for off, n in w.send_spans:
+                out[off : off + n].copy_(got[k : k + n])
+                k += n
         rep = u.replicated.clone()
         for leaf in u.plan.replicated:
             if muon_filter(leaf) and len(leaf.shape) in (2, 3):

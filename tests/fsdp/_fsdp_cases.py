@@ -67,8 +67,10 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
                           reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
                           max_inflight_reduce=case.max_inflight_reduce)
     task, metrics = case.task(), []
+    replicas = getattr(comm, "num_replicas", 1)  # HSDP: replica-major data-parallel index
+    index, total = getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, comm.world_size * replicas
     for s in range(case.steps):
-        state, m = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
+        state, m = step(state, rank_slice(task.batch(s, case.batch), index, total))
         metrics.append(m)
     full = fsdp.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, metrics

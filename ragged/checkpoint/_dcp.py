@@ -162,17 +162,15 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
     all_local = agree(comm, "checkpoint save (local plans)", local_step)
     state: dict[str, Any] = {}
 
-    def global_step():
-        if not coordinator:
-            return None
-        plans, metadata = planner.create_global_plan(all_local)
-        state["metadata"] = metadata
-        return writer.prepare_global_plan(plans)
-
-    central = agree(comm, "checkpoint save (global plan)", global_step)[0][me]
-
     def write_step():
-        final = planner.finish_plan(central)
+        # [Note: every rank plans globally] DCP's coordinator builds the global plan and
+        # scatters it; the Collectives protocol has no scatter, and broadcasting every plan to
+        # every rank through all_gather_object would cost world_size x the plans on each rank.
+        # The global plan is a deterministic function of the gathered local plans (dedup,
+        # index hints, file prefixes), so every rank computes it and keeps its own part.
+        plans, state["metadata"] = planner.create_global_plan(all_local)
+        plans = writer.prepare_global_plan(plans)
+        final = planner.finish_plan(plans[me])
         future = writer.write_data(final, planner)
         future.wait()
         return future.value()

@@ -213,8 +213,11 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     if len(entries) != len(paths):
         raise ValueError(f"state has repeated key paths {paths}; a checkpoint needs unique paths.")
 
+    description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
+
     def prepare():
-        description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
+        # Only a digest of the description travels (all_gather_object pads every rank's object
+        # to the largest, so full descriptions would cost world_size x their size per rank).
         digests = {
             p: tensor_digest(leaf) for p, leaf in zip(paths, leaves)
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DBuffer)
@@ -223,11 +226,14 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
             p: tensor_digest(leaf.replicated) for p, leaf in zip(paths, leaves) if isinstance(leaf, DBuffer)
         }
         shapes = {p: list(leaf.value.shape) for p, leaf in zip(paths, leaves) if isinstance(leaf, PerRank)}
-        return description, digests, replicated, shapes, os.path.exists(path), uuid.uuid4().hex[:12]
+        digest = hashlib.sha256(description.encode()).hexdigest()
+        return digest, digests, replicated, shapes, os.path.exists(path), uuid.uuid4().hex[:12]
 
     gathered = agree(comm, "checkpoint save (checking the state on every rank)", prepare)
-    problem = _disagreement([g[0] for g in gathered])
-    if problem is None:
+    problem = None
+    if len({g[0] for g in gathered}) > 1:  # every rank sees this: all take the second round
+        problem = _disagreement(agree(comm, "checkpoint save (comparing states)", lambda: description))
+    else:
         for rank, g in enumerate(gathered[1:], start=1):
             for key, (which, fix) in ((1, ("tensor", "wrap it in rg.checkpoint.PerRank")), (2, ("replicated leaves of DBuffer", "all-reduce it"))):
                 for p, digest in g[key].items():
@@ -270,31 +276,34 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
             lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written},
         )
 
+        files = {}
+        for d in digests:
+            files.update(d)
+        base = {
+            "format": fmt.FORMAT,
+            "version": fmt.VERSION,
+            "world_size": comm.world_size,
+            "replicas": getattr(comm, "num_replicas", 1),
+            "treedef": str(treedef),
+            "entries": entries,
+            "torch": torch.__version__,
+        }
+
         def publish():
             if me != 0:
                 return None
-            files = {}
-            for d in digests:
-                files.update(d)
+            extra = {}
             for name_ in os.listdir(tmp):  # e.g. the empty file of a rank with nothing to write
                 if name_ not in files and name_ != fmt.MANIFEST:
-                    files[name_] = fmt.file_digest(os.path.join(tmp, name_))
-            manifest = {
-                "format": fmt.FORMAT,
-                "version": fmt.VERSION,
-                "world_size": comm.world_size,
-                "replicas": getattr(comm, "num_replicas", 1),
-                "treedef": str(treedef),
-                "entries": entries,
-                "files": files,
-                "torch": torch.__version__,
-            }
+                    extra[name_] = fmt.file_digest(os.path.join(tmp, name_))
+            manifest = dict(base, files=dict(files, **extra))
             fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), manifest)
             fmt.fsync_dir(tmp)
             _publish(tmp, path, token, overwrite)
-            return manifest
+            return extra  # small: every rank rebuilds the manifest from what it has
 
-        return agree(comm, "checkpoint save (publishing)", publish)[0]
+        extra = agree(comm, "checkpoint save (publishing)", publish)[0]
+        return dict(base, files=dict(files, **extra))
     except BaseException:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)

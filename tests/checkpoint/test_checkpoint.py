@@ -497,3 +497,22 @@ def test_unbound_packed_state_is_refused_with_the_fix(tmp_path):
 
     with pytest.raises(ValueError, match="the labels function differs"):
         simulate(1, other_labels)
+
+
+def test_ranks_saving_different_states_fail_together(tmp_path):
+    params = make_params(0)
+    plans = [plan_for(params, 2, "rows"), plan_for(params, 2, "elements")]
+
+    def fn(comm):
+        rg.checkpoint.save(tmp_path / "x", {"params": rg.shard(plans[comm.rank], params, rank=comm.rank)}, comm)
+
+    with pytest.raises(CheckpointError, match=re.escape("state['params'] differs between rank 0 (DBuffer float32, plan")):
+        simulate(2, fn)
+
+    def other_tree(comm):
+        state = {"a": torch.zeros(2)} if comm.rank == 0 else {"b": torch.zeros(2)}
+        rg.checkpoint.save(tmp_path / "y", state, comm)
+
+    with pytest.raises(CheckpointError, match=re.escape("rank 1's state has another tree than rank 0's (paths only on rank 0: [\"['a']\"]")):
+        simulate(2, other_tree)
+    assert os.listdir(tmp_path) == []

@@ -14,8 +14,8 @@ Resharding on load is DCP's own overlap computation
 [Note: the driver]
 ``torch.distributed.checkpoint.save``/``load`` need a torch ProcessGroup. ragged code talks to a
 ``Collectives`` value (gloo, NCCL, or the in-process simulated mesh), so this module runs the
-same protocol (set up, local plans, coordinator's global plan, write, coordinator's finish)
-with ``comm.all_gather_object`` as its only collective. Every phase catches the local error
+same protocol (set up, local plans, global plan, write, coordinator's finish) with
+``comm.all_gather_object`` as its only collective (see [Note: every rank plans globally]). Every phase catches the local error
 and gathers it, so a failure on one rank is raised on every rank, with that rank's message,
 instead of leaving the others waiting in the next collective. The files are plain DCP
 (``FileSystemWriter``/``FileSystemReader``): ``torch.distributed.checkpoint.load`` or

@@ -357,13 +357,20 @@ def scale_by_adam_8bit(
         bc1 = (1.0 - b1**t).to(torch.float32)
         bc2_sqrt = torch.sqrt(1.0 - b2**t).to(torch.float32)
 
-        def adam(m, v, g):
-            m = m * b1 + g * (1.0 - b1)
-            v = v * b2 + (g * g) * (1.0 - b2)
-            denom = torch.sqrt(v).div_(bc2_sqrt).add_(eps)
-            u = (m / denom).div_(bc1)
+        def adam(m, v, g, *, fresh=False):
+            # [Note: no fused ops here] only single-rounding ops (mul, add, sqrt, div), never
+            # lerp / addcmul / add(alpha=): their vectorised and scalar-tail paths may differ by
+            # an FMA, and the state must not depend on where an element sits in the buffer.
+            # ``fresh``: m and v are temporaries (dequantized), so update them in place.
+            m = m.mul_(b1) if fresh else m * b1
+            m.add_(g * (1.0 - b1))
+            v = v.mul_(b2) if fresh else v * b2
+            gg = g * g
+            v.add_(gg.mul_(1.0 - b2))
+            u = torch.sqrt(v, out=gg).div_(bc2_sqrt).add_(eps)
+            torch.div(m, u, out=u).div_(bc1)
             if eps == 0:
-                u = torch.where(denom == 0, torch.zeros_like(u), u)
+                u.nan_to_num_(nan=0.0)
             return m, v, u
 
         def one(g: DBuffer, mom: Quant8Moments):
@@ -380,7 +387,7 @@ def scale_by_adam_8bit(
                 gq = gdata[q.local_offset : q.local_offset + q.numel].view(q.rows, q.cols)
                 m = cm.decode(mom.mu_codes[cs:ce], mom.mu_scales[ss:se], q)
                 v = cv.decode(mom.nu_codes[cs:ce], mom.nu_scales[ss:se], q)
-                m, v, u = adam(m, v, gq)
+                m, v, u = adam(m, v, gq, fresh=True)
                 out[q.local_offset : q.local_offset + q.numel] = u.reshape(-1)
                 mu_codes[cs:ce], mu_scales[ss:se] = cm.encode(m, q)
                 nu_codes[cs:ce], nu_scales[ss:se] = cv.encode(v, q)

@@ -25,6 +25,15 @@ Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a l
 ``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
 before the forward would funnel every gradient through nodes that autograd schedules last.
 
+[Note: when a unit's flat gradient buffer is allocated]
+Normally at the unit's first leaf gradient: each leaf gradient is then copied in and dropped
+at once, so a unit costs its flat buffer plus one leaf gradient. A unit whose gradients arrive
+spread over backward (the default ``"rest"`` unit: the head's gradient comes first, the
+embeddings' last) would hold a whole flat buffer through backward for one early leaf; when the
+previous micro-batch showed that (another unit's reduce-scatter started between its first and
+last leaf gradient), the unit instead keeps autograd's leaf gradients until it is complete and
+then packs them, as FSDP2 keeps per-parameter gradients. Either way the result is the same.
+
 [Note: the schedule hint]
 Which unit comes next is predicted from the order observed in the previous micro-batch (the
 first forward assumes the units' order, the first backward the reverse of the forward). The
@@ -118,6 +127,7 @@ class _Schedule:
 
     def __init__(self, num_units: int):
         self.order = {"forward": list(range(num_units)), "backward": None}
+        self.lazy_grads: set[int] = set()
 
     def predict(self, phase: str, observed: list[int]) -> int | None:
         pred = self.order[phase]
@@ -293,19 +303,41 @@ class _Run:
         return hook
 
     def _store_grad(self, i: int, t: torch.Tensor):
+        """Leaf ``t`` of unit ``i`` has its whole gradient for this micro-batch (once per leaf).
+
+        See [Note: when a unit's flat gradient buffer is allocated]."""
+        self.done_leaves.add(id(t))
+        if i in self.schedule.lazy_grads:
+            self.held_grads[i].append(t)  # keep autograd's tensor until the unit is complete
+        else:
+            self._copy_grad(i, t)
+        if self.grads_started[i] is None:
+            self.grads_started[i] = self.num_reduces
+        self.remaining[i] -= 1
+        if self.remaining[i] == 0:
+            for held in self.held_grads[i]:
+                self._copy_grad(i, held)
+            self.held_grads[i] = []
+            self._reduce(i)
+
+    def _copy_grad(self, i: int, t: torch.Tensor):
         g = self._grad_buffer(i)
         off = t.storage_offset() - self.flat[i].storage_offset()
         with torch.no_grad():
             g[off : off + t.numel()].view(t.shape).copy_(t.grad)
         t.grad = None
-        self.remaining[i] -= 1
-        if self.remaining[i] == 0:
-            self._reduce(i)
 
     def _reduce(self, i: int):
         from ragged.transforms import reduce_scatter_start
 
         unit = self.units[i]
+        # a unit whose gradients arrive around other units' reduce-scatters (e.g. embeddings and
+        # head in one unit) holds its leaf gradients until complete next time
+        if self.num_reduces > self.grads_started[i]:
+            self.schedule.lazy_grads.add(i)
+        else:
+            self.schedule.lazy_grads.discard(i)
+        self.num_reduces += 1
         g = self.gflat[i]
         self.gflat[i] = None
         pending = reduce_scatter_start(unit.plan, g, self.comm, op="mean", dtype=self.reduce_dtype)
@@ -334,6 +366,10 @@ class _Run:
         self.phase = "forward"
         self.observed = {"forward": [], "backward": []}
         self.remaining = [len(r) for r in self.leaf_ranges]
+        self.done_leaves: set[int] = set()
+        self.held_grads: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        self.grads_started: list[int | None] = [None] * self.n
+        self.num_reduces = 0
         with _UseMode(self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             loss = loss_fn(self.params_tree, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -348,10 +384,9 @@ class _Run:
         (loss.float() * scale).backward()
         # units some of whose leaves got no gradient (unused parameters): zeros, in unit order
         for i in range(self.n):
-            if self.remaining[i] > 0:
-                for _, _, t in self.leaf_ranges[i]:
-                    if t.grad is None:
-                        t.grad = torch.zeros_like(t)
+            for _, _, t in self.leaf_ranges[i]:
+                if self.remaining[i] > 0 and id(t) not in self.done_leaves:
+                    t.grad = torch.zeros_like(t)
                     self._store_grad(i, t)
         for i in range(self.n):
             self.free(i)

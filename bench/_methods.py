@@ -54,7 +54,8 @@ class RaggedMethod:
         compute, reduce = dtypes(policy)
         model = _model(cfg, seed, device)
         self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
-        opt = optimizer if optimizer is not None else rg.optim.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+        opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
+            lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
 
         def update(grads, state, params=None):
             with record_function("ragged::optimizer"):
@@ -65,7 +66,7 @@ class RaggedMethod:
         del model
         template = GPT(cfg, device="meta")  # functional_call supplies every parameter
         self.step_fn = fsdp.make_step(self.units, loss_fn(template), self.optimizer, comm, compute_dtype=compute,
-                                      reduce_dtype=reduce)
+                                      reduce_dtype=reduce, donate=True)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}
 

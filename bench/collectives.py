@@ -24,7 +24,8 @@ buffer``: the pair shows what first touch of fresh memory costs (see the Note "r
 buffers" in ragged/transforms/_gather.py); the "fastest raw" reference reuses its buffers, so
 the like-for-like comparison is ``rg.gather (out= reused buffer)``.
 
-Each iteration runs every method once (interleaved, so machine noise hits all alike), a
+Each iteration runs every method once (interleaved, so machine noise hits all alike; the order
+rotates every iteration so no method always runs on a cache warmed or cooled by its neighbour), a
 barrier before each; the time of an iteration is the max over ranks. Reported: the median over
 iterations and its ratio to the fastest raw path (smallest median, reused buffers) of the same
 collective; the "paired ratio", the median over iterations of (this method's time / the
@@ -160,8 +161,10 @@ def _worker(rank, m, port, hiddens, iters, out_q):
             for _ in range(2):  # warm-up
                 for fn in ms.values():
                     dist.barrier(); fn()
-            for _ in range(iters):
-                for name, fn in ms.items():
+            names = list(ms)
+            for it in range(iters):
+                for name in names[it % len(names):] + names[: it % len(names)]:  # rotate: no position bias
+                    fn = ms[name]
                     dist.barrier()
                     t0 = time.perf_counter(); fn(); dt = torch.tensor([time.perf_counter() - t0])
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX)

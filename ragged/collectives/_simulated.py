@@ -132,10 +132,8 @@ class SimulatedCollectives:
         m, n = self.world_size, output.numel()
         if input.numel() != m * n:
             raise ValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
-        mine = _plain(input).reshape(-1)[self._rank * n : (self._rank + 1) * n]
         values = self._shard.exchange(self._rank, f"reduce_scatter_{op}", _plain(input).clone())
         chunks = [v.reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
-        del mine
         with torch.no_grad():
             output.copy_(self._reduce(chunks, op, output).view_as(output))
         return self._done(async_op)

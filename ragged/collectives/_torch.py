@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import DoneHandle, check_op
+from ragged.collectives._base import check_op
 
 __all__ = ["TorchCollectives", "from_torch"]
 

@@ -109,10 +109,23 @@ def init(units: Units, params, optimizer, comm) -> TrainState:
 
 _FREE, _PENDING, _READY = 0, 1, 2
 _METADATA = frozenset(
-    {"__get__", "size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage",
-     "data_ptr", "__len__", "element_size", "__hash__", "__repr__", "__format__", "ndimension", "nelement",
-     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"}
+    {"size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage", "data_ptr", "__len__",
+     "element_size", "__hash__", "__repr__", "__format__", "ndimension", "nelement", "requires_grad_",
+     "register_hook", "register_post_accumulate_grad_hook"}
 )
+# properties that read metadata only (``.T``, ``.mT``, ``.data`` ... make views: they do gather)
+_METADATA_PROPERTIES = frozenset(
+    {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout", "is_cuda",
+     "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "names", "_base", "_version", "output_nr",
+     "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "name"}
+)
+
+
+def _reads_data(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) not in _METADATA_PROPERTIES
+    return name not in _METADATA
 
 
 def _storage_key(t: torch.Tensor):
@@ -197,6 +210,11 @@ class _Run:
             if self.state[i] != _FREE:
                 self.free(i)
         self.hook_handles = []
+        # a leaf that outlives the call (kept by the loss, or by a traceback) must not point into
+        # released storage: printing it would read freed memory
+        for ranges in self.leaf_ranges:
+            for _, _, t in ranges:
+                t.data = t.data.new_empty((0,))
         self.flat = self.leaves = self.leaf_ranges = self.params_tree = None
         self.gflat = self.sources = self.handles = None
         self.key_to_unit = {}
@@ -409,7 +427,7 @@ class _UseMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _METADATA:
+        if _reads_data(func):
             touch = self.run.touch
             for a in itertools.chain(args, kwargs.values()):
                 if isinstance(a, torch.Tensor):

@@ -268,3 +268,57 @@ def test_plain_pytree_with_user_grouping_matches_reference():
             for n in ("w", "b"):
                 torch.testing.assert_close(full["layers"][i][n], ref["layers"][i][n].detach(), rtol=1e-10, atol=1e-12)
         assert ("gather_start", "['layers'][1]", "backward") in trace  # re-gathered for backward
+
+
+def test_unused_parameter_gets_zero_gradient():
+    """A leaf the loss never reads is reduced as zero (after backward) and the rest is exact."""
+    g = torch.Generator().manual_seed(5)
+    params = {"a": {"w": torch.randn(5, 4, generator=g, dtype=torch.float64), "unused": torch.randn(3, generator=g,
+                                                                                                    dtype=torch.float64)},
+              "b": {"w": torch.randn(1, 5, generator=g, dtype=torch.float64)}}
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+    def loss(p, batch):
+        return (torch.tanh(batch @ p["a"]["w"].T) @ p["b"]["w"].T).square().mean()
+
+    units = fsdp.make_units(params, world_size=2, groups=lambda path: path[:5])
+    opt = rg.optim.sgd(0.3)
+
+    def run(comm):
+        state = fsdp.init(units, params, opt, comm)
+        step = fsdp.make_step(units, loss, opt, comm)
+        for _ in range(2):
+            state, _ = step(state, x[4 * comm.rank : 4 * comm.rank + 4])
+        return fsdp.gather(units, state.shards, comm)
+
+    ref = {k: {n: t.clone().requires_grad_() for n, t in v.items()} for k, v in params.items()}
+    for _ in range(2):
+        grads = torch.autograd.grad(loss(ref, x), [ref["a"]["w"], ref["b"]["w"]])
+        with torch.no_grad():
+            ref["a"]["w"] -= 0.3 * grads[0]
+            ref["b"]["w"] -= 0.3 * grads[1]
+    for full in rg.collectives.simulate(2, run):
+        torch.testing.assert_close(full["a"]["unused"], params["a"]["unused"], rtol=0, atol=0)
+        torch.testing.assert_close(full["a"]["w"], ref["a"]["w"].detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(full["b"]["w"], ref["b"]["w"].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_parameters_kept_by_the_loss_are_safe_after_the_step():
+    """Leaves that outlive the call no longer point into released storage (printing one used to
+    read freed memory)."""
+    params = {"a": torch.randn(5, 4), "b": torch.randn(1, 5)}
+    units = fsdp.make_units(params, world_size=2, groups=lambda p: p)
+    opt = rg.optim.sgd(0.1)
+
+    def run(comm):
+        kept = []
+
+        def loss(p, x):
+            kept.append(p)
+            return (torch.tanh(x @ p["a"].T) @ p["b"].T).square().mean()
+
+        state = fsdp.init(units, params, opt, comm)
+        fsdp.make_step(units, loss, opt, comm)(state, torch.randn(4, 4))
+        return repr(kept[0]["a"]), kept[0]["a"].numel()
+
+    assert rg.collectives.simulate(2, run) == [("tensor([], requires_grad=True)", 0)] * 2

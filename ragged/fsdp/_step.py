@@ -25,6 +25,16 @@ Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a l
 ``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
 before the forward would funnel every gradient through nodes that autograd schedules last.
 
+[Note: limits of gathering on use]
+* Every rank must use units in the same order (as in FSDP2): collectives are issued in use order.
+* The loss must read parameters through torch calls (any op, method or view property; only
+  metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
+  (custom ``Function.backward``) gathers too; tensors it saved with ``ctx.save_for_backward``
+  are re-gathered, tensors stashed as plain ``ctx`` attributes are not.
+* Activation checkpointing inside the model (``torch.utils.checkpoint``) does not mix with
+  ``functional_call``: the recomputation runs after the call has restored the module's own
+  tensors.
+
 [Note: when a unit's flat gradient buffer is allocated]
 Normally at the unit's first leaf gradient: each leaf gradient is then copied in and dropped
 at once, so a unit costs its flat buffer plus one leaf gradient. A unit whose gradients arrive
@@ -399,7 +409,8 @@ class _Run:
         if self.schedule.order["backward"] is None:
             self.schedule.order["backward"] = forward_order[::-1]
         self.phase = "backward"
-        (loss.float() * scale).backward()
+        with _UseMode(self):  # Python code run by backward (recomputation, custom Functions) gathers too
+            (loss.float() * scale).backward()
         # units some of whose leaves got no gradient (unused parameters): zeros, in unit order
         for i in range(self.n):
             for _, _, t in self.leaf_ranges[i]:

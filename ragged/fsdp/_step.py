@@ -16,8 +16,9 @@ straight into the storage the parameters read). The buffer's storage is then rel
   before it, and prefetches the unit predicted to come next in backward. Nothing is recomputed.
 * gradients: each parameter leaf has a ``register_post_accumulate_grad_hook`` that copies its
   gradient into the unit's flat gradient buffer (laid out like the plan, padding zero) and
-  drops it; when the last leaf of a unit is done, the unit's reduce-scatter starts at once
-  (``rg.reduce_scatter_start`` on the flat buffer: no packing) and its parameters are freed,
+  drops it: one copy per gradient, as FSDP2's copy-in (autograd allocates each gradient
+  itself). When the last leaf of a unit is done, the unit's reduce-scatter starts at once
+  (``rg.reduce_scatter_start`` on the flat buffer: nothing more to pack) and its parameters are freed,
   while backward continues with the units before it. At most ``max_inflight_reduce`` reduce-
   scatters are in flight; older ones are waited and accumulated into the fp32 gradient shard.
 
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 

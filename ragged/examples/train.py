@@ -47,7 +47,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--experts", type=int, default=8)
     g.add_argument("--top-k", type=int, default=2)
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch", type=int, default=32, help="global batch (sequences), split over ranks")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per rank")
     g.add_argument("--optimizer", choices=["adamw", "adamw_8bit", "muon", "sgd"], default="adamw")

@@ -213,7 +213,10 @@ class TorchCollectives:
             if op == "max":
                 torch.amax(chunks, dim=0, out=output)
             else:
-                torch.sum(chunks, dim=0, out=output)
+                # a chain of adds: sum(dim=0)'s sequential order over the chunks, but 1.6-2x faster on CPU (bench/step.py)
+                torch.add(chunks[0], chunks[1], out=output)
+                for j in range(2, m):
+                    output.add_(chunks[j])
                 if op == "mean":
                     output.div_(m)
             self._scratch.give(recv)

@@ -10,6 +10,7 @@ import torch
 
 import ragged as rg
 from ragged import fsdp
+from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
 from _fsdp_cases import Case, fsdp_run, max_diff, reference_run
 
@@ -322,3 +323,36 @@ def test_parameters_kept_by_the_loss_are_safe_after_the_step():
         return repr(kept[0]["a"]), kept[0]["a"].numel()
 
     assert rg.collectives.simulate(2, run) == [("tensor([], requires_grad=True)", 0)] * 2
+
+
+
+def test_tied_weights():
+    """A head tied to the embedding (one parameter used first and last) trains like torch."""
+    case = Case(steps=2, num_layers=2)
+
+    def tied():
+        m = case.model()
+        m.head.weight = m.tok_emb.weight
+        return m
+
+    model = tied()
+    units = fsdp.make_units(model, world_size=2)
+    assert "head.weight" not in units["rest"].paths  # named_parameters() lists a tied tensor once
+
+    def run(comm):
+        opt = case.make_optimizer()
+        state = fsdp.init(units, model, opt, comm)
+        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm)
+        for s in range(case.steps):
+            state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
+        return fsdp.gather(units, state.shards, comm)
+
+    ref = tied()
+    opt = torch.optim.AdamW(ref.parameters(), lr=case.lr, weight_decay=case.weight_decay)
+    for s in range(case.steps):
+        opt.zero_grad()
+        loss_fn(ref)(dict(ref.named_parameters()), case.task().batch(s, case.batch)).backward()
+        opt.step()
+    for full in rg.collectives.simulate(2, run):
+        diff, where = max_diff(full, dict(ref.named_parameters()))
+        assert diff < 1e-10, f"{where} differs by {diff}"

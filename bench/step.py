@@ -85,6 +85,13 @@ def _bench(rank, world, backend, opts):
         torch_opt, rkw = None, {}
         if opts.get("donate"):
             rkw = dict(optimizer=rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True))
+            # What-if: rg.fsdp's Step has no donate option yet; its apply_updates (looked up in
+            # ragged.optim at call time) is made to add in place, as torch.optim does.
+            import functools
+
+            import ragged.optim
+
+            ragged.optim.apply_updates = functools.partial(ragged.optim._base.apply_updates, donate=True)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
@@ -236,6 +243,37 @@ def render(summary, console=None):
     console.print(p)
 
 
+def markdown(summary) -> str:
+    """The step table as GitHub markdown (for the README)."""
+    ms = summary["methods"]
+    head = ("| method | step ms median (min-max) | tokens/s | peak alloc MiB/rank (state + step rise) | "
+            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |")
+    lines = [f"{summary['model']}, W={summary['world']}, {summary['policy']}, {summary['optim']}, "
+             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * 9]
+    for name, m in ms.items():
+        c = m["comm"]
+        rss_mib = _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-"
+        lines.append(
+            f"| {name} | {m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f}) | "
+            f"{m['tokens_per_s']:,.0f} | {_fmt_mib(m['peak_bytes'])} ({_fmt_mib(m['state_bytes'])} + "
+            f"{_fmt_mib(m['peak_bytes'] - m['state_bytes'])}) | {_fmt_mib(m['opt_bytes'])} | {rss_mib} | "
+            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |")
+    if "ragged" in ms and "fsdp2" in ms:
+        a, b = ms["ragged"], ms["fsdp2"]
+
+        def r(x, y):
+            return f"{x / y:.2f}x" if y else "-"
+
+        lines.append(
+            f"| **ragged / fsdp2** | **{r(a['median_s'], b['median_s'])}** | {r(a['tokens_per_s'], b['tokens_per_s'])} | "
+            f"**{r(a['peak_bytes'], b['peak_bytes'])}** | {r(a['opt_bytes'], b['opt_bytes'])} | "
+            f"{r(a['rss_rise_bytes'] or 0, b['rss_rise_bytes'] or 0)} | "
+            f"{r(a['comm'].get('all_gather', 0), b['comm'].get('all_gather', 0))} | "
+            f"{r(a['comm'].get('reduce_scatter', 0), b['comm'].get('reduce_scatter', 0))} | "
+            f"{r(a['copies_ms'], b['copies_ms'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(CONFIGS), default="dense")
@@ -248,7 +286,8 @@ def main(argv=None) -> int:
                     help="adamw8bit: rg.optim.adamw_8bit on Blocks(32, 32) vs FSDP2 + per-local-shard 8-bit AdamW")
     ap.add_argument("--donate", action="store_true",
                     help="ragged: rg.optim.adamw(donate=True) (moments updated in place, update written into the "
-                         "gradient shard), as torch.optim.AdamW updates its state in place")
+                         "gradient shard) and the step's apply_updates in place (bench patch: rg.fsdp has no "
+                         "donate option yet), as torch.optim.AdamW updates params and state in place")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
@@ -256,9 +295,20 @@ def main(argv=None) -> int:
     ap.add_argument("--exact-rss", action="store_true",
                     help="make glibc return freed tensors to the OS (RSS follows live tensors; slows allocation)")
     ap.add_argument("--json", default=None, help="append the summaries to this JSON-lines file")
+    ap.add_argument("--from-json", default=None, metavar="JSONL",
+                    help="do not run: render the summaries saved with --json (tables and markdown)")
+    ap.add_argument("--markdown", action="store_true", help="also print the step table as markdown")
     ap.add_argument("-q", "--quiet", dest="verbose", action="store_false")
     args = ap.parse_args(argv)
     from bench._launch import launch, pick_backend
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            for line in f:
+                summary = json.loads(line)
+                render(summary)
+                print(markdown(summary) + "\n")
+        return 0
 
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose)
@@ -270,6 +320,8 @@ def main(argv=None) -> int:
         summary = summarize(args.model, world, results, opts)
         summary["backend"] = backend
         render(summary)
+        if args.markdown:
+            print(markdown(summary))
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(summary) + "\n")

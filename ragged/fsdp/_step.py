@@ -474,9 +474,10 @@ def _split_batch(batch, k: int):
 class Step:
     """A compiled-once training step; call it as ``state, metrics = step(state, batch)``.
 
-    Built by :func:`make_step`; see there for the arguments. The only thing it carries
-    between calls is the prefetch order hint (see [Note: the schedule hint]); results never
-    depend on it.
+    Built by :func:`make_step`; see there for the arguments. The only things it carries
+    between calls are scheduling hints: the unit order to prefetch in (see [Note: the schedule
+    hint]) and which units hold leaf gradients until complete (see [Note: when a unit's flat
+    gradient buffer is allocated]); results never depend on them.
     """
 
     units: Units

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
 
 from _fsdp_cases import Case, fsdp_run, max_diff, reference_run  # noqa: E402
-from _harness import comm, workers_fixture  # noqa: E402
+from _harness import comm, mesh, workers_fixture  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -74,3 +74,17 @@ def _overlap(case):
 
 def test_prefetch_and_reduce_overlap_on_gloo(workers2):
     assert workers2.run(_overlap, Case(steps=2, dtype=torch.float32)) == [(True, True)] * 2
+
+
+def _hsdp(case):
+    import ragged as rg
+
+    c = rg.collectives.from_torch(mesh((2, 2)))  # 2 replicas x 2 shards
+    params, metrics = fsdp_run(c, case)
+    ref, ref_losses = reference_run(case)
+    return max_diff(params, ref)[0], abs(metrics[-1]["loss"] - ref_losses[-1])
+
+
+def test_hsdp_2x2_matches_torch_optim(workers4):
+    for diff, loss_err in workers4.run(_hsdp, Case(micro_batches=2)):
+        assert diff < 1e-10 and loss_err < 1e-9

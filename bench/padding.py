@@ -134,6 +134,16 @@ def chart(rows, granularities, width: int = 48):
     return Group(*out)
 
 
+def markdown(rows, granularities) -> str:
+    cols = _columns(granularities)
+    out = ["| model | m | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    prev = None
+    for r in rows:
+        out.append(f"| {r['model'] if r['model'] != prev else ''} | {r['m']} | " + " | ".join(f"{r[c]:.2%}" for c in cols) + " |")
+        prev = r["model"]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     from rich.console import Console
 
@@ -147,12 +157,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-chart", dest="chart", action="store_false")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     args = ap.parse_args(argv)
     console = Console(width=args.width or max(120, Console().width))
     rows = sweep(args.models, args.world_sizes, args.granularities, strategy=args.strategy)
     console.print(table(rows, args.granularities))
     if args.chart:
         console.print(chart(rows, args.granularities))
+    if args.markdown:
+        print(markdown(rows, args.granularities))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

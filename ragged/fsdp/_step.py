@@ -28,6 +28,10 @@ before the forward would funnel every gradient through nodes that autograd sched
 
 [Note: limits of gathering on use]
 * Every rank must use units in the same order (as in FSDP2): collectives are issued in use order.
+  For the same reason, which parameters get a gradient must not differ between ranks: a leaf
+  the loss never reads is reduced as zero after backward, so if one rank skips it and another
+  does not (data-dependent control flow), their reduce-scatters come in different orders.
+  (A fused MoE expert tensor is one leaf: experts without tokens are fine.)
 * The loss must read parameters through torch calls (any op, method or view property; only
   metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
   (custom ``Function.backward``) gathers too; tensors it saved with ``ctx.save_for_backward``

@@ -161,9 +161,9 @@ def _worker(rank, m, port, hiddens, iters, out_q):
             for _ in range(2):  # warm-up
                 for fn in ms.values():
                     dist.barrier(); fn()
-            names = list(ms)
+            order = list(ms)
             for it in range(iters):
-                for name in names[it % len(names):] + names[: it % len(names)]:  # rotate: no position bias
+                for name in order[it % len(order):] + order[: it % len(order)]:  # rotate: no position bias
                     fn = ms[name]
                     dist.barrier()
                     t0 = time.perf_counter(); fn(); dt = torch.tensor([time.perf_counter() - t0])

@@ -85,13 +85,14 @@ def _bench(rank, world, backend, opts):
         torch_opt, rkw = None, {}
         if opts.get("donate"):
             rkw = dict(optimizer=rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True))
-            # What-if: rg.fsdp's Step has no donate option yet; its apply_updates (looked up in
-            # ragged.optim at call time) is made to add in place, as torch.optim does.
-            import functools
+    if opts.get("donate"):
+        # What-if: rg.fsdp's Step has no donate option yet; its apply_updates (looked up in
+        # ragged.optim at call time) is made to add in place, as torch.optim does.
+        import functools
 
-            import ragged.optim
+        import ragged.optim
 
-            ragged.optim.apply_updates = functools.partial(ragged.optim._base.apply_updates, donate=True)
+        ragged.optim.apply_updates = functools.partial(ragged.optim._base.apply_updates, donate=True)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)

@@ -44,7 +44,7 @@ def _ce(logits, targets):
 class RaggedMethod:
     name = "ragged"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None):
+    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True):
         import ragged as rg
         from ragged import fsdp
         from ragged.examples.gpt import GPT, loss_fn
@@ -55,7 +55,7 @@ class RaggedMethod:
         model = _model(cfg, seed, device)
         self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
-            lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
+            lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=donate)
 
         def update(grads, state, params=None):
             with record_function("ragged::optimizer"):
@@ -66,7 +66,7 @@ class RaggedMethod:
         del model
         template = GPT(cfg, device="meta")  # functional_call supplies every parameter
         self.step_fn = fsdp.make_step(self.units, loss_fn(template), self.optimizer, comm, compute_dtype=compute,
-                                      reduce_dtype=reduce, donate=True)  # shards updated in place (the bench owns them)
+                                      reduce_dtype=reduce, donate=donate)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}
 

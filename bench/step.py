@@ -23,6 +23,7 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model moe --world 2
     python3 bench/step.py --model 120m --world 2 --repeats 3
     python3 bench/step.py --model dense --world 2 --policy bf16
+    python3 bench/step.py --model 120m --world 2 --repeats 3 --no-local --no-donate
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 """
@@ -83,16 +84,7 @@ def _bench(rank, world, backend, opts):
                    specs=lambda name, t: spec.Blocks(32, 32) if t.dim() >= 2 else spec.Rows(1))
     else:
         torch_opt, rkw = None, {}
-        if opts.get("donate"):
-            rkw = dict(optimizer=rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True))
-    if opts.get("donate"):
-        # What-if: rg.fsdp's Step has no donate option yet; its apply_updates (looked up in
-        # ragged.optim at call time) is made to add in place, as torch.optim does.
-        import functools
-
-        import ragged.optim
-
-        ragged.optim.apply_updates = functools.partial(ragged.optim._base.apply_updates, donate=True)
+    rkw["donate"] = opts.get("donate", True)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
@@ -173,7 +165,7 @@ def summarize(model: str, world: int, results, opts) -> dict:
     """Per-method numbers (max over ranks for memory and time, rank 0 for bytes and profile)."""
     r0 = results[0]
     out = {"model": model, "world": world, "policy": opts["policy"],
-           "optim": opts["optim"] + (" (ragged donate=True)" if opts.get("donate") else ""), "tokens_per_step": opts["batch"] * world *
+           "optim": opts["optim"] + ("" if opts.get("donate", True) else " (ragged functional, no donate)"), "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
         t = r0["times"][name]
@@ -295,10 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--optim", choices=("adamw", "adamw8bit"), default="adamw",
                     help="adamw8bit: rg.optim.adamw_8bit on Blocks(32, 32) vs FSDP2 + per-local-shard 8-bit AdamW")
-    ap.add_argument("--donate", action="store_true",
-                    help="ragged: rg.optim.adamw(donate=True) (moments updated in place, update written into the "
-                         "gradient shard) and the step's apply_updates in place (bench patch: rg.fsdp has no "
-                         "donate option yet), as torch.optim.AdamW updates params and state in place")
+    ap.add_argument("--no-donate", dest="donate", action="store_false",
+                    help="ragged purely functional: new shards and moments every step (default: make_step(donate=True) "
+                         "and rg.optim.adamw(donate=True) update them in place, as torch.optim.AdamW does)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")

@@ -177,6 +177,48 @@ def _worker(rank, m, port, hiddens, iters, out_q):
     dist.destroy_process_group()
 
 
+def _overhead(hiddens, reps=2000):
+    """Per-call cost of ragged's wrappers beyond the collective: on a 1-rank gloo group the
+    collective is one local copy in both paths, so the difference is pure wrapper cost
+    (plan check, buffer checks, views, DBuffer). The wrapper's work depends on the number of
+    leaves, not their size, so it is measured on the same 7-leaf block at hidden=16 (copies of
+    a few KB) where the difference is not drowned by copy noise. Returns {kind: microseconds}."""
+    import torch
+    import torch.distributed as dist
+
+    import ragged as rg
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    comm = rg.collectives.from_torch()
+    res = {}
+    for h in (16,):
+        params = block_params(h, int(h * 2.75), torch.float32)
+        plan = rg.make_plan(params, world_size=1)
+        d = rg.shard(plan, params, comm)
+        out = torch.empty(plan.buffer_numel)
+        g = torch.randn(plan.buffer_numel)
+        rs_out = torch.empty(plan.shard_size)
+        pairs = {
+            "ag": (lambda: rg.gather(d, comm, out=out), lambda: comm.all_gather_into(out, d.data)),
+            "rs": (lambda: rg.reduce_scatter(plan, g, comm, op="sum", out=rs_out),
+                   lambda: comm.reduce_scatter_into(rs_out, g, op="sum")),
+        }
+        for kind, (wrapped, raw) in pairs.items():
+            diffs = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps // 5):
+                    wrapped()
+                t1 = time.perf_counter()
+                for _ in range(reps // 5):
+                    raw()
+                t2 = time.perf_counter()
+                diffs.append(((t1 - t0) - (t2 - t1)) / (reps // 5))
+            res[kind] = statistics.median(diffs) * 1e6
+    dist.destroy_process_group()
+    return res
+
+
 def main(argv=None):
     import torch.multiprocessing as mp
     from rich.console import Console
@@ -216,6 +258,14 @@ def main(argv=None):
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
                       f"{paired:.2f}x", f"{min(ts):.1f}")
     Console(width=200).print(table)
+    over = _overhead(args.hidden)
+    t2 = Table(title="ragged wrapper cost per call beyond the collective (7-leaf block, 1-rank gloo group)")
+    for col in ("collective", "overhead us/call", "as % of the fastest raw median"):
+        t2.add_column(col, justify="right" if col == "overhead us/call" else "left")
+    for kind, us in over.items():
+        pct = ", ".join(f"W={m} h={h}: {100 * us / 1e3 / statistics.median(r):.2f}%" for (m, h, k), r in sorted(ref.items()) if k == kind)
+        t2.add_row({"ag": "gather", "rs": "reduce_scatter (flat grad)"}[kind], f"{us:.0f}", pct)
+    Console(width=200).print(t2)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def table(rows, granularities):
     return t
 
 
-_FLOOR, _CEIL = 1e-5, 1.0  # chart range: 0.001% .. 100%
+_FLOOR, _CEIL = 1e-5, 10.0  # chart range: 0.001% .. 1000%
 _MARKS = "▏▎▍▌▋▊▉█"
 
 
@@ -108,7 +108,7 @@ def _bar(v: float, width: int) -> str:
 
 
 def chart(rows, granularities, width: int = 48):
-    """Grouped horizontal bars (log scale 0.001%..100%) per model and m."""
+    """Grouped horizontal bars (log scale 0.001%..1000%) per model and m."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -117,7 +117,7 @@ def chart(rows, granularities, width: int = 48):
     colors = ["green", "bright_green", "cyan", "red", "yellow", "magenta", "blue"]
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        t = Table(title=f"{model}: padding by shard group size m (log scale, 0.001% .. 100%; zero = no bar)",
+        t = Table(title=f"{model}: padding by shard group size m (log scale, 0.001% .. 1000%; zero = no bar)",
                   title_justify="left", show_header=False, box=None, padding=(0, 1))
         t.add_column("m", justify="right")
         t.add_column("who")
@@ -128,9 +128,10 @@ def chart(rows, granularities, width: int = 48):
                 t.add_row(str(r["m"]) if i == 0 else "", c, Text(_bar(r[c], width), style=colors[i % len(colors)]),
                           f"{r[c]:.3%}")
             t.add_row("", "", "", "")
-        ticks = " ".join(f"{10.0 ** k:.0e}" for k in range(int(math.log10(_FLOOR)), 1))
+        ticks = " ".join(f"{10.0 ** k:.0%}" if k >= -2 else f"{10.0 ** k:.3%}".rstrip("0") for k in range(-5, 2))
         out.append(t)
-        out.append(Text(f"   scale: log10, left edge 0.001%, right edge 100% (ticks: {ticks})", style="dim"))
+        out.append(Text(f"   scale: log10, one decade per {width // 6} cells, left edge 0.001%, right edge 1000% "
+                        f"(decades: {ticks})", style="dim"))
     return Group(*out)
 
 

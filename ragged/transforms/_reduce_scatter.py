@@ -121,6 +121,11 @@ def reduce_scatter_start(
 ) -> ReduceScatterPending:
     """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
 
+    Input checks, packing and the plan check happen here, so errors surface at the start.
+    The shard-group reduce-scatter (and the replicated leaves' all-reduce) run asynchronously;
+    on an HSDP mesh the cross-replica all-reduce of the S-element result runs in
+    :func:`reduce_scatter_wait` (not overlapped).
+
     Args: as :func:`reduce_scatter`.
     """
     check_plan_type(plan, "reduce_scatter")

@@ -214,3 +214,32 @@ def test_hsdp_reduce_scatter_means_over_all_ranks_and_gathers_within_shard_group
         _same(full, params, rtol=0, atol=0)
         torch.testing.assert_close(got.data, want.data)
         torch.testing.assert_close(got.replicated, want.replicated)
+
+
+def test_bad_inputs_raise_clear_errors_before_communication():
+    params = _params()
+    plan = rg.make_plan(params, world_size=2)
+    plan3 = rg.make_plan(params, world_size=3)
+    meta = rg.pytree.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), params)
+    other = {"x": torch.randn(4, dtype=torch.float64)}
+
+    def fn(c):
+        d = rg.shard(plan, params, c)
+        with pytest.raises(ValueError, match=re.escape("world_size=3 but the comm's shard group has 2")):
+            rg.gather(rg.shard(plan3, params, rank=c.rank), c)
+        with pytest.raises(rg.LayoutError, match=re.escape("params['emb'] is a meta tensor")):
+            rg.shard(plan, meta, c)
+        with pytest.raises(ValueError, match=re.escape(f"plan.buffer_numel = {plan.buffer_numel}")):
+            rg.reduce_scatter(plan, torch.zeros(plan.buffer_numel + 1, dtype=torch.float64), c)
+        with pytest.raises(ValueError, match="op must be one of"):
+            rg.reduce_scatter(plan, params, c, op="max")
+        with pytest.raises(rg.LayoutError, match="missing"):
+            rg.reduce_scatter(plan, other, c)
+        with pytest.raises(rg.LayoutError, match="sharded leaves differ"):
+            rg.redistribute(d, rg.make_plan(other, world_size=2), c)
+        with pytest.raises(KeyError, match="not a sharded leaf"):
+            rg.owned_plan(plan, {"['nope']": 0})
+        return rg.gather(d, c)  # the comm still works: nothing was sent by the failed calls
+
+    for full in rg.collectives.simulate(2, fn, timeout=10):
+        _same(full, params, rtol=0, atol=0)

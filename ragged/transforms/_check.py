@@ -34,6 +34,8 @@ def check_plan_type(plan, where: str) -> LayoutPlan:
 
 
 def check_comm(plan: LayoutPlan, comm, where: str) -> None:
+    """A plan may shard over fewer ranks than the comm has (the rest hold empty shards, see
+    ``redistribute``), never over more."""
     if comm.world_size < plan.world_size:
         raise ValueError(
             f"{where}: the plan shards over world_size={plan.world_size} ranks but the comm's shard group has "

@@ -227,6 +227,8 @@ def test_bad_inputs_raise_clear_errors_before_communication():
         d = rg.shard(plan, params, c)
         with pytest.raises(ValueError, match=re.escape("world_size=3 but the comm's shard group has 2")):
             rg.gather(rg.shard(plan3, params, rank=c.rank), c)
+        with pytest.raises(ValueError, match=re.escape("shard: the plan shards over world_size=3 ranks")):
+            rg.shard(plan3, params, c)
         with pytest.raises(rg.LayoutError, match=re.escape("params['emb'] is a meta tensor")):
             rg.shard(plan, meta, c)
         with pytest.raises(ValueError, match=re.escape(f"plan.buffer_numel = {plan.buffer_numel}")):

@@ -227,8 +227,19 @@ def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = No
             )
     if replicas == 1:
         groups = [shard_groups[0]]
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException | None] = [None] * world_size
+    return run_ranks(comms, fn, args, kwargs, groups, describe=lambda i: f"simulated rank {i} of {world_size}")
+
+
+def run_ranks(comms, fn, args, kwargs, groups, *, describe) -> list:
+    """Runs ``fn(comms[i], *args, **kwargs)`` on one thread per rank and returns the results.
+
+    The first failure aborts every group (so the other ranks' collectives fail fast instead
+    of waiting for their timeout) and is re-raised here, noted with ``describe(rank)``; the
+    original failure is preferred over the "did not arrive" errors it caused elsewhere.
+    """
+    n = len(comms)
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
 
     def run(i):
         try:
@@ -238,19 +249,18 @@ def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = No
             for g in groups:
                 g.abort()
 
-    if world_size == 1:
+    if n == 1:
         run(0)
     else:
-        threads = [threading.Thread(target=run, args=(i,), name=f"ragged-sim-rank{i}", daemon=True) for i in range(world_size)]
+        threads = [threading.Thread(target=run, args=(i,), name=f"ragged-sim-rank{i}", daemon=True) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     failed = [(i, e) for i, e in enumerate(errors) if e is not None]
     if failed:
-        # Prefer the original failure over the "other ranks did not arrive" errors it caused.
         primary = [(i, e) for i, e in failed if "did not arrive" not in str(e)] or failed
         i, e = primary[0]
-        e.add_note(f"(raised on simulated rank {i} of {world_size})")
+        e.add_note(f"(raised on {describe(i)})")
         raise e
     return results

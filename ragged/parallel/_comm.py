@@ -11,7 +11,6 @@ this rank's coordinates. FSDP collectives run on ``mcomm[plan.fsdp_axis]`` only.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,7 +97,7 @@ def simulate_mesh(mesh: Mesh, fn, *args, timeout: float = 60.0, **kwargs):
         >>> rg.parallel.simulate_mesh(spec.Mesh((2, 2), ("dp", "tp")), fn)
         [1.0, 1.0, 5.0, 5.0]
     """
-    from ragged.collectives._simulated import SimulatedCollectives, _Group
+    from ragged.collectives._simulated import SimulatedCollectives, _Group, run_ranks
 
     n = mesh.size
     world = _Group(n, timeout, "world")
@@ -115,26 +114,4 @@ def simulate_mesh(mesh: Mesh, fn, *args, timeout: float = 60.0, **kwargs):
                 groups.append(axis_groups[key])
             axes[a] = SimulatedCollectives(coords[a], axis_groups[key])
         comms.append(MeshComm(mesh=mesh, coords=coords, axes=axes, world=SimulatedCollectives(r, world)))
-    results: list[Any] = [None] * n
-    errors: list[BaseException | None] = [None] * n
-
-    def run(i):
-        try:
-            results[i] = fn(comms[i], *args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            errors[i] = e
-            for g in groups:
-                g.abort()
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"ragged-mesh-rank{i}", daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [(i, e) for i, e in enumerate(errors) if e is not None]
-    if failed:
-        primary = [(i, e) for i, e in failed if "did not arrive" not in str(e)] or failed
-        i, e = primary[0]
-        e.add_note(f"(raised on simulated mesh rank {i} {mesh.coords(i)})")
-        raise e
-    return results
+    return run_ranks(comms, fn, args, kwargs, groups, describe=lambda i: f"simulated mesh rank {i} {mesh.coords(i)}")

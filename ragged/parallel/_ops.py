@@ -16,23 +16,9 @@ import math
 
 import torch
 
+from ragged.transforms._gather import AllReduceGrad
+
 __all__ = ["copy_to", "reduce_from", "all_to_all"]
-
-
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(x, comm):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.contiguous().clone()
-        ctx.comm.all_reduce(out.view(-1), op="sum")
-        return out, None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -64,7 +50,7 @@ def copy_to(x: torch.Tensor, comm) -> torch.Tensor:
         >>> rg.collectives.simulate(2, fn)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _CopyTo.apply(x, comm)
+    return AllReduceGrad.apply(x, comm)
 
 
 def reduce_from(x: torch.Tensor, comm) -> torch.Tensor:

@@ -86,7 +86,10 @@ class _GatherStart(torch.autograd.Function):
         return out, None, None, None
 
 
-class _Replicated(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
+    """Identity forward; the gradient is summed over ``comm`` backward (replicated leaves
+    here, Megatron's ``f`` in ``ragged.parallel``)."""
+
     @staticmethod
     def forward(x, comm):
         return x.view_as(x)
@@ -97,8 +100,8 @@ class _Replicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.clone()
-        ctx.comm.all_reduce(out, op="sum")
+        out = grad.contiguous().clone()
+        ctx.comm.all_reduce(out.view(-1), op="sum")
         return out, None
 
 
@@ -157,7 +160,7 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
     if torch.is_grad_enabled() and (src.requires_grad or rep.requires_grad):
         buffer = _GatherStart.apply(src, comm, box, out)
         if rep.numel():
-            rep = _Replicated.apply(rep, comm)
+            rep = AllReduceGrad.apply(rep, comm)
     else:  # nothing to differentiate: skip autograd.Function's per-call overhead (~0.1 ms)
         buffer = _GatherStart.forward(src, comm, box, out)
     return GatherPending(buffer=buffer, replicated=rep, handle=box.handle, plan=dbuf.plan, source=src)

@@ -86,7 +86,22 @@ class RaggedMethod:
         return storage_bytes([t for t in pytree.leaves(self.state.opt_state) if isinstance(t, torch.Tensor)])
 
 
-class FSDP2Method:
+class _TorchOptimizerState:
+    """State accounting shared by the methods that hold a module and a torch.optim optimizer."""
+
+    def state_tensors(self):
+        out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
+        for st in self.opt.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def optimizer_state_bytes(self):
+        from bench._measure import storage_bytes
+
+        return storage_bytes([v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+
+
+class FSDP2Method(_TorchOptimizerState):
     name = "fsdp2"
 
     def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None):
@@ -114,19 +129,9 @@ class FSDP2Method:
         torch.distributed.all_reduce(loss)  # same reporting as ragged: the mean loss over ranks
         return float(loss) / torch.distributed.get_world_size()
 
-    def state_tensors(self):
-        out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
-        for st in self.opt.state.values():
-            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-        return out
-
-    def optimizer_state_bytes(self):
-        from bench._measure import storage_bytes
-
-        return storage_bytes([v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
 
 
-class LocalMethod:
+class LocalMethod(_TorchOptimizerState):
     """The unsharded model on every rank (its own batch; no gradient averaging)."""
 
     name = "local"
@@ -150,13 +155,3 @@ class LocalMethod:
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    def state_tensors(self):
-        out = [p for p in self.model.parameters()] + [p.grad for p in self.model.parameters()]
-        for st in self.opt.state.values():
-            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-        return out
-
-    def optimizer_state_bytes(self):
-        from bench._measure import storage_bytes
-
-        return storage_bytes([v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])

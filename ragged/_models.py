@@ -1,28 +1,9 @@
 """Parameter shapes of real models as per-FSDP-unit meta-tensor trees (no memory, no downloads).
 
 [Note: the shapes format]
-A model is a JSON object with a ``"units"`` list; each unit is one FSDP unit (one shared
-communication buffer)::
-
-    {
-      "name": "my-moe",
-      "units": [
-        {"name": "embed", "kind": "embed", "params": {"embed_tokens.weight": [32000, 4096]}},
-        {"name": "layers.{0..1}", "kind": "dense_layer",
-         "params": {"attn.qkv.weight": [12288, 4096], "mlp.up.weight": [11008, 4096]}},
-        {"name": "layers.{2..31}", "kind": "moe_layer",
-         "params": {"attn.qkv.weight": [12288, 4096], "experts.{0..7}.w1.weight": [1408, 4096]}},
-        {"name": "head", "kind": "head", "params": {"norm.weight": [4096], "lm_head.weight": [32000, 4096]}}
-      ]
-    }
-
-* ``params`` maps parameter names to shapes (lists of ints, ``[]`` for a scalar).
-* ``{a..b}`` (inclusive) in a *parameter* name expands into one tensor per index
-  (``experts.{0..255}.w1.weight`` is 256 tensors); several ranges expand as a product.
-* ``{a..b}`` in a *unit* name repeats the unit once per index (``layers.{0..79}`` is 80
-  decoder layers). Repeated units are the ones ``layers_per_unit`` may merge: ``k``
-  consecutive repeated units (in list order, across entries) become one unit.
-* ``kind`` labels units whose shapes are identical (tables group by it).
+The JSON format of a model's shapes is documented once, in the public module
+:mod:`ragged.models` (its docstring is what ``help(ragged.models)`` shows and what
+tests/spec/test_models.py loads as an example).
 
 The three bundled models (:data:`MODELS`) are built from ``ragged/data/model_shapes.json``
 (HuggingFace names; one dense and one MoE layer example for DeepSeek-V3, whose layers 0-2

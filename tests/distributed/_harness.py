@@ -241,3 +241,18 @@ def workers_fixture(world_size: int, **kwargs):
             w.close()
 
     return _fixture
+
+
+def workers_2_and_4():
+    """``(workers2, workers4, workers)``: module-scoped pools of 2 and 4 workers and a fixture
+    parametrized over both (ids ``w2`` / ``w4``). Assign all three at module level so pytest
+    finds them by name::
+
+        workers2, workers4, workers = workers_2_and_4()
+    """
+
+    @pytest.fixture(params=[2, 4], ids=["w2", "w4"])
+    def workers(request):
+        return request.getfixturevalue(f"workers{request.param}")
+
+    return workers_fixture(2), workers_fixture(4), workers

@@ -8,17 +8,11 @@ import torch
 
 import ragged as rg
 from ragged import spec
-from _harness import comm, mesh, workers_fixture
+from _harness import comm, mesh, workers_2_and_4
 
 pytestmark = pytest.mark.distributed
 
-workers2 = workers_fixture(2)
-workers4 = workers_fixture(4)
-
-
-@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
-def workers(request):
-    return request.getfixturevalue(f"workers{request.param}")
+workers2, workers4, workers = workers_2_and_4()
 
 
 def _params(seed=0, dtype=torch.float64):

@@ -11,17 +11,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
 
 from _fsdp_cases import Case, fsdp_run, max_diff, reference_run  # noqa: E402
-from _harness import comm, mesh, workers_fixture  # noqa: E402
+from _harness import comm, mesh, workers_2_and_4  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-workers2 = workers_fixture(2)
-workers4 = workers_fixture(4)
-
-
-@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
-def workers(request):
-    return request.getfixturevalue(f"workers{request.param}")
+workers2, workers4, workers = workers_2_and_4()
 
 
 def _compare(case):

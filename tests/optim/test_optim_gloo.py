@@ -10,19 +10,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
 
 import ragged as rg  # noqa: E402
-from _harness import comm, workers_fixture  # noqa: E402
+from _harness import comm, workers_2_and_4  # noqa: E402
 from tests.optim import test_engine_sim as sim  # noqa: E402
 from tests.optim import test_muon as muon_tests  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-workers2 = workers_fixture(2)
-workers4 = workers_fixture(4)
-
-
-@pytest.fixture(params=[2, 4], ids=["w2", "w4"])
-def workers(request):
-    return request.getfixturevalue(f"workers{request.param}")
+workers2, workers4, workers = workers_2_and_4()
 
 
 def _engine_case(name):

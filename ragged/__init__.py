@@ -1,6 +1,5 @@
 """ragged: functional RaggedShard sharding for PyTorch (veScale-FSDP ideas as pure functions)."""
 
-from ragged import checkpoint as checkpoint
 from ragged import optim as optim
 from ragged import parallel as parallel
 from ragged import spec as spec
@@ -30,3 +29,13 @@ from ragged._viz import visualize as visualize
 from ragged import testing as testing
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # ragged.checkpoint pulls in torch.distributed.checkpoint (~0.7 s at import on CPU), which
+    # most processes (every gloo worker, every training rank) never use: load it on first use.
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("ragged.checkpoint")
+    raise AttributeError(f"module 'ragged' has no attribute {name!r}")

@@ -80,7 +80,8 @@ def _bench(rank, world, backend, opts):
         def torch_opt(params):
             return PerShardAdamW8bit(params, lr=opts["lr"], block_size=32 * 32)
 
-        rkw = dict(optimizer=rg.optim.adamw_8bit(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+        rkw = dict(optimizer=rg.optim.adamw_8bit(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                                                 donate=opts.get("donate", True)),
                    specs=lambda name, t: spec.Blocks(32, 32) if t.dim() >= 2 else spec.Rows(1))
     else:
         torch_opt, rkw = None, {}

@@ -95,7 +95,7 @@ def _optimizer(args, comm):
     if args.optimizer == "adamw":
         core = rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate)
     elif args.optimizer == "adamw_8bit":
-        core = rg.optim.adamw_8bit(lr, b2=0.98, weight_decay=args.weight_decay)
+        core = rg.optim.adamw_8bit(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate)
     elif args.optimizer == "sgd":
         core = rg.optim.sgd(lr, momentum=0.9)
     else:

@@ -284,6 +284,44 @@ class _Codec:
         return values.mul_(scale)
 
 
+_CHUNK = 1 << 18  # elements quantized at a time: bounds the fp32 / int temporaries of one update
+
+
+def _chunks(q: _QPiece, limit: int = _CHUNK):
+    """``q`` cut into sub-pieces of whole blocks, about ``limit`` elements each.
+
+    Every block is quantized on its own, so the cut changes no code and no scale; it only
+    bounds the temporaries (decoded moments, lookup keys) to one chunk instead of one leaf.
+    """
+    if q.numel <= limit:
+        yield q
+        return
+    if q.rows == 1:  # Elements(n): one row of n-element blocks
+        step = max(1, limit // q.bc)
+        for t0 in range(0, q.tiles, step):
+            c0, c1 = t0 * q.bc, min(q.cols, (t0 + step) * q.bc)
+            yield dataclasses.replace(q, local_offset=q.local_offset + c0, numel=c1 - c0, cols=c1 - c0,
+                                      code_offset=q.code_offset + c0, scale_offset=q.scale_offset + t0)
+        return
+    step = max(1, limit // (q.br * q.cols))
+    for b0 in range(0, q.bands, step):
+        r0, r1 = b0 * q.br, min(q.rows, (b0 + step) * q.br)
+        n0, n = r0 * q.cols, (r1 - r0) * q.cols
+        yield dataclasses.replace(q, local_offset=q.local_offset + n0, numel=n, rows=r1 - r0,
+                                  code_offset=q.code_offset + n0, scale_offset=q.scale_offset + b0 * q.tiles)
+
+
+def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
+    """Zeroes the elements of this rank's shard that belong to no leaf (the padding)."""
+    pos = 0
+    for piece in dbuf.plan.local_pieces(dbuf.rank):
+        if piece.local_offset > pos:
+            data[pos : piece.local_offset].zero_()
+        pos = piece.local_offset + piece.numel
+    if pos < data.numel():
+        data[pos:].zero_()
+
+
 def _moments_init(dbuf: DBuffer, min_size: int) -> Quant8Moments:
     lay = _layout(dbuf, min_size)
     dev = dbuf.data.device
@@ -313,7 +351,7 @@ def _is_moments(x) -> bool:
 
 
 def scale_by_adam_8bit(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096, donate: bool = False
 ) -> GradientTransformation:
     """Adam's rescaling with block-wise 8-bit moments (see [Note: blocks are the plan's blocks]).
 
@@ -324,6 +362,11 @@ def scale_by_adam_8bit(
     Args:
         b1, b2, eps: Adam's hyperparameters.
         min_size: leaves with fewer elements keep fp32 moments.
+        donate: reuse the state's buffers (codes, scales, fp32 moments) and write the update
+            into the fp32 gradient buffer passed to ``update`` (as
+            :func:`ragged.optim.scale_by_adam` does): no shard-sized allocation per step, but
+            the caller must not read the old state or the gradients afterwards. Results are
+            bit-identical to ``donate=False``.
 
     The params must be a DBuffer or a pytree of DBuffers.
     """
@@ -378,10 +421,16 @@ def scale_by_adam_8bit(
             dev = g.data.device
             cm, cv = codec(True, dev), codec(False, dev)
             gdata = g.data.to(torch.float32)
-            out = torch.zeros(g.data.shape, dtype=torch.float32, device=dev)
-            mu_codes, nu_codes = torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes)
-            mu_scales, nu_scales = torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales)
-            for q in lay.qpieces:
+            in_place = donate and gdata is g.data and not gdata.requires_grad
+            if in_place:  # the update overwrites the gradient piece by piece, after reading it
+                out = gdata
+                _zero_padding(out, g)
+                mu_codes, nu_codes, mu_scales, nu_scales = mom.mu_codes, mom.nu_codes, mom.mu_scales, mom.nu_scales
+            else:
+                out = torch.zeros(g.data.shape, dtype=torch.float32, device=dev)
+                mu_codes, nu_codes = torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes)
+                mu_scales, nu_scales = torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales)
+            for q in (sub for piece in lay.qpieces for sub in _chunks(piece)):
                 cs, ce = q.code_offset, q.code_offset + q.numel
                 ss, se = q.scale_offset, q.scale_offset + q.num_blocks
                 gq = gdata[q.local_offset : q.local_offset + q.numel].view(q.rows, q.cols)
@@ -393,9 +442,9 @@ def scale_by_adam_8bit(
                 nu_codes[cs:ce], nu_scales[ss:se] = cv.encode(v, q)
             mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
             if lay.num_fp32:
-                mu_fp32, nu_fp32, u = adam(mom.mu_fp32, mom.nu_fp32, gdata[lay.fp32_mask])
+                mu_fp32, nu_fp32, u = adam(mom.mu_fp32, mom.nu_fp32, gdata[lay.fp32_mask], fresh=in_place)
                 out.masked_scatter_(lay.fp32_mask, u)
-            mu_rep, nu_rep, u_rep = adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32))
+            mu_rep, nu_rep, u_rep = adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), fresh=in_place)
             new = Quant8Moments(mu_codes, nu_codes, mu_scales, nu_scales, mu_fp32, nu_fp32, mu_rep, nu_rep)
             wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
             return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
@@ -429,9 +478,13 @@ def adamw_8bit(
     weight_decay: float = 0.0,
     *,
     min_size: int = 4096,
+    donate: bool = False,
 ) -> GradientTransformation:
     """AdamW with block-wise 8-bit moments over the plan's blocks (same contract as
     :func:`ragged.optim.adamw`).
+
+    ``donate=True`` updates the state in place and writes the update into the gradient buffer
+    (see :func:`scale_by_adam_8bit`); results are bit-identical.
 
     About 2 bytes of state per parameter plus 8 bytes per block (e.g. +0.008 B/param for
     ``Blocks(32, 32)``), and fp32 moments for small or non-block leaves (see
@@ -452,9 +505,9 @@ def adamw_8bit(
         (torch.uint8, 8)
     """
     return chain(
-        scale_by_adam_8bit(b1=b1, b2=b2, eps=eps, min_size=min_size),
-        add_decayed_weights(weight_decay),
-        scale_by_learning_rate(learning_rate),
+        scale_by_adam_8bit(b1=b1, b2=b2, eps=eps, min_size=min_size, donate=donate),
+        add_decayed_weights(weight_decay, donate=donate),
+        scale_by_learning_rate(learning_rate, donate=donate),
     )
 
 

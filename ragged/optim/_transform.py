@@ -75,8 +75,18 @@ def _check_beta(name: str, value) -> None:
         raise ValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
-def scale(step_size: float) -> GradientTransformation:
-    """Multiplies updates by ``step_size``.
+def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
+    """``u * factor`` in the wide dtype; in place into ``u`` when donated and already wide."""
+    wide = _wide(u)
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(wide.dtype)
+    if donate and wide is u and not u.requires_grad:
+        return u.mul_(factor)
+    return wide * factor
+
+
+def scale(step_size: float, *, donate: bool = False) -> GradientTransformation:
+    """Multiplies updates by ``step_size`` (in place into the updates with ``donate=True``).
 
     Examples:
         >>> import torch, ragged as rg
@@ -91,13 +101,14 @@ def scale(step_size: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        return pytree.map(lambda u: _wide(u) * step_size, updates), state
+        return pytree.map(lambda u: _mul(u, step_size, donate), updates), state
 
     return GradientTransformation(init, update)
 
 
-def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
-    """Multiplies updates by ``step_size_fn(count)``; ``count`` starts at 0.
+def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> GradientTransformation:
+    """Multiplies updates by ``step_size_fn(count)``; ``count`` starts at 0 (in place into the
+    updates with ``donate=True``).
 
     Examples:
         >>> import torch, ragged as rg
@@ -115,16 +126,17 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update(updates, state, params=None):
         del params
         factor = step_size_fn(state.count)
-        updates = pytree.map(
-            lambda u: _wide(u) * (factor.to(_wide(u).dtype) if isinstance(factor, torch.Tensor) else factor), updates
-        )
+        updates = pytree.map(lambda u: _mul(u, factor, donate), updates)
         return updates, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)
 
 
-def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
-    """Scales updates by ``-learning_rate`` (a float, or a schedule of the step count).
+def scale_by_learning_rate(
+    learning_rate: float | Schedule, *, flip_sign: bool = True, donate: bool = False
+) -> GradientTransformation:
+    """Scales updates by ``-learning_rate`` (a float, or a schedule of the step count); in place
+    into the updates with ``donate=True``.
 
     Examples:
         >>> import torch, ragged as rg
@@ -135,8 +147,8 @@ def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool =
     _check_nonneg("learning_rate", learning_rate)
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
-    return scale(sign * learning_rate)
+        return scale_by_schedule(lambda count: sign * learning_rate(count), donate=donate)
+    return scale(sign * learning_rate, donate=donate)
 
 
 def _adam_step(g, m, v, *, b1, b2, eps, bc1, bc2_sqrt, step, decay, p, donate):
@@ -306,9 +318,10 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> GradientTransformation:
     """Adds ``weight_decay * params`` to the updates (decoupled weight decay when chained
-    before :func:`scale_by_learning_rate`, as in ``torch.optim.AdamW``).
+    before :func:`scale_by_learning_rate`, as in ``torch.optim.AdamW``); in place into the
+    updates with ``donate=True``.
 
     Zero parameters (padding) add zero. Restrict it to some leaves with
     :func:`ragged.optim.masked`.
@@ -332,6 +345,8 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
             raise ValueError(
                 "add_decayed_weights needs the params: call opt.update(grads, opt_state, params)."
             )
+        if donate:
+            return pytree.map(lambda u, p: u.add_(p.to(u.dtype) * weight_decay), updates, params), state
         return pytree.map(lambda u, p: u + p.to(u.dtype) * weight_decay, updates, params), state
 
     return GradientTransformation(init, update)

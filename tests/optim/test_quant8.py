@@ -180,3 +180,42 @@ def test_rejects_naive_plan_that_cuts_blocks():
 def test_rejects_plain_tensors():
     with pytest.raises(TypeError, match="adamw_8bit works on DBuffers"):
         rg.optim.adamw_8bit(1e-3).init({"w": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_donate_is_bit_identical_and_reuses_buffers(world_size):
+    make = lambda donate: rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, donate=donate)  # noqa: E731
+    plan, shards, states = _run(world_size, opt=make(False))
+    plan_d, shards_d, states_d = _run(world_size, opt=make(True))
+    assert plan == plan_d
+    ref, got = _leaf_states(plan, shards, states), _leaf_states(plan_d, shards_d, states_d)
+    assert ref.keys() == got.keys()
+    for path, parts in ref.items():
+        for k, v in parts.items():
+            assert torch.equal(got[path][k], v), (path, k)
+    for a, b in zip(shards, shards_d):
+        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+    # the update is written into the donated gradient buffer, the codes into the state's
+    params = _params()
+    local = shard_all(plan_d, params)[0]
+    opt = make(True)
+    state = opt.init(local)
+    codes_ptr = state[0].moments.mu_codes.data_ptr()
+    grads = shard_all(plan_d, _grads(params, 0))[0]
+    grads_ptr = grads.data.data_ptr()
+    updates, state = opt.update(grads, state, local)
+    assert updates.data.data_ptr() == grads_ptr and state[0].moments.mu_codes.data_ptr() == codes_ptr
+    pad = padding_mask(plan_d, 0)
+    assert torch.equal(updates.data[pad], torch.zeros_like(updates.data[pad]))
+
+
+@pytest.mark.parametrize("limit", [1, 700, 5000, 1 << 30])
+def test_chunked_quantization_changes_nothing(limit, monkeypatch):
+    from ragged.optim import _quant8
+
+    reference = _leaf_states(*_run(2))
+    monkeypatch.setattr(_quant8._chunks, "__defaults__", (limit,))
+    chunked = _leaf_states(*_run(2))
+    for path, parts in reference.items():
+        for k, v in parts.items():
+            assert torch.equal(chunked[path][k], v), (limit, path, k)

@@ -49,9 +49,9 @@ started before the current one computes, and each unit's gradient is reduce-scat
 backward is done with it.
 """),
     code("""
-def train(comm, optimizer, steps=STEPS):
-    model = make_model()
-    units = fsdp.make_units(model, world_size=comm.world_size)
+def train(comm, optimizer, steps=STEPS, dtype=torch.float64, specs=None):
+    model = make_model(dtype)
+    units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
     state = fsdp.init(units, model, optimizer, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), optimizer, comm)
     losses = []
@@ -120,19 +120,12 @@ print({key: (tuple(v.shape), str(v.dtype)) for key, v in states[4].items() if ke
 In training, the 8-bit optimizer is a flag away; its loss follows fp32 AdamW closely:
 """),
     code("""
-def train_8bit(comm, steps=20):
-    model = make_model(torch.float32)
-    specs = {name: (spec.Blocks(8, 8) if p.ndim == 2 and p.shape[0] % 8 == 0 else spec.Rows(1))
-             for name, p in model.named_parameters()}
-    units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
+blocks = {name: (spec.Blocks(8, 8) if p.ndim == 2 and p.shape[0] % 8 == 0 else spec.Rows(1))
+          for name, p in make_model().named_parameters()}
+
+def train_8bit(comm):
     optimizer = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=256)
-    state = fsdp.init(units, model, optimizer, comm)
-    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), optimizer, comm)
-    losses = []
-    for s in range(steps):
-        state, metrics = step(state, rank_slice(task.batch(s, BATCH), comm.rank, comm.world_size))
-        losses.append(float(metrics["loss"]))
-    return losses
+    return train(comm, optimizer, steps=20, dtype=torch.float32, specs=blocks)[1]
 
 losses_8bit = rg.collectives.simulate(WORLD, train_8bit)[0]
 print("8-bit AdamW loss every 5 steps:", [round(l, 3) for l in losses_8bit[::5]])

@@ -47,3 +47,14 @@ def padding_mask(plan, rank):
     for p in plan.local_pieces(rank):
         mask[p.local_offset : p.local_offset + p.numel] = False
     return mask
+
+
+def concat_over_ranks(per_rank: list[dict]) -> dict:
+    """``{path: {name: tensor}}`` per rank -> each leaf's state concatenated in rank order."""
+    state: dict = {}
+    for parts_by_path in per_rank:
+        for path, parts in parts_by_path.items():
+            slot = state.setdefault(path, {})
+            for k, v in parts.items():
+                slot[k] = torch.cat([slot[k], v]) if k in slot else v
+    return state

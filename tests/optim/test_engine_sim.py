@@ -7,6 +7,8 @@ import torch
 import ragged as rg
 from ragged import spec
 
+from tests.optim._util import concat_over_ranks
+
 STEPS = 4
 
 
@@ -116,13 +118,7 @@ def test_adamw_8bit_state_identical_through_engine():
     by_m = {}
     for m in (1, 2, 4):
         results = rg.collectives.simulate(m, _adamw8_state)
-        state = {}
-        for per_rank, _ in results:
-            for path, parts in per_rank.items():
-                slot = state.setdefault(path, {})
-                for k, v in parts.items():
-                    slot[k] = torch.cat([slot[k], v]) if k in slot else v
-        by_m[m] = (state, results[0][1])
+        by_m[m] = (concat_over_ranks([per_rank for per_rank, _ in results]), results[0][1])
     for m in (2, 4):
         for path, parts in by_m[1][0].items():
             for k, v in parts.items():

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "dis
 import ragged as rg  # noqa: E402
 from _harness import comm, workers_2_and_4  # noqa: E402
 from tests.optim import test_engine_sim as sim  # noqa: E402
+from tests.optim._util import concat_over_ranks  # noqa: E402
 from tests.optim import test_muon as muon_tests  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -38,12 +39,7 @@ def _adamw8():
 def test_adamw_8bit_state_bit_identical_to_one_rank(workers):
     (ref_state, ref_params), = rg.collectives.simulate(1, sim._adamw8_state)
     results = workers.run(_adamw8)
-    state = {}
-    for per_rank, _ in results:
-        for path, parts in per_rank.items():
-            slot = state.setdefault(path, {})
-            for k, v in parts.items():
-                slot[k] = torch.cat([slot[k], v]) if k in slot else v
+    state = concat_over_ranks([per_rank for per_rank, _ in results])
     assert state.keys() == ref_state.keys()
     for path, parts in ref_state.items():
         for k, v in parts.items():

@@ -21,8 +21,11 @@ import torch
 
 ReduceOp = Literal["sum", "mean", "max"]
 REDUCE_OPS = ("sum", "mean", "max")
+# when transforms make the ranks agree on their plans (an optional ``plan_check`` attribute of a
+# backend; absent means "every_call", the safe choice): see [Note: plan check before collectives] in ragged/transforms/_check.py
+PLAN_CHECKS = ("every_call", "first_use")
 
-__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "DoneHandle", "check_op"]
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op"]
 
 
 @runtime_checkable

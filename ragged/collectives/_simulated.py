@@ -76,7 +76,8 @@ class SimulatedCollectives:
         self._replica = replica_group
         self._world = world_group if world_group is not None else shard_group
         self._global_rank = replica_rank * shard_group.size + rank
-        self.checked_plans: dict = {}  # see ragged/transforms/_check.py
+        self.plan_check = "every_call"  # or "first_use": see [Note: plan check before collectives]
+        self.checked_plans: dict = {}  # (ragged/transforms/_check.py)
 
     def __repr__(self) -> str:
         return f"SimulatedCollectives(rank={self._rank}, world_size={self.world_size}, replicas={self.num_replicas})"

@@ -360,7 +360,7 @@ class _Run:
         t.grad = None
 
     def _reduce(self, i: int):
-        from ragged.transforms import reduce_scatter_start
+        from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
         unit = self.units[i]
         # a unit whose gradients arrive around other units' reduce-scatters (e.g. embeddings and
@@ -372,7 +372,7 @@ class _Run:
         self.num_reduces += 1
         g = self.gflat[i]
         self.gflat[i] = None
-        pending = reduce_scatter_start(unit.plan, g, self.comm, op="mean", dtype=self.reduce_dtype)
+        pending = _reduce_scatter_start(unit.plan, g, self.comm, "mean", self.reduce_dtype, agreed=True)
         self.rs_pending.append((i, pending, g.numel() * g.element_size()))
         self._log("reduce_start", i)
         if self.phase == "backward" and self.state[i] != _FREE:
@@ -504,7 +504,7 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         from ragged.optim import apply_updates
-        from ragged.transforms._check import check_plan
+        from ragged.transforms._check import check_plans
 
         shards, opt_state = state
         missing = [u.name for u in self.units if u.name not in shards]
@@ -514,8 +514,9 @@ class Step:
             if shards[u.name].plan != u.plan:
                 raise ValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
         micro = _split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
-        for u in self.units:
-            check_plan(u.plan, self.comm)  # once per (comm, plan): raises on every rank if plans differ
+        # one agreement for every unit, every step; the step's own collectives then skip it
+        token = f"fsdp_step:{self.compute_dtype}:{self.reduce_dtype}:{self.micro_batches}:{self.reshard_after_forward}"
+        check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         run = _Run(self.units, shards, self.comm, compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
                    prefetch=self.prefetch, reshard=self.reshard_after_forward, schedule=self._schedule,
                    max_inflight_reduce=self.max_inflight_reduce, trace=self.trace)

@@ -312,15 +312,16 @@ def scale_by_muon(
                     )
                 if comm is not None and comm.rank != d.rank:
                     raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
-            if comm is not None and comm.world_size > 1:
-                from ragged.transforms._check import check_plan
-
-                for d in bufs:  # every rank must hold the same plans before the all_to_alls
-                    check_plan(d.plan, comm)
             units = _units([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()
             cache[key] = [_waves(d.plan, d.rank, u, num_waves) for d, u in zip(bufs, units)]
+        if comm is not None and comm.world_size > 1:
+            from ragged.transforms._check import check_plans
+
+            # every rank must hold the same plans before the all_to_alls (every call: a cache hit
+            # on one rank says nothing about the others)
+            check_plans([d.plan for d in bufs], comm, f"muon:{ns_steps}:{num_waves}")
         return cache[key]
 
     def orthogonalize(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

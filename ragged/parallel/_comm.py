@@ -29,8 +29,8 @@ class MeshComm:
         axes: ``axis name -> Collectives`` of this rank's group along that axis.
         world: a Collectives over every rank of the mesh (rank = row-major mesh rank), or None.
         device_mesh: the torch ``DeviceMesh`` it was built from (for DTensor export), or None.
-        checked_plans: fingerprints of mesh plans already compared across the mesh (see
-            [Note: mesh plan check]).
+        checked_plans: fingerprints of mesh plans the mesh agreed on (used when
+            ``world.plan_check == "first_use"``; see [Note: mesh plan check]).
     """
 
     mesh: Mesh
@@ -55,7 +55,7 @@ class MeshComm:
         return f"MeshComm(mesh={self.mesh.shape} {self.mesh.names}, coords={dict(self.coords)})"
 
 
-def from_device_mesh(device_mesh, *, algorithm: str | None = None) -> MeshComm:
+def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: str | None = None) -> MeshComm:
     """A :class:`MeshComm` over a torch ``DeviceMesh`` with named dims.
 
     Each axis gets ``rg.collectives.from_torch(device_mesh[name])``; ``world`` is the default
@@ -63,7 +63,7 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None) -> MeshComm:
 
     Args:
         device_mesh: from ``init_device_mesh(device, shape, mesh_dim_names=names)``.
-        algorithm: forwarded to :func:`ragged.collectives.from_torch`.
+        algorithm, plan_check: forwarded to :func:`ragged.collectives.from_torch`.
     """
     import torch.distributed as dist
 
@@ -73,11 +73,11 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None) -> MeshComm:
     if not names:
         raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
     mesh = Mesh(tuple(int(s) for s in device_mesh.mesh.shape), tuple(names))
-    axes = {n: from_torch(device_mesh[n], algorithm=algorithm) for n in names}
+    axes = {n: from_torch(device_mesh[n], algorithm=algorithm, plan_check=plan_check) for n in names}
     coords = {n: int(device_mesh.get_local_rank(n)) for n in names}
     world = None
     if device_mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
-        world = from_torch(algorithm=algorithm)
+        world = from_torch(algorithm=algorithm, plan_check=plan_check)
     return MeshComm(mesh=mesh, coords=coords, axes=axes, world=world, device_mesh=device_mesh)
 
 

@@ -48,21 +48,24 @@ def _check_mesh(mplan: MeshPlan, mcomm, where):
 # [Note: mesh plan check]
 # ``rg.shard`` / ``rg.gather`` compare the FSDP plan within the FSDP group only. Ranks of one TP
 # group that planned different placements (or shapes) would issue TP collectives of different
-# sizes. Before the first use of a mesh plan, ``shard``, ``reduce_scatter``, ``full_params``,
-# ``to_global`` and ``from_global`` all-gather its fingerprint over the whole mesh
-# (``mcomm.world``, one small object per rank, once per plan) and raise
-# :class:`~ragged.PlanMismatchError` on every rank if any differ.
+# sizes. So ``shard``, ``reduce_scatter``, ``full_params``, ``to_global`` and ``from_global`` first
+# make the whole mesh (``mcomm.world``) agree on the mesh plan's fingerprint, as the flat
+# transforms do (see [Note: plan check before collectives] in ragged/transforms/_check.py: one
+# all-reduce of two int64s, every call or, with ``world.plan_check == "first_use"``, once per
+# plan), and raise :class:`~ragged.PlanMismatchError` on every rank if any differ, naming what.
 def check_mesh_plan(mplan: MeshPlan, mcomm) -> None:
     """See [Note: mesh plan check]. A no-op without ``mcomm.world``."""
+    from ragged.transforms._check import ranks_agree
+
     world = getattr(mcomm, "world", None)
     if world is None:
         return
     fp = mplan.fingerprint()
-    if fp in mcomm.checked_plans:
+    if getattr(world, "plan_check", "every_call") == "first_use" and fp in mcomm.checked_plans:
         return
-    summary = (fp, {l.path: (l.shape, l.local_shape, repr(l.granularity), l.shards) for l in mplan.leaves})
-    everything = world.all_gather_object(summary)
-    if any(s[0] != fp for s in everything):
+    if not ranks_agree(world, fp):
+        summary = (fp, {l.path: (l.shape, l.local_shape, repr(l.granularity), l.shards) for l in mplan.leaves})
+        everything = world.all_gather_object(summary)
         other_rank, other = next((r, s) for r, s in enumerate(everything) if s[0] != everything[0][0])
         first = everything[0][1]
         diffs = [

@@ -2,21 +2,39 @@
 
 [Note: plan check before collectives]
 Ranks holding different plans would exchange differently sized buffers: at best a hang, at
-worst silently wrong numbers. Before the first large collective on a plan, every rank of the
-mesh all-gathers a small summary of its plan (``fingerprint()`` plus the fields needed to say
-what differs) and raises :class:`~ragged.PlanMismatchError` on every rank if any differ. The
-fingerprint is then remembered on the comm (``comm.checked_plans``), so the check costs one
-small ``all_gather_object`` per plan, not per step.
-Limitation (the price of not checking every step): the check is a collective, so it only
-helps if every rank *runs* it, i.e. if the mismatching plan is new on every rank of this comm.
-That holds for the common failure (ranks built different models or options from the start).
-A rank that later switches to a plan the others never use, while they keep a plan they
-already checked, cannot be detected without per-step communication; gloo's process-group
-timeout then turns the mismatch into an error. Pass a fresh comm (``from_torch()``) to force
-the check again.
+worst silently wrong numbers. So before its collective, every transform makes the ranks agree on
+a *token*: the operation, its dtype and the fingerprints of the plans it moves. Agreement costs
+one all-reduce of two int64s (``max`` of ``(h, -h)`` for a 62-bit hash ``h`` of the token gives
+``(max h, -min h)``, equal up to sign exactly when every rank holds the same token), plus one more
+across the replicas of an HSDP mesh. Only when tokens differ do the ranks all-gather a summary of
+their plans (one small ``all_gather_object``) and raise :class:`~ragged.PlanMismatchError` on
+every rank, naming what differs. Every rank takes the same branch, so nothing hangs.
+
+``comm.plan_check`` chooses when:
+
+* ``"first_use"`` (default of ``from_torch``): agree once per plan and comm, then trust it. This
+  catches the common failure, ranks that built different models or options. It cannot catch a
+  rank that later switches, alone, to a plan the others never use while they keep one already
+  agreed (that rank agrees, the others move data): gloo then fails on its timeout (or aborts on
+  the size mismatch). ``rg.fsdp``'s step agrees on all its units once per step whatever the
+  mode (one small all-reduce per step), so a training loop is covered step by step.
+* ``"every_call"`` (default of the simulated backend, and of ``from_torch`` under
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, as torch's own per-call collective checks): every
+  ``shard``, ``gather``, ``reduce_scatter`` and ``redistribute`` agrees first, so a switching
+  rank is caught at that call. No in-band scheme is cheaper: gloo aborts the process when a
+  receive's size differs from the message, so the sizes must be agreed before the data moves,
+  one small-message round trip (0.3-1 ms on gloo on this 2-core machine, see
+  ``bench/collectives.py``; on NCCL also a device-to-host sync).
+
+``comm.checked_plans`` (a dict) memoises fingerprints by plan identity (``plan.fingerprint()``
+hashes every leaf; the memo keeps the plan alive, so its id is not reused) and, in
+``"first_use"``, records which fingerprints were agreed.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +42,7 @@ from ragged._errors import LayoutError, PlanMismatchError
 from ragged._pytree import flatten_with_keystr
 from ragged.spec._plan import LayoutPlan
 
-__all__ = ["check_plan", "check_comm", "flatten_like_plan", "check_plan_type"]
+__all__ = ["check_plan", "check_plans", "ranks_agree", "check_comm", "flatten_like_plan", "check_plan_type"]
 
 
 def check_plan_type(plan, where: str) -> LayoutPlan:
@@ -41,6 +59,36 @@ def check_comm(plan: LayoutPlan, comm, where: str) -> None:
             f"{where}: the plan shards over world_size={plan.world_size} ranks but the comm's shard group has "
             f"{comm.world_size}. Fix: plan with rg.make_plan(..., world_size=comm.world_size)."
         )
+
+
+def ranks_agree(comm, token: str) -> bool:
+    """Whether every rank of ``comm``'s mesh (shard group x replicas) passed the same ``token``.
+
+    One all-reduce of two int64s (see [Note: plan check before collectives]); every rank gets
+    the same answer.
+    """
+    if comm.world_size * comm.num_replicas == 1:
+        return True
+    h = int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little") >> 2  # -h fits int64
+    t = torch.tensor([h, -h], dtype=torch.int64, device=comm.device)
+    comm.all_reduce(t, op="max")
+    if comm.num_replicas > 1:
+        comm.all_reduce_replicas(t, op="max")
+    top, neg_bottom = t.tolist()
+    return top == -neg_bottom
+
+
+def _fingerprint(plan: LayoutPlan, memo) -> str:
+    if memo is None:
+        return plan.fingerprint()
+    hit = memo.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    if len(memo) > 4096:  # bound the memo; entries are cheap to recompute
+        memo.clear()
+    fp = plan.fingerprint()
+    memo[id(plan)] = (plan, fp)
+    return fp
 
 
 def _summary(plan: LayoutPlan):
@@ -86,32 +134,55 @@ def _describe(mine, other) -> str:
     return "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
-def check_plan(plan: LayoutPlan, comm) -> None:
-    """Compares ``plan`` across every rank of ``comm`` once (see [Note: plan check before
-    collectives]); raises :class:`PlanMismatchError` on every rank if they differ."""
-    checked = getattr(comm, "checked_plans", None)
-    if checked is not None and id(plan) in checked:  # fast path: this very plan object
+def _explain(calls) -> str:
+    """``calls``: per rank ``(operation, fingerprints, summaries)``; at least two differ."""
+    distinct = list(dict.fromkeys((op, fps) for op, fps, _ in calls))
+    (op_a, fps_a), (op_b, fps_b) = distinct[0], distinct[1]
+    ranks_a = [r for r, c in enumerate(calls) if (c[0], c[1]) == (op_a, fps_a)]
+    ranks_b = [r for r, c in enumerate(calls) if (c[0], c[1]) == (op_b, fps_b)]
+    sums_a, sums_b = calls[ranks_a[0]][2], calls[ranks_b[0]][2]
+    if op_a != op_b:
+        what = f"the operation: {op_a} vs {op_b}"
+    elif len(fps_a) != len(fps_b):
+        what = f"the number of plans: {len(fps_a)} vs {len(fps_b)}"
+    else:
+        i = next(i for i, (x, y) in enumerate(zip(fps_a, fps_b)) if x != y)
+        where = f"plan {i} of {len(fps_a)}: " if len(fps_a) > 1 else ""
+        what = where + _describe(sums_a[i], sums_b[i])
+    return (
+        f"ranks hold different plans or call different operations: ranks {ranks_a} vs ranks {ranks_b} differ in "
+        f"{what}. Every rank must build the plan from the same shapes, specs, world_size and options, and "
+        f"issue the same transforms in the same order (check that all ranks build the same model and call "
+        f"make_plan the same way)."
+    )
+
+
+def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False) -> None:
+    """Makes every rank of ``comm`` agree on ``operation`` over ``plans`` before it communicates.
+
+    See [Note: plan check before collectives]. ``operation`` names the call and anything else
+    that decides the bytes moved (e.g. ``"gather:torch.bfloat16"``); ``every_call=True`` agrees
+    even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step).
+
+    Raises:
+        PlanMismatchError: on every rank, if any rank holds other plans or calls another operation.
+    """
+    memo = getattr(comm, "checked_plans", None)
+    fps = tuple(_fingerprint(p, memo) for p in plans)
+    first_use = not every_call and getattr(comm, "plan_check", "every_call") == "first_use" and memo is not None
+    if first_use and all(fp in memo for fp in fps):
         return
-    fp = plan.fingerprint()
-    if checked is not None and fp in checked:
-        checked[id(plan)] = plan
-        return
-    summaries = comm.all_gather_object(_summary(plan))
-    distinct = []
-    for s in summaries:
-        if s[0] not in [d[0] for d in distinct]:
-            distinct.append(s)
-    if len(distinct) > 1:
-        groups = {d[0]: [i for i, s in enumerate(summaries) if s[0] == d[0]] for d in distinct}
-        a, b = distinct[0], distinct[1]
-        raise PlanMismatchError(
-            f"ranks hold different plans: ranks {groups[a[0]]} vs ranks {groups[b[0]]} differ in "
-            f"{_describe(a, b)}. Every rank must build the plan from the same shapes, specs, world_size "
-            f"and options (check that all ranks build the same model and call make_plan the same way)."
-        )
-    if checked is not None:
-        checked[fp] = plan
-        checked[id(plan)] = plan  # the value keeps the plan alive, so its id is not reused
+    if not ranks_agree(comm, operation + "|" + ",".join(fps)):
+        calls = comm.all_gather_object((operation, fps, [_summary(p) for p in plans]))
+        raise PlanMismatchError(_explain(calls))
+    if first_use:
+        for fp in fps:
+            memo[fp] = True
+
+
+def check_plan(plan: LayoutPlan, comm, operation: str = "check") -> None:
+    """:func:`check_plans` of one plan."""
+    check_plans((plan,), comm, operation)
 
 
 def flatten_like_plan(plan: LayoutPlan, tree, what: str, *, device=None, allow_dtypes=None):

@@ -152,7 +152,7 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
     """
     _check_dbuf(dbuf, comm, "gather")
-    check_plan(dbuf.plan, comm)
+    check_plan(dbuf.plan, comm, f"gather:{dtype or dbuf.data.dtype}")
     src = dbuf.data if dtype is None or dtype == dbuf.data.dtype else dbuf.data.to(dtype)
     rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
     box = _Box()

@@ -20,7 +20,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import LayoutError
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_plan, check_plan_type
+from ragged.transforms._check import check_plan_type, check_plans
 from ragged.transforms._shard import replicated_size
 
 __all__ = ["redistribute", "owned_plan"]
@@ -126,8 +126,7 @@ def redistribute(dbuf: DBuffer, new_plan: LayoutPlan, comm) -> DBuffer:
     if dbuf.rank != comm.rank:
         raise ValueError(f"redistribute: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
     _check_same_leaves(old, new_plan)
-    check_plan(old, comm)
-    check_plan(new_plan, comm)
+    check_plans((old, new_plan), comm, "redistribute")
     rank = comm.rank
     if old == new_plan:
         return dbuf

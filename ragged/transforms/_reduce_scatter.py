@@ -128,6 +128,12 @@ def reduce_scatter_start(
 
     Args: as :func:`reduce_scatter`.
     """
+    return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out)
+
+
+def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False):
+    """:func:`reduce_scatter_start`; ``agreed=True`` skips the cross-rank check for callers
+    that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step)."""
     check_plan_type(plan, "reduce_scatter")
     if op not in _OPS:
         raise ValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
@@ -178,7 +184,8 @@ def reduce_scatter_start(
                 f"reduce_scatter: out= must be a contiguous ({plan.shard_size},) tensor of the reduce dtype {rdtype}, "
                 f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}."
             )
-    check_plan(plan, comm)
+    if not agreed:
+        check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
     handles = [comm.reduce_scatter_into(out, flat, op="sum", async_op=True)]

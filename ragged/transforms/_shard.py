@@ -59,7 +59,7 @@ def shard(plan: LayoutPlan, params, comm=None, *, rank: int | None = None) -> DB
         raise TypeError("shard needs a comm (rg.collectives.from_torch() / simulate) or rank=.")
     leaves = flatten_like_plan(plan, params, "params")
     if comm is not None:
-        check_plan(plan, comm)
+        check_plan(plan, comm, "shard")
     device = None
     for leaf in leaves:
         device = leaf.device

@@ -171,6 +171,39 @@ def _plan_mismatch():
     return None
 
 
+def _plan_switch():
+    """Every rank gathers plan p (agreed); then the last rank alone switches to another plan on
+    the same comm: caught by the every-call check on every rank, not a hang."""
+    c = comm(plan_check="every_call")
+    params = _params()
+    d = rg.shard(_plan(c.world_size), params, c)
+    rg.gather(d, c)
+    if c.rank == c.world_size - 1:
+        params = dict(params, emb=torch.randn(13, 8, dtype=torch.float64))
+        d = rg.shard(rg.make_plan(params, SPECS, world_size=c.world_size), params, rank=c.rank)
+    try:
+        rg.gather(d, c)
+    except rg.PlanMismatchError as e:
+        rg.gather(rg.shard(_plan(c.world_size), _params(), c), c)  # the group is still usable
+        return str(e)
+    return None
+
+
+def _plan_check_defaults():
+    import os
+
+    old = os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    try:
+        plain = rg.collectives.from_torch().plan_check
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        debug = rg.collectives.from_torch().plan_check
+    finally:
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        if old is not None:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = old
+    return plain, debug
+
+
 def _bad_grads():
     c = comm()
     plan = _plan(c.world_size)
@@ -277,6 +310,15 @@ def test_global_norm(workers):
 def test_plan_mismatch_raises_on_every_rank(workers):
     msgs = workers.run(_plan_mismatch)
     assert all(m is not None and "['emb']" in m and "(11, 8) vs (13, 8)" in m for m in msgs), msgs
+
+
+def test_rank_switching_plans_on_a_checked_comm_raises_on_every_rank(workers):
+    msgs = workers.run(_plan_switch)
+    assert all(m is not None and "leaf ['emb']: shape (11, 8) vs (13, 8)" in m for m in msgs), msgs
+
+
+def test_plan_check_default_follows_torch_distributed_debug(workers2):
+    assert workers2.run(_plan_check_defaults) == [("first_use", "every_call")] * 2
 
 
 def test_bad_grads_named_before_communication(workers):

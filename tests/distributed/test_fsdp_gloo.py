@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
 
-from _fsdp_cases import Case, fsdp_run, max_diff, reference_run  # noqa: E402
+from _fsdp_cases import Case, fsdp_run, loss_fn, max_diff, rank_slice, reference_run  # noqa: E402
 from _harness import comm, mesh, workers_2_and_4  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -82,3 +82,34 @@ def _hsdp(case):
 def test_hsdp_2x2_matches_torch_optim(workers4):
     for diff, loss_err in workers4.run(_hsdp, Case(micro_batches=2)):
         assert diff < 1e-10 and loss_err < 1e-9
+
+
+def _step_switch(case):
+    """Every rank runs a step; then the last rank alone switches to a step with other micro
+    batches. The step agrees on its units and options every step (even with the comm's
+    default plan_check="first_use"), so every rank raises instead of hanging."""
+    import copy
+
+    import ragged as rg
+    from ragged import fsdp
+
+    c = comm()
+    assert c.plan_check == "first_use"
+    model = case.model()
+    units = fsdp.make_units(model, world_size=c.world_size)
+    opt = case.make_optimizer()
+    state = fsdp.init(units, model, opt, c)
+    steps = [fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, c, micro_batches=k) for k in (1, 2)]
+    task = case.task()
+    batch = lambda s: rank_slice(task.batch(s, case.batch), c.rank, c.world_size)
+    state, _ = steps[0](state, batch(0))
+    try:
+        steps[1 if c.rank == c.world_size - 1 else 0](state, batch(1))
+    except rg.PlanMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_rank_switching_step_options_raises_on_every_rank(workers):
+    msgs = workers.run(_step_switch, Case(steps=2))
+    assert all(m is not None and "the operation: fsdp_step" in m for m in msgs), msgs

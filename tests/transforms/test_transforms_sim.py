@@ -108,6 +108,63 @@ def test_plan_mismatch_raises_on_every_rank():
     assert rg.collectives.simulate(2, fn) == [True, True]
 
 
+def test_rank_switching_to_a_new_plan_after_a_checked_one_is_caught():
+    """Both ranks use plan p0 (agreed), then rank 1 alone moves to p1: caught at that call, on
+    every rank, before the gather (the every-call check; see [Note: plan check before collectives])."""
+    p0 = rg.make_plan(_params(), world_size=2)
+    other = _params()
+    other["emb"] = torch.randn(9, 6, dtype=torch.float64)
+    p1 = rg.make_plan(other, world_size=2)
+
+    def fn(c):
+        d0 = rg.shard(p0, _params(), c)
+        rg.gather(d0, c)
+        d = d0 if c.rank == 0 else rg.shard(p1, other, rank=1)
+        with pytest.raises(rg.PlanMismatchError, match=re.escape("leaf ['emb']: shape (7, 6) vs (9, 6)")) as e:
+            rg.gather(d, c)
+        return str(e.value)
+
+    msgs = rg.collectives.simulate(2, fn)
+    assert msgs[0] == msgs[1] and "ranks [0] vs ranks [1]" in msgs[0]
+
+
+@pytest.mark.parametrize("case", ["operation", "dtype"])
+def test_ranks_calling_different_transforms_are_caught(case):
+    plan = rg.make_plan(_params(), world_size=2)
+
+    def fn(c):
+        d = rg.shard(plan, _params(), c)
+        with pytest.raises(rg.PlanMismatchError) as e:
+            if case == "operation" and c.rank == 1:
+                rg.reduce_scatter(plan, _params(), c, op="sum")
+            else:
+                rg.gather(d, c, dtype=torch.float32 if case == "dtype" and c.rank == 1 else None)
+        return str(e.value)
+
+    msgs = rg.collectives.simulate(2, fn)
+    want = {"operation": "the operation: gather:torch.float64 vs reduce_scatter:sum:torch.float64",
+            "dtype": "the operation: gather:torch.float64 vs gather:torch.float32"}[case]
+    assert all(want in m for m in msgs), msgs
+
+
+def test_plan_check_every_call_vs_first_use_collective_count():
+    """every_call: one small all-reduce per transform call; first_use: one per plan."""
+    plan = rg.make_plan(_params(), world_size=2)
+
+    def fn(c, mode):
+        c.plan_check = mode
+        calls = []
+        inner = c.all_reduce
+        c.all_reduce = lambda t, **kw: (calls.append(t.dtype), inner(t, **kw))[1]
+        d = rg.shard(plan, _params(), c)
+        for _ in range(3):
+            rg.gather(d, c)
+        return calls.count(torch.int64)
+
+    assert rg.collectives.simulate(2, fn, "every_call") == [4, 4]
+    assert rg.collectives.simulate(2, fn, "first_use") == [1, 1]
+
+
 def test_grads_shape_error_names_key_path():
     params = _params()
     plan = rg.make_plan(params, world_size=2)

@@ -24,13 +24,14 @@ benchmark uses it to compare paths).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import check_op
+from ragged.collectives._base import PLAN_CHECKS, check_op
 
 __all__ = ["TorchCollectives", "from_torch"]
 
@@ -99,7 +100,7 @@ class TorchCollectives:
     Build one with :func:`from_torch`. See [Note: gloo all-gather and reduce-scatter paths].
     """
 
-    def __init__(self, shard_group=None, replica_group=None, *, algorithm: str | None = None):
+    def __init__(self, shard_group=None, replica_group=None, *, algorithm: str | None = None, plan_check: str | None = None):
         self.group = shard_group
         self.replica_group = replica_group
         self.backend = str(dist.get_backend(shard_group)).lower()
@@ -119,12 +120,18 @@ class TorchCollectives:
         self.ag_algorithm, self.rs_algorithm = ag, rs
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
         self._scratch = _Scratch()
-        self.checked_plans: dict = {}  # fingerprints (and ids) of plans already compared across ranks
+        if plan_check is None:  # like torch's own per-call collective checks: a debug mode
+            plan_check = "every_call" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else "first_use"
+        if plan_check not in PLAN_CHECKS:
+            raise ValueError(f"plan_check must be one of {PLAN_CHECKS}, got {plan_check!r}.")
+        self.plan_check = plan_check
+        self.checked_plans: dict = {}  # see [Note: plan check before collectives] (ragged/transforms/_check.py)
 
     def __repr__(self) -> str:
         return (
             f"TorchCollectives(rank={self._rank}, world_size={self._world}, replicas={self._replicas}, "
-            f"backend={self.backend!r}, all_gather={self.ag_algorithm!r}, reduce_scatter={self.rs_algorithm!r})"
+            f"backend={self.backend!r}, all_gather={self.ag_algorithm!r}, reduce_scatter={self.rs_algorithm!r}, "
+            f"plan_check={self.plan_check!r})"
         )
 
     # ---- identity -------------------------------------------------------------------------
@@ -213,10 +220,14 @@ class TorchCollectives:
             if op == "max":
                 torch.amax(chunks, dim=0, out=output)
             else:
-                # a chain of adds: sum(dim=0)'s sequential order over the chunks, but 1.6-2x faster on CPU (bench/step.py)
-                torch.add(chunks[0], chunks[1], out=output)
-                for j in range(2, m):
-                    output.add_(chunks[j])
+                # on CPU a chain of adds is ~2x faster than sum(dim=0) for 2 chunks and ~1.15x for 3, but
+                # sum reads each chunk once and wins from 4 chunks on (1.3x at 4, 1.8x at 8; one thread)
+                if m <= 3:
+                    torch.add(chunks[0], chunks[1], out=output)
+                    for j in range(2, m):
+                        output.add_(chunks[j])
+                else:
+                    torch.sum(chunks, 0, out=output)
                 if op == "mean":
                     output.div_(m)
             self._scratch.give(recv)
@@ -261,7 +272,7 @@ class TorchCollectives:
             dist.barrier(group=self.replica_group)
 
 
-def from_torch(group=None, *, algorithm: str | None = None) -> TorchCollectives:
+def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | None = None) -> TorchCollectives:
     """Collectives over ``torch.distributed``.
 
     Args:
@@ -270,6 +281,11 @@ def from_torch(group=None, *, algorithm: str | None = None) -> TorchCollectives:
         algorithm: force one path for all-gather and reduce-scatter (``"native"``, ``"p2p"``,
             ``"all_to_all"``); default: the fastest measured path for the backend (see
             [Note: gloo all-gather and reduce-scatter paths]).
+        plan_check: when the transforms make the ranks agree on their plans:
+            ``"first_use"`` (default: once per plan and comm) or ``"every_call"`` (one small
+            all-reduce per transform call; the default when ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
+            as torch's own per-call collective checks); see [Note: plan check before
+            collectives] in ``ragged/transforms/_check.py``.
 
     Returns:
         A :class:`TorchCollectives`.
@@ -290,11 +306,11 @@ def from_torch(group=None, *, algorithm: str | None = None) -> TorchCollectives:
         DeviceMesh = ()
     if isinstance(group, DeviceMesh):
         if group.ndim == 1:
-            return TorchCollectives(group.get_group(0), algorithm=algorithm)
+            return TorchCollectives(group.get_group(0), algorithm=algorithm, plan_check=plan_check)
         if group.ndim == 2:
-            return TorchCollectives(group.get_group(1), group.get_group(0), algorithm=algorithm)
+            return TorchCollectives(group.get_group(1), group.get_group(0), algorithm=algorithm, plan_check=plan_check)
         raise ValueError(
             f"from_torch takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a mesh with "
             f"{group.ndim} dims {tuple(group.shape)}. Fix: slice the mesh, e.g. mesh['dp_replicate', 'dp_shard']."
         )
-    return TorchCollectives(group, algorithm=algorithm)
+    return TorchCollectives(group, algorithm=algorithm, plan_check=plan_check)

@@ -11,6 +11,7 @@ leaves, never one per leaf), and optimizers written over pytrees work on DBuffer
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from optree.dataclasses import dataclass, field
@@ -142,6 +143,15 @@ def _check_same_layout(a: DBuffer, b: DBuffer, what: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def unflatten(plan: LayoutPlan, buffer: torch.Tensor, replicated: torch.Tensor | None = None):
     """Views of every leaf in a gathered flat buffer of ``plan.buffer_numel`` elements.
 
@@ -156,8 +166,15 @@ def unflatten(plan: LayoutPlan, buffer: torch.Tensor, replicated: torch.Tensor |
         True
     """
     leaves = [None] * plan.num_leaves
-    for leaf in plan.leaves:
-        leaves[leaf.index] = buffer[leaf.offset : leaf.stop].view(leaf.shape)
+    if buffer.requires_grad or buffer.dim() != 1 or buffer.stride(0) != 1:
+        for leaf in plan.leaves:
+            leaves[leaf.index] = buffer[leaf.offset : leaf.stop].view(leaf.shape)
+    else:  # one as_strided per leaf is ~3x cheaper than slice + view (matters for units of 100s of leaves)
+        base = buffer.storage_offset()
+        if buffer.numel() < plan.buffer_numel:
+            raise ValueError(f"unflatten: the buffer has {buffer.numel()} elements, the plan needs {plan.buffer_numel}.")
+        for leaf in plan.leaves:
+            leaves[leaf.index] = buffer.as_strided(leaf.shape, _contiguous_strides(leaf.shape), base + leaf.offset)
     for leaf in plan.replicated:
         if replicated is None:
             raise ValueError("the plan has replicated leaves; pass the replicated buffer too.")

@@ -30,26 +30,25 @@ barrier before each; the time of an iteration is the max over ranks. Reported: t
 iterations and its ratio to the fastest raw path (smallest median, reused buffers) of the same
 collective; the "paired ratio", the median over iterations of (this method's time / the
 reference's time in the same iteration), which cancels the slow load drifts of a shared
-machine; and the min.
+machine, with a bootstrap 95% confidence interval of that median; and the min. A last table
+times the every-call plan agreement alone (``plan_check="every_call"``, gloo's default; the
+``plan_check=first_use`` rows skip it after the first call).
 
-Run:  OMP_NUM_THREADS=1 python3 bench/collectives.py [--world-sizes 2 4] [--hidden 512 1024] [--iters 9]
+Run:  OMP_NUM_THREADS=1 python3 bench/collectives.py [--world-sizes 2 4] [--hidden 512 1024] [--iters 9] [--pairs]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
+import sys
 import time
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench._launch import _free_port, launch  # noqa: E402
 
 
 def block_params(h, f, dtype):
@@ -63,18 +62,21 @@ def block_params(h, f, dtype):
     }
 
 
-def _worker(rank, m, port, hiddens, iters, out_q):
-    os.environ["OMP_NUM_THREADS"] = "1"
+# --pairs: only what the "within 5% of the fastest raw path" criterion compares, so that many
+# more iterations fit in the same time (the confidence interval narrows as 1/sqrt(iters))
+_PAIRS = ("rg.gather (out= reused buffer)", "raw p2p (batch_isend_irecv)",
+          "rg.reduce_scatter (flat grad, out= reused)", "raw all_to_all + sum")
+
+
+def _worker(rank, m, backend, hiddens, iters, pairs=False):
     import torch
     import torch.distributed as dist
 
     import ragged as rg
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=m,
-                            timeout=datetime.timedelta(seconds=300))
-    comm = rg.collectives.from_torch()
+    comm = rg.collectives.from_torch()  # plan_check="first_use", the default
+    comm_every = rg.collectives.from_torch(plan_check="every_call")
     rows = []
     for h in hiddens:
         f = int(h * 2.75)
@@ -131,7 +133,13 @@ def _worker(rank, m, port, hiddens, iters, out_q):
 
         def a2a_rs():
             dist.all_to_all_single(a2a_tmp, flat_grad)
-            torch.sum(a2a_tmp.view(m, S), 0, out=rs_out)
+            chunks = a2a_tmp.view(m, S)
+            if m <= 3:  # the fastest local sum on CPU (see ragged/collectives/_torch.py)
+                torch.add(chunks[0], chunks[1], out=rs_out)
+                for j in range(2, m):
+                    rs_out.add_(chunks[j])
+            else:
+                torch.sum(chunks, 0, out=rs_out)
 
         def fsdp2_rs():
             torch._chunk_cat([fs_grads[n] for n in names], dim=0, num_chunks=m, out=fs_rs_in.view(m, fs_S))
@@ -140,6 +148,7 @@ def _worker(rank, m, port, hiddens, iters, out_q):
         methods = {
             "ag": {
                 "rg.gather (out= reused buffer)": lambda: rg.gather(dbuf, comm, out=ag_out),
+                "rg.gather (out= reused, plan_check=every_call)": lambda: rg.gather(dbuf, comm_every, out=ag_out),
                 "rg.gather (fresh buffer)": lambda: rg.gather(dbuf, comm),
                 "raw all_gather_into_tensor": lambda: dist.all_gather_into_tensor(ag_out, flat_in),
                 "raw p2p (batch_isend_irecv)": p2p_ag,
@@ -149,6 +158,8 @@ def _worker(rank, m, port, hiddens, iters, out_q):
             },
             "rs": {
                 "rg.reduce_scatter (flat grad, out= reused)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum", out=rs_out),
+                "rg.reduce_scatter (flat, out= reused, plan_check=every_call)": lambda: rg.reduce_scatter(
+                    plan, flat_grad, comm_every, op="sum", out=rs_out),
                 "rg.reduce_scatter (flat grad)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum"),
                 "rg.reduce_scatter (pytree grads)": lambda: rg.reduce_scatter(plan, grads, comm, op="sum"),
                 "raw reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(rs_out, flat_grad),
@@ -157,6 +168,8 @@ def _worker(rank, m, port, hiddens, iters, out_q):
             },
         }
         for kind, ms in methods.items():
+            if pairs:
+                ms = {k: v for k, v in ms.items() if k in _PAIRS}
             times = {k: [] for k in ms}
             for _ in range(2):  # warm-up
                 for fn in ms.values():
@@ -171,10 +184,17 @@ def _worker(rank, m, port, hiddens, iters, out_q):
                     times[name].append(dt.item())
             for name, ts in times.items():
                 rows.append((m, h, plan.buffer_numel * 4 / 2**20, kind, name, [t * 1e3 for t in ts]))
-    if rank == 0:
-        out_q.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    # the every-call plan agreement alone (see ragged/transforms/_check.py), after a barrier
+    from ragged.transforms._check import ranks_agree
+
+    agree = []
+    for _ in range(5 * iters):
+        dist.barrier()
+        t0 = time.perf_counter(); ranks_agree(comm, "bench"); agree.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(agree)])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    rows.append((m, None, 0.0, "agree", "plan agreement (all-reduce of 2 int64)", [med.item() * 1e3]))
+    return rows if rank == 0 else None
 
 
 def _overhead(hiddens, reps=2000):
@@ -220,7 +240,6 @@ def _overhead(hiddens, reps=2000):
 
 
 def main(argv=None):
-    import torch.multiprocessing as mp
     from rich.console import Console
     from rich.table import Table
 
@@ -228,22 +247,19 @@ def main(argv=None):
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--pairs", action="store_true",
+                    help="only rg gather / reduce_scatter (out= reused) and the fastest raw path: more iterations per minute")
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
     rows = []
     for m in args.world_sizes:
-        q = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, m, port, args.hidden, args.iters, q)) for r in range(m)]
-        for p in procs:
-            p.start()
-        rows += q.get(timeout=3600)
-        for p in procs:
-            p.join()
+        rows += launch(m, _worker, args.hidden, args.iters, args.pairs, backend="gloo", timeout=3600)[0]
     table = Table(title="gloo collectives, one GPT block (fp32), median ms (max over ranks)")
-    cols = ("W", "hidden", "MB", "collective", "method", "median ms", "GB/s", "vs fastest raw", "paired ratio", "min ms")
+    cols = ("W", "hidden", "MB", "collective", "method", "median ms", "GB/s", "vs fastest raw", "paired ratio",
+            "95% CI", "min ms")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("collective", "method") else "left")
+    agree = {m: ts[0] for m, h, mb, kind, name, ts in rows if kind == "agree"}
+    rows = [r for r in rows if r[3] != "agree"]
     ref = {}  # (m, h, kind) -> times of the raw path with the smallest median (reused buffers)
     for m, h, mb, kind, name, ts in rows:
         if name.startswith("raw") and "fresh" not in name:
@@ -253,10 +269,11 @@ def main(argv=None):
     for m, h, mb, kind, name, ts in rows:
         r = ref[(m, h, kind)]
         med = statistics.median(ts)
-        paired = statistics.median(a / b for a, b in zip(ts, r))
+        ratios = [a / b for a, b in zip(ts, r)]
+        lo, hi = _median_ci(ratios)
         table.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind], name,
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
-                      f"{paired:.2f}x", f"{min(ts):.1f}")
+                      f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{min(ts):.1f}")
     Console(width=200).print(table)
     over = _overhead(args.hidden)
     t2 = Table(title="ragged wrapper cost per call beyond the collective (7-leaf block, 1-rank gloo group)")
@@ -266,6 +283,24 @@ def main(argv=None):
         pct = ", ".join(f"W={m} h={h}: {100 * us / 1e3 / statistics.median(r):.2f}%" for (m, h, k), r in sorted(ref.items()) if k == kind)
         t2.add_row({"ag": "gather", "rs": "reduce_scatter (flat grad)"}[kind], f"{us:.0f}", pct)
     Console(width=200).print(t2)
+    t3 = Table(title="plan agreement per transform call (plan_check='every_call'), median after a barrier")
+    for col in ("W", "us/call", "as % of the fastest raw median"):
+        t3.add_column(col, justify="right" if col != "as % of the fastest raw median" else "left")
+    for m, ms in sorted(agree.items()):
+        pct = ", ".join(f"{k} h={h}: {100 * ms / statistics.median(r):.2f}%" for (w, h, k), r in sorted(ref.items()) if w == m)
+        t3.add_row(str(m), f"{ms * 1e3:.0f}", pct)
+    Console(width=200).print(t3)
+
+
+def _median_ci(xs, level=0.95, resamples=2000):
+    """Bootstrap confidence interval of the median of ``xs`` (seeded: the same data give the
+    same interval)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = np.asarray(xs, dtype=float)
+    meds = np.median(a[rng.integers(0, len(a), size=(resamples, len(a)))], axis=1)
+    return tuple(np.quantile(meds, [(1 - level) / 2, (1 + level) / 2]))
 
 
 if __name__ == "__main__":

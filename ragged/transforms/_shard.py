@@ -25,8 +25,8 @@ def shard(plan: LayoutPlan, params, comm=None, *, rank: int | None = None) -> DB
     ``params`` holds the full tensors, equal on every rank (e.g. after seeded init). Each rank
     copies out its own pieces into a fresh zero-padded buffer of ``plan.shard_size`` elements
     in ``plan.dtype`` (casting, e.g. to an fp32 master copy); replicated leaves are copied
-    whole into ``dbuf.replicated``. With ``comm`` the plan is first compared across ranks (once
-    per plan, see [Note: plan check before collectives]).
+    whole into ``dbuf.replicated``. With ``comm`` the ranks first agree on the plan (see
+    [Note: plan check before collectives]).
 
     Args:
         plan: the layout.

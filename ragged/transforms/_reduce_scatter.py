@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan
 from ragged.transforms._shard import replicated_size
@@ -43,27 +43,9 @@ class ReduceScatterPending(NamedTuple):
     pooled: bool
 
 
-@functools.lru_cache(maxsize=256)
 def _segments(plan: LayoutPlan):
-    """(leaf index or None for a zero gap, length) along the global buffer."""
-    segs, pos = [], 0
-    for leaf in sorted(plan.leaves, key=lambda l: l.offset):
-        if leaf.offset > pos:
-            segs.append((None, leaf.offset - pos))
-        segs.append((leaf.index, leaf.numel))
-        pos = leaf.stop
-    if plan.buffer_numel > pos:
-        segs.append((None, plan.buffer_numel - pos))
-    rsegs, pos = [], 0
-    for leaf in plan.replicated:
-        if leaf.offset > pos:
-            rsegs.append((None, leaf.offset - pos))
-        rsegs.append((leaf.index, leaf.numel))
-        pos = leaf.stop
-    end = replicated_size(plan)
-    if end > pos:
-        rsegs.append((None, end - pos))
-    return tuple(segs), tuple(rsegs)
+    """(leaf layout or None for a zero gap, length) along the global and the replicated buffer."""
+    return segments(plan.leaves, plan.buffer_numel), segments(plan.replicated, replicated_size(plan))
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,9 +90,9 @@ def _pack(segs, leaves, numel, dtype, device):
     out = _POOL.take(numel, dtype, device)
     if numel == 0:
         return out
-    gap = max((n for i, n in segs if i is None), default=0)
+    gap = max((n for leaf, n in segs if leaf is None), default=0)
     zeros = torch.zeros(gap, dtype=dtype, device=device) if gap else None
-    parts = [zeros[:n] if i is None else leaves[i].reshape(-1) for i, n in segs]
+    parts = [zeros[:n] if leaf is None else leaves[leaf.index].reshape(-1) for leaf, n in segs]
     with torch.no_grad():
         torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts], out=out)
     return out

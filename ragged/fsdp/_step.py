@@ -60,8 +60,9 @@ FSDP2), since all-gathers and reduce-scatters are issued in use order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -496,6 +497,7 @@ class Step:
     max_inflight_reduce: int = 1
     donate: bool = False
     trace: bool = False
+    data_axes: tuple = ()
     _schedule: _Schedule = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -515,7 +517,8 @@ class Step:
                 raise ValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
         micro = _split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
         # one agreement for every unit, every step; the step's own collectives then skip it
-        token = f"fsdp_step:{self.compute_dtype}:{self.reduce_dtype}:{self.micro_batches}:{self.reshard_after_forward}"
+        token = (f"fsdp_step:{self.compute_dtype}:{self.reduce_dtype}:{self.micro_batches}:{self.reshard_after_forward}:"
+                 f"{[c.world_size for c, _ in self.data_axes]}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         run = _Run(self.units, shards, self.comm, compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
                    prefetch=self.prefetch, reshard=self.reshard_after_forward, schedule=self._schedule,
@@ -530,6 +533,7 @@ class Step:
         grads = {}
         for u in self.units:
             g = run.grads[u.name]  # micro-batch losses were scaled by 1 / micro_batches
+            _reduce_data_axes(u, g, self.comm.rank, self.data_axes)
             grads[u.name] = DBuffer(data=g, replicated=shards[u.name].replicated.new_zeros(0), plan=u.plan,
                                     rank=shards[u.name].rank)
         updates, opt_state = self.optimizer.update(grads, opt_state, shards)
@@ -539,6 +543,9 @@ class Step:
         replicas = getattr(self.comm, "num_replicas", 1)
         if replicas > 1:
             self.comm.all_reduce_replicas(loss, op="sum")
+        for axis_comm, _ in self.data_axes:
+            axis_comm.all_reduce(loss, op="sum")
+            replicas *= axis_comm.world_size
         model_bytes = sum(run.nbytes)
         metrics = {
             "loss": float(loss) / (self.comm.world_size * replicas),
@@ -568,6 +575,7 @@ def make_step(
     max_inflight_reduce: int = 1,
     donate: bool = False,
     trace: bool = False,
+    data_axes: Sequence[tuple[Any, Callable[[str], bool]]] = (),
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
 
@@ -598,6 +606,13 @@ def make_step(
             state after the call. Pair with ``rg.optim.adamw(..., donate=True)``, whose update
             reuses the gradient buffers (which the step owns) and the moments.
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
+        data_axes: other mesh axes that split the batch (e.g. expert parallelism), as
+            ``(comm, is_replicated)`` pairs: after the reduce-scatter over ``comm`` (the FSDP
+            axis), the gradients of the parameters with ``is_replicated(path)`` (paths as in
+            ``units``) are all-reduced over that axis's ``comm``, and every gradient is divided by
+            its size (the loss is a mean over all data-parallel ranks). See [Note: data axes] in
+            ``ragged/parallel/_transforms.py``; ``rg.parallel.step_data_axes(mplan, mcomm,
+            ("ep",))`` builds them from a mesh plan.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -640,7 +655,37 @@ def make_step(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
+    data_axes = tuple((c, pred) for c, pred in data_axes)
+    for c, pred in data_axes:
+        if not callable(pred) or not hasattr(c, "all_reduce"):
+            raise TypeError("make_step: data_axes entries are (comm, is_replicated(path) -> bool) pairs, got "
+                            f"({type(c).__name__}, {type(pred).__name__}).")
     return Step(units=units, loss_fn=loss_fn, optimizer=optimizer, comm=comm, micro_batches=micro_batches,
                 compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch,
                 reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce, donate=donate,
-                trace=trace)
+                trace=trace, data_axes=data_axes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _replicated_positions(unit, rank: int, is_replicated) -> tuple[torch.Tensor | None, bool]:
+    """Positions in ``unit``'s shard on ``rank`` of the leaves ``is_replicated`` picks, and
+    whether that is every leaf of the unit (then the whole shard is reduced at once)."""
+    picked = [is_replicated(unit.paths[l.index]) for l in unit.plan.leaves]
+    if all(picked):
+        return None, True
+    pos = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in unit.plan.local_pieces(rank) if picked[p.leaf.index]]
+    return (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)), False
+
+
+def _reduce_data_axes(unit, grad: torch.Tensor, rank: int, data_axes) -> None:
+    """See ``make_step(data_axes=...)``: in place on this unit's gradient shard."""
+    for axis_comm, is_replicated in data_axes:
+        pos, everything = _replicated_positions(unit, rank, is_replicated)
+        if everything:
+            axis_comm.all_reduce(grad, op="sum")
+        elif pos.numel():
+            pos = pos.to(grad.device)
+            vals = grad[pos]
+            axis_comm.all_reduce(vals, op="sum")
+            grad[pos] = vals
+        grad.div_(axis_comm.world_size)

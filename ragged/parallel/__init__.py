@@ -15,4 +15,5 @@ from ragged.parallel._transforms import gather as gather
 from ragged.parallel._transforms import local_params as local_params
 from ragged.parallel._transforms import reduce_scatter as reduce_scatter
 from ragged.parallel._transforms import shard as shard
+from ragged.parallel._transforms import step_data_axes as step_data_axes
 from ragged.parallel._transforms import to_dtensor as to_dtensor

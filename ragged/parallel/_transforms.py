@@ -15,6 +15,7 @@ already equal across TP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -244,6 +245,46 @@ def reduce_scatter(
         data.div_(n)
         rep.div_(n)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplicatedOn:
+    """``is_replicated(path)`` for ``rg.fsdp.make_step(data_axes=...)``: whether the mesh leaf
+    at ``path`` is replicated on ``axis`` (a frozen value, so the step caches its positions)."""
+
+    mplan: MeshPlan
+    axis: str
+
+    def __call__(self, path: str) -> bool:
+        return self.axis in self.mplan.leaf(path).replicated_on
+
+
+def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple:
+    """``data_axes`` for :func:`ragged.fsdp.make_step` on units of ``mplan.local_meta()``.
+
+    The step reduce-scatters over the FSDP axis; for each axis here (e.g. ``"ep"``) it then
+    all-reduces the gradients of the leaves replicated on it, as :func:`reduce_scatter` does
+    with ``data_axes`` (see [Note: data axes]).
+
+    Examples:
+        >>> from ragged import spec, parallel
+        >>> import torch
+        >>> mp = spec.make_mesh_plan({"router": torch.empty(4, 8), "experts": torch.empty(4, 8, 8)},
+        ...                          {"router": None, "experts": {"ep": spec.Shard(0)}},
+        ...                          mesh=spec.Mesh((1, 2), ("dp", "ep")))
+        >>> def fn(mc):
+        ...     (comm, replicated), = parallel.step_data_axes(mp, mc, ("ep",))
+        ...     return comm.world_size, replicated("['router']"), replicated("['experts']")
+        >>> parallel.simulate_mesh(mp.mesh, fn)[0]
+        (2, True, False)
+    """
+    for a in axes:
+        if a not in mplan.other_axes:
+            raise ValueError(
+                f"step_data_axes: {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
+                f"{mplan.fsdp_axis!r} is the step's own comm."
+            )
+    return tuple((mcomm[a], _ReplicatedOn(mplan, a)) for a in axes)
 
 
 def _unshard_axis(pieces: list[torch.Tensor], dim: int, groups: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _parallel_models import (  # noqa: E402
     STEPS,
     batches_per_step,
+    ep_fsdp_step_train,
     init_params,
     init_specs,
     mesh_names,
@@ -93,6 +94,10 @@ def _resume_4x1(kind, path):
     return parallel.full_params(mplan, shards, mc)
 
 
+def _ep_step(steps):
+    return ep_fsdp_step_train(_mcomm((2, 2), mesh_names("ep")), steps)
+
+
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["tp", "ep", "dt"], ids=["fsdp_x_tp", "fsdp_x_ep", "fsdp_x_tp_dtensor"])
 def test_training_equals_single_process(workers4, kind):
@@ -128,3 +133,13 @@ def test_checkpoint_2x2_loads_on_4x1_and_1x1(workers4, kind, tmp_path):
                            params=ref2, opt=opt, start=2)[0]
     for full in got:
         _close_trees(full, want)
+
+
+def test_fsdp_make_step_with_expert_parallelism(workers4):
+    """FSDP x EP through rg.fsdp.make_step(data_axes=parallel.step_data_axes(...)) on 4 gloo
+    ranks (2x2 DeviceMesh) equals float64 single-process torch.optim.AdamW."""
+    out = workers4.run(_ep_step, STEPS)
+    ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", spec.Mesh((2, 2), ("dp", "ep"))))
+    for local, losses, coords, mplan in out:
+        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)

@@ -271,3 +271,28 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0):
         opt.step()
         losses.append(loss.item())
     return params, opt, losses
+
+
+def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",)):
+    """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
+    the all-to-all dispatch inside the loss, ``parallel.step_data_axes`` for the router's
+    EP all-reduce. Returns ``(EP-local params, losses, coords, mesh plan)``."""
+    from ragged import fsdp
+
+    specs = dict(moe_specs(), norm=None)  # the step's units have no Replicate leaves
+    mplan = spec.make_mesh_plan(moe_params(), specs, mesh=mc.mesh)
+    units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
+                            groups=lambda p: "experts" if "experts" in p else "rest",
+                            specs=lambda path, t: mplan.leaf(path).granularity)
+    opt = rg.optim.adamw(LR, weight_decay=WD)
+    state = fsdp.init(units, parallel.local_params(mplan, moe_params(), mc.coords), opt, mc["dp"])
+
+    def loss_fn(params, batch):
+        return moe_loss_sum(params, batch, mc["ep"]) / (TOKENS * D)  # this rank's mean
+
+    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_axes=parallel.step_data_axes(mplan, mc, data_axes))
+    losses = []
+    for s in range(steps):
+        state, metrics = step(state, moe_batch(s, _data_index(mc)))
+        losses.append(metrics["loss"])
+    return fsdp.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords), mplan

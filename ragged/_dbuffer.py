@@ -192,8 +192,8 @@ def _views_into(out: list, plan: LayoutPlan, layouts, buffer: torch.Tensor, what
             if leaf is not None:
                 out[leaf.index] = part.view(leaf.shape)
         return
-    if buffer.stride(0) != 1:
-        buffer = buffer.contiguous()
+    if buffer.stride(0) != 1:  # views of a strided buffer would not be the contiguous leaves the plan describes
+        raise ValueError(f"unflatten: the {what} must be contiguous (stride 1), got stride {buffer.stride(0)}.")
     base = buffer.storage_offset()
     for leaf in layouts:
         out[leaf.index] = buffer.as_strided(leaf.shape, _contiguous_strides(leaf.shape), base + leaf.offset)

@@ -667,25 +667,15 @@ def make_step(
 
 
 @functools.lru_cache(maxsize=1024)
-def _replicated_positions(unit, rank: int, is_replicated) -> tuple[torch.Tensor | None, bool]:
-    """Positions in ``unit``'s shard on ``rank`` of the leaves ``is_replicated`` picks, and
-    whether that is every leaf of the unit (then the whole shard is reduced at once)."""
-    picked = [is_replicated(unit.paths[l.index]) for l in unit.plan.leaves]
-    if all(picked):
-        return None, True
-    pos = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in unit.plan.local_pieces(rank) if picked[p.leaf.index]]
-    return (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)), False
+def _picked(unit, is_replicated) -> frozenset:
+    """Indices of ``unit``'s leaves whose path ``is_replicated`` picks."""
+    return frozenset(l.index for l in unit.plan.leaves if is_replicated(unit.paths[l.index]))
 
 
 def _reduce_data_axes(unit, grad: torch.Tensor, rank: int, data_axes) -> None:
     """See ``make_step(data_axes=...)``: in place on this unit's gradient shard."""
+    from ragged.transforms._reduce_scatter import all_reduce_leaves
+
     for axis_comm, is_replicated in data_axes:
-        pos, everything = _replicated_positions(unit, rank, is_replicated)
-        if everything:
-            axis_comm.all_reduce(grad, op="sum")
-        elif pos.numel():
-            pos = pos.to(grad.device)
-            vals = grad[pos]
-            axis_comm.all_reduce(vals, op="sum")
-            grad[pos] = vals
+        all_reduce_leaves(axis_comm, grad, grad.new_zeros(0), unit.plan, rank, _picked(unit, is_replicated))
         grad.div_(axis_comm.world_size)

@@ -16,7 +16,6 @@ already equal across TP ranks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -29,6 +28,7 @@ from ragged.spec._mesh import MeshLeaf, MeshPlan, local_part
 from ragged.transforms import gather as _gather
 from ragged.transforms import reduce_scatter as _reduce_scatter
 from ragged.transforms import shard as _shard
+from ragged.transforms._reduce_scatter import all_reduce_leaves
 
 __all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "to_dtensor"]
 
@@ -159,17 +159,6 @@ def gather(dbuf: DBuffer, mcomm, dtype: torch.dtype | None = None, *, fsdp_axis:
     return _gather(dbuf, mcomm[fsdp_axis], dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def _replicated_positions(mplan: MeshPlan, axis: str, fsdp_rank: int):
-    """Positions in the sharded and replicated buffers of leaves replicated on ``axis``."""
-    plan = mplan.plan
-    rep = {ml.index for ml in mplan.leaves if axis in ml.replicated_on}
-    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(fsdp_rank) if p.leaf.index in rep]
-    reps = [torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in rep]
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)
-    return cat(data), cat(reps), len(rep) == len(mplan.leaves)
-
-
 def reduce_scatter(
     mplan: MeshPlan,
     grads,
@@ -229,18 +218,8 @@ def reduce_scatter(
     for a in data_axes:
         comm = mcomm[a]
         n *= comm.world_size
-        dpos, rpos, everything = _replicated_positions(mplan, a, fsdp.rank)
-        if everything:
-            comm.all_reduce(data, op="sum")
-            if rep.numel():
-                comm.all_reduce(rep, op="sum")
-            continue
-        for buf, pos in ((data, dpos), (rep, rpos)):
-            if pos.numel():
-                pos = pos.to(buf.device)
-                vals = buf[pos]
-                comm.all_reduce(vals, op="sum")
-                buf[pos] = vals
+        picked = frozenset(ml.index for ml in mplan.leaves if a in ml.replicated_on)
+        all_reduce_leaves(comm, data, rep, mplan.plan, fsdp.rank, picked)
     if op == "mean" and n > 1:
         data.div_(n)
         rep.div_(n)

@@ -61,6 +61,32 @@ def _padding_gaps(plan: LayoutPlan, rank: int):
     return tuple(gaps)
 
 
+@functools.lru_cache(maxsize=256)
+def _leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
+    """Positions of the ``picked`` leaves (by index) in ``rank``'s shard and in the replicated buffer."""
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked]
+    return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
+
+
+def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: LayoutPlan, rank: int,
+                      picked: frozenset) -> None:
+    """All-reduce (sum) over ``comm``, in place, the elements of the ``picked`` leaves (by index)
+    in ``rank``'s shard ``data`` and in ``replicated``; whole buffers when every leaf is picked.
+    (A data axis other than the FSDP axis: see [Note: data axes] in ragged/parallel/_transforms.py.)"""
+    if len(picked) == plan.num_leaves:
+        comm.all_reduce(data, op="sum")
+        if replicated.numel():
+            comm.all_reduce(replicated, op="sum")
+        return
+    for buf, pos in zip((data, replicated), _leaf_positions(plan, rank, picked)):
+        if pos.numel():
+            pos = pos.to(buf.device)
+            vals = buf[pos]
+            comm.all_reduce(vals, op="sum")
+            buf[pos] = vals
+
+
 class _Pool:
     """Packing buffers reused across calls (taken at start, returned at wait): fresh large
     allocations cost a first touch per page on CPU (see [Note: reusing gather buffers])."""

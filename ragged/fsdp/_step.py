@@ -22,6 +22,10 @@ straight into the storage the parameters read). The buffer's storage is then rel
   while backward continues with the units before it. At most ``max_inflight_reduce`` reduce-
   scatters are in flight; older ones are waited and accumulated into the fp32 gradient shard.
 
+``spec.Replicate()`` leaves of a unit are views of a copy of the shard's replicated buffer (in
+the compute dtype) made once per step call: never gathered, never freed. Their gradients go to a
+small per-unit buffer that rides along the unit's reduce-scatter as its all-reduced part.
+
 Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a leaf's
 ``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
 before the forward would funnel every gradient through nodes that autograd schedules last.
@@ -179,6 +183,7 @@ class _Run:
         self.n = len(units)
         self.dtype = [compute_dtype or u.plan.dtype for u in units]
         self.flat, self.leaves, self.leaf_ranges = [], [], []
+        self.rflat, self.rep_ranges = [], []  # spec.Replicate() leaves: a persistent copy, never gathered
         self.key_to_unit = {}
         self.state = [_FREE] * self.n
         self.handles: list[Any] = [None] * self.n
@@ -200,20 +205,30 @@ class _Run:
                 leaves[u.paths[leaf.index]] = t
                 ranges.append((leaf.offset, leaf.stop, t))
             flat.untyped_storage().resize_(0)
+            rflat = shards[u.name].replicated.detach().to(self.dtype[i], copy=True)
+            rranges = []
+            for leaf in u.plan.replicated:
+                t = rflat[leaf.offset : leaf.stop].view(leaf.shape).requires_grad_()
+                leaves[u.paths[leaf.index]] = t
+                rranges.append((leaf.offset, leaf.stop, t))
             self.flat.append(flat)
+            self.rflat.append(rflat)
             self.leaves.append(leaves)
             self.leaf_ranges.append(ranges)
+            self.rep_ranges.append(rranges)
             self.key_to_unit[_storage_key(flat)] = i
         self.params_tree = units.merge({u.name: self.leaves[i] for i, u in enumerate(units)})
         # gradient side
         self.gflat: list[Any] = [None] * self.n
+        self.rgflat: list[Any] = [None] * self.n
         self.remaining = [0] * self.n
         self.rs_pending: list[tuple[int, Any, int]] = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.rep_grads: dict[str, torch.Tensor] = {}
         self.hook_handles = [
             t.register_post_accumulate_grad_hook(self._make_grad_hook(i))
             for i in range(self.n)
-            for _, _, t in self.leaf_ranges[i]
+            for _, _, t in self.leaf_ranges[i] + self.rep_ranges[i]
         ]
 
     def close(self):
@@ -231,6 +246,7 @@ class _Run:
             for _, _, t in ranges:
                 t.data = t.data.new_empty((0,))
         self.flat = self.leaves = self.leaf_ranges = self.params_tree = None
+        self.rflat = self.rep_ranges = self.rgflat = None
         self.gflat = self.sources = self.handles = None
         self.key_to_unit = {}
 
@@ -328,6 +344,12 @@ class _Run:
             self.grad_peak = max(self.grad_peak, self.grad_live)
         return g
 
+    def _rep_grad_buffer(self, i: int) -> torch.Tensor:
+        """The unit's replicated leaves' gradients (small; all-reduced with the reduce-scatter)."""
+        if self.rgflat[i] is None:
+            self.rgflat[i] = torch.zeros_like(self.rflat[i])
+        return self.rgflat[i]
+
     def _make_grad_hook(self, i: int):
         def hook(t: torch.Tensor):
             if t.grad is None:
@@ -354,8 +376,10 @@ class _Run:
             self._reduce(i)
 
     def _copy_grad(self, i: int, t: torch.Tensor):
-        g = self._grad_buffer(i)
-        off = t.storage_offset() - self.flat[i].storage_offset()
+        if self.rep_ranges[i] and _storage_key(t) == _storage_key(self.rflat[i]):
+            g, off = self._rep_grad_buffer(i), t.storage_offset() - self.rflat[i].storage_offset()
+        else:
+            g, off = self._grad_buffer(i), t.storage_offset() - self.flat[i].storage_offset()
         with torch.no_grad():
             g[off : off + t.numel()].view(t.shape).copy_(t.grad)
         t.grad = None
@@ -373,7 +397,9 @@ class _Run:
         self.num_reduces += 1
         g = self.gflat[i]
         self.gflat[i] = None
-        pending = _reduce_scatter_start(unit.plan, g, self.comm, "mean", self.reduce_dtype, agreed=True)
+        rep = self._rep_grad_buffer(i) if unit.plan.replicated else None
+        self.rgflat[i] = None
+        pending = _reduce_scatter_start(unit.plan, g, self.comm, "mean", self.reduce_dtype, replicated=rep, agreed=True)
         self.rs_pending.append((i, pending, g.numel() * g.element_size()))
         self._log("reduce_start", i)
         if self.phase == "backward" and self.state[i] != _FREE:
@@ -385,12 +411,13 @@ class _Run:
         from ragged.transforms import reduce_scatter_wait
 
         i, pending, nbytes = self.rs_pending.pop(0)
-        shard = reduce_scatter_wait(pending).data
+        reduced = reduce_scatter_wait(pending)
         name = self.units[i].name
-        if name in self.grads:
-            self.grads[name].add_(shard)
-        else:
-            self.grads[name] = shard
+        for acc, part in ((self.grads, reduced.data), (self.rep_grads, reduced.replicated)):
+            if name in acc:
+                acc[name].add_(part)
+            else:
+                acc[name] = part
         self.grad_live -= nbytes
         self._log("reduce_done", i)
 
@@ -398,7 +425,7 @@ class _Run:
     def micro_batch(self, loss_fn, batch, scale: float) -> torch.Tensor:
         self.phase = "forward"
         self.observed = {"forward": [], "backward": []}
-        self.remaining = [len(r) for r in self.leaf_ranges]
+        self.remaining = [len(r) + len(rr) for r, rr in zip(self.leaf_ranges, self.rep_ranges)]
         self.done_leaves: set[int] = set()
         self.held_grads: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
         self.grads_started: list[int | None] = [None] * self.n
@@ -418,7 +445,7 @@ class _Run:
             (loss.float() * scale).backward()
         # units some of whose leaves got no gradient (unused parameters): zeros, in unit order
         for i in range(self.n):
-            for _, _, t in self.leaf_ranges[i]:
+            for _, _, t in self.leaf_ranges[i] + self.rep_ranges[i]:
                 if self.remaining[i] > 0 and id(t) not in self.done_leaves:
                     t.grad = torch.zeros_like(t)
                     self._store_grad(i, t)
@@ -533,9 +560,9 @@ class Step:
         grads = {}
         for u in self.units:
             g = run.grads[u.name]  # micro-batch losses were scaled by 1 / micro_batches
-            _reduce_data_axes(u, g, self.comm.rank, self.data_axes)
-            grads[u.name] = DBuffer(data=g, replicated=shards[u.name].replicated.new_zeros(0), plan=u.plan,
-                                    rank=shards[u.name].rank)
+            rep = run.rep_grads[u.name]
+            _reduce_data_axes(u, g, rep, self.comm.rank, self.data_axes)
+            grads[u.name] = DBuffer(data=g, replicated=rep, plan=u.plan, rank=shards[u.name].rank)
         updates, opt_state = self.optimizer.update(grads, opt_state, shards)
         new_shards = apply_updates(shards, updates, donate=self.donate)
         loss = torch.stack([l.double() for l in losses]).mean().reshape(1)
@@ -669,13 +696,14 @@ def make_step(
 @functools.lru_cache(maxsize=1024)
 def _picked(unit, is_replicated) -> frozenset:
     """Indices of ``unit``'s leaves whose path ``is_replicated`` picks."""
-    return frozenset(l.index for l in unit.plan.leaves if is_replicated(unit.paths[l.index]))
+    return frozenset(l.index for l in unit.plan.leaves + unit.plan.replicated if is_replicated(unit.paths[l.index]))
 
 
-def _reduce_data_axes(unit, grad: torch.Tensor, rank: int, data_axes) -> None:
-    """See ``make_step(data_axes=...)``: in place on this unit's gradient shard."""
+def _reduce_data_axes(unit, grad: torch.Tensor, rep: torch.Tensor, rank: int, data_axes) -> None:
+    """See ``make_step(data_axes=...)``: in place on this unit's gradient shard and replicated part."""
     from ragged.transforms._reduce_scatter import all_reduce_leaves
 
     for axis_comm, is_replicated in data_axes:
-        all_reduce_leaves(axis_comm, grad, grad.new_zeros(0), unit.plan, rank, _picked(unit, is_replicated))
+        all_reduce_leaves(axis_comm, grad, rep, unit.plan, rank, _picked(unit, is_replicated))
         grad.div_(axis_comm.world_size)
+        rep.div_(axis_comm.world_size)

@@ -240,11 +240,6 @@ def make_units(
                 raise ValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
             unit_specs = {paths[i]: specs.get(paths[i]) for i in idx}
         plan = make_plan(tree, unit_specs, world_size=world_size, dtype=dtype, strategy=strategy, align=align)
-        if plan.replicated:
-            raise ValueError(
-                f"unit {unit_name!r}: spec.Replicate() leaves ({[l.path for l in plan.replicated]}) are not "
-                "supported by the FSDP step yet. Fix: give them a sharded spec (e.g. Rows(1))."
-            )
         # plan tree order is key-sorted; keep paths/indices in that order
         sorted_idx = sorted(idx, key=lambda i: paths[i])
         units.append(Unit(name=unit_name, paths=tuple(paths[i] for i in sorted_idx),

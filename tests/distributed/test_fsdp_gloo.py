@@ -33,8 +33,8 @@ def _compare(case):
 
 @pytest.mark.parametrize(
     "case",
-    [Case(), Case(micro_batches=2), Case(moe=True, micro_batches=2)],
-    ids=["adamw", "adamw-accum2", "moe-adamw-accum2"],
+    [Case(), Case(micro_batches=2), Case(moe=True, micro_batches=2), Case(replicate_vectors=True)],
+    ids=["adamw", "adamw-accum2", "moe-adamw-accum2", "adamw-replicated-vectors"],
 )
 def test_adamw_matches_torch_optim(workers, case):
     for r, out in enumerate(workers.run(_compare, case)):

@@ -36,6 +36,7 @@ class Case:
     optimizer: str = "adamw"  # or "sgd"
     donate: bool = False
     max_inflight_reduce: int = 1
+    replicate_vectors: bool = False  # spec.Replicate() for every 1-D parameter (norms, biases)
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
@@ -59,7 +60,8 @@ class Case:
 def fsdp_run(comm, case: Case, *, trace: bool = False):
     """Returns (full params after training, list of per-step metrics)."""
     model = case.model()
-    units = fsdp.make_units(model, world_size=comm.world_size)
+    specs = (lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None) if case.replicate_vectors else None
+    units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,

@@ -82,6 +82,13 @@ def test_rich_summary_renders():
     assert "blocks.2" in text and "total" in text
 
 
+def test_replicated_leaves_stay_out_of_the_sharded_buffer():
+    units = fsdp.make_units(_gpt(), world_size=2, specs={"norm.weight": spec.Replicate()})
+    (unit,) = [u for u in units.units if "norm.weight" in u.paths]
+    assert [l.path for l in unit.plan.replicated] == ["['norm.weight']"]
+    assert all(l.path != "['norm.weight']" for l in unit.plan.leaves)
+
+
 def test_errors():
     model = _gpt()
     with pytest.raises(ValueError, match=re.escape("groups[0] = 'block.0' matches no parameter")):
@@ -90,8 +97,6 @@ def test_errors():
         fsdp.make_units({"a": torch.ones(2)}, world_size=2, groups=lambda p: 3)
     with pytest.raises(ValueError, match=re.escape("specs names ['nope']")):
         fsdp.make_units(model, world_size=2, specs={"nope": spec.Rows(1)})
-    with pytest.raises(ValueError, match=re.escape("spec.Replicate() leaves")):
-        fsdp.make_units(model, world_size=2, specs={"norm.weight": spec.Replicate()})
     units = fsdp.make_units(model, world_size=2)
     with pytest.raises(ValueError, match="the units were made for"):
         units.split({"x": torch.ones(1)})

@@ -279,8 +279,7 @@ def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",)):
     EP all-reduce. Returns ``(EP-local params, losses, coords, mesh plan)``."""
     from ragged import fsdp
 
-    specs = dict(moe_specs(), norm=None)  # the step's units have no Replicate leaves
-    mplan = spec.make_mesh_plan(moe_params(), specs, mesh=mc.mesh)
+    mplan = spec.make_mesh_plan(moe_params(), moe_specs(), mesh=mc.mesh)  # norm: Replicate() on "dp"
     units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: "experts" if "experts" in p else "rest",
                             specs=lambda path, t: mplan.leaf(path).granularity)

@@ -207,11 +207,9 @@ def _tp_with_fsdp_step(mc, mplan):
 def test_fsdp_make_step_on_tp_local_units():
     """rg.fsdp units planned on mplan.local_meta() over mcomm["dp"], with TP collectives inside
     the loss: the overlapped FSDP step composes with TP unchanged."""
-    from _parallel_models import LAYERS, tp_params, tp_specs
+    from _parallel_models import tp_params, tp_specs
 
-    specs = tp_specs()
-    specs = {"blocks": [dict(specs["blocks"][0], norm=None)] * LAYERS, "out": None}  # the step has no Replicate yet
-    mplan = spec.make_mesh_plan(tp_params(), specs, mesh=spec.Mesh((2, 2), ("dp", "tp")))
+    mplan = spec.make_mesh_plan(tp_params(), tp_specs(), mesh=spec.Mesh((2, 2), ("dp", "tp")))  # norms Replicate()
     out = parallel.simulate_mesh(mplan.mesh, _tp_with_fsdp_step, mplan)
     ref, _, ref_losses = reference_train("tp", STEPS, n_batches=2)
     for local, losses, coords in out:

@@ -44,7 +44,7 @@ def _ce(logits, targets):
 class RaggedMethod:
     name = "ragged"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True):
+    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False):
         import ragged as rg
         from ragged import fsdp
         from ragged.examples.gpt import GPT, loss_fn
@@ -65,7 +65,7 @@ class RaggedMethod:
         self.state = fsdp.init(self.units, model, self.optimizer, comm)
         del model
         template = GPT(cfg, device="meta")  # functional_call supplies every parameter
-        self.step_fn = fsdp.make_step(self.units, loss_fn(template), self.optimizer, comm, compute_dtype=compute,
+        self.step_fn = fsdp.make_step(self.units, loss_fn(template, checkpoint=checkpoint), self.optimizer, comm, compute_dtype=compute,
                                       reduce_dtype=reduce, donate=donate)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}
@@ -104,7 +104,7 @@ class _TorchOptimizerState:
 class FSDP2Method(_TorchOptimizerState):
     name = "fsdp2"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -113,6 +113,10 @@ class FSDP2Method(_TorchOptimizerState):
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         for block in model.blocks:
+            if checkpoint:  # the composable activation checkpointing FSDP2 documents (applied before fully_shard)
+                from torch.distributed._composable import checkpoint as ac
+
+                ac(block)
             fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         self.model = model

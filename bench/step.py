@@ -86,7 +86,9 @@ def _bench(rank, world, backend, opts):
     else:
         torch_opt, rkw = None, {}
     rkw["donate"] = opts.get("donate", True)
-    methods = {"ragged": RaggedMethod(cfg, comm=comm, **rkw, **kw), "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, **kw)}
+    ac = opts.get("checkpoint", False)
+    methods = {"ragged": RaggedMethod(cfg, comm=comm, checkpoint=ac, **rkw, **kw),
+               "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(cfg.vocab_size, cfg.max_seq_len, seed=0)
@@ -166,7 +168,8 @@ def summarize(model: str, world: int, results, opts) -> dict:
     """Per-method numbers (max over ranks for memory and time, rank 0 for bytes and profile)."""
     r0 = results[0]
     out = {"model": model, "world": world, "policy": opts["policy"],
-           "optim": opts["optim"] + ("" if opts.get("donate", True) else " (ragged functional, no donate)"), "tokens_per_step": opts["batch"] * world *
+           "optim": opts["optim"] + ("" if opts.get("donate", True) else " (ragged functional, no donate)")
+           + (" + activation checkpointing" if opts.get("checkpoint") else ""), "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
         t = r0["times"][name]
@@ -293,6 +296,9 @@ def main(argv=None) -> int:
                          "and rg.optim.adamw(donate=True) update them in place, as torch.optim.AdamW does)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute every block in backward, in both: ragged through examples.gpt.loss_fn(checkpoint=True), "
+                         "FSDP2 through torch.distributed._composable.checkpoint on every block")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",
@@ -314,7 +320,8 @@ def main(argv=None) -> int:
         return 0
 
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
-                policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose)
+                policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
+                checkpoint=args.activation_checkpointing)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

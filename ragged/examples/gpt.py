@@ -176,15 +176,53 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def loss_fn(model: nn.Module):
+def loss_fn(model: nn.Module, *, checkpoint: bool = False):
     """``loss(params, batch)``: mean next-token cross entropy of ``model`` run with ``params``
-    through ``torch.func.functional_call``; ``batch = (inputs, targets)`` of token ids."""
+    through ``torch.func.functional_call``; ``batch = (inputs, targets)`` of token ids.
+
+    ``checkpoint=True``: activation checkpointing of every block (``torch.utils.checkpoint``,
+    non-reentrant), with the block's parameters passed to the checkpointed function as inputs, so
+    that the recomputation in backward reads ``params`` (under ``rg.fsdp``: the step's gathered
+    units), not the module's own tensors (which ``functional_call`` has restored by then).
+
+    Examples:
+        >>> import torch
+        >>> cfg = GPTConfig(vocab_size=32, dim=16, num_layers=2, num_heads=2, ffn_dim=24, max_seq_len=8)
+        >>> model = GPT(cfg)
+        >>> batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+        >>> params = dict(model.named_parameters())
+        >>> torch.allclose(loss_fn(model)(params, batch), loss_fn(model, checkpoint=True)(params, batch))
+        True
+    """
 
     def loss(params, batch):
         inputs, targets = batch
-        logits = torch.func.functional_call(model, params, (inputs,))
+        if checkpoint:
+            logits = _checkpointed_forward(model, params, inputs)
+        else:
+            logits = torch.func.functional_call(model, params, (inputs,))
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     return loss
+
+
+def _checkpointed_forward(model: GPT, params, tokens: torch.Tensor) -> torch.Tensor:
+    """``GPT.forward`` with each block under non-reentrant ``torch.utils.checkpoint``."""
+    from torch.utils.checkpoint import checkpoint
+
+    def sub(prefix):
+        return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+    def run_block(block_params, x, block):
+        return torch.func.functional_call(block, block_params, (x,))
+
+    t = tokens.shape[1]
+    if t > model.cfg.max_seq_len:
+        raise ValueError(f"sequence length {t} exceeds max_seq_len={model.cfg.max_seq_len}.")
+    call = torch.func.functional_call
+    x = call(model.tok_emb, sub("tok_emb."), (tokens,)) + call(model.pos_emb, sub("pos_emb."), (torch.arange(t, device=tokens.device),))
+    for i, block in enumerate(model.blocks):
+        x = checkpoint(run_block, sub(f"blocks.{i}."), x, block, use_reentrant=False)
+    return call(model.head, sub("head."), (call(model.norm, sub("norm."), (x,)),))

@@ -59,6 +59,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None)
     g.add_argument("--no-prefetch", action="store_true")
     g.add_argument("--no-reshard", action="store_true", help="keep parameters gathered from forward to backward")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward (less memory, one more forward)")
     g.add_argument("--no-donate", action="store_true",
                    help="allocate new shards / optimizer buffers every step instead of updating in place")
     g.add_argument("--seed", type=int, default=0)
@@ -138,7 +140,8 @@ def train(args) -> dict:
     # the module's own parameters are no longer needed: every rank keeps only its shards
     for p in model.parameters():
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
+    step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
+                          micro_batches=args.micro_batches,
                           compute_dtype=_DTYPES[args.compute_dtype],
                           reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,

@@ -40,9 +40,14 @@ before the forward would funnel every gradient through nodes that autograd sched
   metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
   (custom ``Function.backward``) gathers too; tensors it saved with ``ctx.save_for_backward``
   are re-gathered, tensors stashed as plain ``ctx`` attributes are not.
-* Activation checkpointing inside the model (``torch.utils.checkpoint``) does not mix with
-  ``functional_call``: the recomputation runs after the call has restored the module's own
-  tensors.
+* Activation checkpointing inside the model (``torch.utils.checkpoint`` in a module's forward)
+  does not mix with ``functional_call``: the recomputation runs after the call has restored the
+  module's own tensors. Checkpoint a function that takes the parameters as inputs instead
+  (``ragged.examples.gpt.loss_fn(model, checkpoint=True)``): its recomputation reads the unit's
+  leaves and gathers them like any other code run by backward.
+* Backward runs with the mode active (the engine is called directly: ``loss.backward()`` under a
+  ``TorchFunctionMode`` would run with the mode popped). The step's own code that runs inside it
+  (gathers, gradient hooks) sets ``busy`` so that its copies do not count as uses.
 
 [Note: when a unit's flat gradient buffer is allocated]
 Normally at the unit's first leaf gradient: each leaf gradient is then copied in and dropped
@@ -193,6 +198,7 @@ class _Run:
         self.grad_live = self.grad_peak = 0
         self.num_gathers = 0
         self.active = None
+        self.busy = 0  # > 0 while the step's own code runs torch calls (see touch)
         self.phase = "forward"
         self.observed = {"forward": [], "backward": []}
         for i, u in enumerate(units):
@@ -291,6 +297,13 @@ class _Run:
         """Unit ``i`` is about to compute (forward) or be read by backward."""
         if self.active == i and self.state[i] == _READY:
             return
+        self.busy += 1  # the torch calls made here (collectives, copies) are the step's own: no touch
+        try:
+            self._activate(i)
+        finally:
+            self.busy -= 1
+
+    def _activate(self, i: int):
         prev = self.active
         if prev is not None and prev != i and (self.reshard or self.phase == "backward"):
             self.free(prev)
@@ -308,6 +321,8 @@ class _Run:
         self._log("compute", i)
 
     def touch(self, t: torch.Tensor):
+        if self.busy:
+            return
         i = self.key_to_unit.get(_storage_key(t))
         if i is not None and (i != self.active or self.state[i] != _READY):
             self.activate(i)
@@ -354,7 +369,11 @@ class _Run:
         def hook(t: torch.Tensor):
             if t.grad is None:
                 return
-            self._store_grad(i, t)
+            self.busy += 1  # runs in backward under the mode: its copies and collectives must not touch
+            try:
+                self._store_grad(i, t)
+            finally:
+                self.busy -= 1
         return hook
 
     def _store_grad(self, i: int, t: torch.Tensor):
@@ -441,8 +460,15 @@ class _Run:
         if self.schedule.order["backward"] is None:
             self.schedule.order["backward"] = forward_order[::-1]
         self.phase = "backward"
-        with _UseMode(self):  # Python code run by backward (recomputation, custom Functions) gathers too
-            (loss.float() * scale).backward()
+        scaled = loss.float() * scale
+        # Python code run by backward (recomputation, custom Functions) must gather too, so the
+        # engine runs with the mode active. ``scaled.backward()`` (or ``torch.autograd.backward``)
+        # under the mode would dispatch to the mode, which runs it with the mode popped: that code
+        # would then read released storage (a segfault, seen with torch.utils.checkpoint).
+        with _UseMode(self):
+            torch.autograd.Variable._execution_engine.run_backward(
+                (scaled,), (torch.ones_like(scaled),), False, False, (), allow_unreachable=True, accumulate_grad=True
+            )
         # units some of whose leaves got no gradient (unused parameters): zeros, in unit order
         for i in range(self.n):
             for _, _, t in self.leaf_ranges[i] + self.rep_ranges[i]:

@@ -33,8 +33,9 @@ def _compare(case):
 
 @pytest.mark.parametrize(
     "case",
-    [Case(), Case(micro_batches=2), Case(moe=True, micro_batches=2), Case(replicate_vectors=True)],
-    ids=["adamw", "adamw-accum2", "moe-adamw-accum2", "adamw-replicated-vectors"],
+    [Case(), Case(micro_batches=2), Case(moe=True, micro_batches=2), Case(replicate_vectors=True),
+     Case(activation_checkpointing=True)],
+    ids=["adamw", "adamw-accum2", "moe-adamw-accum2", "adamw-replicated-vectors", "adamw-activation-checkpointing"],
 )
 def test_adamw_matches_torch_optim(workers, case):
     for r, out in enumerate(workers.run(_compare, case)):

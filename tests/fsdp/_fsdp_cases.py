@@ -37,6 +37,7 @@ class Case:
     donate: bool = False
     max_inflight_reduce: int = 1
     replicate_vectors: bool = False  # spec.Replicate() for every 1-D parameter (norms, biases)
+    activation_checkpointing: bool = False  # examples.gpt.loss_fn(checkpoint=True): blocks recomputed in backward
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
@@ -64,7 +65,8 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
-    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
+    loss = loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing)
+    step = fsdp.make_step(units, loss, opt, comm, micro_batches=case.micro_batches,
                           compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype, prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
                           max_inflight_reduce=case.max_inflight_reduce)

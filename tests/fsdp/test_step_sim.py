@@ -30,9 +30,10 @@ def _sim(world_size, case, **kw):
         (2, Case(prefetch=False, reshard_after_forward=False)),
         (2, Case(donate=True, max_inflight_reduce=3, micro_batches=2)),
         (4, Case(replicate_vectors=True, micro_batches=2, moe=True)),
+        (2, Case(activation_checkpointing=True, micro_batches=2, moe=True)),
     ],
     ids=["w1", "w2", "w3", "w2-accum2", "w4-accum2-moe", "w2-noprefetch-noreshard", "w2-donate-inflight3",
-         "w4-replicated-vectors-moe"],
+         "w4-replicated-vectors-moe", "w2-activation-checkpointing-moe"],
 )
 def test_adamw_matches_torch_optim(world_size, case):
     ref, ref_losses = reference_run(case)

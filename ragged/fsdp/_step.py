@@ -38,8 +38,9 @@ before the forward would funnel every gradient through nodes that autograd sched
   (A fused MoE expert tensor is one leaf: experts without tokens are fine.)
 * The loss must read parameters through torch calls (any op, method or view property; only
   metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
-  (custom ``Function.backward``) gathers too; tensors it saved with ``ctx.save_for_backward``
-  are re-gathered, tensors stashed as plain ``ctx`` attributes are not.
+  (custom ``Function.backward``, recomputation) gathers too: tensors saved with
+  ``ctx.save_for_backward`` through the saved-tensor hooks, parameters (or views of them) kept
+  as plain ``ctx`` attributes on their first use in a torch call (tested).
 * Activation checkpointing inside the model (``torch.utils.checkpoint`` in a module's forward)
   does not mix with ``functional_call``: the recomputation runs after the call has restored the
   module's own tensors. Checkpoint a function that takes the parameters as inputs instead

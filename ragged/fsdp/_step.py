@@ -666,7 +666,8 @@ def make_step(
             ``units``) are all-reduced over that axis's ``comm``, and every gradient is divided by
             its size (the loss is a mean over all data-parallel ranks). See [Note: data axes] in
             ``ragged/parallel/_transforms.py``; ``rg.parallel.step_data_axes(mplan, mcomm,
-            ("ep",))`` builds them from a mesh plan.
+            ("ep",))`` builds them from a mesh plan. Not yet with ``rg.optim.clip_by_global_norm``:
+            its norm spans ``comm`` only, so EP ranks would see different norms (their own experts).
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),

@@ -122,6 +122,45 @@ def gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | 
         return units.merge({u.name: _gather(shards[u.name], comm, dtype=dtype) for u in units})
 
 
+def global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_axes=()) -> torch.Tensor:
+    """The L2 norm of a whole model's gradients ``{unit name: DBuffer}``, equal on every rank.
+
+    Without ``data_axes`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
+    ``data_axes`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
+    axis hold other parameters (their experts) as well as copies of the replicated ones (router,
+    norms): each element is weighted by 1 / (its number of copies over the data axes), and the
+    weighted sums are all-reduced over ``comm`` and over every data axis, so every element counts
+    once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
+    fsdp.global_norm(units, g, comm, data_axes=data_axes))``.
+    """
+    from ragged.transforms._reduce_scatter import _leaf_positions
+
+    data_axes = tuple(data_axes)
+    sharded = replicated = None
+    for u in units:
+        d = grads[u.name]
+        groups: dict[float, set[int]] = {}
+        for leaf in u.plan.leaves + u.plan.replicated:
+            weight = 1.0
+            for axis_comm, is_replicated in data_axes:
+                if leaf.index in _picked(u, is_replicated):
+                    weight /= axis_comm.world_size
+            groups.setdefault(weight, set()).add(leaf.index)
+        for weight, idx in groups.items():
+            dpos, rpos = _leaf_positions(u.plan, d.rank, frozenset(idx))
+            s = weight * torch.sum(torch.square(d.data[dpos.to(d.data.device)].to(torch.float64)))
+            r = weight * torch.sum(torch.square(d.replicated[rpos.to(d.replicated.device)].to(torch.float64)))
+            sharded = s if sharded is None else sharded + s
+            replicated = r if replicated is None else replicated + r
+    total = sharded.reshape(1)
+    if comm.world_size > 1:
+        comm.all_reduce(total, op="sum")
+    total = total + replicated  # the same on every rank of comm: counted once
+    for axis_comm, _ in data_axes:
+        axis_comm.all_reduce(total, op="sum")
+    return torch.sqrt(total[0])
+
+
 def init(units: Units, params, optimizer, comm) -> TrainState:
     """Shards ``params`` and initialises ``optimizer`` over the shards."""
     shards = shard(units, params, comm)
@@ -666,8 +705,10 @@ def make_step(
             ``units``) are all-reduced over that axis's ``comm``, and every gradient is divided by
             its size (the loss is a mean over all data-parallel ranks). See [Note: data axes] in
             ``ragged/parallel/_transforms.py``; ``rg.parallel.step_data_axes(mplan, mcomm,
-            ("ep",))`` builds them from a mesh plan. Not yet with ``rg.optim.clip_by_global_norm``:
-            its norm spans ``comm`` only, so EP ranks would see different norms (their own experts).
+            ("ep",))`` builds them from a mesh plan. Global-norm clipping must then see the whole
+            mesh: ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
+            rg.fsdp.global_norm(units, g, comm, data_axes=data_axes))`` (its default norm spans
+            ``comm`` only, so EP ranks would clip by different factors).
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),

@@ -392,7 +392,7 @@ def global_norm(tree, *, comm=None) -> torch.Tensor:
     return torch.sqrt(total)
 
 
-def clip_by_global_norm(max_norm: float, *, comm) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, *, comm, norm=None) -> GradientTransformation:
     """Scales updates so that their global L2 norm is at most ``max_norm``.
 
     Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
@@ -402,6 +402,9 @@ def clip_by_global_norm(max_norm: float, *, comm) -> GradientTransformation:
     Args:
         max_norm: the largest allowed norm.
         comm: the shard group's collectives, or ``None`` for a single rank.
+        norm: ``norm(updates) -> 0-d tensor`` replacing :func:`global_norm` over ``comm``, for
+            updates spread over more than the shard group (e.g. ``rg.fsdp.global_norm`` with the
+            step's ``data_axes`` under expert parallelism). It must be equal on every rank.
 
     Examples:
         >>> import torch, ragged as rg
@@ -417,8 +420,8 @@ def clip_by_global_norm(max_norm: float, *, comm) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        norm = global_norm(updates, comm=comm)
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        total = global_norm(updates, comm=comm) if norm is None else norm(updates)
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
 
     return GradientTransformation(init, update)

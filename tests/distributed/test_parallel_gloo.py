@@ -94,8 +94,8 @@ def _resume_4x1(kind, path):
     return parallel.full_params(mplan, shards, mc)
 
 
-def _ep_step(steps):
-    return ep_fsdp_step_train(_mcomm((2, 2), mesh_names("ep")), steps)
+def _ep_step(steps, clip=None):
+    return ep_fsdp_step_train(_mcomm((2, 2), mesh_names("ep")), steps, clip=clip)
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -135,11 +135,14 @@ def test_checkpoint_2x2_loads_on_4x1_and_1x1(workers4, kind, tmp_path):
         _close_trees(full, want)
 
 
-def test_fsdp_make_step_with_expert_parallelism(workers4):
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["adamw", "clip-sgd"])
+def test_fsdp_make_step_with_expert_parallelism(workers4, clip):
     """FSDP x EP through rg.fsdp.make_step(data_axes=parallel.step_data_axes(...)) on 4 gloo
-    ranks (2x2 DeviceMesh) equals float64 single-process torch.optim.AdamW."""
-    out = workers4.run(_ep_step, STEPS)
-    ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", spec.Mesh((2, 2), ("dp", "ep"))))
+    ranks (2x2 DeviceMesh) equals float64 single-process torch.optim.AdamW; with global-norm
+    clipping over the whole mesh (rg.fsdp.global_norm), torch's clip_grad_norm_ + SGD."""
+    out = workers4.run(_ep_step, STEPS, clip)
+    ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", spec.Mesh((2, 2), ("dp", "ep"))),
+                                         clip=clip)
     for local, losses, coords, mplan in out:
         _close_trees(local, parallel.local_params(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)

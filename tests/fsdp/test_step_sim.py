@@ -409,3 +409,19 @@ def test_backward_code_that_reads_parameters_gathers_them():
     for got in rg.collectives.simulate(2, run):
         for k in params:
             torch.testing.assert_close(got[k], ref[k].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
+    case = Case(replicate_vectors=True)
+    model = case.model()
+    specs = lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None  # noqa: E731
+    units = fsdp.make_units(model, world_size=2, specs=specs)
+    want = torch.sqrt(sum((p.detach() ** 2).sum() for p in model.parameters()))
+
+    def fn(comm):
+        shards = fsdp.shard(units, model, comm)
+        return fsdp.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
+
+    for mine, theirs in rg.collectives.simulate(2, fn):
+        torch.testing.assert_close(mine, want.to(mine.dtype), rtol=1e-12, atol=0)
+        torch.testing.assert_close(mine, theirs.to(mine.dtype), rtol=1e-12, atol=0)

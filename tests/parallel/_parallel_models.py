@@ -249,12 +249,16 @@ def dt_loss(params, batch, tp_mesh=None):
     return (o + params["b2"] - y).pow(2).mean()
 
 
-def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0):
-    """Single-process float64 training on the global batch with torch.optim.AdamW."""
+def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, clip=None):
+    """Single-process float64 training on the global batch with torch.optim.AdamW (with
+    ``clip``: torch.optim.SGD after ``clip_grad_norm_(clip)``)."""
     if params is None:
         params = init_params(kind)
         params = rg.pytree.map(lambda t: t.clone().requires_grad_(), params)
-        opt = torch.optim.AdamW(rg.pytree.leaves(params), lr=LR, weight_decay=WD)
+        if clip is None:
+            opt = torch.optim.AdamW(rg.pytree.leaves(params), lr=LR, weight_decay=WD)
+        else:
+            opt = torch.optim.SGD(rg.pytree.leaves(params), lr=LR)
     losses = []
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -268,28 +272,37 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0):
             # one batch at a time: the same routing per token as in the sharded run
             loss = sum(moe_loss_sum(params, b) for b in batches) / (n_batches * TOKENS * D)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(rg.pytree.leaves(params), clip)
         opt.step()
         losses.append(loss.item())
     return params, opt, losses
 
 
-def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",)):
+def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
     """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
     the all-to-all dispatch inside the loss, ``parallel.step_data_axes`` for the router's
-    EP all-reduce. Returns ``(EP-local params, losses, coords, mesh plan)``."""
+    EP all-reduce; with ``clip``: SGD after ``clip_by_global_norm`` with the mesh-wide norm
+    (``rg.fsdp.global_norm`` over the data axes). Returns ``(EP-local params, losses, coords,
+    mesh plan)``."""
     from ragged import fsdp
 
     mplan = spec.make_mesh_plan(moe_params(), moe_specs(), mesh=mc.mesh)  # norm: Replicate() on "dp"
     units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: "experts" if "experts" in p else "rest",
                             specs=lambda path, t: mplan.leaf(path).granularity)
-    opt = rg.optim.adamw(LR, weight_decay=WD)
+    axes = parallel.step_data_axes(mplan, mc, data_axes)
+    if clip is None:
+        opt = rg.optim.adamw(LR, weight_decay=WD)
+    else:
+        norm = lambda g: fsdp.global_norm(units, g, mc["dp"], data_axes=axes)  # noqa: E731
+        opt = rg.optim.chain(rg.optim.clip_by_global_norm(clip, comm=mc["dp"], norm=norm), rg.optim.sgd(LR))
     state = fsdp.init(units, parallel.local_params(mplan, moe_params(), mc.coords), opt, mc["dp"])
 
     def loss_fn(params, batch):
         return moe_loss_sum(params, batch, mc["ep"]) / (TOKENS * D)  # this rank's mean
 
-    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_axes=parallel.step_data_axes(mplan, mc, data_axes))
+    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_axes=axes)
     losses = []
     for s in range(steps):
         state, metrics = step(state, moe_batch(s, _data_index(mc)))

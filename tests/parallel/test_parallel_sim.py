@@ -235,6 +235,20 @@ def test_fsdp_make_step_with_expert_parallelism(data_axes):
             assert not torch.allclose(local["router"], want["router"])
 
 
+def test_fsdp_make_step_with_expert_parallelism_and_clipping():
+    """Global-norm clipping under FSDP x EP: rg.fsdp.global_norm over the data axes gives the norm
+    of the whole model on every rank, so SGD after clipping equals torch's clip_grad_norm_ + SGD
+    (the clip is active: far below the gradient norm)."""
+    from _parallel_models import ep_fsdp_step_train
+
+    mesh = spec.Mesh((2, 2), ("dp", "ep"))
+    out = parallel.simulate_mesh(mesh, ep_fsdp_step_train, STEPS, clip=0.05)
+    ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", mesh), clip=0.05)
+    for local, losses, coords, mplan in out:
+        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+
+
 def _mean_vs_sum(mc, mplan):
     g = rg.pytree.map(lambda t: torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(mc.rank)),
                       mplan.local_meta())

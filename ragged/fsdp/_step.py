@@ -133,32 +133,19 @@ def global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_axes=()) 
     once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
     fsdp.global_norm(units, g, comm, data_axes=data_axes))``.
     """
-    from ragged.transforms._reduce_scatter import _leaf_positions
+    from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
     data_axes = tuple(data_axes)
-    sharded = replicated = None
+    sharded = replicated = 0.0
     for u in units:
         d = grads[u.name]
-        groups: dict[float, set[int]] = {}
-        for leaf in u.plan.leaves + u.plan.replicated:
-            weight = 1.0
-            for axis_comm, is_replicated in data_axes:
-                if leaf.index in _picked(u, is_replicated):
-                    weight /= axis_comm.world_size
-            groups.setdefault(weight, set()).add(leaf.index)
-        for weight, idx in groups.items():
-            dpos, rpos = _leaf_positions(u.plan, d.rank, frozenset(idx))
-            s = weight * torch.sum(torch.square(d.data[dpos.to(d.data.device)].to(torch.float64)))
-            r = weight * torch.sum(torch.square(d.replicated[rpos.to(d.replicated.device)].to(torch.float64)))
-            sharded = s if sharded is None else sharded + s
-            replicated = r if replicated is None else replicated + r
-    total = sharded.reshape(1)
-    if comm.world_size > 1:
-        comm.all_reduce(total, op="sum")
-    total = total + replicated  # the same on every rank of comm: counted once
-    for axis_comm, _ in data_axes:
-        axis_comm.all_reduce(total, op="sum")
-    return torch.sqrt(total[0])
+        weights: dict[int, float] = {}
+        for axis_comm, is_replicated in data_axes:
+            for i in _picked(u, is_replicated):
+                weights[i] = weights.get(i, 1.0) / axis_comm.world_size
+        s, r = weighted_square_sums(u.plan, d.data, d.replicated, d.rank, weights)
+        sharded, replicated = sharded + s, replicated + r
+    return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [c for c, _ in data_axes]))
 
 
 def init(units: Units, params, optimizer, comm) -> TrainState:

@@ -12,6 +12,7 @@ from ragged.parallel._ops import copy_to as copy_to
 from ragged.parallel._ops import reduce_from as reduce_from
 from ragged.parallel._transforms import full_params as full_params
 from ragged.parallel._transforms import gather as gather
+from ragged.parallel._transforms import global_norm as global_norm
 from ragged.parallel._transforms import local_params as local_params
 from ragged.parallel._transforms import reduce_scatter as reduce_scatter
 from ragged.parallel._transforms import shard as shard

@@ -30,7 +30,8 @@ from ragged.transforms import reduce_scatter as _reduce_scatter
 from ragged.transforms import shard as _shard
 from ragged.transforms._reduce_scatter import all_reduce_leaves
 
-__all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "to_dtensor"]
+__all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "to_dtensor", "global_norm",
+           "step_data_axes"]
 
 
 def _check_mplan(mplan, where):
@@ -224,6 +225,29 @@ def reduce_scatter(
         data.div_(n)
         rep.div_(n)
     return out
+
+
+def global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
+    """The L2 norm of the whole model that ``dbuf`` (this rank's FSDP shard of its TP/EP-local
+    tensors, e.g. gradients from :func:`reduce_scatter`) is part of; equal on every rank.
+
+    Each element is weighted by 1 / (its number of copies over the non-FSDP axes, i.e. the
+    product of the sizes of the axes it is replicated on); the weighted sums are all-reduced over
+    the FSDP axis and over every other axis, so each global element counts once. For
+    ``rg.optim.clip_by_global_norm(max_norm, comm=mcomm[fsdp_axis], norm=lambda g:
+    parallel.global_norm(mplan, g, mcomm))``.
+    """
+    from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
+
+    check_mesh_plan(mplan, mcomm)
+    weights = {}
+    for ml in mplan.leaves:
+        copies = math.prod(mcomm[a].world_size for a in ml.replicated_on)
+        if copies > 1:
+            weights[ml.index] = 1.0 / copies
+    sharded, replicated = weighted_square_sums(mplan.plan, dbuf.data, dbuf.replicated, dbuf.rank, weights)
+    others = [mcomm[a] for a in mplan.other_axes]
+    return torch.sqrt(reduce_square_sums(sharded, replicated, mcomm[mplan.fsdp_axis], others))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,36 @@ def _leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
     return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
 
 
+def weighted_square_sums(plan: LayoutPlan, data: torch.Tensor, replicated: torch.Tensor, rank: int,
+                         weights: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum over rank's shard, sum over the replicated buffer)`` of ``weight(leaf) * x**2`` in
+    float64, leaf weights by index (default 1). For norms over several mesh axes: a leaf copied
+    on an axis of size k gets weight 1/k there, so summing over that axis counts it once."""
+    groups: dict[float, set[int]] = {}
+    for leaf in plan.leaves + plan.replicated:
+        groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
+    zero = torch.zeros((), dtype=torch.float64, device=data.device)
+    out_data, out_rep = zero, zero.clone()
+    for weight, idx in groups.items():
+        dpos, rpos = _leaf_positions(plan, rank, frozenset(idx))
+        out_data = out_data + weight * torch.sum(torch.square(data[dpos.to(data.device)].to(torch.float64)))
+        out_rep = out_rep + weight * torch.sum(torch.square(replicated[rpos.to(replicated.device)].to(torch.float64)))
+    return out_data, out_rep
+
+
+def reduce_square_sums(sharded: torch.Tensor, replicated: torch.Tensor, comm, other_comms) -> torch.Tensor:
+    """Total of :func:`weighted_square_sums` over the mesh: ``sharded`` summed over ``comm``
+    (the FSDP group), ``replicated`` (equal on every rank of it) added once, then the total summed
+    over each of ``other_comms`` (axes whose copies the weights already divided)."""
+    total = sharded.reshape(1).clone()
+    if comm.world_size > 1:
+        comm.all_reduce(total, op="sum")
+    total = total + replicated
+    for other in other_comms:
+        other.all_reduce(total, op="sum")
+    return total[0]
+
+
 def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: LayoutPlan, rank: int,
                       picked: frozenset) -> None:
     """All-reduce (sum) over ``comm``, in place, the elements of the ``picked`` leaves (by index)

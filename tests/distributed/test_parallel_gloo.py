@@ -94,6 +94,12 @@ def _resume_4x1(kind, path):
     return parallel.full_params(mplan, shards, mc)
 
 
+def _global_norm(kind):
+    mc = _mcomm((2, 2), mesh_names(kind))
+    mplan = _mplan(kind)
+    return parallel.global_norm(mplan, parallel.shard(mplan, init_params(kind), mc), mc)
+
+
 def _ep_step(steps, clip=None):
     return ep_fsdp_step_train(_mcomm((2, 2), mesh_names("ep")), steps, clip=clip)
 
@@ -146,3 +152,10 @@ def test_fsdp_make_step_with_expert_parallelism(workers4, clip):
     for local, losses, coords, mplan in out:
         _close_trees(local, parallel.local_params(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["tp", "ep"], ids=["fsdp_x_tp", "fsdp_x_ep"])
+def test_global_norm_counts_every_global_element_once(workers4, kind):
+    want = torch.sqrt(sum(torch.sum(t.double() ** 2) for t in rg.pytree.leaves(init_params(kind))))
+    for got in workers4.run(_global_norm, kind):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -115,6 +115,24 @@ def test_shard_gather_full_params_roundtrip_2x2x2():
         assert same
 
 
+def _norm(mc, mplan, params):
+    return parallel.global_norm(mplan, parallel.shard(mplan, params, mc), mc)
+
+
+@pytest.mark.parametrize("case", ["tp", "ep", "mixed_2x2x2"])
+def test_global_norm_counts_every_global_element_once(case):
+    """parallel.global_norm of a sharded model equals the norm of its global tensors: TP/EP
+    shards summed across ranks, replicated leaves counted once (strided, Replicate, 3 axes)."""
+    if case == "mixed_2x2x2":
+        params = _mixed_params()
+        mplan = spec.make_mesh_plan(params, MIXED_SPECS, mesh=spec.Mesh((2, 2, 2), ("dp", "tp", "ep")))
+    else:
+        params, mplan = init_params(case), _mplan(case)
+    want = torch.sqrt(sum(torch.sum(t.double() ** 2) for t in rg.pytree.leaves(params)))
+    for got in parallel.simulate_mesh(mplan.mesh, _norm, mplan, params):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
 def test_strided_shard_keeps_q_k_v_apart():
     """Shard(0, groups=3) on a fused QKV weight: each TP rank holds its rows of Q, of K and of V."""
     w = torch.arange(12.0).view(12, 1)  # rows: Q = 0..3, K = 4..7, V = 8..11

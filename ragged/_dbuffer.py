@@ -167,15 +167,15 @@ def unflatten(plan: LayoutPlan, buffer: torch.Tensor, replicated: torch.Tensor |
         True
     """
     leaves = [None] * plan.num_leaves
-    _views_into(leaves, plan, plan.leaves, buffer, "buffer")
+    _views_into(leaves, plan.leaves, buffer, "buffer")
     if plan.replicated:
         if replicated is None:
             raise ValueError("the plan has replicated leaves; pass the replicated buffer too.")
-        _views_into(leaves, plan, plan.replicated, replicated, "replicated buffer")
+        _views_into(leaves, plan.replicated, replicated, "replicated buffer")
     return pytree.unflatten(plan.treedef, leaves)
 
 
-def _views_into(out: list, plan: LayoutPlan, layouts, buffer: torch.Tensor, what: str) -> None:
+def _views_into(out: list, layouts, buffer: torch.Tensor, what: str) -> None:
     """[Note: leaf views of a flat buffer]
     Without autograd, one ``as_strided`` per leaf (~3x cheaper than slice + view; units of
     DeepSeek-like models hold 100s of leaves). With autograd, ``split_with_sizes`` over leaves and

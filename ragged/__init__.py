@@ -6,6 +6,9 @@ from ragged import spec as spec
 from ragged._errors import LayoutError as LayoutError
 from ragged._errors import PlanMismatchError as PlanMismatchError
 from ragged._errors import RaggedError as RaggedError
+from ragged._errors import RaggedKeyError as RaggedKeyError
+from ragged._errors import RaggedTypeError as RaggedTypeError
+from ragged._errors import RaggedValueError as RaggedValueError
 from ragged._pytree import pytree as pytree
 from ragged import collectives as collectives
 from ragged import transforms as transforms

@@ -18,6 +18,7 @@ from optree.dataclasses import dataclass, field
 
 from ragged._pytree import pytree
 from ragged.spec._plan import LayoutPlan, piece_shape
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["DBuffer", "unflatten"]
 
@@ -135,9 +136,9 @@ class DBuffer:
 
 def _check_same_layout(a: DBuffer, b: DBuffer, what: str) -> None:
     if not isinstance(b, DBuffer):
-        raise TypeError(f"DBuffer.{what} needs another DBuffer, got {type(b).__name__}.")
+        raise RaggedTypeError(f"DBuffer.{what} needs another DBuffer, got {type(b).__name__}.")
     if a.plan != b.plan or a.rank != b.rank:
-        raise ValueError(
+        raise RaggedValueError(
             f"DBuffer.{what}: the two buffers have different plans or ranks ({a.plan!r} rank {a.rank} vs "
             f"{b.plan!r} rank {b.rank}). Fix: redistribute one onto the other's plan first."
         )
@@ -170,7 +171,7 @@ def unflatten(plan: LayoutPlan, buffer: torch.Tensor, replicated: torch.Tensor |
     _views_into(leaves, plan.leaves, buffer, "buffer")
     if plan.replicated:
         if replicated is None:
-            raise ValueError("the plan has replicated leaves; pass the replicated buffer too.")
+            raise RaggedValueError("the plan has replicated leaves; pass the replicated buffer too.")
         _views_into(leaves, plan.replicated, replicated, "replicated buffer")
     return pytree.unflatten(plan.treedef, leaves)
 
@@ -185,7 +186,7 @@ def _views_into(out: list, layouts, buffer: torch.Tensor, what: str) -> None:
     """
     need = max((l.stop for l in layouts), default=0)
     if buffer.dim() != 1 or buffer.numel() < need:
-        raise ValueError(f"unflatten: the {what} must be 1-D with at least {need} elements, got shape {tuple(buffer.shape)}.")
+        raise RaggedValueError(f"unflatten: the {what} must be 1-D with at least {need} elements, got shape {tuple(buffer.shape)}.")
     if buffer.requires_grad:
         segs = segments(layouts, buffer.numel())
         for (leaf, _), part in zip(segs, buffer.split_with_sizes([n for _, n in segs])):
@@ -193,7 +194,7 @@ def _views_into(out: list, layouts, buffer: torch.Tensor, what: str) -> None:
                 out[leaf.index] = part.view(leaf.shape)
         return
     if buffer.stride(0) != 1:  # views of a strided buffer would not be the contiguous leaves the plan describes
-        raise ValueError(f"unflatten: the {what} must be contiguous (stride 1), got stride {buffer.stride(0)}.")
+        raise RaggedValueError(f"unflatten: the {what} must be contiguous (stride 1), got stride {buffer.stride(0)}.")
     base = buffer.storage_offset()
     for leaf in layouts:
         out[leaf.index] = buffer.as_strided(leaf.shape, _contiguous_strides(leaf.shape), base + leaf.offset)

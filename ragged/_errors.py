@@ -2,7 +2,33 @@
 
 
 class RaggedError(Exception):
-    """Base class of every error ragged raises on purpose."""
+    """Base class of every error ragged raises on purpose.
+
+    Each deliberate error is also the builtin exception its kind calls for (``ValueError`` for a
+    wrong value, ``TypeError`` for a wrong kind of value, ``KeyError`` for a missing name), so
+    ``except ValueError`` keeps working and ``except rg.RaggedError`` catches everything ragged
+    refuses.
+
+    Examples:
+        >>> import ragged as rg
+        >>> try:
+        ...     rg.spec.Rows(0)
+        ... except rg.RaggedError as err:
+        ...     print(type(err).__name__, isinstance(err, ValueError))
+        RaggedValueError True
+    """
+
+
+class RaggedValueError(RaggedError, ValueError):
+    """A value ragged cannot accept (an option out of range, a tree of the wrong structure)."""
+
+
+class RaggedTypeError(RaggedError, TypeError):
+    """A value of the wrong kind (a module where a tree was expected, a spec that is no spec)."""
+
+
+class RaggedKeyError(RaggedError, KeyError):
+    """A name that is not there (a unit, a leaf path, a mesh axis, a checkpoint entry)."""
 
 
 class LayoutError(RaggedError, ValueError):

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["MODELS", "ModelUnit", "model_shapes", "model_units", "expand_names"]
 
 #: Bundled model names.
@@ -56,7 +58,7 @@ def expand_names(name: str) -> list[str]:
         return [name]
     for a, b in ranges:
         if b < a:
-            raise ValueError(f"range {{{a}..{b}}} in {name!r} is empty; write {{low..high}} with low <= high.")
+            raise RaggedValueError(f"range {{{a}..{b}}} in {name!r} is empty; write {{low..high}} with low <= high.")
     parts = _RANGE.split(name)[::3]  # text between ranges
     out = []
     for combo in itertools.product(*(range(a, b + 1) for a, b in ranges)):
@@ -113,7 +115,7 @@ def model_shapes(model: str | os.PathLike | dict) -> dict:
     else:
         path = os.fspath(model)
         if not os.path.exists(path):
-            raise ValueError(
+            raise RaggedValueError(
                 f"model {str(model)!r} is neither a bundled model {MODELS} nor an existing JSON file. "
                 "Fix: pass one of the bundled names, or a path to a shapes JSON (see ragged.models docs)."
             )
@@ -126,16 +128,16 @@ def model_shapes(model: str | os.PathLike | dict) -> dict:
 def _validate(desc: Any) -> None:
     form = 'Expected {"units": [{"name": str, "kind": str, "params": {name: [int, ...]}}, ...]}.'
     if not isinstance(desc, dict) or not isinstance(desc.get("units"), list) or not desc["units"]:
-        raise ValueError(f"a shapes description must be an object with a non-empty 'units' list. {form}")
+        raise RaggedValueError(f"a shapes description must be an object with a non-empty 'units' list. {form}")
     for i, unit in enumerate(desc["units"]):
         where = f"units[{i}]"
         if not isinstance(unit, dict) or not isinstance(unit.get("name"), str) or not isinstance(unit.get("params"), dict):
-            raise ValueError(f"{where} must be an object with a string 'name' and a 'params' object. {form}")
+            raise RaggedValueError(f"{where} must be an object with a string 'name' and a 'params' object. {form}")
         if not unit["params"]:
-            raise ValueError(f"{where} ({unit['name']!r}) has no params; every FSDP unit needs at least one tensor.")
+            raise RaggedValueError(f"{where} ({unit['name']!r}) has no params; every FSDP unit needs at least one tensor.")
         for name, shape in unit["params"].items():
             if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                raise ValueError(
+                raise RaggedValueError(
                     f"{where} ({unit['name']!r}) params[{name!r}] is {shape!r}; a shape is a list of "
                     "non-negative ints, e.g. [4096, 1024] ([] for a scalar)."
                 )
@@ -188,7 +190,7 @@ def model_units(
         ['embed', 'layers.0-39', 'layers.40-79', 'head']
     """
     if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise ValueError(f"layers_per_unit must be a positive int, got {layers_per_unit!r}.")
+        raise RaggedValueError(f"layers_per_unit must be a positive int, got {layers_per_unit!r}.")
     desc = model_shapes(model)
     units: list[ModelUnit | list] = []
     pending: list[ModelUnit] = []

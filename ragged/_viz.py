@@ -14,6 +14,8 @@ rank's exact ragged pieces.
 
 from __future__ import annotations
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["plan_summary", "visualize", "rank_table"]
 
 #: Distinct colours, cycled over leaves in buffer order (neighbours never share one).
@@ -222,7 +224,7 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
     from rich.text import Text
 
     if width < 1:
-        raise ValueError(f"width must be >= 1, got {width}.")
+        raise RaggedValueError(f"width must be >= 1, got {width}.")
     colour_of = {id(leaf): i for i, leaf in enumerate(plan.leaves)}
     grid = Table.grid(padding=(0, 1))
     grid.add_column(justify="right", style="bold")

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedError
+from ragged._errors import RaggedError, RaggedValueError
 
 __all__ = [
     "CheckpointError",
@@ -159,7 +159,7 @@ def path_parts(path: str) -> list[str]:
     while pos < len(path):
         match = _TOKEN.match(path, pos)
         if match is None:
-            raise ValueError(f"cannot parse key path {path!r} at position {pos}.")
+            raise RaggedValueError(f"cannot parse key path {path!r} at position {pos}.")
         bracket, attr = match.groups()
         if attr is not None:
             parts.append(attr)

@@ -18,6 +18,7 @@ from ragged.checkpoint._dcp import Piece, SingleProcess, agree, dcp_load, everyo
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, PerRank
 from ragged.checkpoint._save import check_comm, describe, flatten_state
 from ragged.spec._plan import LayoutPlan
+from ragged._errors import RaggedKeyError
 
 __all__ = ["load", "export", "read_manifest"]
 
@@ -377,7 +378,7 @@ def export(
             put([], float("nan") if entry.get("nan") else entry["value"])
         # kind == "plan": metadata only, nothing to export
     if head is not None and not out:
-        raise KeyError(f"checkpoint {path!r} has no entry under {prefix!r}; entries are {list(manifest['entries'])}.")
+        raise RaggedKeyError(f"checkpoint {path!r} has no entry under {prefix!r}; entries are {list(manifest['entries'])}.")
     dcp_load(path, pieces, metadata, SingleProcess())
     if out_file is not None:
         out_file = os.fspath(out_file)

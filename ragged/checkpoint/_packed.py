@@ -21,6 +21,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
+from ragged._errors import RaggedValueError
 
 __all__ = ["Packed", "bind_packed", "bind_muon"]
 
@@ -68,7 +69,7 @@ def bind_packed(opt_state, labels: Callable, compact) -> Any:
             paths = tuple(l.path for l in plan.leaves + plan.replicated if labels(l) == label)
             n, r = packed_sizes(plan, x.rank, paths)
             if x.data.numel() != n or x.replicated.numel() != r:
-                raise ValueError(
+                raise RaggedValueError(
                     f"a DBuffer in the state of compact label {label!r} holds {x.data.numel()} + {x.replicated.numel()} "
                     f"elements, but the leaves with that label hold {n} + {r} on rank {x.rank}: the labels "
                     "function differs from the one the optimizer was built with."
@@ -114,13 +115,13 @@ def bind_muon(opt_state, muon_filter: Callable | None = None) -> Any:
 def describe(where: str, leaf: Packed, comm) -> dict[str, Any]:
     d = leaf.dbuf
     if d.rank != comm.rank or d.plan.world_size != comm.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where} is a packed DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
             f"rank {comm.rank} of {comm.world_size}."
         )
     n, r = packed_sizes(d.plan, d.rank, leaf.paths)
     if d.data.numel() != n or d.replicated.numel() != r:
-        raise ValueError(f"{where} holds {d.data.numel()} + {d.replicated.numel()} elements; its leaves hold {n} + {r}.")
+        raise RaggedValueError(f"{where} holds {d.data.numel()} + {d.replicated.numel()} elements; its leaves hold {n} + {r}.")
     return {
         "kind": "packed",
         "dtype": fmt.dtype_name(d.data.dtype),

@@ -29,6 +29,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["Quant8", "bind_quant8", "unbind"]
 
@@ -133,10 +134,10 @@ def describe(where: str, leaf: Quant8, comm) -> dict[str, Any]:
     from ragged.optim._quant8 import Quant8Moments
 
     if not isinstance(leaf.moments, Quant8Moments) or not isinstance(leaf.params, DBuffer):
-        raise TypeError(f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8.")
+        raise RaggedTypeError(f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8.")
     d = leaf.params
     if d.rank != comm.rank or d.plan.world_size != comm.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where} is bound to a DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
             f"rank {comm.rank} of {comm.world_size}."
         )

@@ -20,6 +20,7 @@ from ragged.checkpoint import _quant8 as q8
 from ragged.checkpoint._dcp import Piece, agree, dcp_save, everyone
 from ragged.checkpoint._format import CheckpointError, PerRank
 from ragged.spec._plan import LayoutPlan
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["save"]
 
@@ -45,7 +46,7 @@ def check_comm(comm, what: str) -> None:
     """Refuses values that are not a ragged Collectives (before any communication)."""
     for name in ("rank", "world_size", "all_gather_object"):
         if not hasattr(comm, name):
-            raise TypeError(f"rg.checkpoint.{what}: comm is a {type(comm).__name__} without .{name}; pass a ragged Collectives.")
+            raise RaggedTypeError(f"rg.checkpoint.{what}: comm is a {type(comm).__name__} without .{name}; pass a ragged Collectives.")
 
 
 def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
@@ -54,17 +55,17 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
     if isinstance(leaf, DBuffer):
         plan = leaf.plan
         if leaf.rank != comm.rank:
-            raise ValueError(
+            raise RaggedValueError(
                 f"{where} is a DBuffer of rank {leaf.rank}, but this process is rank {comm.rank} of the comm. "
                 "Each rank saves its own shard: pass the DBuffer that rg.shard returned on this rank."
             )
         if plan.world_size != comm.world_size:
-            raise ValueError(
+            raise RaggedValueError(
                 f"{where} is a DBuffer planned for world_size={plan.world_size}, but the comm has "
                 f"world_size={comm.world_size}. Save with the comm the state was sharded over."
             )
         if leaf.data.dim() != 1 or leaf.data.numel() != plan.shard_size:
-            raise ValueError(
+            raise RaggedValueError(
                 f"{where}.data has shape {tuple(leaf.data.shape)}; its plan needs a 1-D tensor of "
                 f"shard_size={plan.shard_size} elements. If it is the packed state of a compact "
                 "multi_transform label (e.g. rg.optim.muon's AdamW part), bind the optimizer state first: "
@@ -72,7 +73,7 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
             )
         rep_end = max((l.stop for l in plan.replicated), default=0)
         if leaf.replicated.dim() != 1 or leaf.replicated.numel() < rep_end:
-            raise ValueError(
+            raise RaggedValueError(
                 f"{where}.replicated has shape {tuple(leaf.replicated.shape)}; its plan needs a 1-D "
                 f"tensor of at least {rep_end} elements."
             )
@@ -88,7 +89,7 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
         return pk.describe(where, leaf, comm)
     if isinstance(leaf, PerRank):
         if not isinstance(leaf.value, torch.Tensor):
-            raise TypeError(f"{where} is PerRank({type(leaf.value).__name__}); PerRank holds a torch tensor.")
+            raise RaggedTypeError(f"{where} is PerRank({type(leaf.value).__name__}); PerRank holds a torch tensor.")
         return {"kind": "per_rank", "dtype": fmt.dtype_name(leaf.value.dtype)}
     if isinstance(leaf, torch.Tensor):
         return {"kind": "tensor", "shape": list(leaf.shape), "dtype": fmt.dtype_name(leaf.dtype)}
@@ -98,7 +99,7 @@ def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
         if isinstance(leaf, float) and leaf != leaf:
             return {"kind": "value", "value": None, "nan": True}
         return {"kind": "value", "value": leaf}
-    raise TypeError(
+    raise RaggedTypeError(
         f"{where} is a {type(leaf).__name__}, which a checkpoint cannot hold. Supported leaves: "
         f"{_SUPPORTED}. Fix: convert it (e.g. a torch.Generator's get_state()) or leave it out of the state."
     )
@@ -211,7 +212,7 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     # Local validation first: a bad leaf raises here, before any communication.
     entries = {p: describe(p, leaf, comm, argname="state") for p, leaf in zip(paths, leaves)}
     if len(entries) != len(paths):
-        raise ValueError(f"state has repeated key paths {paths}; a checkpoint needs unique paths.")
+        raise RaggedValueError(f"state has repeated key paths {paths}; a checkpoint needs unique paths.")
 
     description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
 

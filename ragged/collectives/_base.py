@@ -19,6 +19,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from ragged._errors import RaggedValueError
+
 ReduceOp = Literal["sum", "mean", "max"]
 REDUCE_OPS = ("sum", "mean", "max")
 # when transforms make the ranks agree on their plans (an optional ``plan_check`` attribute of a
@@ -44,7 +46,7 @@ class DoneHandle:
 
 def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
+        raise RaggedValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
     return op
 
 

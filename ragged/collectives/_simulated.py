@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedError
+from ragged._errors import RaggedError, RaggedValueError
 from ragged.collectives._base import DoneHandle, check_op
 
 __all__ = ["SimulatedCollectives", "simulate"]
@@ -109,7 +109,7 @@ class SimulatedCollectives:
     def all_gather_into(self, output, input, *, async_op=False):
         m, n = self.world_size, input.numel()
         if output.numel() != m * n:
-            raise ValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
+            raise RaggedValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
         values = self._shard.exchange(self._rank, "all_gather", _plain(input).clone())
         with torch.no_grad():
             for j, v in enumerate(values):
@@ -132,7 +132,7 @@ class SimulatedCollectives:
         check_op(op)
         m, n = self.world_size, output.numel()
         if input.numel() != m * n:
-            raise ValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
+            raise RaggedValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
         values = self._shard.exchange(self._rank, f"reduce_scatter_{op}", _plain(input).clone())
         chunks = [v.reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
         with torch.no_grad():
@@ -158,7 +158,7 @@ class SimulatedCollectives:
     def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False):
         m = self.world_size
         if len(input_splits) != m or len(output_splits) != m:
-            raise ValueError(f"all_to_all: splits must have world_size={m} entries.")
+            raise RaggedValueError(f"all_to_all: splits must have world_size={m} entries.")
         flat = _plain(input).reshape(-1)
         starts = [sum(input_splits[:j]) for j in range(m)]
         parts = [flat[s : s + k].clone() for s, k in zip(starts, input_splits)]
@@ -168,7 +168,7 @@ class SimulatedCollectives:
             for j in range(m):
                 piece = values[j][self._rank]
                 if piece.numel() != output_splits[j]:
-                    raise ValueError(
+                    raise RaggedValueError(
                         f"all_to_all: rank {self._rank} expected {output_splits[j]} elements from rank {j}, "
                         f"got {piece.numel()}."
                     )
@@ -209,10 +209,10 @@ def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = No
         [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
     replicas, shard = (1, world_size) if mesh_shape is None else tuple(mesh_shape)
     if replicas * shard != world_size:
-        raise ValueError(f"mesh_shape {mesh_shape} has {replicas * shard} ranks but world_size is {world_size}.")
+        raise RaggedValueError(f"mesh_shape {mesh_shape} has {replicas * shard} ranks but world_size is {world_size}.")
     world = _Group(world_size, timeout, "world")
     shard_groups = [_Group(shard, timeout, f"shard[{r}]") for r in range(replicas)]
     replica_groups = [_Group(replicas, timeout, f"replica[{s}]") for s in range(shard)] if replicas > 1 else None

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ragged.collectives._base import PLAN_CHECKS, check_op
+from ragged._errors import RaggedValueError
 
 __all__ = ["TorchCollectives", "from_torch"]
 
@@ -115,7 +116,7 @@ class TorchCollectives:
         ag, rs = ("p2p", "all_to_all") if gloo else ("native", "native")
         if algorithm is not None:
             if algorithm not in _AG_ALGOS or algorithm not in _RS_ALGOS:
-                raise ValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
+                raise RaggedValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
             ag = rs = algorithm
         self.ag_algorithm, self.rs_algorithm = ag, rs
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
@@ -123,7 +124,7 @@ class TorchCollectives:
         if plan_check is None:  # like torch's own per-call collective checks: a debug mode
             plan_check = "every_call" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else "first_use"
         if plan_check not in PLAN_CHECKS:
-            raise ValueError(f"plan_check must be one of {PLAN_CHECKS}, got {plan_check!r}.")
+            raise RaggedValueError(f"plan_check must be one of {PLAN_CHECKS}, got {plan_check!r}.")
         self.plan_check = plan_check
         self.checked_plans: dict = {}  # see [Note: plan check before collectives] (ragged/transforms/_check.py)
 
@@ -162,7 +163,7 @@ class TorchCollectives:
     def all_gather_into(self, output, input, *, async_op=False):
         m, n = self._world, input.numel()
         if output.numel() != m * n:
-            raise ValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
+            raise RaggedValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
         if m == 1:
             output.copy_(input)
             return _result(_Work([]), async_op)
@@ -191,7 +192,7 @@ class TorchCollectives:
         check_op(op)
         m, n = self._world, output.numel()
         if input.numel() != m * n:
-            raise ValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
+            raise RaggedValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
         if m == 1:
             output.copy_(input)
             return _result(_Work([]), async_op)
@@ -309,7 +310,7 @@ def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | No
             return TorchCollectives(group.get_group(0), algorithm=algorithm, plan_check=plan_check)
         if group.ndim == 2:
             return TorchCollectives(group.get_group(1), group.get_group(0), algorithm=algorithm, plan_check=plan_check)
-        raise ValueError(
+        raise RaggedValueError(
             f"from_torch takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a mesh with "
             f"{group.ndim} dims {tuple(group.shape)}. Fix: slice the mesh, e.g. mesh['dp_replicate', 'dp_shard']."
         )

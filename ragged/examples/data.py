@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["SyntheticLM", "rank_slice"]
 
 
@@ -42,7 +44,7 @@ class SyntheticLM:
 
     def __init__(self, vocab_size: int, seq_len: int, *, seed: int = 0, branching: int = 4):
         if vocab_size < 2 or seq_len < 2 or branching < 1:
-            raise ValueError(f"need vocab_size >= 2, seq_len >= 2, branching >= 1; got {vocab_size}, {seq_len}, {branching}.")
+            raise RaggedValueError(f"need vocab_size >= 2, seq_len >= 2, branching >= 1; got {vocab_size}, {seq_len}, {branching}.")
         self.vocab_size, self.seq_len, self.seed, self.branching = vocab_size, seq_len, seed, branching
         g = torch.Generator().manual_seed(seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
@@ -82,7 +84,7 @@ def rank_slice(batch, rank: int, world_size: int):
     """
     n = batch[0].shape[0]
     if n % world_size:
-        raise ValueError(f"global batch size {n} is not a multiple of world_size={world_size}; "
+        raise RaggedValueError(f"global batch size {n} is not a multiple of world_size={world_size}; "
                          "pick a batch size divisible by the number of ranks.")
     k = n // world_size
     return tuple(x[rank * k : (rank + 1) * k] for x in batch)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "MLP", "MoE", "loss_fn"]
 
 
@@ -66,7 +68,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.dim % cfg.num_heads:
-            raise ValueError(f"dim ({cfg.dim}) must be a multiple of num_heads ({cfg.num_heads}).")
+            raise RaggedValueError(f"dim ({cfg.dim}) must be a multiple of num_heads ({cfg.num_heads}).")
         self.num_heads = cfg.num_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -169,7 +171,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}.")
+            raise RaggedValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}.")
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             x = block(x)
@@ -220,7 +222,7 @@ def _checkpointed_forward(model: GPT, params, tokens: torch.Tensor) -> torch.Ten
 
     t = tokens.shape[1]
     if t > model.cfg.max_seq_len:
-        raise ValueError(f"sequence length {t} exceeds max_seq_len={model.cfg.max_seq_len}.")
+        raise RaggedValueError(f"sequence length {t} exceeds max_seq_len={model.cfg.max_seq_len}.")
     call = torch.func.functional_call
     x = call(model.tok_emb, sub("tok_emb."), (tokens,)) + call(model.pos_emb, sub("pos_emb."), (torch.arange(t, device=tokens.device),))
     for i, block in enumerate(model.blocks):

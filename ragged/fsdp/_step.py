@@ -81,6 +81,7 @@ from torch.overrides import TorchFunctionMode
 from ragged._dbuffer import DBuffer
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.fsdp._units import Units
+from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 
 __all__ = ["TrainState", "shard", "gather", "init", "make_step", "Step"]
 
@@ -479,7 +480,7 @@ class _Run:
         with _UseMode(self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             loss = loss_fn(self.params_tree, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise TypeError(
+            raise RaggedTypeError(
                 "loss_fn(params, batch) must return a scalar tensor that depends on the params; got "
                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
             )
@@ -547,7 +548,7 @@ def _split_batch(batch, k: int):
     for p, x in zip(paths, leaves):
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
+            raise RaggedValueError(
                 f"batch{p} has shape {shape}; with micro_batches={k} every batch leaf needs a leading "
                 f"dimension divisible by {k}. Fix: pick a per-rank batch size that is a multiple of micro_batches."
             )
@@ -591,10 +592,10 @@ class Step:
         shards, opt_state = state
         missing = [u.name for u in self.units if u.name not in shards]
         if missing:
-            raise KeyError(f"state.shards lacks units {missing}; build the state with rg.fsdp.init(units, ...).")
+            raise RaggedKeyError(f"state.shards lacks units {missing}; build the state with rg.fsdp.init(units, ...).")
         for u in self.units:
             if shards[u.name].plan != u.plan:
-                raise ValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
+                raise RaggedValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
         micro = _split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
         # one agreement for every unit, every step; the step's own collectives then skip it
         token = (f"fsdp_step:{self.compute_dtype}:{self.reduce_dtype}:{self.micro_batches}:{self.reshard_after_forward}:"
@@ -730,18 +731,18 @@ def make_step(
         (True, True)
     """
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}.")
+        raise RaggedValueError(f"micro_batches must be a positive int, got {micro_batches!r}.")
     if max_inflight_reduce < 1:
-        raise ValueError(f"max_inflight_reduce must be >= 1, got {max_inflight_reduce!r}.")
+        raise RaggedValueError(f"max_inflight_reduce must be >= 1, got {max_inflight_reduce!r}.")
     if units.world_size != comm.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
     data_axes = tuple((c, pred) for c, pred in data_axes)
     for c, pred in data_axes:
         if not callable(pred) or not hasattr(c, "all_reduce"):
-            raise TypeError("make_step: data_axes entries are (comm, is_replicated(path) -> bool) pairs, got "
+            raise RaggedTypeError("make_step: data_axes entries are (comm, is_replicated(path) -> bool) pairs, got "
                             f"({type(c).__name__}, {type(pred).__name__}).")
     return Step(units=units, loss_fn=loss_fn, optimizer=optimizer, comm=comm, micro_batches=micro_batches,
                 compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch,

@@ -23,6 +23,7 @@ import torch
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.spec import make_plan
 from ragged.spec._plan import LayoutPlan
+from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 
 __all__ = ["Unit", "Units", "make_units", "REST"]
 
@@ -88,7 +89,7 @@ class Units:
             for u in self.units:
                 if u.name == key:
                     return u
-            raise KeyError(f"no unit named {key!r}; units are {list(self.names)}")
+            raise RaggedKeyError(f"no unit named {key!r}; units are {list(self.names)}")
         return self.units[key]
 
     def split(self, params) -> dict[str, dict[str, Any]]:
@@ -101,7 +102,7 @@ class Units:
             params = dict(params.named_parameters())
         leaves, treedef = pytree.flatten(params)
         if treedef != self.treedef:
-            raise ValueError(
+            raise RaggedValueError(
                 f"params has structure {treedef}, but the units were made for {self.treedef}. "
                 "Fix: pass the same model / parameter tree make_units was given."
             )
@@ -144,9 +145,9 @@ def _module_groups(model: torch.nn.Module) -> list[str]:
 def _assign_by_prefix(names: Sequence[str], prefixes: Sequence[str]) -> list[str]:
     for i, p in enumerate(prefixes):
         if not isinstance(p, str) or not p or p == REST:
-            raise ValueError(f"groups[{i}] is {p!r}; each group must be a non-empty module name other than {REST!r}.")
+            raise RaggedValueError(f"groups[{i}] is {p!r}; each group must be a non-empty module name other than {REST!r}.")
         if not any(n.startswith(p + ".") for n in names):
-            raise ValueError(
+            raise RaggedValueError(
                 f"groups[{i}] = {p!r} matches no parameter (a group is a module name: its parameters "
                 f"are '{p}.<...>'). Parameter names start with {sorted({n.split('.')[0] for n in names})}."
             )
@@ -202,21 +203,21 @@ def make_units(
     if is_module:
         paths = sorted(params)  # optree flattens dicts in sorted key order
     if not leaves:
-        raise ValueError("make_units got no parameters. Pass an nn.Module with parameters or a pytree of tensors.")
+        raise RaggedValueError("make_units got no parameters. Pass an nn.Module with parameters or a pytree of tensors.")
 
     if callable(groups):
         names = []
         for p in paths:
             name = groups(p)
             if not isinstance(name, str) or not name:
-                raise TypeError(f"groups({p!r}) returned {name!r}; it must return a non-empty unit name (str).")
+                raise RaggedTypeError(f"groups({p!r}) returned {name!r}; it must return a non-empty unit name (str).")
             names.append(name)
     elif is_module:
         names = _assign_by_prefix(paths, _module_groups(model_or_params) if groups is None else list(groups))
     elif groups is None:
         names = [REST] * len(paths)
     else:
-        raise TypeError(f"groups for a pytree must be a function key path -> unit name, got {type(groups).__name__}.")
+        raise RaggedTypeError(f"groups for a pytree must be a function key path -> unit name, got {type(groups).__name__}.")
 
     # units in the order their first parameter appears in the model (registration order for modules)
     first_seen = list(params) if is_module else paths
@@ -237,7 +238,7 @@ def make_units(
         else:
             unknown = sorted(set(specs) - set(paths))
             if unknown:
-                raise ValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
+                raise RaggedValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
             unit_specs = {paths[i]: specs.get(paths[i]) for i in idx}
         plan = make_plan(tree, unit_specs, world_size=world_size, dtype=dtype, strategy=strategy, align=align)
         # plan tree order is key-sorted; keep paths/indices in that order

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ragged.optim._base import GradientTransformation, Schedule
 from ragged.optim._combine import chain
 from ragged.optim._transform import add_decayed_weights, scale_by_adam, scale_by_adamw, scale_by_learning_rate, trace
+from ragged._errors import RaggedValueError
 
 __all__ = ["sgd", "adam", "adamw"]
 
@@ -43,7 +44,7 @@ def sgd(
     if momentum is not None and momentum != 0:
         parts.append(trace(momentum, nesterov=nesterov))
     elif nesterov:
-        raise ValueError("nesterov=True needs a momentum > 0 (as in torch.optim.SGD).")
+        raise RaggedValueError("nesterov=True needs a momentum > 0 (as in torch.optim.SGD).")
     parts.append(scale_by_learning_rate(learning_rate))
     return chain(*parts)
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._pytree import pytree
+from ragged._errors import RaggedValueError
 
 __all__ = [
     "GradientTransformation",
@@ -126,7 +127,7 @@ def check_like_state(updates, state_tree, where: str) -> None:
                 parts.append(f"{type(x).__name__}{tuple(getattr(x, 'shape', ()))}")
         return f"{len(leaves)} buffer(s): " + ", ".join(parts) + (", ..." if len(leaves) > 3 else "")
 
-    raise ValueError(
+    raise RaggedValueError(
         f"{where}: the updates do not match the optimizer state: updates are {describe(updates)}; the state "
         f"was built for {describe(state_tree)}. Fix: call opt.init on the same DBuffer(s) (same plan, same "
         "rank) whose gradients you pass to opt.update."

@@ -21,6 +21,7 @@ from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation
 from ragged.spec import LayoutPlan, LeafLayout
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = [
     "chain",
@@ -44,7 +45,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
-            raise TypeError(
+            raise RaggedTypeError(
                 f"chain argument {i} is a {type(t).__name__}, not a GradientTransformation "
                 "(did you pass a function instead of calling it, e.g. rg.optim.scale_by_adam()?)."
             )
@@ -54,7 +55,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update(updates, state, params=None):
         if len(state) != len(transforms):
-            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)} entries.")
+            raise RaggedValueError(f"chain of {len(transforms)} transforms got a state of {len(state)} entries.")
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)
@@ -84,7 +85,7 @@ def _labels_buffer(plan: LayoutPlan, rank: int, fn: LeafFn, labels: tuple, devic
     for leaf, start, n in spans:
         label = fn(leaf)
         if label not in labels:
-            raise ValueError(
+            raise RaggedValueError(
                 f"the label function returned {label!r} for params{leaf.path} (shape {leaf.shape}), "
                 f"which is not one of the transforms' labels {list(labels)}. Fix: return one of those "
                 "labels for every leaf, or add a transform for this label."
@@ -136,7 +137,7 @@ def _label_tree(cache: _MaskCache, tree):
     def one(x):
         if isinstance(x, DBuffer):
             return cache.get(x)
-        raise TypeError(
+        raise RaggedTypeError(
             f"a leaf-function mask needs DBuffers (ragged.shard(...) output), got a {type(x).__name__}. "
             "Fix: pass a pytree of bools (like the params) as the mask for plain tensor trees."
         )
@@ -264,10 +265,10 @@ def multi_transform(
     """
     names = tuple(transforms)
     if not names:
-        raise ValueError("multi_transform needs at least one transformation.")
+        raise RaggedValueError("multi_transform needs at least one transformation.")
     compact = frozenset(compact)
     if not compact <= set(names):
-        raise ValueError(f"compact names labels {sorted(map(str, compact - set(names)))} that have no transformation.")
+        raise RaggedValueError(f"compact names labels {sorted(map(str, compact - set(names)))} that have no transformation.")
     cache = _MaskCache(labels, names, "labels") if callable(labels) else None
 
     def label_index(tree):
@@ -275,7 +276,7 @@ def multi_transform(
             return _label_tree(cache, tree)
         def one(lab, t):
             if lab not in names:
-                raise ValueError(f"label {lab!r} is not one of the transforms' labels {list(names)}.")
+                raise RaggedValueError(f"label {lab!r} is not one of the transforms' labels {list(names)}.")
             return torch.full(t.shape, names.index(lab), dtype=torch.int8, device=t.device)
         return pytree.map(one, labels, tree)
 

@@ -42,6 +42,7 @@ from ragged.optim._base import GradientTransformation, Schedule, check_like_stat
 from ragged.optim._combine import chain, multi_transform
 from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_learning_rate
 from ragged.spec import LayoutPlan, LeafLayout
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = [
     "ScaleByMuonState",
@@ -70,7 +71,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS,
         (torch.bfloat16, torch.Size([8, 32]), True)
     """
     if g.ndim != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}.")
+        raise RaggedValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}.")
     a, b, c = coefficients
     x = g.bfloat16()
     tall = g.size(0) > g.size(1)
@@ -129,12 +130,12 @@ def _units(plans, muon_filter, ns_steps: int) -> list[tuple[MuonUnit, ...]]:
     raw = []  # (plan index, path, expert, start, rows, cols, cost)
     for i, plan in enumerate(plans):
         if plan.world_size != m:
-            raise ValueError(f"muon: all buffers must share one world size, got {m} and {plan.world_size}.")
+            raise RaggedValueError(f"muon: all buffers must share one world size, got {m} and {plan.world_size}.")
         for leaf in plan.leaves:
             if not muon_filter(leaf):
                 continue
             if len(leaf.shape) not in (2, 3):
-                raise ValueError(
+                raise RaggedValueError(
                     f"muon: params{leaf.path} has shape {leaf.shape}; Muon matrices must be 2-D (or 3-D "
                     "stacks of expert matrices). Fix: exclude it with muon_filter (it then gets AdamW)."
                 )
@@ -290,7 +291,7 @@ def scale_by_muon(
     """
     _check_beta("momentum", momentum)
     if ns_steps < 1 or ns_steps >= 100:
-        raise ValueError(f"ns_steps must be in [1, 100), got {ns_steps}.")
+        raise RaggedValueError(f"ns_steps must be in [1, 100), got {ns_steps}.")
     cache: dict = {}
 
     def waves_for(tree) -> list:
@@ -301,17 +302,17 @@ def scale_by_muon(
         if key not in cache:
             for d in bufs:
                 if not isinstance(d, DBuffer):
-                    raise TypeError(
+                    raise RaggedTypeError(
                         f"muon works on DBuffers (rg.shard output), got a {type(d).__name__} leaf. "
                         "Fix: pass the DBuffer(s); for plain tensors use torch.optim.Muon."
                     )
                 if d.plan.world_size > 1 and (comm is None or comm.world_size != d.plan.world_size):
-                    raise ValueError(
+                    raise RaggedValueError(
                         f"muon: the plan has world_size={d.plan.world_size} but comm is "
                         f"{'None' if comm is None else f'a group of {comm.world_size}'}; pass the shard group's comm."
                     )
                 if comm is not None and comm.rank != d.rank:
-                    raise ValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+                    raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
             units = _units([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()

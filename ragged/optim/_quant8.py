@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import LayoutError
+from ragged._errors import LayoutError, RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation, Schedule, zero_count
 from ragged.optim._combine import chain
@@ -382,7 +382,7 @@ def scale_by_adam_8bit(
     def check(tree, what):
         for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
             if not isinstance(leaf, DBuffer):
-                raise TypeError(
+                raise RaggedTypeError(
                     f"adamw_8bit works on DBuffers (rg.shard output); {what} has a "
                     f"{type(leaf).__name__} leaf. Fix: pass the DBuffer(s), or use rg.optim.adamw."
                 )
@@ -454,14 +454,14 @@ def scale_by_adam_8bit(
         for g, m in zip(flat_g, flat_m):
             lay = _layout(g, min_size)
             if m.mu_codes.numel() != lay.num_codes or m.mu_fp32.numel() != lay.num_fp32:
-                raise ValueError(
+                raise RaggedValueError(
                     f"adamw_8bit: the updates (DBuffer of rank {g.rank}, {g.plan!r}) do not match the 8-bit "
                     f"state ({m.mu_codes.numel()} codes / {m.mu_fp32.numel()} fp32 moments, expected "
                     f"{lay.num_codes} / {lay.num_fp32}). Fix: call opt.init on the DBuffer(s) whose "
                     "gradients you pass to opt.update."
                 )
         if len(flat_m) != len(flat_g):
-            raise ValueError(f"the 8-bit Adam state holds {len(flat_m)} buffers but the updates hold {len(flat_g)}.")
+            raise RaggedValueError(f"the 8-bit Adam state holds {len(flat_m)} buffers but the updates hold {len(flat_g)}.")
         results = [one(g, m) for g, m in zip(flat_g, flat_m)]
         new_updates = pytree.unflatten(treedef, [r[0] for r in results])
         moments = pytree.unflatten(pytree.structure(state.moments, is_leaf=_is_moments), [r[1] for r in results])

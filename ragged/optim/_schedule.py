@@ -12,6 +12,7 @@ import math
 import torch
 
 from ragged.optim._base import Schedule
+from ragged._errors import RaggedValueError
 
 __all__ = [
     "constant_schedule",
@@ -29,7 +30,7 @@ def _as_float(count) -> torch.Tensor:
 
 def _check_steps(name: str, steps) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {steps!r}.")
+        raise RaggedValueError(f"{name} must be a non-negative int, got {steps!r}.")
     return steps
 
 
@@ -107,7 +108,7 @@ def warmup_cosine_decay_schedule(
     _check_steps("warmup_steps", warmup_steps)
     _check_steps("decay_steps", decay_steps)
     if decay_steps < warmup_steps:
-        raise ValueError(
+        raise RaggedValueError(
             f"decay_steps ({decay_steps}) counts the warmup too, so it must be >= warmup_steps "
             f"({warmup_steps})."
         )

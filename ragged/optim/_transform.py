@@ -14,6 +14,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation, Schedule, check_like_state, zero_count
+from ragged._errors import RaggedValueError
 
 __all__ = [
     "ScaleState",
@@ -67,12 +68,12 @@ def _check_nonneg(name: str, value) -> None:
     if callable(value):
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a float >= 0, got {value!r}.")
+        raise RaggedValueError(f"{name} must be a float >= 0, got {value!r}.")
 
 
 def _check_beta(name: str, value) -> None:
     if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}.")
+        raise RaggedValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
 def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
@@ -265,7 +266,7 @@ def scale_by_adamw(
     def update(updates, state, params=None):
         adam, decay_state, lr_state = state
         if weight_decay and params is None:
-            raise ValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
+            raise RaggedValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
         check_like_state(updates, adam.mu, "adamw")
         count = adam.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
@@ -342,7 +343,7 @@ def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> G
         if weight_decay == 0:
             return updates, state
         if params is None:
-            raise ValueError(
+            raise RaggedValueError(
                 "add_decayed_weights needs the params: call opt.update(grads, opt_state, params)."
             )
         if donate:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ragged.spec._mesh import Mesh
+from ragged._errors import RaggedKeyError, RaggedValueError
 
 __all__ = ["MeshComm", "from_device_mesh", "simulate_mesh"]
 
@@ -44,7 +45,7 @@ class MeshComm:
         try:
             return self.axes[axis]
         except KeyError:
-            raise KeyError(f"mesh has axes {self.mesh.names}, no axis {axis!r}.") from None
+            raise RaggedKeyError(f"mesh has axes {self.mesh.names}, no axis {axis!r}.") from None
 
     @property
     def rank(self) -> int:
@@ -71,7 +72,7 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: s
 
     names = device_mesh.mesh_dim_names
     if not names:
-        raise ValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
+        raise RaggedValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
     mesh = Mesh(tuple(int(s) for s in device_mesh.mesh.shape), tuple(names))
     axes = {n: from_torch(device_mesh[n], algorithm=algorithm, plan_check=plan_check) for n in names}
     coords = {n: int(device_mesh.get_local_rank(n)) for n in names}

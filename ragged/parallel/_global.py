@@ -33,6 +33,7 @@ from ragged.spec._plan import LayoutPlan
 from ragged.spec._planning import make_plan
 from ragged.parallel._transforms import check_mesh_plan
 from ragged.transforms._shard import replicated_size
+from ragged._errors import RaggedValueError
 
 __all__ = ["global_plan", "to_global", "from_global"]
 
@@ -109,9 +110,9 @@ def _sorted_by_owner(positions: torch.Tensor, S: int, W: int):
 
 def _check(mplan, mcomm, where):
     if mcomm.world is None:
-        raise ValueError(f"{where} needs mcomm.world (a Collectives over every rank of the mesh); this MeshComm has none.")
+        raise RaggedValueError(f"{where} needs mcomm.world (a Collectives over every rank of the mesh); this MeshComm has none.")
     if mcomm.world.world_size != mplan.mesh.size or mcomm.world.rank != mplan.mesh.rank(mcomm.coords):
-        raise ValueError(
+        raise RaggedValueError(
             f"{where}: mcomm.world (rank {mcomm.world.rank} of {mcomm.world.world_size}) does not match the mesh "
             f"{mplan.mesh.shape} at {dict(mcomm.coords)} (row-major rank {mplan.mesh.rank(mcomm.coords)})."
         )
@@ -145,7 +146,7 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     world = mcomm.world
     W, Sg = world.world_size, gplan.shard_size
     if gplan.world_size != W:
-        raise ValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
+        raise RaggedValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
     src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
     order, counts = _sorted_by_owner(dst, Sg, W)
     src, dst = src[order], dst[order]
@@ -204,7 +205,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
             return d
         gplan = d.plan
         if gplan.world_size != W or gplan.replicated or d.rank != world.rank:
-            raise ValueError(
+            raise RaggedValueError(
                 f"from_global: a DBuffer of {gplan!r} at rank {d.rank} is not a global DBuffer of this mesh "
                 f"({W} ranks, this is rank {world.rank}; global plans shard every leaf). Fix: load the checkpoint "
                 "into DBuffers of parallel.global_plan(mplan) (see parallel.to_global)."
@@ -236,7 +237,7 @@ def _check_same_leaves(mplan: MeshPlan, gplan: LayoutPlan) -> None:
     have = {l.path: l.shape for l in gplan.leaves}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))
-        raise ValueError(
+        raise RaggedValueError(
             f"from_global: the global plan's leaves differ from the mesh plan's global shapes: {diff[:4]}. "
             "Fix: load the checkpoint into parallel.global_plan(mplan) first."
         )

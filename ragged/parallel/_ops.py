@@ -17,6 +17,7 @@ import math
 import torch
 
 from ragged.transforms._gather import AllReduceGrad
+from ragged._errors import RaggedValueError
 
 __all__ = ["copy_to", "reduce_from", "all_to_all"]
 
@@ -105,5 +106,5 @@ def all_to_all(x: torch.Tensor, comm, output_rows, input_rows) -> torch.Tensor:
     """
     output_rows, input_rows = tuple(int(r) for r in output_rows), tuple(int(r) for r in input_rows)
     if x.shape[0] != sum(input_rows):
-        raise ValueError(f"all_to_all: x has {x.shape[0]} rows but input_rows sums to {sum(input_rows)}.")
+        raise RaggedValueError(f"all_to_all: x has {x.shape[0]} rows but input_rows sums to {sum(input_rows)}.")
     return _AllToAll.apply(x, comm, output_rows, input_rows)

@@ -29,6 +29,7 @@ from ragged.transforms import gather as _gather
 from ragged.transforms import reduce_scatter as _reduce_scatter
 from ragged.transforms import shard as _shard
 from ragged.transforms._reduce_scatter import all_reduce_leaves
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "to_dtensor", "global_norm",
            "step_data_axes"]
@@ -36,12 +37,12 @@ __all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "
 
 def _check_mplan(mplan, where):
     if not isinstance(mplan, MeshPlan):
-        raise TypeError(f"{where}: mplan must be a ragged.spec.MeshPlan (from spec.make_mesh_plan), got {type(mplan).__name__}.")
+        raise RaggedTypeError(f"{where}: mplan must be a ragged.spec.MeshPlan (from spec.make_mesh_plan), got {type(mplan).__name__}.")
 
 
 def _check_mesh(mplan: MeshPlan, mcomm, where):
     if tuple(mcomm.mesh.names) != mplan.mesh.names or tuple(mcomm.mesh.shape) != mplan.mesh.shape:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where}: the plan is for mesh {mplan.mesh.shape} {mplan.mesh.names} but the MeshComm's mesh is "
             f"{mcomm.mesh.shape} {mcomm.mesh.names}. Fix: plan with spec.make_mesh_plan(..., mesh=mcomm.mesh)."
         )
@@ -203,11 +204,11 @@ def reduce_scatter(
     _check_mplan(mplan, "reduce_scatter")
     _check_mesh(mplan, mcomm, "reduce_scatter")
     if op not in ("mean", "sum"):
-        raise ValueError(f"reduce_scatter: op must be 'mean' or 'sum', got {op!r}.")
+        raise RaggedValueError(f"reduce_scatter: op must be 'mean' or 'sum', got {op!r}.")
     data_axes = tuple(data_axes)
     for a in data_axes:
         if a not in mplan.other_axes:
-            raise ValueError(
+            raise RaggedValueError(
                 f"reduce_scatter: data_axes entry {a!r} is not a non-FSDP axis of the mesh "
                 f"({mplan.other_axes}); the FSDP axis {mplan.fsdp_axis!r} is always reduced."
             )
@@ -283,7 +284,7 @@ def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple:
     """
     for a in axes:
         if a not in mplan.other_axes:
-            raise ValueError(
+            raise RaggedValueError(
                 f"step_data_axes: {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
                 f"{mplan.fsdp_axis!r} is the step's own comm."
             )
@@ -381,7 +382,7 @@ def to_dtensor(mplan: MeshPlan, local_tree, device_mesh):
                 continue
             _, dim, groups, _ = s[0]
             if groups != 1:
-                raise ValueError(
+                raise RaggedValueError(
                     f"to_dtensor: {ml.path} is Shard({dim}, groups={groups}) on {a!r}; DTensor has no public strided "
                     "placement. Fix: use the local tensor for this leaf (e.g. split Q, K, V locally)."
                 )

@@ -21,16 +21,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ragged._errors import LayoutError
+from ragged._errors import LayoutError, RaggedTypeError, RaggedValueError
 
 __all__ = ["Granularity", "Elements", "Rows", "Blocks", "Replicate", "granule_of"]
 
 
 def _check_positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r} of type {type(value).__name__}.")
+        raise RaggedTypeError(f"{name} must be a positive int, got {value!r} of type {type(value).__name__}.")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}.")
+        raise RaggedValueError(f"{name} must be >= 1, got {value}.")
     return value
 
 
@@ -162,4 +162,4 @@ def granule_of(granularity: Granularity, shape: tuple[int, ...], *, path: str = 
                 shape=shape,
             )
         return max(granularity.r * row, 1)
-    raise TypeError(f"granule_of got {granularity!r}, which is not a granularity.")
+    raise RaggedTypeError(f"granule_of got {granularity!r}, which is not a granularity.")

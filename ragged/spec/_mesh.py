@@ -48,7 +48,7 @@ from typing import Any
 import optree
 import torch
 
-from ragged._errors import NO_PARAMS_MSG, LayoutError
+from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.spec._granularity import GRANULARITY_TYPES, Blocks, Elements, Replicate, Rows
 from ragged.spec._plan import LayoutPlan
@@ -77,9 +77,9 @@ class Shard:
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"Shard.dim must be an int, got {self.dim!r}.")
+            raise RaggedTypeError(f"Shard.dim must be an int, got {self.dim!r}.")
         if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise ValueError(f"Shard.groups must be a positive int, got {self.groups!r}.")
+            raise RaggedValueError(f"Shard.groups must be a positive int, got {self.groups!r}.")
 
     replace = dataclasses.replace
 
@@ -107,12 +107,12 @@ class Mesh:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "names", names)
         if len(shape) != len(names) or not shape:
-            raise ValueError(f"Mesh needs one name per axis and at least one axis; got shape {shape}, names {names}.")
+            raise RaggedValueError(f"Mesh needs one name per axis and at least one axis; got shape {shape}, names {names}.")
         if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"Mesh axis names must be distinct non-empty strings, got {names}.")
+            raise RaggedValueError(f"Mesh axis names must be distinct non-empty strings, got {names}.")
         for n, s in zip(names, shape):
             if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise ValueError(f"Mesh axis {n!r} has size {s!r}; sizes must be positive ints.")
+                raise RaggedValueError(f"Mesh axis {n!r} has size {s!r}; sizes must be positive ints.")
 
     replace = dataclasses.replace
 
@@ -128,12 +128,12 @@ class Mesh:
         try:
             return self.names.index(name)
         except ValueError:
-            raise ValueError(f"mesh has axes {self.names}, no axis {name!r}.") from None
+            raise RaggedValueError(f"mesh has axes {self.names}, no axis {name!r}.") from None
 
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinates (axis -> index) of global ``rank`` (row-major)."""
         if not 0 <= rank < self.size:
-            raise ValueError(f"rank must be in [0, {self.size}), got {rank}.")
+            raise RaggedValueError(f"rank must be in [0, {self.size}), got {rank}.")
         out = {}
         for name, s in zip(reversed(self.names), reversed(self.shape)):
             out[name] = rank % s
@@ -171,13 +171,13 @@ class Placements:
         items = dict(mapping or {})
         overlap = set(items) & set(kwargs)
         if overlap:
-            raise ValueError(f"Placements got axes {sorted(overlap)} twice.")
+            raise RaggedValueError(f"Placements got axes {sorted(overlap)} twice.")
         items.update(kwargs)
         for axis, p in items.items():
             if not isinstance(axis, str):
-                raise TypeError(f"Placements keys are mesh axis names (str), got {axis!r}.")
+                raise RaggedTypeError(f"Placements keys are mesh axis names (str), got {axis!r}.")
             if not isinstance(p, (Shard, *GRANULARITY_TYPES)):
-                raise TypeError(
+                raise RaggedTypeError(
                     f"Placements[{axis!r}] is {p!r} of type {type(p).__name__}; a placement is spec.Shard(dim), "
                     "spec.Replicate(), or (on the FSDP axis) spec.Rows(n) / spec.Blocks(r, c) / spec.Elements(n)."
                 )
@@ -187,7 +187,7 @@ class Placements:
         for a, p in self.axes:
             if a == axis:
                 return p
-        raise KeyError(axis)
+        raise RaggedKeyError(axis)
 
     def get(self, axis: str, default=None):
         for a, p in self.axes:
@@ -315,7 +315,7 @@ class MeshPlan:
         for leaf in self.leaves:
             if leaf.path == path:
                 return leaf
-        raise KeyError(f"no leaf at {path!r}; paths are {[l.path for l in self.leaves]}")
+        raise RaggedKeyError(f"no leaf at {path!r}; paths are {[l.path for l in self.leaves]}")
 
     def local_shapes(self):
         """A tree like the params holding each leaf's local shape (a tuple)."""
@@ -379,7 +379,7 @@ def _spec_leaves(specs, params, treedef, mesh: Mesh) -> list:
     accessors, leaves, _ = optree.tree_flatten_with_accessor(specs, is_leaf=is_leaf, none_is_leaf=True, namespace="ragged")
     for accessor, s in zip(accessors, leaves):
         if s is not None and not isinstance(s, (Shard, *GRANULARITY_TYPES, Placements)) and not is_leaf(s):
-            raise TypeError(
+            raise RaggedTypeError(
                 f"specs{keystr(accessor)} is {s!r} of type {type(s).__name__}, not a placement. Each spec leaf must be "
                 "spec.Placements(...) (or a dict {axis: placement} over the mesh axes), a granularity (FSDP axis only), "
                 "spec.Shard(dim) (when the mesh has one non-FSDP axis) or None."
@@ -419,7 +419,7 @@ def _as_placements(s, mesh: Mesh, path: str) -> Placements:
         return Placements(__fsdp__=s)
     if isinstance(s, Shard):
         return Placements(__other__=s)
-    raise TypeError(f"specs{path} is {s!r}, not a placement.")
+    raise RaggedTypeError(f"specs{path} is {s!r}, not a placement.")
 
 
 def _resolve(path, index, shape, dtype, placements: Placements, mesh: Mesh, fsdp_axis: str) -> MeshLeaf:
@@ -571,11 +571,11 @@ def make_mesh_plan(
         ragged._errors.LayoutError: specs['up'] places Blocks(r=64, c=16) on 'dp' and Shard(0) on 'tp' (size 2): params['up'] of shape (64, 16) has local shape (32, 16) on each 'tp' rank, and 32 local rows is not a multiple of r = 64, so a granule would straddle the 'tp' boundary. Rule: a Blocks granule never crosses a TP/EP or FSDP boundary. Fix: choose r dividing 32, or shard a different dim on 'tp'.
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"make_mesh_plan: mesh must be a ragged.spec.Mesh, got {type(mesh).__name__}.")
+        raise RaggedTypeError(f"make_mesh_plan: mesh must be a ragged.spec.Mesh, got {type(mesh).__name__}.")
     if fsdp_axis is None:
         fsdp_axis = "dp" if "dp" in mesh.names else mesh.names[0]
     if fsdp_axis not in mesh.names:
-        raise ValueError(f"make_mesh_plan: fsdp_axis {fsdp_axis!r} is not an axis of the mesh {mesh.names}.")
+        raise RaggedValueError(f"make_mesh_plan: fsdp_axis {fsdp_axis!r} is not an axis of the mesh {mesh.names}.")
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(params, namespace="ragged")
     if not leaves:
         raise LayoutError(NO_PARAMS_MSG)
@@ -586,7 +586,7 @@ def make_mesh_plan(
         shape = getattr(leaf, "shape", None)
         dtype = getattr(leaf, "dtype", None)
         if shape is None or not isinstance(dtype, torch.dtype):
-            raise TypeError(
+            raise RaggedTypeError(
                 f"params{p} is a {type(leaf).__name__}, not a tensor. make_mesh_plan needs tensors of the global "
                 "shapes (meta tensors are fine)."
             )

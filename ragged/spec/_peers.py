@@ -29,6 +29,7 @@ import math
 import torch
 
 from ragged._pytree import pytree
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["PEERS", "PeerPadding", "peer_shard_numel", "peer_padding"]
 
@@ -101,7 +102,7 @@ def _shapes_itemsizes(params):
     for leaf in pytree.leaves(params):
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
         if shape is None:
-            raise TypeError(f"peer padding needs tensor leaves (meta tensors are fine), got {type(leaf).__name__}.")
+            raise RaggedTypeError(f"peer padding needs tensor leaves (meta tensors are fine), got {type(leaf).__name__}.")
         shapes.append(tuple(int(d) for d in shape))
         itemsizes.append(torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 4)
     return shapes, itemsizes
@@ -118,9 +119,9 @@ def peer_shard_numel(params, world_size: int, peer: str) -> int:
         2
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
     if peer not in _RULES:
-        raise ValueError(f"peer must be one of {PEERS}, got {peer!r}.")
+        raise RaggedValueError(f"peer must be one of {PEERS}, got {peer!r}.")
     shapes, itemsizes = _shapes_itemsizes(params)
     return _RULES[peer](shapes, itemsizes, world_size)
 
@@ -144,12 +145,12 @@ def peer_padding(params, world_size: int, *, peers=PEERS) -> dict[str, PeerPaddi
         {'fsdp2': (13, 9), 'fsdp1': (11, 1), 'zero3': (11, 1), 'megatron': (12, 5)}
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
     shapes, itemsizes = _shapes_itemsizes(params)
     numel = sum(math.prod(s) for s in shapes)
     out = {}
     for peer in peers:
         if peer not in _RULES:
-            raise ValueError(f"peer must be one of {PEERS}, got {peer!r}.")
+            raise RaggedValueError(f"peer must be one of {PEERS}, got {peer!r}.")
         out[peer] = PeerPadding(peer=peer, world_size=world_size, per_device=_RULES[peer](shapes, itemsizes, world_size), numel=numel)
     return out

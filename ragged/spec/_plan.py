@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ragged.spec._granularity import Granularity
+from ragged._errors import RaggedKeyError, RaggedValueError
 
 __all__ = ["LeafLayout", "LocalPiece", "LayoutPlan"]
 
@@ -180,7 +181,7 @@ class LayoutPlan:
             [(12, 24, (3, 4))]
         """
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
+            raise RaggedValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
         lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
         pieces = []
         for leaf in self.leaves:
@@ -226,7 +227,7 @@ class LayoutPlan:
         for leaf in self.leaves + self.replicated:
             if leaf.path == path:
                 return leaf
-        raise KeyError(f"no leaf at {path!r}; paths are {[l.path for l in self.leaves + self.replicated]}")
+        raise RaggedKeyError(f"no leaf at {path!r}; paths are {[l.path for l in self.leaves + self.replicated]}")
 
     def fingerprint(self) -> str:
         """A digest that is equal on two processes exactly when their plans are equal.

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ragged._errors import NO_PARAMS_MSG, LayoutError
+from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.spec import _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
@@ -43,7 +43,7 @@ def _leaf_shape_dtype(path: str, leaf):
         return tuple(leaf.shape), leaf.dtype
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or not isinstance(dtype, torch.dtype):
-        raise TypeError(
+        raise RaggedTypeError(
             f"params{path} is a {type(leaf).__name__}, not a tensor. make_plan needs leaves with a "
             "`.shape` and a torch `.dtype` (torch tensors; meta tensors plan without memory). "
             "Fix: drop non-tensor leaves from the tree, or wrap shapes as torch.empty(shape, device='meta')."
@@ -73,7 +73,7 @@ def _broadcast_specs(specs, params):
     specs = optree.tree_map(lambda s: _DEFAULT if s is None else s, specs, none_is_leaf=True, namespace="ragged")
     for accessor, s in zip(*optree.tree_flatten_with_accessor(specs, namespace="ragged")[:2]):
         if not isinstance(s, GRANULARITY_TYPES):
-            raise TypeError(
+            raise RaggedTypeError(
                 f"specs{keystr(accessor)} is {s!r} of type {type(s).__name__}, not a granularity. "
                 "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
                 "spec.Replicate() or None (= Rows(1))."
@@ -107,7 +107,7 @@ def _order_indices(order, leaves: list[tuple], world_size: int) -> list[tuple[in
         return [tuple(range(len(leaves)))]
     if isinstance(order, str):
         if order != "search" and order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
+            raise RaggedValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
         named = _named_orders(tuple((leaf[1], leaf[2]) for leaf in leaves))
         if order == "search":
             unique = []
@@ -120,7 +120,7 @@ def _order_indices(order, leaves: list[tuple], world_size: int) -> list[tuple[in
     order = list(order)
     if sorted(order) != sorted(paths):
         missing, extra = sorted(set(paths) - set(order)), sorted(set(order) - set(paths))
-        raise ValueError(
+        raise RaggedValueError(
             f"order must list every sharded leaf's key path exactly once; missing {missing}, "
             f"unknown {extra}. Paths are {paths}."
         )
@@ -230,11 +230,11 @@ def make_plan(
         (12, 4, ["['b']", "['w']"])
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        raise RaggedValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
-        raise ValueError(f"align must be a positive int (elements) or None, got {align!r}.")
+        raise RaggedValueError(f"align must be a positive int (elements) or None, got {align!r}.")
 
     leaves, treedef = optree.tree_flatten(params, namespace="ragged")
     if not leaves:

@@ -31,6 +31,8 @@ import math
 
 import numpy as np
 
+from ragged._errors import RaggedValueError
+
 _INFEASIBLE = np.int64(1) << np.int64(62)
 
 
@@ -275,7 +277,7 @@ def place(sizes, granules, align: int, shard_size: int) -> list[int]:
         e, g = int(e), int(g)
         l = earliest_offset_scalar(p, e, g, shard_size, align)
         if l is None:
-            raise ValueError(f"shard size {shard_size} is infeasible for this order")
+            raise RaggedValueError(f"shard size {shard_size} is infeasible for this order")
         offsets.append(l)
         p = -(-(l + int(e)) // align) * align
     return offsets

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ragged._pytree import flatten_with_keystr
+from ragged._errors import RaggedValueError
 
 __all__ = ["assert_trees_all_close"]
 
@@ -43,7 +44,7 @@ def assert_trees_all_close(actual, expected, *, rtol: float | None = None, atol:
         AssertionError: leaf ['w'] differs: ...
     """
     if (rtol is None) != (atol is None):
-        raise ValueError("pass rtol and atol together (or neither, for torch's per-dtype defaults).")
+        raise RaggedValueError("pass rtol and atol together (or neither, for torch's per-dtype defaults).")
     prefix = f"{msg}: " if msg else ""
     paths_a, leaves_a, tree_a = flatten_with_keystr(actual)
     paths_b, leaves_b, tree_b = flatten_with_keystr(expected)

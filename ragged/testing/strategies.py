@@ -27,6 +27,7 @@ import torch
 
 from ragged._pytree import pytree
 from ragged.spec._granularity import Blocks, Elements, Replicate, Rows
+from ragged._errors import RaggedValueError
 
 __all__ = [
     "world_sizes",
@@ -118,7 +119,7 @@ def block_specs(draw, shape, *, max_r: int = 4, max_c: int = 4):
     divides ``shape[-2]`` so bands line up)."""
     shape = tuple(shape)
     if len(shape) < 2:
-        raise ValueError(f"Blocks need a leaf of at least 2 dims, got shape {shape}.")
+        raise RaggedValueError(f"Blocks need a leaf of at least 2 dims, got shape {shape}.")
     if len(shape) >= 3 and math.prod(shape[:-2]) > 1:
         r = draw(st.sampled_from(_divisors(shape[-2], max_r) if shape[-2] else list(range(1, max_r + 1))))
     else:

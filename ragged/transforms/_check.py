@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ragged._errors import LayoutError, PlanMismatchError
+from ragged._errors import LayoutError, PlanMismatchError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
 from ragged.spec._plan import LayoutPlan
 
@@ -47,7 +47,7 @@ __all__ = ["check_plan", "check_plans", "ranks_agree", "check_comm", "flatten_li
 
 def check_plan_type(plan, where: str) -> LayoutPlan:
     if not isinstance(plan, LayoutPlan):
-        raise TypeError(f"{where}: plan must be a ragged LayoutPlan (from rg.make_plan), got {type(plan).__name__}.")
+        raise RaggedTypeError(f"{where}: plan must be a ragged LayoutPlan (from rg.make_plan), got {type(plan).__name__}.")
     return plan
 
 
@@ -55,7 +55,7 @@ def check_comm(plan: LayoutPlan, comm, where: str) -> None:
     """A plan may shard over fewer ranks than the comm has (the rest hold empty shards, see
     ``redistribute``), never over more."""
     if comm.world_size < plan.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where}: the plan shards over world_size={plan.world_size} ranks but the comm's shard group has "
             f"{comm.world_size}. Fix: plan with rg.make_plan(..., world_size=comm.world_size)."
         )
@@ -203,7 +203,7 @@ def flatten_like_plan(plan: LayoutPlan, tree, what: str, *, device=None, allow_d
     for layout in plan.leaves + plan.replicated:
         leaf = leaves[layout.index]
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{what}{layout.path} is a {type(leaf).__name__}, not a torch.Tensor.")
+            raise RaggedTypeError(f"{what}{layout.path} is a {type(leaf).__name__}, not a torch.Tensor.")
         if tuple(leaf.shape) != layout.shape:
             raise LayoutError(
                 f"{what}{layout.path} has shape {tuple(leaf.shape)} but the plan expects {layout.shape}. "

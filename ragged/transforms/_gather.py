@@ -33,6 +33,7 @@ import torch
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
 
@@ -107,17 +108,17 @@ class AllReduceGrad(torch.autograd.Function):
 
 def _check_dbuf(dbuf, comm, where):
     if not isinstance(dbuf, DBuffer):
-        raise TypeError(f"{where} takes a DBuffer (from rg.shard / rg.reduce_scatter), got {type(dbuf).__name__}.")
+        raise RaggedTypeError(f"{where} takes a DBuffer (from rg.shard / rg.reduce_scatter), got {type(dbuf).__name__}.")
     plan = dbuf.plan
     if plan.world_size != comm.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where}: the DBuffer's plan shards over world_size={plan.world_size} but the comm's shard group "
             f"has {comm.world_size} ranks. Fix: use the comm the plan was made for, or rg.redistribute first."
         )
     if dbuf.rank != comm.rank:
-        raise ValueError(f"{where}: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
+        raise RaggedValueError(f"{where}: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
     if dbuf.data.numel() != plan.shard_size or dbuf.data.dim() != 1:
-        raise ValueError(
+        raise RaggedValueError(
             f"{where}: dbuf.data has shape {tuple(dbuf.data.shape)} but the plan's shard is ({plan.shard_size},)."
         )
 
@@ -126,14 +127,14 @@ def _check_out(out, numel, dtype, device):
     if out is None:
         return None
     if not isinstance(out, torch.Tensor) or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
-        raise ValueError(
+        raise RaggedValueError(
             f"gather: out= must be a contiguous 1-D tensor of plan.buffer_numel = {numel} elements, got "
             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
         )
     if out.dtype != dtype or out.device != device:
-        raise ValueError(f"gather: out= is {out.dtype} on {out.device}; the gather produces {dtype} on {device}.")
+        raise RaggedValueError(f"gather: out= is {out.dtype} on {out.device}; the gather produces {dtype} on {device}.")
     if out.requires_grad:
-        raise ValueError("gather: out= must not require grad (it is overwritten).")
+        raise RaggedValueError("gather: out= must not require grad (it is overwritten).")
     return out
 
 

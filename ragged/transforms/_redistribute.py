@@ -18,7 +18,7 @@ import functools
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import LayoutError
+from ragged._errors import LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan_type, check_plans
 from ragged.transforms._shard import replicated_size
@@ -115,16 +115,16 @@ def redistribute(dbuf: DBuffer, new_plan: LayoutPlan, comm) -> DBuffer:
     """
     check_plan_type(new_plan, "redistribute")
     if not isinstance(dbuf, DBuffer):
-        raise TypeError(f"redistribute takes a DBuffer, got {type(dbuf).__name__}.")
+        raise RaggedTypeError(f"redistribute takes a DBuffer, got {type(dbuf).__name__}.")
     old = dbuf.plan
     world = comm.world_size
     if max(old.world_size, new_plan.world_size) > world:
-        raise ValueError(
+        raise RaggedValueError(
             f"redistribute: plans over {old.world_size} and {new_plan.world_size} ranks need a shard group of at "
             f"least that many; the comm has {world}."
         )
     if dbuf.rank != comm.rank:
-        raise ValueError(f"redistribute: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
+        raise RaggedValueError(f"redistribute: the DBuffer belongs to rank {dbuf.rank} but comm.rank is {comm.rank}.")
     _check_same_leaves(old, new_plan)
     check_plans((old, new_plan), comm, "redistribute")
     rank = comm.rank
@@ -180,9 +180,9 @@ def owned_plan(plan: LayoutPlan, owners=None, *, world_size: int | None = None) 
     paths = {l.path for l in plan.leaves}
     for path, r in owners.items():
         if path not in paths:
-            raise KeyError(f"owned_plan: owners names {path!r}, which is not a sharded leaf; leaves are {sorted(paths)}.")
+            raise RaggedKeyError(f"owned_plan: owners names {path!r}, which is not a sharded leaf; leaves are {sorted(paths)}.")
         if not (isinstance(r, int) and 0 <= r < m):
-            raise ValueError(f"owned_plan: owner of {path} must be a rank in [0, {m}), got {r!r}.")
+            raise RaggedValueError(f"owned_plan: owner of {path} must be a rank in [0, {m}), got {r!r}.")
     align = plan.align
     up = lambda n: -(-n // align) * align
     load = [0] * m

@@ -23,6 +23,7 @@ from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan
 from ragged.transforms._shard import replicated_size
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["reduce_scatter", "reduce_scatter_start", "reduce_scatter_wait", "ReduceScatterPending"]
 
@@ -174,9 +175,9 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
     that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step)."""
     check_plan_type(plan, "reduce_scatter")
     if op not in _OPS:
-        raise ValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
+        raise RaggedValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
     if plan.world_size != comm.world_size:
-        raise ValueError(
+        raise RaggedValueError(
             f"reduce_scatter: the plan shards over world_size={plan.world_size} but the comm's shard group has "
             f"{comm.world_size} ranks. Fix: plan with rg.make_plan(..., world_size=comm.world_size)."
         )
@@ -186,17 +187,17 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
     segs, rsegs = _segments(plan)
     if isinstance(grads, torch.Tensor):
         if grads.dim() != 1 or grads.numel() != plan.buffer_numel:
-            raise ValueError(
+            raise RaggedValueError(
                 f"reduce_scatter: a flat gradient must be 1-D with plan.buffer_numel = {plan.buffer_numel} "
                 f"elements (world_size {plan.world_size} x shard_size {plan.shard_size}); got shape "
                 f"{tuple(grads.shape)}. Fix: pass the gradient of gather's buffer, or a pytree like the params."
             )
         if grads.device.type != device.type:
-            raise ValueError(f"reduce_scatter: the flat gradient is on {grads.device}; the comm works on {device}.")
+            raise RaggedValueError(f"reduce_scatter: the flat gradient is on {grads.device}; the comm works on {device}.")
         if not grads.is_floating_point():
-            raise TypeError(f"reduce_scatter: the flat gradient has dtype {grads.dtype}; it must be floating point.")
+            raise RaggedTypeError(f"reduce_scatter: the flat gradient has dtype {grads.dtype}; it must be floating point.")
         if plan.replicated and replicated is None:
-            raise ValueError(
+            raise RaggedValueError(
                 f"reduce_scatter: the plan has {len(plan.replicated)} replicated leaves "
                 f"({[l.path for l in plan.replicated][:3]}...); with a flat gradient pass their flat gradient "
                 f"too: replicated=<tensor of {rep_numel} elements>."
@@ -205,7 +206,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         flat = (flat if flat.dtype == rdtype else flat.to(rdtype)).contiguous()
         if replicated is not None:
             if replicated.numel() != rep_numel:
-                raise ValueError(f"reduce_scatter: replicated= has {replicated.numel()} elements, expected {rep_numel}.")
+                raise RaggedValueError(f"reduce_scatter: replicated= has {replicated.numel()} elements, expected {rep_numel}.")
             rep = replicated.detach().reshape(-1).to(rdtype, copy=True)
         else:
             rep = torch.empty(0, dtype=rdtype, device=device)
@@ -218,7 +219,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         zero_padding, pooled = False, True
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != (plan.shard_size,) or out.dtype != rdtype or not out.is_contiguous():
-            raise ValueError(
+            raise RaggedValueError(
                 f"reduce_scatter: out= must be a contiguous ({plan.shard_size},) tensor of the reduce dtype {rdtype}, "
                 f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}."
             )

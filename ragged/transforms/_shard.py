@@ -7,6 +7,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_comm, check_plan, check_plan_type, flatten_like_plan
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["shard", "replicated_size"]
 
@@ -52,11 +53,11 @@ def shard(plan: LayoutPlan, params, comm=None, *, rank: int | None = None) -> DB
     check_plan_type(plan, "shard")
     if comm is not None:
         if rank is not None and rank != comm.rank:
-            raise ValueError(f"shard: rank={rank} disagrees with comm.rank={comm.rank}; pass one of them.")
+            raise RaggedValueError(f"shard: rank={rank} disagrees with comm.rank={comm.rank}; pass one of them.")
         rank = comm.rank
         check_comm(plan, comm, "shard")
     elif rank is None:
-        raise TypeError("shard needs a comm (rg.collectives.from_torch() / simulate) or rank=.")
+        raise RaggedTypeError("shard needs a comm (rg.collectives.from_torch() / simulate) or rank=.")
     leaves = flatten_like_plan(plan, params, "params")
     if comm is not None:
         check_plan(plan, comm, "shard")

@@ -6,16 +6,11 @@ No timing is asserted anywhere (speed claims live in the bench output, not in te
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import ragged as rg  # noqa: E402
-from ragged import spec  # noqa: E402
+import ragged as rg
+from ragged import spec
 
 
 def _params_grads(steps=3, seed=0):

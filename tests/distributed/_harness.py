@@ -2,7 +2,7 @@
 
 API (for any test module under ``tests/``):
 
-    from _harness import workers_fixture, comm, mesh, rank, world_size   # (tests/distributed on sys.path)
+    from tests.distributed._harness import workers_fixture, comm, mesh, rank, world_size
     workers2 = workers_fixture(2)            # a module-scoped pytest fixture: a Workers of 2 ranks
     workers4 = workers_fixture(4)
 

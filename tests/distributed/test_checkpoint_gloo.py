@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ragged as rg
-from _harness import comm, group, mesh, rank, workers_fixture
+from tests.distributed._harness import comm, group, mesh, rank, workers_fixture
 
 pytestmark = pytest.mark.distributed
 

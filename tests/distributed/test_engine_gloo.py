@@ -1,14 +1,13 @@
 """The engine on real gloo process groups (2 and 4 ranks, HSDP 2x2), against float64
 references computed unsharded in each worker from the same seeds."""
 
-import re
 
 import pytest
 import torch
 
 import ragged as rg
 from ragged import spec
-from _harness import comm, mesh, workers_2_and_4
+from tests.distributed._harness import comm, mesh, workers_2_and_4
 
 pytestmark = pytest.mark.distributed
 
@@ -228,7 +227,7 @@ def _global_norm():
 
 
 def _hsdp():
-    from _harness import rank as grank
+    from tests.distributed._harness import rank as grank
 
     dm = mesh((2, 2))
     c = rg.collectives.from_torch(dm)

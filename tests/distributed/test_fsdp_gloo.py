@@ -2,16 +2,13 @@
 parameters of single-process ``torch.optim.AdamW`` on the same global batch (float64, computed
 in each worker), with gradient accumulation and the MoE model too; bf16 compute runs."""
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp"))
 
-from _fsdp_cases import Case, fsdp_run, loss_fn, max_diff, rank_slice, reference_run  # noqa: E402
-from _harness import comm, mesh, workers_2_and_4  # noqa: E402
+from tests.fsdp._cases import Case, fsdp_run, loss_fn, max_diff, rank_slice, reference_run
+from tests.distributed._harness import comm, mesh, workers_2_and_4
 
 pytestmark = pytest.mark.distributed
 

@@ -7,18 +7,15 @@ Workers are started once for the module (tests/distributed/_harness.py).
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 import ragged as rg
 from ragged import parallel, spec
-from _harness import workers_fixture
+from tests.distributed._harness import workers_fixture
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "parallel"))
-from _parallel_models import (  # noqa: E402
+from tests.parallel._cases import (
     STEPS,
     batches_per_step,
     ep_fsdp_step_train,

@@ -12,7 +12,7 @@ import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
-from _fsdp_cases import Case, fsdp_run, max_diff, reference_run
+from tests.fsdp._cases import Case, fsdp_run, max_diff, reference_run
 
 
 def _sim(world_size, case, **kw):

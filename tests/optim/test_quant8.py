@@ -9,7 +9,7 @@ import ragged as rg
 from ragged import spec
 from ragged.optim._quant8 import _Codec, _QPiece
 
-from tests.optim._util import gather_all, padding_mask, shard_all
+from tests.optim._cases import gather_all, padding_mask, shard_all
 
 
 def _params(seed=0, dtype=torch.float32):

@@ -10,7 +10,7 @@ import torch
 import ragged as rg
 from ragged import spec
 
-from tests.optim._util import gather_all, padding_mask, shard_all
+from tests.optim._cases import gather_all, padding_mask, shard_all
 
 STEPS = 5
 

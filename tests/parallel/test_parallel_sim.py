@@ -11,7 +11,7 @@ import torch
 
 import ragged as rg
 from ragged import parallel, spec
-from _parallel_models import (
+from tests.parallel._cases import (
     STEPS,
     batches_per_step,
     init_params,
@@ -56,7 +56,7 @@ def test_training_equals_single_process(kind):
 def _ep_without_data_axis(mc, mplan):
     local = parallel.gather(parallel.shard(mplan, init_params("ep"), mc), mc)
     local = rg.pytree.map(lambda t: t.detach().requires_grad_(), local)
-    from _parallel_models import D, TOKENS, moe_batch, moe_loss_sum
+    from tests.parallel._cases import D, TOKENS, moe_batch, moe_loss_sum
 
     (moe_loss_sum(local, moe_batch(0, mc.rank), mc["ep"]) / (mc.mesh.size * TOKENS * D)).backward()
     grads = rg.pytree.map(lambda t: t.grad, local)
@@ -207,7 +207,7 @@ def test_checkpoint_2x2_loads_on_4x1_1x1_2x2(kind, tmp_path):
 # ---- composition with rg.fsdp.make_step ---------------------------------------------------------
 def _tp_with_fsdp_step(mc, mplan):
     from ragged import fsdp
-    from _parallel_models import LR, WD, tp_batch, tp_loss, tp_params
+    from tests.parallel._cases import LR, WD, tp_batch, tp_loss, tp_params
 
     units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: p[:13] if "blocks" in p else "rest",
@@ -225,7 +225,7 @@ def _tp_with_fsdp_step(mc, mplan):
 def test_fsdp_make_step_on_tp_local_units():
     """rg.fsdp units planned on mplan.local_meta() over mcomm["dp"], with TP collectives inside
     the loss: the overlapped FSDP step composes with TP unchanged."""
-    from _parallel_models import tp_params, tp_specs
+    from tests.parallel._cases import tp_params, tp_specs
 
     mplan = spec.make_mesh_plan(tp_params(), tp_specs(), mesh=spec.Mesh((2, 2), ("dp", "tp")))  # norms Replicate()
     out = parallel.simulate_mesh(mplan.mesh, _tp_with_fsdp_step, mplan)
@@ -239,7 +239,7 @@ def test_fsdp_make_step_on_tp_local_units():
 def test_fsdp_make_step_with_expert_parallelism(data_axes):
     """FSDP x EP through the overlapped step: equal to float64 single-process training when
     the router / norm / output gradients are all-reduced over "ep" (data_axes), and not without."""
-    from _parallel_models import ep_fsdp_step_train
+    from tests.parallel._cases import ep_fsdp_step_train
 
     mesh = spec.Mesh((2, 2), ("dp", "ep"))
     out = parallel.simulate_mesh(mesh, ep_fsdp_step_train, STEPS, data_axes=data_axes)
@@ -257,7 +257,7 @@ def test_fsdp_make_step_with_expert_parallelism_and_clipping():
     """Global-norm clipping under FSDP x EP: rg.fsdp.global_norm over the data axes gives the norm
     of the whole model on every rank, so SGD after clipping equals torch's clip_grad_norm_ + SGD
     (the clip is active: far below the gradient norm)."""
-    from _parallel_models import ep_fsdp_step_train
+    from tests.parallel._cases import ep_fsdp_step_train
 
     mesh = spec.Mesh((2, 2), ("dp", "ep"))
     out = parallel.simulate_mesh(mesh, ep_fsdp_step_train, STEPS, clip=0.05)
@@ -287,7 +287,7 @@ def test_reduce_scatter_mean_divides_by_fsdp_times_data_axes():
 def test_hsdp_x_tp_training_equals_single_process():
     """HSDP x TP on a 2x2x2 mesh: FSDP over "dp", replicas on "rep" (a data axis on which every
     leaf is replicated: one all-reduce of the whole shard), TP on "tp"."""
-    from _parallel_models import tp_params, tp_specs
+    from tests.parallel._cases import tp_params, tp_specs
 
     mesh = spec.Mesh((2, 2, 2), ("rep", "dp", "tp"))
     mplan = spec.make_mesh_plan(tp_params(), tp_specs(), mesh=mesh)

@@ -1,19 +1,16 @@
 """The optimizers on real gloo process groups (2 and 4 ranks), against single-process
 torch.optim / single-rank references (float64 where the optimizer allows)."""
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "distributed"))
 
-import ragged as rg  # noqa: E402
-from _harness import comm, workers_2_and_4  # noqa: E402
-from tests.optim import test_engine_sim as sim  # noqa: E402
-from tests.optim._util import concat_over_ranks  # noqa: E402
-from tests.optim import test_muon as muon_tests  # noqa: E402
+import ragged as rg
+from tests.distributed._harness import comm, workers_2_and_4
+from tests.optim import _engine_cases as sim
+from tests.optim._cases import concat_over_ranks
+from tests.optim import _muon_cases as muon_tests
 
 pytestmark = pytest.mark.distributed
 

@@ -70,89 +70,24 @@ FSDP2), since all-gathers and reduce-scatters are issued in use order.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ragged._dbuffer import DBuffer
-from ragged._pytree import flatten_with_keystr, pytree
-from ragged.fsdp._units import Units
 from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
+from ragged._pytree import flatten_with_keystr, pytree
+from ragged.fsdp._state import TrainState
+from ragged.fsdp._units import Units, picked_leaves
+from ragged.optim import apply_updates
+from ragged.transforms import reduce_scatter_wait
+from ragged.transforms._check import check_plans
+from ragged.transforms._reduce_scatter import _reduce_scatter_start, all_reduce_leaves
 
-__all__ = ["TrainState", "shard", "gather", "init", "make_step", "Step"]
-
-
-class TrainState(NamedTuple):
-    """What a step threads: this rank's parameter shards (``{unit name: DBuffer}``) and the
-    optimizer state over them."""
-
-    shards: dict[str, DBuffer]
-    opt_state: Any
-
-
-def shard(units: Units, params, comm) -> dict[str, DBuffer]:
-    """This rank's shard of every unit (``params``: the full tree or the module, same on
-    every rank).
-
-    Examples:
-        >>> import torch, ragged as rg
-        >>> from ragged import fsdp
-        >>> params = {"a": torch.arange(6.0).view(3, 2), "b": torch.ones(4)}
-        >>> units = fsdp.make_units(params, world_size=2, groups=lambda p: p)
-        >>> def fn(comm):
-        ...     return {k: v.data.tolist() for k, v in fsdp.shard(units, params, comm).items()}
-        >>> rg.collectives.simulate(2, fn)[1]["['a']"]
-        [4.0, 5.0, 0.0, 0.0]
-    """
-    from ragged.transforms import shard as _shard
-
-    trees = units.split(params)
-    return {u.name: _shard(u.plan, {p: t.detach() for p, t in trees[u.name].items()}, comm) for u in units}
-
-
-def gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | None = None):
-    """The full parameter tree (e.g. ``{name: tensor}`` for a module), not differentiable;
-    each unit's leaves are views of that unit's gathered buffer."""
-    from ragged.transforms import gather as _gather
-
-    with torch.no_grad():
-        return units.merge({u.name: _gather(shards[u.name], comm, dtype=dtype) for u in units})
-
-
-def global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_axes=()) -> torch.Tensor:
-    """The L2 norm of a whole model's gradients ``{unit name: DBuffer}``, equal on every rank.
-
-    Without ``data_axes`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
-    ``data_axes`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
-    axis hold other parameters (their experts) as well as copies of the replicated ones (router,
-    norms): each element is weighted by 1 / (its number of copies over the data axes), and the
-    weighted sums are all-reduced over ``comm`` and over every data axis, so every element counts
-    once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    fsdp.global_norm(units, g, comm, data_axes=data_axes))``.
-    """
-    from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
-
-    data_axes = tuple(data_axes)
-    sharded = replicated = 0.0
-    for u in units:
-        d = grads[u.name]
-        weights: dict[int, float] = {}
-        for axis_comm, is_replicated in data_axes:
-            for i in _picked(u, is_replicated):
-                weights[i] = weights.get(i, 1.0) / axis_comm.world_size
-        s, r = weighted_square_sums(u.plan, d.data, d.replicated, d.rank, weights)
-        sharded, replicated = sharded + s, replicated + r
-    return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [c for c, _ in data_axes]))
-
-
-def init(units: Units, params, optimizer, comm) -> TrainState:
-    """Shards ``params`` and initialises ``optimizer`` over the shards."""
-    shards = shard(units, params, comm)
-    return TrainState(shards, optimizer.init(shards))
+__all__ = ["make_step", "Step"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -432,8 +367,6 @@ class _Run:
         t.grad = None
 
     def _reduce(self, i: int):
-        from ragged.transforms._reduce_scatter import _reduce_scatter_start
-
         unit = self.units[i]
         # a unit whose gradients arrive around other units' reduce-scatters (e.g. embeddings and
         # head in one unit) holds its leaf gradients until complete next time
@@ -455,8 +388,6 @@ class _Run:
             self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self):
-        from ragged.transforms import reduce_scatter_wait
-
         i, pending, nbytes = self.rs_pending.pop(0)
         reduced = reduce_scatter_wait(pending)
         name = self.units[i].name
@@ -586,9 +517,6 @@ class Step:
             object.__setattr__(self, "_schedule", _Schedule(len(self.units)))
 
     def __call__(self, state: TrainState, batch):
-        from ragged.optim import apply_updates
-        from ragged.transforms._check import check_plans
-
         shards, opt_state = state
         missing = [u.name for u in self.units if u.name not in shards]
         if missing:
@@ -750,17 +678,9 @@ def make_step(
                 trace=trace, data_axes=data_axes)
 
 
-@functools.lru_cache(maxsize=1024)
-def _picked(unit, is_replicated) -> frozenset:
-    """Indices of ``unit``'s leaves whose path ``is_replicated`` picks."""
-    return frozenset(l.index for l in unit.plan.leaves + unit.plan.replicated if is_replicated(unit.paths[l.index]))
-
-
 def _reduce_data_axes(unit, grad: torch.Tensor, rep: torch.Tensor, rank: int, data_axes) -> None:
     """See ``make_step(data_axes=...)``: in place on this unit's gradient shard and replicated part."""
-    from ragged.transforms._reduce_scatter import all_reduce_leaves
-
     for axis_comm, is_replicated in data_axes:
-        all_reduce_leaves(axis_comm, grad, rep, unit.plan, rank, _picked(unit, is_replicated))
+        all_reduce_leaves(axis_comm, grad, rep, unit.plan, rank, picked_leaves(unit, is_replicated))
         grad.div_(axis_comm.world_size)
         rep.div_(axis_comm.world_size)

@@ -15,6 +15,7 @@ pytree). :meth:`Units.merge` puts unit trees back into the model's full tree, wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from ragged.spec import make_plan
 from ragged.spec._plan import LayoutPlan
 from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 
-__all__ = ["Unit", "Units", "make_units", "REST"]
+__all__ = ["Unit", "Units", "make_units", "picked_leaves", "REST"]
 
 REST = "rest"
 """Name of the unit that holds every parameter no other unit claims."""
@@ -246,3 +247,9 @@ def make_units(
         units.append(Unit(name=unit_name, paths=tuple(paths[i] for i in sorted_idx),
                           indices=tuple(sorted_idx), plan=plan))
     return Units(units=tuple(units), treedef=treedef, is_module=is_module)
+
+
+@functools.lru_cache(maxsize=1024)
+def picked_leaves(unit: Unit, is_replicated) -> frozenset:
+    """Indices of ``unit``'s leaves whose path ``is_replicated`` picks."""
+    return frozenset(l.index for l in unit.plan.leaves + unit.plan.replicated if is_replicated(unit.paths[l.index]))

@@ -32,7 +32,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_plan
+from ragged.transforms._check import check_plan, poisons
 from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
@@ -138,6 +138,7 @@ def _check_out(out, numel, dtype, device):
     return out
 
 
+@poisons("comm")
 def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
@@ -173,6 +174,7 @@ def gather_wait(pending: GatherPending):
     return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
 
 
+@poisons("comm")
 def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 

@@ -1,0 +1,212 @@
+"""What every ragged collective call says about itself, and how two ranks' calls are compared.
+
+[Note: collective headers]
+A :class:`Call` names one collective call: the operation (and reduction), the dtype, the
+elements per rank, and an *identity*: a hash of the plan fingerprints and operation the
+transform declared (``check_plans``) and of the caller's label. On gloo each call sends every
+peer a fixed-size header (:func:`encode`, 512 bytes: 16 int64 fields and 384 bytes of text)
+before any data moves, carrying the call plus the exact sizes of the messages it will send
+that peer and expects from it; the peer compares it with its own (:func:`mismatch`). The
+comparison is symmetric (a's sends against b's expectations and the other way round, every
+other field by equality), so both ranks of a pair reach the same verdict, and for every
+operation but ``all_to_all`` the fields are the same towards every peer, so if any two ranks
+differ, every rank sees a difference with someone. The text carries the human-readable label
+(or, in a poison header, the reason a rank failed), so an error names both sides without
+another round trip.
+
+Labels are compared (through the identity): they must not contain rank-specific text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import struct
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Call", "Header", "encode", "decode", "mismatch", "describe", "identity_of", "NBYTES", "POISON", "CALL"]
+
+_MAGIC = 0x5241474745440001  # "RAGGED" v1
+_FIELDS = struct.Struct("<16q")
+_TEXT_BYTES = 384
+NBYTES = _FIELDS.size + _TEXT_BYTES  # 512
+CALL, POISON = 1, 2
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gather_object", "barrier")
+_REDUCE = (None, "sum", "mean", "max")
+_DTYPES = [
+    getattr(torch, n)
+    for n in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, n)
+]
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(sizes: tuple[int, ...]) -> int:
+    """Hash of the byte sizes of the messages of one direction (their split matters: a message
+    longer than the receive posted for it aborts gloo's receiving process)."""
+    return _hash63(repr(sizes)) if sizes else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def identity_of(scope_identity: int, label: str | None) -> int:
+    """The identity a call carries: its scope's (plans and operation, 0 without a scope)
+    combined with the caller's label."""
+    if not label:
+        return scope_identity
+    return _hash63(f"{scope_identity}|{label}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One collective call, as every rank must issue it identically (see [Note: collective headers]).
+
+    Attributes:
+        op: one of ``OPS``.
+        reduce: ``"sum"``, ``"mean"``, ``"max"`` or ``None``.
+        dtype: element dtype of the data moved (``None`` for objects and barriers).
+        numel: elements per rank (the input's, for all-gather and all-reduce; the output's
+            for reduce-scatter); ``-1`` where ranks legitimately differ (objects, all-to-all).
+        identity: see :func:`identity_of` (0: none declared).
+        label: human-readable description (the transform's operation and plan, the caller's label).
+    """
+
+    op: str
+    reduce: str | None
+    dtype: torch.dtype | None
+    numel: int
+    identity: int = 0
+    label: str = ""
+
+    def describe(self) -> str:
+        return describe_fields(self.op, self.reduce, _DTYPE_CODE.get(self.dtype, 0) if self.dtype else 0, self.numel,
+                               self.label)
+
+
+class Header(NamedTuple):
+    """A decoded header (fields as sent, ``text`` is the label or the poison reason)."""
+
+    kind: int
+    seq: int
+    op: int
+    reduce: int
+    dtype: int
+    numel: int
+    world: int
+    identity: int
+    send_total: int
+    send_count: int
+    send_layout: int
+    expect_total: int  # -1: the sender sizes its receive from this header (objects)
+    expect_count: int
+    expect_layout: int
+    text: str
+
+
+def _dtype_code(dtype) -> int:
+    if dtype is None:
+        return 0
+    return _DTYPE_CODE.get(dtype, 1000 + _hash63(str(dtype)) % 1000)
+
+
+def _sizes(tensors) -> tuple[int, ...]:
+    return tuple(t.numel() * t.element_size() for t in tensors if t.numel())
+
+
+def _text(text: str) -> bytes:
+    raw = text.encode("utf-8", "replace")[:_TEXT_BYTES]
+    return raw.decode("utf-8", "ignore").encode()
+
+
+def encode(call: Call, seq: int, world: int, sends, expects) -> bytearray:
+    """The header sent to one peer: ``sends`` are the tensors this rank sends it (in order),
+    ``expects`` the tensors it will receive from it, or ``None`` when this rank sizes that
+    receive from the peer's header (objects)."""
+    out = sizes = _sizes(sends)
+    exp = _sizes(expects) if expects is not None else None
+    buf = bytearray(NBYTES)
+    text = _text(call.label)
+    _FIELDS.pack_into(
+        buf, 0, _MAGIC, CALL, seq, OPS.index(call.op) + 1, _REDUCE.index(call.reduce), _dtype_code(call.dtype),
+        call.numel, world, call.identity, sum(out), len(out), _layout(sizes),
+        -1 if exp is None else sum(exp), -1 if exp is None else len(exp), 0 if exp is None else _layout(exp),
+        len(text),
+    )
+    buf[_FIELDS.size : _FIELDS.size + len(text)] = text
+    return buf
+
+
+def encode_poison(seq: int, world: int, reason: str) -> bytearray:
+    buf = bytearray(NBYTES)
+    text = _text(reason)
+    _FIELDS.pack_into(buf, 0, _MAGIC, POISON, seq, 0, 0, 0, 0, world, 0, 0, 0, 0, 0, 0, 0, len(text))
+    buf[_FIELDS.size : _FIELDS.size + len(text)] = text
+    return buf
+
+
+def decode(buf) -> Header:
+    f = _FIELDS.unpack_from(buf, 0)
+    if f[0] != _MAGIC:
+        return Header(0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"not a ragged header (magic {f[0]:#x})")
+    n = max(0, min(f[15], _TEXT_BYTES))
+    text = bytes(buf[_FIELDS.size : _FIELDS.size + n]).decode("utf-8", "replace")
+    (_, kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, _) = f
+    return Header(kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, text)
+
+
+def header_of(call: Call, seq: int, world: int, sends, expects) -> Header:
+    """:func:`decode` of :func:`encode` without the bytes (this rank's side of a comparison)."""
+    return decode(encode(call, seq, world, sends, expects))
+
+
+def describe_fields(op, reduce, dtype, numel, label) -> str:
+    op = OPS[op - 1] if isinstance(op, int) and 0 < op <= len(OPS) else op
+    reduce = _REDUCE[reduce] if isinstance(reduce, int) and 0 <= reduce < len(_REDUCE) else reduce
+    if isinstance(dtype, int):
+        dtype = _DTYPES[dtype - 1] if 0 < dtype <= len(_DTYPES) else (None if dtype == 0 else f"dtype#{dtype}")
+    what = f"{op}{f'[{reduce}]' if reduce else ''}"
+    if dtype is not None:
+        what += f" of {numel} x {str(dtype).replace('torch.', '')}" if numel >= 0 else f" of {str(dtype).replace('torch.', '')}"
+    return what + (f" '{label}'" if label else "")
+
+
+def describe(h: Header) -> str:
+    """A header in words (for error messages)."""
+    return describe_fields(h.op, h.reduce, h.dtype, h.numel, h.text)
+
+
+def mismatch(mine: Header, theirs: Header) -> str | None:
+    """Why two ranks' headers for the same call slot disagree (``None``: they agree).
+
+    Symmetric in its verdict: ``mismatch(a, b) is None`` exactly when ``mismatch(b, a) is None``.
+    """
+    if theirs.kind != CALL:
+        return "not a ragged collective header"
+    if mine.seq != theirs.seq:
+        return f"out of step: collective #{mine.seq} vs #{theirs.seq}"
+    if mine.world != theirs.world:
+        return f"group size {mine.world} vs {theirs.world}"
+    if (mine.op, mine.reduce) != (theirs.op, theirs.reduce):
+        return "the operation"
+    if mine.dtype != theirs.dtype:
+        return "the dtype"
+    if mine.numel != theirs.numel:
+        return "the number of elements per rank"
+    for a, b in ((mine, theirs), (theirs, mine)):
+        if b.expect_total >= 0 and (a.send_total, a.send_count, a.send_layout) != (b.expect_total, b.expect_count,
+                                                                                  b.expect_layout):
+            return f"the bytes sent ({a.send_total} in {a.send_count} messages) vs expected ({b.expect_total} in {b.expect_count})"
+        if b.expect_total < 0 and a.send_count > 1:
+            return "a variable-size message split in parts"
+    if mine.identity != theirs.identity:
+        return "the plan, transform or label"
+    return None

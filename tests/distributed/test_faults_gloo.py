@@ -1,0 +1,357 @@
+"""No hangs, no silent mismatch (issue 16): ranks that disagree, fail alone, stop early, sleep,
+exit or are killed make every rank raise within 5 s, on real gloo groups of 2 and 4 ranks.
+
+Each scenario runs on a fresh process group (``dist.new_group``), so what it breaks (a
+poisoned or aborted group) does not leak into the next; scenarios that end a process run on
+their own short-lived processes (``_spawn``). Every scenario returns, per rank, what it
+raised (type, message) and when (``time.time()``), and the rank that causes the fault returns
+when it did; no rank may return a result instead of an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pathlib
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ragged as rg
+from ragged import spec
+from tests.distributed._harness import workers_2_and_4
+
+pytestmark = pytest.mark.distributed
+
+workers2, workers4, workers = workers_2_and_4()
+PROMPT = 5.0  # seconds: every rank raises within this of the fault (issue 16)
+
+
+# ---- shared pieces (module level: pickled to the workers) -----------------------------------
+def _params(seed=0, dtype=torch.float32, rows=11):
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(rows, 8, generator=g, dtype=dtype), "w": torch.randn(9, 8, generator=g, dtype=dtype),
+            "b": torch.randn(9, generator=g, dtype=dtype)}
+
+
+def _fresh_comm(**kw):
+    """A comm on a new group of every rank (every rank calls it, in the same order)."""
+    m = dist.get_world_size()
+    return rg.collectives.from_torch(dist.new_group(list(range(m))), **kw)
+
+
+def _outcome(fn, *args):
+    """``("ok", repr(result), t)`` or ``(error type name, message, t)``, ``t`` when it returned/raised."""
+    try:
+        out = fn(*args)
+        return ("ok", repr(out)[:200], time.time())
+    except Exception as e:  # noqa: BLE001 - the outcome is the result
+        return (type(e).__name__, str(e), time.time())
+
+
+def _loop(comm, plan, params, n=50):
+    d = rg.shard(plan, params, comm)
+    for _ in range(n):
+        rg.gather(d, comm)
+    return "finished"
+
+
+def _check_all_raised(outcomes, t_fault, allowed=("PlanMismatchError", "CollectiveError", "RuntimeError",
+                                                  "LayoutError", "RaggedValueError")):
+    for r, (kind, msg, t) in outcomes.items():
+        assert kind != "ok", f"rank {r} returned a result after the fault: {msg}"
+        assert kind in allowed, f"rank {r} raised {kind}: {msg}"
+        assert t - t_fault < PROMPT, f"rank {r} raised {t - t_fault:.1f} s after the fault: {msg}"
+
+
+# ---- mismatches (every rank raises PlanMismatchError naming both sides) ---------------------
+def _mismatch(kind):
+    comm = _fresh_comm()
+    r, m = comm.rank, comm.world_size
+    odd = r == m - 1
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    d = rg.shard(plan, params, comm)
+    grads = _params(seed=1 + r)
+    other = rg.make_plan(params, {"emb": spec.Rows(1), "w": spec.Elements(1), "b": None}, world_size=m, strategy="naive")
+    d_other = rg.shard(other, params, comm)
+    rg.gather(d, comm)  # agreed once: what follows is caught by each call's own check
+    rg.gather(d_other, comm)
+    rg.reduce_scatter(plan, grads, comm, op="mean")
+    t0 = time.time()
+
+    def body():
+        if kind == "other_collective":
+            return rg.reduce_scatter(plan, grads, comm) if odd else rg.gather(d, comm)
+        if kind == "skipped_call":  # the odd rank skips one gather, then goes on with the next call
+            if not odd:
+                rg.gather(d, comm)
+            return rg.reduce_scatter(plan, grads, comm, op="mean")
+        if kind == "op":  # "sum" vs "mean": the same bytes move, the result would be xW on one rank
+            return rg.reduce_scatter(plan, grads, comm, op="sum" if odd else "mean")
+        if kind == "dtype":  # bf16 vs fp32: a longer message than posted would abort gloo
+            return rg.gather(d, comm, dtype=torch.bfloat16 if odd else None)
+        if kind == "plan":  # both plans agreed, then one rank alone gathers the other
+            return rg.gather(d_other if odd else d, comm)
+        if kind == "label":  # same plan and op, another unit (as the fsdp step would label it)
+            out = torch.empty(plan.buffer_numel)
+            return comm.all_gather_into(out, d.data, label=f"gather unit {'layers.4' if odd else 'layers.3'} forward")
+        raise AssertionError(kind)
+
+    return _outcome(body) + (t0,)
+
+
+@pytest.mark.parametrize("kind", ["other_collective", "skipped_call", "op", "dtype", "plan", "label"])
+def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
+    res = workers.run(_mismatch, kind)
+    m = len(res)
+    for r, (err, msg, t, t0) in enumerate(res):
+        assert err == "PlanMismatchError", (r, err, msg)
+        assert t - t0 < PROMPT
+        assert "differs between ranks" in msg and f"rank {r} called" in msg, msg
+    first, odd = res[0][1], res[-1][1]
+    want = {
+        "other_collective": ("called all_gather", "called reduce_scatter"),
+        "skipped_call": ("called all_gather", "called reduce_scatter"),
+        "op": ("reduce_scatter:mean", "reduce_scatter:sum"),
+        "dtype": ("x float32", "x bfloat16"),
+        "plan": ("on plan ",),
+        "label": ("gather unit layers.3 forward", "gather unit layers.4 forward"),
+    }[kind]
+    for text in want:
+        assert text in first and text in odd, (first, odd)
+    assert f"rank {m - 1}" in first and "rank 0" in odd
+
+
+# ---- a lone failure before the collective ---------------------------------------------------
+def _lone_failure(kind):
+    comm = _fresh_comm()
+    r, m = comm.rank, comm.world_size
+    odd = r == m - 1
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    d = rg.shard(plan, params, comm)
+    rg.gather(d, comm)
+    t0 = time.time()
+
+    def body():
+        if kind == "bad_grads":
+            grads = _params(seed=r)
+            if odd:
+                grads["w"] = grads["w"][:, :4]
+            return rg.reduce_scatter(plan, grads, comm)
+        if kind == "plan_world_size":  # one rank plans over more ranks than the comm has
+            p = rg.make_plan(params, world_size=m + 1) if odd else plan
+            return rg.gather(rg.shard(p, params, comm), comm)
+        if kind == "gather_out":
+            out = torch.empty(plan.buffer_numel - (1 if odd else 0))
+            return rg.gather(d, comm, out=out)
+        if kind == "step_error":  # a user error between collectives, under poison_on_error
+            with rg.collectives.poison_on_error(comm):
+                if odd:
+                    raise RuntimeError("bad batch: NaN in the inputs")
+            return rg.gather(d, comm)
+        raise AssertionError(kind)
+
+    return _outcome(body) + (t0,)
+
+
+@pytest.mark.parametrize("kind", ["bad_grads", "plan_world_size", "gather_out", "step_error"])
+def test_lone_failure_makes_every_peer_raise_promptly(workers, kind):
+    res = workers.run(_lone_failure, kind)
+    m = len(res)
+    odd_err, odd_msg = res[-1][0], res[-1][1]
+    assert odd_err in ("LayoutError", "RaggedValueError", "RuntimeError"), (odd_err, odd_msg)
+    for r, (err, msg, t, t0) in enumerate(res[:-1]):
+        assert err == "CollectiveError", (r, err, msg)
+        assert msg.startswith(f"rank {m - 1} failed: {odd_err}: "), msg
+        assert odd_msg[:40] in msg
+        assert t - t0 < PROMPT
+
+
+# ---- a rank that stops calling collectives --------------------------------------------------
+def _sleeper(timeout, sleep):
+    comm = _fresh_comm(timeout=timeout)
+    r, m = comm.rank, comm.world_size
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    d = rg.shard(plan, params, comm)
+    rg.gather(d, comm)
+    t0 = time.time()
+    if r == m - 1:
+        time.sleep(sleep)  # stops early: neither exits nor calls
+        woke = time.time()
+        kind, msg, t = _outcome(rg.gather, d, comm)
+        return kind, msg, t, woke
+    return _outcome(_loop, comm, plan, params) + (t0,)
+
+
+def test_rank_that_sleeps_hits_ragged_timeout_not_torch(workers):
+    timeout = 2.0
+    res = workers.run(_sleeper, timeout, 4.0)
+    for r, (err, msg, t, t0) in enumerate(res[:-1]):
+        assert err == "CollectiveError", (r, err, msg)
+        assert timeout * 0.9 < t - t0 < timeout + PROMPT / 2, (r, t - t0, msg)
+    m = len(res)
+    assert any("timed out waiting for its header from rank" in res[r][1] for r in range(m - 1)), res
+    err, msg, t, woke = res[-1]
+    assert err == "CollectiveError" and t - woke < 1.0, (err, msg, t - woke)
+
+
+# ---- scenarios that end a process: their own processes --------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc_main(rank, m, port, scenario, args, queue, sys_path):
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=m,
+                                timeout=datetime.timedelta(seconds=60))
+        out = scenario(rank, m, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out = ("harness", traceback.format_exc(), time.time())
+    if out is not None:
+        queue.put((rank, out))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _spawn(m, scenario, *args, deadline=60.0):
+    """Runs ``scenario(rank, m, *args)`` on ``m`` fresh processes; ``{rank: outcome}`` of the
+    ranks that reported (a rank that exited or was killed reports nothing)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_proc_main, args=(r, m, port, scenario, args, queue, list(sys.path)), daemon=True)
+             for r in range(m)]
+    for p in procs:
+        p.start()
+    got = {}
+    end = time.monotonic() + deadline
+    try:
+        while time.monotonic() < end and len(got) < m:
+            try:
+                r, out = queue.get(timeout=0.5)
+                got[r] = out
+            except Exception:  # noqa: BLE001 - queue.Empty: check who is still alive
+                if not any(p.is_alive() for p in procs) and queue.empty():
+                    break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    harness = {r: o for r, o in got.items() if o[0] == "harness"}
+    assert not harness, harness
+    return got
+
+
+def _fault_time(path: str) -> float:
+    return float(pathlib.Path(path).read_text())
+
+
+def _die(path: str, how: str):
+    pathlib.Path(path).write_text(repr(time.time()))
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)  # "exit": the process ends normally, without telling anyone
+
+
+def _collective_loop(rank, m, op, how, when, path):
+    comm = rg.collectives.from_torch()
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    d = rg.shard(plan, params, comm)
+    grads = _params(seed=rank)
+
+    def loop():
+        for i in range(1000):
+            if rank == m - 1 and i == when:
+                _die(path, how)
+            if op == "gather":
+                rg.gather(d, comm)
+            else:
+                rg.reduce_scatter(plan, grads, comm)
+
+    return _outcome(loop)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [2, 4], ids=["w2", "w4"])
+@pytest.mark.parametrize("op, how", [("gather", "exit"), ("gather", "kill"), ("reduce_scatter", "kill")])
+def test_rank_that_exits_or_dies_in_a_loop(tmp_path, m, op, how):
+    path = str(tmp_path / "fault")
+    got = _spawn(m, _collective_loop, op, how, 5, path)
+    assert sorted(got) == list(range(m - 1)), got
+    _check_all_raised(got, _fault_time(path))
+
+
+class _Die(torch.autograd.Function):
+    """Identity; kills the process in forward or in backward (the fault of the step tests)."""
+
+    @staticmethod
+    def forward(x, path, phase):
+        if phase == "forward":
+            _die(path, "kill")
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.path, ctx.phase = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.phase == "backward":
+            _die(ctx.path, "kill")
+        return grad, None, None
+
+
+def _fsdp_step_kill(rank, m, phase, path):
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM, rank_slice
+    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+
+    comm = rg.collectives.from_torch()
+    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, ffn_dim=48, max_seq_len=16))
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    units = fsdp.make_units(model, world_size=m)
+    opt = rg.optim.adamw(1e-2)
+    state = fsdp.init(units, model, opt, comm)
+    local = copy.deepcopy(model)
+    armed = {"on": False}
+    if rank == m - 1:  # the victim dies in its third step, inside block 1
+        local.blocks[1].register_forward_hook(lambda mod, args, out: _Die.apply(out, path, phase) if armed["on"] else out)
+    step = fsdp.make_step(units, loss_fn(local), opt, comm)
+    task = SyntheticLM(64, 16, seed=1)
+
+    def train():
+        nonlocal state
+        for s in range(6):
+            armed["on"] = s == 2
+            state, _ = step(state, rank_slice(task.batch(s, 8), rank, m))
+
+    return _outcome(train)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [2, 4], ids=["w2", "w4"])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_kill_during_fsdp_step(tmp_path, m, phase):
+    path = str(tmp_path / "fault")
+    got = _spawn(m, _fsdp_step_kill, phase, path)
+    assert sorted(got) == list(range(m - 1)), got
+    _check_all_raised(got, _fault_time(path))

@@ -1,44 +1,49 @@
-"""The gloo header protocol: ragged's collectives as point-to-point exchanges that agree first.
+"""The gloo header protocol: ragged's collectives as tagged point-to-point exchanges that
+cannot receive a wrong size and check every call before its result is used.
 
-[Note: agree before the data moves]
+[Note: size-tagged messages and headers]
 On gloo a message longer than the receive posted for it aborts the receiving process (gloo
 checks the length in its I/O thread: not catchable), a shorter one is accepted silently, and
 a rank that never arrives leaves its peers waiting for the process group's timeout (30 min by
-default). So on gloo every ragged collective is a :class:`Channel` exchange over
-``send``/``recv`` with tags (the all-to-all pattern that is also gloo's fastest path):
+default). So on gloo every ragged collective is a :class:`Channel` exchange over gloo's
+tagged ``send``/``recv`` (the all-to-all pattern that is also gloo's fastest path), in which
 
-1. post the data receives whose size this rank knows (into the output: no staging);
-2. send every peer a header (see [Note: collective headers] in ``_header.py``);
-3. for each peer: wait for its header (ragged's timeout), decode it, post the receive of the
-   next call's header, compare; if the two calls agree send the data, if not send as many
-   empty messages as the peer posted receives (a shorter message is accepted), so both sides
-   complete and the channel stays in step;
-4. ``wait()`` waits the data (ragged's timeout) and runs the local part (e.g. the chunk sum).
+* every data message travels on the tag ``_DATA_TAG | nbytes``: a message can only ever
+  match a receive of exactly its own size (gloo matches by tag), so no length check can fail,
+  whatever the peer calls. Messages are at most ``_MAX_PART`` bytes (larger tensors go in
+  parts); the own chunk is a local copy;
+* every call sends each peer a fixed-size header first (see [Note: collective headers] in
+  ``_header.py``) on ``_HEADER_TAG``, received into a receive posted one call ahead, so it is
+  written to the socket the moment it is sent.
 
-A receive is only ever posted at the size the sender announced, so a wrong size is never
-received. Headers are received into receives posted one call ahead, so a peer's header
-is written to the socket the moment it is sent, and a rank's data send goes out as soon as
-that peer's header has arrived: the exchange costs about one small message per peer more
-than a bare ``batch_isend_irecv`` (measured in ``bench/collectives.py``). If any pair
-disagrees, every rank raises :class:`~ragged.PlanMismatchError` naming both sides (its own
-call and the first differing peer's); the data was drained, so the comm stays usable.
+At the call, a rank posts its data receives (into the output: no staging), its data sends
+and its headers, and returns: no waiting, so the exchange costs what a bare
+``batch_isend_irecv`` costs plus one 512-byte message per peer (``bench/collectives.py``).
+``wait()`` first takes every peer's header (ragged's timeout) and compares it with its own
+(the peer's sends against its receives and the other way round, operation, dtype, identity);
+only if all agree does it wait for the data and run the local part (e.g. the chunk sum).
 
-[Note: poison and abort]
-A channel fails when a rank raises while a collective cannot complete: its own validation
-failed (``comm.poison(reason)``, called by the transforms' entry points and by the step), a
-peer's header did not arrive in time, a connection was lost, or a peer's poison arrived. It
-then (a) sends every peer a *poison* header carrying the reason; a peer waiting for this rank's
-header (or arriving at its next call: the header receive is posted ahead) raises
-:class:`~ragged.CollectiveError` "rank k failed: <reason>"; (b) if the failure happened
-inside a collective, after a short grace (so the poison is read first) it *aborts* its gloo
-context (a receive waited with a 1 ms timeout: gloo then closes every pair of the group), so a
-peer blocked on this rank's data (or on this rank's receive of its data) fails at once
-("connection closed") instead of waiting; that peer fails and aborts in turn. So a failure
-anywhere reaches every rank within milliseconds, and every rank raises. A failed channel
-refuses further calls on that rank. Aborting leaves the group's pairs closed: torch's own
-collectives on that group fail too (the job is failing); other groups are untouched.
-Validation failures outside a collective only poison: every earlier exchange is complete, so
-no peer can be blocked on this rank's data and the group stays usable for torch's own calls.
+If some ranks' calls differ, every rank raises :class:`~ragged.PlanMismatchError` naming both
+sides (its own call and the first differing peer's) before the result is used. If only the
+identity differs (same sizes), every message was matched and the comm stays usable; if sizes
+differ, the unmatched messages stay posted, so the comm fails (refuses further calls).
+Objects (``all_gather_object``), whose sizes the receiver cannot know, take the headers in the
+call and then post receives of the announced sizes.
+
+[Note: poison]
+A rank whose call cannot go on sends every peer a *poison* header carrying the reason, in the
+header slot of its next call: its own validation failed (``comm.poison(reason)``, called by the
+transforms' entry points and by the step), a peer's header did not arrive in time, a
+connection was lost, or a peer's poison arrived. A peer waiting for this rank's header, or
+arriving at that call later, raises :class:`~ragged.CollectiveError` "rank k failed: <reason>"
+and fails in turn (so a rank that learnt of a death tells the others). No rank can be blocked
+on anything but a header: every data send is posted with (before) its header, and a rank
+waits for its data only after every peer's header agreed, i.e. after that peer posted the
+matching receives. So a failure anywhere reaches every rank within milliseconds. The reason
+also goes to the c10d store (best effort), for peers that only see a closed connection. A
+failed channel refuses further calls on that rank. A header that does not arrive within the
+timeout makes gloo close the group's pairs (its behaviour on a timed-out wait), which the
+peers see at once as a lost connection.
 """
 
 from __future__ import annotations
@@ -56,10 +61,9 @@ from ragged.collectives import _header as hd
 
 __all__ = ["Channel", "channel_for", "raised_on_every_rank"]
 
-_HEADER_TAG = 0x52470001
-_DATA_TAG = 0x52480000  # + seq % 2**16: a stale message can never land in another call's buffer
-_ABORT_TAG = 0x5247FFFF  # never sent: waiting on it with a tiny timeout closes gloo's pairs
-_POISON_GRACE = 0.05  # seconds the poison gets to reach peers before an abort closes the pairs
+_HEADER_TAG = 0x20000001
+_DATA_TAG = 0x40000000  # | nbytes
+_MAX_PART = (1 << 30) - 1  # bytes per data message (the size fits the tag's low 30 bits)
 
 
 def raised_on_every_rank(exc: BaseException) -> BaseException:
@@ -72,28 +76,56 @@ def _wait(work, seconds: float) -> None:
     work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
 
 
+def _parts(tensors) -> list[torch.Tensor]:
+    """The non-empty messages of ``tensors`` (flat, contiguous), each at most ``_MAX_PART`` bytes."""
+    out = []
+    for t in tensors:
+        n = t.numel()
+        if not n:
+            continue
+        step = max(_MAX_PART // t.element_size(), 1)
+        if n <= step:
+            out.append(t)
+        else:
+            out += [t[i : i + step] for i in range(0, n, step)]
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class _Pending:
-    """Data of one exchange in flight; ``wait()`` completes it (see [Note: agree before the data moves])."""
+    """One exchange in flight; ``wait()`` checks the headers, then waits the data (see
+    [Note: size-tagged messages and headers])."""
 
-    __slots__ = ("channel", "seq", "call", "works", "finish", "timeout", "_done")
+    __slots__ = ("channel", "seq", "call", "mine", "sends", "recvs", "finish", "timeout", "_done")
 
-    def __init__(self, channel, seq, call, works, finish, timeout):
-        self.channel, self.seq, self.call = channel, seq, call
-        self.works, self.finish, self.timeout = works, finish, timeout
+    def __init__(self, channel, seq, call, mine, sends, recvs, finish, timeout):
+        self.channel, self.seq, self.call, self.mine = channel, seq, call, mine
+        self.sends, self.recvs = sends, recvs  # {peer: [work, ...]}; tensors are kept by the channel until done
+        self.finish, self.timeout = finish, timeout
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
         ch = self.channel
+        theirs = ch.take_headers(self.seq, self.call, self.timeout)
+        bad = [(j, theirs[j], why) for j in ch.peers(-1) if (why := hd.mismatch(self.mine[j], theirs[j])) is not None]
+        if bad:
+            self._done = True
+            raise ch.mismatch(self, bad)
         deadline = time.monotonic() + self.timeout
-        for peer, kind, work, _ in self.works:
-            try:
-                _wait(work, deadline - time.monotonic())
-            except RuntimeError as e:
-                raise ch.fail_in_call(self.seq, self.call, peer, e, f"its {kind} of the data") from e
-        self.works = ()
+        for kind, works in (("data", self.recvs), ("receipt of its data", self.sends)):
+            for peer, ws in works.items():
+                for w in ws:
+                    try:
+                        _wait(w, deadline - time.monotonic())
+                    except RuntimeError as e:
+                        raise ch.fail_in_call(self.seq, self.call, peer, e, f"its {kind}") from e
         self._done = True
+        ch.settle(self.seq)
         if self.finish is not None:
             self.finish()
 
@@ -111,9 +143,13 @@ class Channel:
         self.name = name
         self.seq = 0
         self.failure: CollectiveError | None = None
-        self._headers: dict[int, tuple[bytearray, object]] = {}  # peer -> (buffer, posted recv) for self.seq
+        self._posted: dict[int, tuple[bytearray, object]] = {}  # peer -> (buffer, recv) of its next header
+        self._received: dict[int, dict[int, hd.Header]] = {}  # peer -> {seq: header} taken, not yet used
+        self._next: dict[int, int] = {}  # peer -> seq of the header its posted receive will get
         self._sent: list = []  # (work, buffer) of header sends not known complete
-        self._graveyard: list = []  # works (and their tensors) of a failed channel: never freed under gloo
+        self._inflight: dict[int, list] = {}  # seq -> tensors gloo may still read or write
+        self._pairwise: set[int] = set()  # seqs of calls whose sizes differ pair by pair (all-to-all)
+        self._graveyard: list = []  # what a failed call left posted: never freed under gloo
         self._lock = threading.RLock()
 
     # ---- naming ------------------------------------------------------------------------------
@@ -129,36 +165,44 @@ class Channel:
         except (RuntimeError, ValueError):
             return j
 
-    def _peers(self, step: int):
+    def peers(self, step: int):
         return [(self.rank + step * k) % self.size for k in range(1, self.size)]
 
     # ---- headers -----------------------------------------------------------------------------
     def _post_header_recv(self, j: int):
         buf = bytearray(hd.NBYTES)
-        self._headers[j] = (buf, self.pg.recv([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG))
+        self._posted[j] = (buf, self.pg.recv([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG))
 
-    def _send_header(self, j: int, buf: bytearray):
+    def _send(self, j: int, buf: bytearray):
         self._sent.append((self.pg.send([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG), buf))
-
-    def _prune_sent(self):
         if len(self._sent) > 4 * self.size:
             self._sent = [(w, b) for w, b in self._sent if not w.is_completed()]
 
-    def _take_header(self, j: int, seq: int, call, deadline: float) -> hd.Header:
-        buf, work = self._headers[j]
-        try:
-            _wait(work, deadline - time.monotonic())
-        except RuntimeError as e:
-            raise self.fail_in_call(seq, call, j, e, "its header") from e
-        h = hd.decode(buf)
-        if h.kind == hd.POISON:
-            err = CollectiveError(
-                f"{self.who(j)} failed: {h.text} (rank {self.rank} learnt it in collective #{seq}, "
-                f"{call.describe()}, of {self.name}).", peer=j)
-            self.fail(f"rank {self.rank} stopped: {self.who(j)} failed: {h.text}", abort=True)
-            raise err
-        self._post_header_recv(j)
-        return h
+    def take_headers(self, seq: int, call, timeout: float) -> dict[int, hd.Header]:
+        """Every peer's header of call ``seq`` (headers arrive in order; earlier ones are kept)."""
+        with self._lock:
+            self.check_usable()
+            deadline = time.monotonic() + timeout
+            out = {}
+            for j in self.peers(-1):
+                got = self._received.setdefault(j, {})
+                while seq not in got:
+                    buf, work = self._posted[j]
+                    try:
+                        _wait(work, deadline - time.monotonic())
+                    except RuntimeError as e:
+                        raise self.fail_in_call(seq, call, j, e, "its header") from e
+                    h = hd.decode(buf)
+                    if h.kind == hd.POISON:
+                        msg = (f"{self.who(j)} failed: {h.text} (rank {self.rank} learnt it in collective #{seq}, "
+                               f"{call.describe()}, of {self.name}).")
+                        self.fail(f"{self.who(j)} failed: {h.text}", peer=j)
+                        raise CollectiveError(msg, peer=j)
+                    got[self._next[j]] = h
+                    self._next[j] += 1
+                    self._post_header_recv(j)
+                out[j] = got.pop(seq)
+            return out
 
     # ---- the exchange ------------------------------------------------------------------------
     def check_usable(self):
@@ -167,94 +211,108 @@ class Channel:
 
     def exchange(self, call: hd.Call, sends, recvs, *, timeout: float, finish: Callable | None = None,
                  make_recv: Callable | None = None, all_pairs_see_mismatch: bool = True) -> _Pending:
-        """Runs steps 1-3 of [Note: agree before the data moves]; returns the pending data.
+        """Posts one call (see [Note: size-tagged messages and headers]); returns its pending part.
 
         Args:
             call: what this rank calls.
             sends: ``sends[j]``, the tensors (contiguous) sent to group rank ``j``, in order.
             recvs: ``recvs[j]``, the tensors received from ``j``; ``None`` for a call whose
                 receive sizes come from the peers' headers (``make_recv(j, nbytes)`` then
-                returns the uint8 tensor to receive into).
+                returns the uint8 tensor to receive into; the call then completes here).
             timeout: seconds to wait for each peer's header, then for the data.
             finish: run by ``wait()`` once every message has arrived.
-            all_pairs_see_mismatch: ``False`` where sizes may differ pair by pair (all-to-all), so a
-                rank may see a mismatch its peers do not: the channel then fails (poison), so that
-                they raise at their next call.
+            all_pairs_see_mismatch: ``False`` where sizes may differ pair by pair (all-to-all),
+                so a rank may see a mismatch its peers do not: the channel then fails (poison),
+                so that they raise at their next call.
 
-        Raises:
-            PlanMismatchError: (on every rank) some ranks' calls differ; nothing was received.
+        Raises (here or from ``wait()``):
+            PlanMismatchError: (on every rank) some ranks' calls differ.
             CollectiveError: a peer failed, died or did not arrive in time (the channel fails).
         """
         with self._lock:
             self.check_usable()
             seq = self.seq
             self.seq += 1
-            tag = _DATA_TAG + seq % 65536
-            works: list = []
-            bad: list = []
+            if self.size == 1:
+                return _Pending(self, seq, call, {}, {}, {}, finish, timeout)
+            if not self._posted:
+                for j in self.peers(1):
+                    self._post_header_recv(j)
+                    self._next[j] = 0
+            out_parts = {j: _parts(sends[j]) for j in self.peers(1)}
+            in_parts = None if recvs is None else {j: _parts(recvs[j]) for j in self.peers(1)}
+            recv_works: dict[int, list] = {}
+            send_works: dict[int, list] = {}
+            mine = {}
             peer = None
             try:
-                if not self._headers:
-                    for peer in self._peers(1):
-                        self._post_header_recv(peer)
-                if recvs is not None:
-                    for peer in self._peers(-1):
-                        for t in recvs[peer]:
-                            if t.numel():
-                                works.append((peer, "receive", self.pg.recv([t], peer, tag), t))
-                mine = {}
-                for peer in self._peers(1):
-                    buf = hd.encode(call, seq, self.size, sends[peer], None if recvs is None else recvs[peer])
+                for peer in self.peers(1):  # as batch_isend_irecv posts them: a send, then a receive, per peer
+                    send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
+                    if in_parts is not None:
+                        recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in in_parts[peer]]
+                for peer in self.peers(1):
+                    buf = hd.encode(call, seq, self.size, out_parts[peer], None if in_parts is None else in_parts[peer])
                     mine[peer] = hd.decode(buf)
-                    self._send_header(peer, buf)
-                deadline = time.monotonic() + timeout
-                for peer in self._peers(1):
-                    theirs = self._take_header(peer, seq, call, deadline)
-                    why = hd.mismatch(mine[peer], theirs)
-                    if why is not None:
-                        bad.append((peer, theirs, why))
-                        for _ in range(max(theirs.expect_count, 0)):
-                            empty = torch.empty(0, dtype=torch.uint8)
-                            works.append((peer, "send", self.pg.send([empty], peer, tag), empty))
-                        continue
-                    for t in sends[peer]:
-                        if t.numel():
-                            works.append((peer, "send", self.pg.send([t], peer, tag), t))
-                    if recvs is None and theirs.send_total > 0:
-                        t = make_recv(peer, theirs.send_total)
-                        works.append((peer, "receive", self.pg.recv([t], peer, tag), t))
-                self._prune_sent()
-            except CollectiveError:
-                self._graveyard.append(works)
-                raise
+                    self._send(peer, buf)
             except RuntimeError as e:  # gloo refused to post: a connection is gone
-                self._graveyard.append(works)
+                self._graveyard.append((out_parts, in_parts))
                 raise self.fail_in_call(seq, call, peer, e, "the exchange") from e
-            except BaseException as e:
-                self._graveyard.append(works)
-                self.fail(f"rank {self.rank} raised inside collective #{seq} ({call.describe()}): "
-                          f"{type(e).__name__}: {e}", abort=True)
-                raise
-            pending = _Pending(self, seq, call, works, None if bad else finish, timeout)
-            if bad:
-                pending.wait()  # the drained exchange completes: the channel stays in step
-                err = PlanMismatchError(self._explain(seq, call, mine, bad))
-                if not all_pairs_see_mismatch:
-                    self.fail(f"rank {self.rank}: {err}", abort=False)
-                    raise err
-                raise raised_on_every_rank(err)
+            self._inflight[seq] = [out_parts, in_parts]
+            pending = _Pending(self, seq, call, mine, send_works, recv_works, finish, timeout)
+            if not all_pairs_see_mismatch:
+                self._pairwise.add(seq)
+            if in_parts is None:  # sizes from the headers: take them now, then receive
+                theirs = self.take_headers(seq, call, timeout)
+                bad = [(j, theirs[j], why) for j in self.peers(-1) if (why := hd.mismatch(mine[j], theirs[j]))]
+                if bad:
+                    pending._done = True
+                    raise self.mismatch(pending, bad)
+                got = []
+                for peer in self.peers(-1):
+                    if theirs[peer].send_total > 0:
+                        t = make_recv(peer, theirs[peer].send_total)
+                        got.append(t)
+                        recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | theirs[peer].send_total)]
+                self._inflight[seq].append(got)
+                self._restore_headers(seq, mine, theirs)
             return pending
 
-    def _explain(self, seq, call, mine, bad) -> str:
+    def _restore_headers(self, seq, mine, theirs):
+        """Puts taken headers back for ``wait()`` (the variable-size path takes them early)."""
+        for j, h in theirs.items():
+            self._received.setdefault(j, {})[seq] = h
+
+    def settle(self, seq: int) -> None:
+        self._inflight.pop(seq, None)
+
+    def mismatch(self, pending: _Pending, bad) -> Exception:
+        """The error of a call whose headers differ (see [Note: size-tagged messages and headers])."""
+        seq = pending.seq
         j, theirs, why = bad[0]
         others = [k for k, _, _ in bad[1:]]
-        return (
+        err = PlanMismatchError(
             f"collective #{seq} of {self.name} differs between ranks ({why}): rank {self.rank} called "
-            f"{hd.describe(mine[j])}, {self.who(j)} called {hd.describe(theirs)}"
+            f"{hd.describe(pending.mine[j])}, {self.who(j)} called {hd.describe(theirs)}"
             + (f"; ranks {others} also differ from rank {self.rank}" if others else "")
             + ". Every rank must issue the same ragged collectives in the same order, with the same plans, "
             "dtypes and options (a rank that skipped or added a call, or built another plan)."
         )
+        sizes_differ = any(hd.sizes_differ(pending.mine[k], h) for k, h, _ in bad)
+        pairwise = seq in self._pairwise
+        self._pairwise.discard(seq)
+        if sizes_differ or pairwise:  # unmatched messages stay posted; peers may not see it (all-to-all)
+            self._graveyard.append(self._inflight.pop(seq, None))
+            self.fail(f"rank {self.rank}: {err}", peer=None)
+            return err if pairwise else raised_on_every_rank(err)
+        for works in (pending.recvs, pending.sends):  # same sizes: every message was matched; drain
+            for ws in works.values():
+                for w in ws:
+                    try:
+                        _wait(w, pending.timeout)
+                    except RuntimeError:
+                        pass
+        self.settle(seq)
+        return raised_on_every_rank(err)
 
     # ---- failure -----------------------------------------------------------------------------
     def fail_in_call(self, seq, call, peer, exc: BaseException, waited_for: str) -> CollectiveError:
@@ -272,46 +330,27 @@ class Channel:
             msg = (f"rank {self.rank} lost {self.who(peer)} while waiting for {waited_for} in {what}: "
                    + (f"that rank failed: {said}" if said else
                       f"{text.splitlines()[0][:160]}. That rank probably died or exited (see its log)."))
-        self.fail(msg, abort=True, peer=peer)
+        self.fail(msg, peer=peer)
         return CollectiveError(msg, peer=peer)
 
-    def fail(self, reason: str, *, abort: bool, peer: int | None = None) -> None:
-        """Fails the channel: poison every peer, then (``abort``) close the group's pairs.
-
-        See [Note: poison and abort]. Idempotent: only the first failure is sent.
-        """
+    def fail(self, reason: str, *, peer: int | None = None) -> None:
+        """Fails the channel: poison every peer (see [Note: poison]). Idempotent."""
         with self._lock:
             if self.failure is not None:
                 return
             self.failure = CollectiveError(reason, peer=peer)
             sends = []
-            for j in self._peers(1):
+            for j in self.peers(1):
                 buf = hd.encode_poison(self.seq, self.size, reason)
                 try:
                     sends.append((self.pg.send([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG), buf))
                 except RuntimeError:
                     pass
-            self._graveyard.append((sends, self._sent, self._headers))
+            self._graveyard.append((sends, self._sent, self._posted, self._inflight))
             self._tell_store(reason)
-            if not abort:
-                return
-            deadline = time.monotonic() + _POISON_GRACE
-            try:
-                for w, _ in sends:
-                    _wait(w, deadline - time.monotonic())
-                time.sleep(max(0.0, deadline - time.monotonic()))
-            except RuntimeError:
-                return  # a wait expired: gloo has closed the pairs already
-            if self.size > 1:
-                probe = torch.empty(1, dtype=torch.uint8)
-                try:
-                    _wait(self.pg.recv([probe], self._peers(1)[0], _ABORT_TAG), 0.001)
-                except RuntimeError:
-                    pass
-                self._graveyard.append(probe)
 
     # The reason also goes to the c10d store (best effort), for peers that only see a closed
-    # connection (the poison may be lost when the pairs close right after it).
+    # connection (a killed process, or pairs closed by a timed-out wait).
     def _store_key(self, rank: int | None) -> str:
         return f"ragged/failure/{self.name}/{self._global(rank)}"
 

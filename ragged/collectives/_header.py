@@ -5,8 +5,9 @@ A :class:`Call` names one collective call: the operation (and reduction), the dt
 elements per rank, and an *identity*: a hash of the plan fingerprints and operation the
 transform declared (``check_plans``) and of the caller's label. On gloo each call sends every
 peer a fixed-size header (:func:`encode`, 512 bytes: 16 int64 fields and 384 bytes of text)
-before any data moves, carrying the call plus the exact sizes of the messages it will send
-that peer and expects from it; the peer compares it with its own (:func:`mismatch`). The
+ahead of its data, carrying the call plus the exact sizes of the messages it sends that peer
+and expects from it; the peer compares it with its own (:func:`mismatch`) before it uses the
+data. The
 comparison is symmetric (a's sends against b's expectations and the other way round, every
 other field by equality), so both ranks of a pair reach the same verdict, and for every
 operation but ``all_to_all`` the fields are the same towards every peer, so if any two ranks
@@ -182,6 +183,15 @@ def describe_fields(op, reduce, dtype, numel, label) -> str:
 def describe(h: Header) -> str:
     """A header in words (for error messages)."""
     return describe_fields(h.op, h.reduce, h.dtype, h.numel, h.text)
+
+
+def sizes_differ(mine: Header, theirs: Header) -> bool:
+    """Whether some message between the two ranks has no receive of its size on the other side."""
+    for a, b in ((mine, theirs), (theirs, mine)):
+        if b.expect_total >= 0 and (a.send_total, a.send_count, a.send_layout) != (b.expect_total, b.expect_count,
+                                                                                  b.expect_layout):
+            return True
+    return False
 
 
 def mismatch(mine: Header, theirs: Header) -> str | None:

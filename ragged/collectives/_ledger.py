@@ -206,7 +206,8 @@ class Ledger:
         self._watcher.start()
 
     def _abort(self) -> None:
-        """Makes this process's collectives on the group raise (see [Note: poison and abort] in ``_channel.py``)."""
+        """Makes this process's collectives on the group raise: NCCL's abort; on gloo a receive waited
+        with a 1 ms timeout, after which gloo closes the group's pairs."""
         try:
             if self.device.type == "cuda":
                 dist.distributed_c10d._abort_process_group(self.group)

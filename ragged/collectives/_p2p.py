@@ -1,5 +1,5 @@
-"""ragged's collectives as agreed point-to-point exchanges (gloo; see [Note: agree before the
-data moves] in ``_channel.py``).
+"""ragged's collectives as checked point-to-point exchanges (gloo; see [Note: size-tagged
+messages and headers] in ``_channel.py``).
 
 [Note: the data paths of the header protocol]
 Each function builds, per peer, the tensors it sends and the tensors it receives into, and
@@ -108,9 +108,10 @@ def all_gather(ch, outputs, inputs, call_args, timeout):
     call = Call("all_gather", None, dtype, sum(t.numel() for t in inputs), *call_args)
     sends = [inputs] * m
     recvs = [[o[j * i.numel() : (j + 1) * i.numel()] for o, i in zip(outputs, inputs)] for j in range(m)]
-    for o, i in zip(outputs, inputs):
+    pending = ch.exchange(call, sends, recvs, timeout=timeout)
+    for o, i in zip(outputs, inputs):  # while the messages travel
         o[r * i.numel() : (r + 1) * i.numel()].copy_(i)
-    return ch.exchange(call, sends, recvs, timeout=timeout)
+    return pending
 
 
 def reduce_scatter(ch, outputs, inputs, op, call_args, timeout):
@@ -121,15 +122,16 @@ def reduce_scatter(ch, outputs, inputs, op, call_args, timeout):
     scratch = [SCRATCH.take(i.numel(), i.dtype, i.device).view(m, o.numel()) for o, i in zip(outputs, inputs)]
     sends = [[i[j * o.numel() : (j + 1) * o.numel()] for o, i in zip(outputs, inputs)] for j in range(m)]
     recvs = [[s[j] for s in scratch] for j in range(m)]
-    for s, o, i in zip(scratch, outputs, inputs):
-        s[r].copy_(i[r * o.numel() : (r + 1) * o.numel()].detach())
 
     def finish():
         for s, o in zip(scratch, outputs):
             reduce_rows(s, op, o)
             SCRATCH.give(s.view(-1))
 
-    return ch.exchange(call, sends, recvs, timeout=timeout, finish=finish)
+    pending = ch.exchange(call, sends, recvs, timeout=timeout, finish=finish)
+    for s, o, i in zip(scratch, outputs, inputs):  # while the messages travel
+        s[r].copy_(i[r * o.numel() : (r + 1) * o.numel()].detach())
+    return pending
 
 
 def all_reduce(ch, tensor, op, call_args, timeout):
@@ -140,7 +142,6 @@ def all_reduce(ch, tensor, op, call_args, timeout):
     if n * tensor.element_size() <= _DIRECT_BYTES:
         call = Call("all_reduce", op, tensor.dtype, n, *call_args)
         rows = SCRATCH.take(m * n, tensor.dtype, tensor.device).view(m, n)
-        rows[r].copy_(flat.detach())
         sends = [[flat]] * m
         recvs = [[rows[j]] for j in range(m)]
 
@@ -148,7 +149,9 @@ def all_reduce(ch, tensor, op, call_args, timeout):
             reduce_rows(rows, op, flat)
             SCRATCH.give(rows.view(-1))
 
-        return ch.exchange(call, sends, recvs, timeout=timeout, finish=finish)
+        pending = ch.exchange(call, sends, recvs, timeout=timeout, finish=finish)
+        rows[r].copy_(flat.detach())
+        return pending
     chunk = -(-n // m)  # fresh buffers: this path is rare, and must work inside torch.func.grad too
     padded = torch.cat([flat, flat.new_zeros(m * chunk - n)])
     mine = flat.new_empty(chunk)
@@ -176,9 +179,10 @@ def all_to_all(ch, output, input, output_splits, input_splits, call_args, timeou
         ins.append(input[a : a + input_splits[j]])
         outs.append(output[b : b + output_splits[j]])
         a, b = a + input_splits[j], b + output_splits[j]
-    outs[r].copy_(ins[r])
     call = Call("all_to_all", None, input.dtype, -1, *call_args)
-    return ch.exchange(call, [[t] for t in ins], [[t] for t in outs], timeout=timeout, all_pairs_see_mismatch=False)
+    pending = ch.exchange(call, [[t] for t in ins], [[t] for t in outs], timeout=timeout, all_pairs_see_mismatch=False)
+    outs[r].copy_(ins[r])
+    return pending
 
 
 def all_gather_object(ch, obj, call_args, timeout) -> list:

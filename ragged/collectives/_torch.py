@@ -4,11 +4,12 @@
 Every call carries what [Note: what a collective call carries] (``_base.py``) says; when it is
 checked depends on ``handshake`` (:func:`from_torch`):
 
-* ``"header"`` (default on gloo): every call is an agreed exchange, checked before its data
-  moves (see [Note: agree before the data moves] in ``_channel.py``): a mismatch raises
-  :class:`~ragged.PlanMismatchError` on every rank at that call, a failed, dead or absent
-  rank makes every rank raise :class:`~ragged.CollectiveError` within milliseconds (or the
-  timeout), never gloo's 30 minutes.
+* ``"header"`` (default on gloo): every call's messages are tagged with their sizes and
+  preceded by a header, checked before the result is used (see [Note: size-tagged messages and
+  headers] in ``_channel.py``): a mismatch raises :class:`~ragged.PlanMismatchError` on every
+  rank at that call (no size can abort gloo), a failed, dead or absent rank makes every rank
+  raise :class:`~ragged.CollectiveError` within milliseconds (or the timeout), never gloo's
+  30 minutes.
 * ``"deferred"`` (default on NCCL and other device backends): native collectives, each call
   recorded on the host and verified later without a device-to-host sync on the hot path
   (see [Note: deferred agreement] in ``_ledger.py``). NCCL cannot check sizes before a
@@ -84,7 +85,7 @@ def _result(work, async_op: bool):
 
 
 class _Guarded:
-    """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison and abort])."""
+    """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison] in ``_channel.py``)."""
 
     __slots__ = ("_work", "_comm")
 
@@ -197,12 +198,12 @@ class TorchCollectives:
 
     # ---- failure --------------------------------------------------------------------------
     def poison(self, reason: str) -> None:
-        """See :meth:`ragged.collectives.Collectives.poison` and [Note: poison and abort]."""
+        """See :meth:`ragged.collectives.Collectives.poison` and [Note: poison] in ``_channel.py``."""
         text = f"{reason}"
         if self._channels is not None:
             for ch in self._channels:
                 if ch is not None:
-                    ch.fail(text, abort=False)
+                    ch.fail(text)
         elif self._ledgers is not None:
             for led in self._ledgers:
                 if led is not None:

@@ -112,7 +112,7 @@ class _Pending:
             return
         ch = self.channel
         theirs = ch.take_headers(self.seq, self.call, self.timeout)
-        bad = [(j, theirs[j], why) for j in ch.peers(-1) if (why := hd.mismatch(self.mine[j], theirs[j])) is not None]
+        bad = [(j, theirs[j], why) for j in sorted(theirs) if (why := hd.mismatch(self.mine[j], theirs[j])) is not None]
         if bad:
             self._done = True
             raise ch.mismatch(self, bad)
@@ -263,7 +263,7 @@ class Channel:
                 self._pairwise.add(seq)
             if in_parts is None:  # sizes from the headers: take them now, then receive
                 theirs = self.take_headers(seq, call, timeout)
-                bad = [(j, theirs[j], why) for j in self.peers(-1) if (why := hd.mismatch(mine[j], theirs[j]))]
+                bad = [(j, theirs[j], why) for j in sorted(theirs) if (why := hd.mismatch(mine[j], theirs[j]))]
                 if bad:
                     pending._done = True
                     raise self.mismatch(pending, bad)

@@ -58,30 +58,33 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class _Work:
-    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum)."""
+    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum).
 
-    __slots__ = ("_works", "_finish", "_done")
+    ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
+    group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
 
-    def __init__(self, works, finish=None):
+    __slots__ = ("_works", "_finish", "_done", "_ledgers")
+
+    def __init__(self, works, finish=None, ledgers=None):
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
+        self._ledgers = ledgers
 
     def wait(self) -> None:
         if self._done:
             return
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as e:
+            for led in self._ledgers or ():
+                if led is not None and led.failure is not None:
+                    raise CollectiveError(f"{led.failure} (the collective was aborted)", peer=led.failure.peer) from e
+            raise
         if self._finish is not None:
             self._finish()
         self._done = True
-
-
-def _result(work, async_op: bool):
-    if async_op:
-        return work
-    work.wait()
-    return None
 
 
 class _Guarded:
@@ -260,16 +263,16 @@ class TorchCollectives:
             if m == 1:
                 for o, i in zip(outs, ins):
                     o.copy_(i)
-                return _result(_Work([]), async_op)
+                return self._result(_Work([]), async_op)
             algo = self.ag_algorithm
             if algo == "native":
-                return _result(_Work([self._coalesced(dist.all_gather_into_tensor, outs, ins)]), async_op)
+                return self._result(_Work([self._coalesced(dist.all_gather_into_tensor, outs, ins)], None, self._ledgers), async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
                 w, f = self._gather_one(o, i, algo)
                 works += w
                 finish.append(f)
-            return _result(_Work(works, lambda: [f() for f in finish if f is not None]), async_op)
+            return self._result(_Work(works, lambda: [f() for f in finish if f is not None], self._ledgers), async_op)
 
     def _gather_one(self, output, input, algo):
         m, n = self._world, input.numel()
@@ -296,7 +299,7 @@ class TorchCollectives:
             return fn(outs[0], ins[0], group=self.group, async_op=True, **kw)
         single = {dist.all_gather_into_tensor: getattr(dist, "all_gather_single", fn),
                   dist.reduce_scatter_tensor: getattr(dist, "reduce_scatter_single", fn)}[fn]
-        with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
+        with dist._coalescing_manager(group=self.group, async_ops=True) as cm:
             for o, i in zip(outs, ins):
                 single(o, i, group=self.group, **kw)
         return cm
@@ -319,19 +322,19 @@ class TorchCollectives:
             if m == 1:
                 for o, i in zip(outs, ins):
                     o.copy_(i)
-                return _result(_Work([]), async_op)
+                return self._result(_Work([]), async_op)
             if self.rs_algorithm == "native":
                 nccl = "nccl" in self.backend
                 torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
                 w = self._coalesced(dist.reduce_scatter_tensor, outs, ins, op=torch_op)
                 finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
-                return _result(_Work([w], finish), async_op)
+                return self._result(_Work([w], finish, self._ledgers), async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
                 w, f = self._scatter_one(o, i, op)
                 works += w
                 finish.append(f)
-            return _result(_Work(works, lambda: [f() for f in finish]), async_op)
+            return self._result(_Work(works, lambda: [f() for f in finish], self._ledgers), async_op)
 
     def _scatter_one(self, output, input, op):
         m, n = self._world, output.numel()
@@ -361,17 +364,17 @@ class TorchCollectives:
         if self._channels is not None:
             ch = self._channels[index]
             if ch is None:
-                return _result(_Work([]), async_op)
+                return self._result(_Work([]), async_op)
             return self._handle(_p2p.all_reduce(ch, tensor, op, self._call_args(label), self.timeout), async_op)
         self._record(index, "all_reduce", op, [tensor], label)
         if size == 1:
-            return _result(_Work([]), async_op)
+            return self._result(_Work([]), async_op)
         group = self.group if index == 0 else self.replica_group
         nccl_avg = op == "mean" and "nccl" in self.backend
         torch_op = dist.ReduceOp.AVG if nccl_avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
         w = dist.all_reduce(tensor, op=torch_op, group=group, async_op=True)
         finish = (lambda: tensor.div_(size)) if (op == "mean" and not nccl_avg) else None
-        return _result(_Work([w], finish), async_op)
+        return self._result(_Work([w], finish, self._ledgers), async_op)
 
     def all_reduce(self, tensor, *, op="sum", async_op=False, label=None):
         with poison_on_error(self):
@@ -389,10 +392,10 @@ class TorchCollectives:
             self._record(0, "all_to_all", None, [input], label, numel=-1)
             if self._world == 1:
                 output.copy_(input)
-                return _result(_Work([]), async_op)
+                return self._result(_Work([]), async_op)
             w = dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=self.group,
                                        async_op=True)
-            return _result(_Work([w]), async_op)
+            return self._result(_Work([w], None, self._ledgers), async_op)
 
     def all_gather_object(self, obj: Any, *, label=None) -> list[Any]:
         with poison_on_error(self):
@@ -428,6 +431,12 @@ class TorchCollectives:
                 dist.barrier(group=self.replica_group)
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _result(self, work, async_op):
+        if async_op:
+            return _Guarded(work, self)
+        work.wait()
+        return None
+
     def _handle(self, pending, async_op):
         if pending is None:  # completed inside the call (the large all-reduce)
             return _Work([]) if async_op else None

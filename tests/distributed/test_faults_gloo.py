@@ -355,3 +355,60 @@ def test_kill_during_fsdp_step(tmp_path, m, phase):
     got = _spawn(m, _fsdp_step_kill, phase, path)
     assert sorted(got) == list(range(m - 1)), got
     _check_all_raised(got, _fault_time(path))
+
+
+# ---- handshake="deferred" (NCCL's mode), exercised on gloo with calls of equal sizes ---------
+def _deferred(kind, verify_every):
+    comm = _fresh_comm(handshake="deferred", algorithm="native", verify_every=verify_every)
+    r, m = comm.rank, comm.world_size
+    odd = r == m - 1
+    params = _params()
+    plan = rg.make_plan(params, world_size=m)
+    grads = _params(seed=1 + r)
+    rg.reduce_scatter(plan, grads, comm, op="mean")  # agreed (first use)
+    t0 = time.time()
+
+    def body():
+        if kind == "verify":  # "sum" on one rank: the same bytes move; comm.verify() names both sides
+            rg.reduce_scatter(plan, grads, comm, op="sum" if odd else "mean")
+            comm.verify()
+        elif kind == "next_round":  # the next agreement round (the first use of another plan) finds it
+            rg.reduce_scatter(plan, grads, comm, op="sum" if odd else "mean")
+            rg.shard(rg.make_plan(params, world_size=m, strategy="naive"), params, comm)
+        elif kind == "periodic":  # no agreement point at all: the device-side check finds it
+            x = torch.ones(4)
+            for i in range(10 * verify_every):
+                comm.all_reduce(x, label=f"unit {'b' if odd else 'a'}")
+        elif kind == "poison":
+            if odd:
+                comm.poison("bad batch")
+                return "poisoned"
+            x = torch.ones(4)
+            for i in range(100):
+                comm.all_reduce(x)
+        return "no error"
+
+    return _outcome(body) + (t0,)
+
+
+@pytest.mark.parametrize("kind", ["verify", "next_round"])
+def test_deferred_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
+    for r, (err, msg, t, t0) in enumerate(workers.run(_deferred, kind, 64)):
+        assert err == "PlanMismatchError", (r, err, msg)
+        assert "checked late" in msg and "reduce_scatter:sum" in msg and "reduce_scatter:mean" in msg, msg
+        assert t - t0 < PROMPT
+
+
+def test_deferred_periodic_check_needs_no_agreement_point(workers2):
+    res = workers2.run(_deferred, "periodic", 4)
+    assert any(err == "PlanMismatchError" and "periodic check" in msg for err, msg, _, _ in res), res
+    for err, msg, t, t0 in res:
+        assert err in ("PlanMismatchError", "CollectiveError"), (err, msg)
+        assert t - t0 < PROMPT
+
+
+def test_deferred_poison_reaches_a_peer_blocked_in_a_native_collective(workers2):
+    (err, msg, t, t0), (odd_err, *_) = workers2.run(_deferred, "poison", 64)
+    assert odd_err == "ok"
+    assert err == "CollectiveError" and "bad batch" in msg, (err, msg)
+    assert t - t0 < PROMPT

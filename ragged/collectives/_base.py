@@ -189,6 +189,11 @@ class Collectives(Protocol):
     def barrier(self, *, label: str | None = None) -> None:
         """Returns once every rank of the mesh has called it."""
 
+    def verify(self) -> None:
+        """Checks now that every call so far agreed across ranks (a backend that checks late,
+        such as the torch backend on NCCL, does it here; others return at once). Call it at the
+        same point on every rank."""
+
     def poison(self, reason: str) -> None:
         """Fails this comm on every rank: peers raise "rank k failed: <reason>" at their
         current or next collective, and this comm refuses further calls (see [Note: what a

@@ -250,7 +250,7 @@ class Channel:
                     send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
                     if in_parts is not None:
                         recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in in_parts[peer]]
-                for peer in self.peers(1):
+                for peer in self.peers(1):  # after the data: a header is only waited once it arrived
                     buf = hd.encode(call, seq, self.size, out_parts[peer], None if in_parts is None else in_parts[peer])
                     mine[peer] = hd.decode(buf)
                     self._send(peer, buf)
@@ -274,16 +274,13 @@ class Channel:
                         got.append(t)
                         recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | theirs[peer].send_total)]
                 self._inflight[seq].append(got)
-                self._restore_headers(seq, mine, theirs)
+                for j, h in theirs.items():  # back for wait(), which checks them again
+                    self._received.setdefault(j, {})[seq] = h
             return pending
-
-    def _restore_headers(self, seq, mine, theirs):
-        """Puts taken headers back for ``wait()`` (the variable-size path takes them early)."""
-        for j, h in theirs.items():
-            self._received.setdefault(j, {})[seq] = h
 
     def settle(self, seq: int) -> None:
         self._inflight.pop(seq, None)
+        self._pairwise.discard(seq)
 
     def mismatch(self, pending: _Pending, bad) -> Exception:
         """The error of a call whose headers differ (see [Note: size-tagged messages and headers])."""
@@ -297,10 +294,12 @@ class Channel:
             + ". Every rank must issue the same ragged collectives in the same order, with the same plans, "
             "dtypes and options (a rank that skipped or added a call, or built another plan)."
         )
-        sizes_differ = any(hd.sizes_differ(pending.mine[k], h) for k, h, _ in bad)
+        # unmatched messages stay posted if sizes differ, or if receives wait for the headers
+        # (objects); in an all-to-all, peers may not see the mismatch: then the channel fails
+        sizes_differ = any(hd.sizes_differ(pending.mine[k], h) or h.expect_total < 0 for k, h, _ in bad)
         pairwise = seq in self._pairwise
         self._pairwise.discard(seq)
-        if sizes_differ or pairwise:  # unmatched messages stay posted; peers may not see it (all-to-all)
+        if sizes_differ or pairwise:
             self._graveyard.append(self._inflight.pop(seq, None))
             self.fail(f"rank {self.rank}: {err}", peer=None)
             return err if pairwise else raised_on_every_rank(err)

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ragged.checkpoint._format import CheckpointError, error_type
 from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached"]
+__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached", "poison"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +127,17 @@ def _exchange(comm, obj) -> list[Any]:
     return out
 
 
+def poison(comm, reason: str) -> None:
+    """``comm.poison(reason)`` where the Collectives offers it (peers in a collective with this
+    rank then fail instead of waiting); a no-op otherwise."""
+    fn = getattr(comm, "poison", None)
+    if callable(fn):
+        try:
+            fn(reason)
+        except Exception:  # noqa: BLE001 - the failure being reported matters more
+            pass
+
+
 def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
     """Runs ``fn()`` on every rank and gathers the results (indexed as :func:`everyone`); if any
     rank failed, raises on every rank (a CheckpointError subclass named by the first failing
@@ -153,12 +164,7 @@ def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
         results = _exchange(comm, (call, step, out))
     except BaseException as exc:  # noqa: BLE001 - a torch error from the collective: say which call
         reason = f"{what}: the ranks could not exchange ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        poison = getattr(comm, "poison", None)
-        if callable(poison):
-            try:
-                poison(reason)
-            except Exception:  # noqa: BLE001 - the original failure is the one to report
-                pass
+        poison(comm, reason)
         if not isinstance(exc, Exception):
             raise
         raise CheckpointError(f"{reason}; a rank died, was killed, or is not in this checkpoint call.") from exc

@@ -15,10 +15,10 @@ from typing import Any
 import optree
 import torch
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import agree, dcp_save, everyone, reached
+from ragged.checkpoint._dcp import agree, dcp_save, everyone, poison, reached
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
 
@@ -131,8 +131,13 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     check_comm(comm, "save")
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(state)
-    # Local validation first: a bad leaf raises here, before any communication.
-    kinds, entries = describe_state(paths, leaves, comm, "state")
+    # Local validation first: a bad leaf raises here, before any communication (a comm that can
+    # be poisoned is, so that peers already in the first round fail too, see agree).
+    try:
+        kinds, entries = describe_state(paths, leaves, comm, "state")
+    except RaggedError as exc:
+        poison(comm, f"rg.checkpoint.save({path!r}) failed on rank {comm.rank}: {exc}")
+        raise
     description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
     call = f"save({path!r})"
 

@@ -9,6 +9,9 @@ from ragged.optim._base import Schedule as Schedule
 from ragged.optim._base import apply_updates as apply_updates
 from ragged.optim._base import identity as identity
 from ragged.optim._combine import MaskedState as MaskedState
+from ragged.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
+from ragged.optim._finite import NonFiniteError as NonFiniteError
+from ragged.optim._finite import apply_if_finite as apply_if_finite
 from ragged.optim._combine import MultiTransformState as MultiTransformState
 from ragged.optim._combine import chain as chain
 from ragged.optim._combine import leaf_labels as leaf_labels

@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import queue
 import socket
-import sys
 import time
 import traceback
 import warnings

@@ -70,6 +70,8 @@ class EntryKind:
     stored in the manifest only (no DCP tensors)."""
 
     name: ClassVar[str]
+    #: the type (or types) of the leaves this kind stores
+    holds: ClassVar[type | tuple[type, ...]]
     #: export names its values by the plan's own leaf paths (``leaf_names=True`` keeps only those)
     holds_leaves: ClassVar[bool] = False
     #: written by every process of an HSDP mesh (default: by replica 0 only, the replicas agree)
@@ -79,7 +81,7 @@ class EntryKind:
     whole: ClassVar[bool] = False
 
     def claims(self, leaf) -> bool:
-        raise NotImplementedError
+        return isinstance(leaf, self.holds)
 
     def describe(self, where: str, leaf, comm) -> dict[str, Any]:
         """The entry's JSON description; raises RaggedTypeError / RaggedValueError naming ``where``."""

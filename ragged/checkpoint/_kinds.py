@@ -59,11 +59,9 @@ class DBufferKind(EntryKind):
     per piece (padding excluded); loads into any plan of the same leaves."""
 
     name = "dbuffer"
+    holds = DBuffer
     holds_leaves = True
     whole = True
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, DBuffer)
 
     def describe(self, where, leaf, comm):
         plan = leaf.plan
@@ -133,9 +131,7 @@ class TensorKind(EntryKind):
     """A plain tensor, the same on every rank: one chunk, written once."""
 
     name = "tensor"
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, torch.Tensor)
+    holds = torch.Tensor
 
     def describe(self, where, leaf, comm):
         return {"kind": self.name, "shape": list(leaf.shape), "dtype": fmt.dtype_name(leaf.dtype)}
@@ -171,11 +167,9 @@ class PerRankKind(EntryKind):
     """:class:`PerRank`: one tensor per process, loaded back by the same process index."""
 
     name = "per_rank"
+    holds = PerRank
     per_process = True
     whole = True
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, PerRank)
 
     def describe(self, where, leaf, comm):
         if not isinstance(leaf.value, torch.Tensor):
@@ -225,9 +219,7 @@ class PlanKind(EntryKind):
     """A LayoutPlan: its description only (loading returns ``like_state``'s plan)."""
 
     name = "plan"
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, LayoutPlan)
+    holds = LayoutPlan
 
     def describe(self, where, leaf, comm):
         return {"kind": self.name, "plan": fmt.describe_plan(leaf)}
@@ -240,9 +232,7 @@ class ValueKind(EntryKind):
     """A Python scalar, kept in the manifest (NaN as ``"nan": true``: JSON has no NaN)."""
 
     name = "value"
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, _JSON_SCALARS)
+    holds = _JSON_SCALARS
 
     def describe(self, where, leaf, comm):
         if isinstance(leaf, float) and leaf != leaf:

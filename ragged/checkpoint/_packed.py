@@ -118,11 +118,9 @@ class PackedKind(EntryKind):
     """A :class:`Packed` DBuffer: each included leaf stored like a DBuffer leaf."""
 
     name = "packed"
+    holds = Packed
     holds_leaves = True
     whole = True
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, Packed)
 
     def describe(self, where, leaf, comm):
         d = leaf.dbuf

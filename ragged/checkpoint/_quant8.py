@@ -143,11 +143,9 @@ class Quant8Kind(EntryKind):
     checkpoint]."""
 
     name = "quant8"
+    holds = Quant8
     holds_leaves = True
     whole = True
-
-    def claims(self, leaf) -> bool:
-        return isinstance(leaf, Quant8)
 
     def describe(self, where, leaf, comm):
         from ragged.optim._quant8 import Quant8Moments

@@ -32,6 +32,13 @@ from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import EntryKind, Exported, compare_plans, full_tensor
+from ragged.optim._quant8_state import (
+    Quant8Moments,
+    ScaleByAdam8bitState,
+    adam8bit_leaf_state,
+    init_moments,
+    quantized_block,
+)
 
 __all__ = ["Quant8", "bind_quant8", "unbind", "Quant8Kind"]
 
@@ -54,8 +61,6 @@ class Quant8:
 
 
 def _is_state(x) -> bool:
-    from ragged.optim._quant8 import ScaleByAdam8bitState
-
     return isinstance(x, ScaleByAdam8bitState)
 
 
@@ -81,8 +86,6 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
         >>> type(bound).__name__, bound.moments.mu_scales.numel()  # 2 x 2 tiles of 4 x 32
         ('Quant8', 4)
     """
-    from ragged.optim._quant8 import Quant8Moments
-
     def bind(state):
         moments = pytree.map(
             lambda q, d: Quant8(q, d, min_size),
@@ -110,11 +113,9 @@ def unbind(state):
 
 def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:
     """Per leaf: how 8-bit Adam stores it (blocks, total blocks): the optimizer's own rule."""
-    from ragged.optim._quant8_state import leaf_block
-
     kinds = {}
     for leaf in plan.leaves:
-        block = leaf_block(leaf, min_size)
+        block = quantized_block(leaf, min_size)
         if block is None:
             kinds[leaf.path] = {"block": None, "numel": leaf.numel, "blocks": 0, "replicated": False}
             continue
@@ -148,8 +149,6 @@ class Quant8Kind(EntryKind):
     whole = True
 
     def describe(self, where, leaf, comm):
-        from ragged.optim._quant8 import Quant8Moments
-
         if not isinstance(leaf.moments, Quant8Moments) or not isinstance(leaf.params, DBuffer):
             raise RaggedTypeError(
                 f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8."
@@ -166,13 +165,11 @@ class Quant8Kind(EntryKind):
     def pieces(self, path, leaf, rank, index):
         """This rank's chunks of ``leaf.moments`` (views): codes at the piece's first element,
         scales at its first block (band-major), fp32 moments at its first element."""
-        from ragged.optim._quant8_state import leaf_parts
-
         d = leaf.params
         kinds = _leaf_kinds(d.plan, leaf.min_size)
         starts = {p.leaf.path: p.start for p in d.plan.local_pieces(rank)}
         out = []
-        for leaf_path, parts in leaf_parts(leaf.moments, d, min_size=leaf.min_size).items():
+        for leaf_path, parts in adam8bit_leaf_state(leaf.moments, d, min_size=leaf.min_size).items():
             k = kinds[leaf_path]
             start = 0 if k["replicated"] else starts[leaf_path]
             if k["block"] is None:
@@ -213,9 +210,7 @@ class Quant8Kind(EntryKind):
 
     def allocate(self, leaf, entry):
         """A fresh zero state with ``leaf``'s layout (a new Quant8 sharing nothing with ``leaf``)."""
-        from ragged.optim._quant8_state import zero_moments
-
-        moments = zero_moments(leaf.params, min_size=leaf.min_size)
+        moments = init_moments(leaf.params, leaf.min_size)
         moments = type(moments)(*[torch.zeros_like(t) for t in moments])
         return Quant8(moments, leaf.params, leaf.min_size)
 

@@ -82,3 +82,61 @@ def assert_state_dicts_equal(a: dict, b: dict) -> None:
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.equal(a[k], b[k]), k
+
+
+# ---- Hugging Face (tiny configs, float64) ---------------------------------------------------------------------------
+HF_KINDS = {"llama-tied": ("llama", True), "llama": ("llama", False), "mixtral": ("mixtral", False)}
+
+
+def hf_config(name):
+    from ragged.examples import hf
+
+    kind, tie = HF_KINDS[name]
+    extra = {"experts_implementation": "eager"} if kind == "mixtral" else {}  # grouped_mm has no float64 kernel
+    return hf.config(kind, vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=48, seq=16, experts=4, top_k=2,
+                     tie=tie, **extra)
+
+
+def hf_meta(name):
+    from ragged.examples import hf
+
+    return hf.build(hf_config(name), dtype=torch.float64)
+
+
+def batches(n, batch=4, seq=8, vocab=64):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+            for _ in range(n)]
+
+
+def hf_train(comm, name, steps, data):
+    """The user's path: meta build, init, ``steps`` AdamW steps on this rank's rows, export."""
+    import copy
+
+    from ragged.examples import hf
+
+    model = hf_meta(name)
+    units = fsdp.make_units(model, world_size=comm.world_size)
+    opt = rg.optim.adamw(1e-2, weight_decay=0.1)
+    state = fsdp.init(units, model, opt, comm)
+    step = fsdp.make_step(units, hf.loss_fn(copy.deepcopy(model)), opt, comm)  # simulated ranks: one module each
+    rows = data[0][0].shape[0] // comm.world_size
+    mine = slice(rows * comm.rank, rows * (comm.rank + 1))
+    for x, y in data[:steps]:
+        state, _ = step(state, (x[mine], y[mine]))
+    return fsdp.export(units, state.shards, comm, module=model, rank0_only=False)
+
+
+def hf_reference_train(name, initial, steps, data):
+    """Single-process torch.optim.AdamW from the exported initial values, on the global batch."""
+    from ragged.examples import hf
+
+    model = hf.build(hf_config(name), device="cpu", dtype=torch.float64)
+    model.load_state_dict(initial, strict=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    loss = hf.loss_fn(model)
+    for x, y in data[:steps]:
+        opt.zero_grad()
+        loss(dict(model.named_parameters()), (x, y)).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -38,7 +38,7 @@ class ShardedParameterError(RaggedError, RuntimeError):
 _METADATA_CALLS = frozenset({
     "size", "dim", "stride", "numel", "nelement", "ndimension", "is_floating_point", "is_complex", "is_signed",
     "is_contiguous", "element_size", "storage_offset", "get_device", "requires_grad_", "__len__", "__hash__",
-    "__format__", "has_names", "is_inference", "_is_view", "type",
+    "__format__", "has_names", "is_inference", "_is_view", "type", "untyped_storage", "data_ptr",  # meta: no bytes
 })
 _METADATA_PROPERTIES = frozenset({
     "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout", "is_cuda", "is_cpu",

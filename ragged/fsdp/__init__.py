@@ -1,4 +1,6 @@
-"""Functional FSDP: units, and a training step that threads ``(shards, opt_state)``."""
+"""Functional FSDP: units, the model lifecycle (init from a module, a state dict or ``meta``;
+placeholders left on the module; export of full parameters), and a training step that threads
+``(shards, opt_state)``."""
 
 from ragged.fsdp._units import REST as REST
 from ragged.fsdp._units import Unit as Unit

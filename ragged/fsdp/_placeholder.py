@@ -79,7 +79,7 @@ class Placeholder(torch.nn.Parameter):
         >>> p * 2
         Traceback (most recent call last):
         ...
-        ragged.fsdp._placeholder.ShardedParameterError: parameter 'lin.weight' is sharded by rg.fsdp.init; ...
+        ragged.fsdp._placeholder.ShardedParameterError: parameter 'lin.weight' is sharded by rg.fsdp.init: ...
     """
 
     def __new__(cls, like: torch.Tensor, param_name: str):
@@ -126,9 +126,9 @@ def _message(func, args, kwargs) -> str:
         what = f".{getattr(func.__self__, '__name__', '?')}{' =' if what == '__set__' else ''}"
     return (f"parameter{'s' if len(names) > 1 else ''} {', '.join(map(repr, names)) or '?'} "
             f"{'are' if len(names) > 1 else 'is'} sharded by rg.fsdp.init: the module keeps a placeholder without "
-            f"values, and a torch call{f' ({what})' if what else ''} used it. Fix: let the step bind the module "
-            "(make_step(..., module=model)) or pass the parameters (torch.func.functional_call(model, params, ...)); "
-            "full values: rg.fsdp.gather / rg.fsdp.export (model.load_state_dict(full, assign=True) puts them back).")
+            f"values, and a torch call{f' ({what})' if what else ''} used it. Fix: pass the parameters the step gives the "
+            "loss (torch.func.functional_call(model, params, ...)); full values: rg.fsdp.gather / rg.fsdp.export "
+            "(model.load_state_dict(full, assign=True) puts them back).")
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:

@@ -224,9 +224,11 @@ def init(
         )
     module = params if isinstance(params, torch.nn.Module) else None
     meta = module is not None and any(p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
-    if init_fn is not None and not meta:
-        raise RaggedValueError("init_fn initialises a module built on meta, but params has real values. "
-                               "Fix: drop init_fn, or build the model under torch.device('meta').")
+    if (init_fn is not None or device is not None) and not meta:
+        raise RaggedValueError(f"{'init_fn' if init_fn is not None else 'device'} is for a module built on meta, but "
+                               f"params has real values (their shards stay on their device). Fix: drop "
+                               f"{'init_fn' if init_fn is not None else 'device'}, or build the model under "
+                               "torch.device('meta').")
     if not meta:
         shards = shard(units, params, comm)
         buffers = {}

@@ -72,6 +72,8 @@ def _misuse_cases():
         "module-for-pytree-units": (lambda c: fsdp.init(tree_units, model, opt, c), rg.RaggedTypeError, "pytree"),
         "init-fn-for-real-weights": (lambda c: fsdp.init(units, model, opt, c, init_fn=lambda m: None),
                                      rg.RaggedValueError, "drop init_fn"),
+        "device-for-real-weights": (lambda c: fsdp.init(units, model, opt, c, device="cpu"), rg.RaggedValueError,
+                                    "drop device"),
         "meta-tensors-in-a-dict": (lambda c: fsdp.init(units, dict(meta_tiny().named_parameters()), opt, c),
                                    rg.RaggedValueError, "meta *module*"),
         "not-a-tensor": (lambda c: fsdp.init(units, {**model.state_dict(), "emb.weight": [1.0]}, opt, c),

@@ -204,6 +204,24 @@ def test_meta_init_is_the_same_on_every_rank_world_size_and_grouping():
     assert not torch.equal(other_seed["blocks.0.lin.weight"], w1["blocks.0.lin.weight"])
 
 
+def test_meta_init_holds_at_most_one_unit_real():
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))})
+    units = fsdp.make_units(model, world_size=1)
+    assert len(units) == 4
+    scratch, alive = [], []
+
+    def init_fn(module):  # bytes of earlier materialised storages still alive when the next module is made
+        module.reset_parameters()
+        gc.collect()
+        alive.append(sum(r().nbytes() for r in scratch if r() is not None))
+        scratch.extend(weakref.ref(p.untyped_storage()) for p in module.parameters(recurse=False))
+
+    state = simulate(1, lambda c: fsdp.init(units, model, rg.optim.sgd(0.1), c, init_fn=init_fn))[0]
+    assert len(alive) == 4 and max(alive) == 0  # the previous unit's tensors are gone when the next one is made
+    assert all(r() is None for r in scratch) and all(d.data.numel() == 72 for d in state.shards.values())
+
+
 def test_meta_init_sets_real_buffers_and_leaves_the_global_rng_alone():
     model = meta_tiny()
     torch.manual_seed(123)

@@ -248,8 +248,8 @@ def train(args) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     comm = rg.collectives.from_torch()
     cfg = GPTConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
-                    ffn_dim=args.ffn, max_seq_len=args.seq, num_experts=args.experts if args.moe else 0,
-                    top_k=args.top_k if args.moe else _TOP_K)
+                    ffn_dim=args.ffn, max_seq_len=args.seq, num_experts=(args.experts or _EXPERTS) if args.moe else 0,
+                    top_k=(args.top_k or _TOP_K) if args.moe else _TOP_K)
     model = GPT(cfg, device=device)
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))

@@ -153,6 +153,12 @@ def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
     (["--log-every", "0"], "--log-every: must be >= 1"),
     (["--optimizer", "adam"], "invalid choice: 'adam'"),
     (["--json", "/no/such/dir/m.json"], "the directory /no/such/dir does not exist"),
+    (["--hf", "llama", "--experts", "4"], "add --moe (or --hf mixtral), or drop them"),
+    (["--hf", "mixtral", "--experts", "2", "--top-k", "4"], "--top-k 4 is more than --experts 2"),
+    (["--hf", "llama", "--moe"], "with --hf llama drop it"),
+    (["--hf", "mixtral", "--activation-checkpointing"], "not supported with --hf"),
+    (["--save-pretrained", "out"], "add --hf llama|mixtral"),
+    (["--hf", "gpt2"], "invalid choice: 'gpt2'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
     assert says in refused(capsys, "train", *argv)
@@ -165,7 +171,7 @@ def test_nccl_without_cuda_is_refused(capsys):
 
 @pytest.mark.parametrize("command, shown", [
     ("train", ["--steps STEPS         optimizer steps (default: 300)", "(default: 2)", "(default: 0.003)",
-               "(default: adamw)", "(with --moe; default 8)"]),
+               "(default: adamw)", "(with --moe or --hf mixtral; default 8)"]),
     ("plan", ["(default: rows:1)", "(default: dp)", "(default: bf16)", "(default: 3.0)"]),
 ])
 def test_help_shows_the_defaults(capsys, command, shown):

@@ -51,8 +51,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--vocab", type=int_at_least(2), default=256, help="vocabulary of the synthetic task")
     g.add_argument("--seq", type=int_at_least(2), default=64, help="tokens per sequence")
     g.add_argument("--moe", action="store_true", help="every 2nd block is a top-k MoE with fused experts")
-    g.add_argument("--experts", type=int_at_least(1), default=None, help=f"experts per MoE block (with --moe; default {_EXPERTS})")
-    g.add_argument("--top-k", type=int_at_least(1), default=None, help=f"experts per token (with --moe; default {_TOP_K})")
+    g.add_argument("--experts", type=int_at_least(1), default=None,
+                   help=f"experts per MoE block (with --moe or --hf mixtral; default {_EXPERTS})")
+    g.add_argument("--top-k", type=int_at_least(1), default=None,
+                   help=f"experts per token (with --moe or --hf mixtral; default {_TOP_K})")
+    g.add_argument("--hf", choices=["llama", "mixtral"], default=None,
+                   help="a Hugging Face model of these sizes instead (config only, built on meta; ragged.examples.hf)")
+    g.add_argument("--save-pretrained", default=None, metavar="DIR",
+                   help="with --hf: save_pretrained the trained model here (default: a temporary directory)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int_at_least(1), default=300, help="optimizer steps")
     g.add_argument("--batch", type=int_at_least(1), default=32,
@@ -118,17 +124,25 @@ def check_args(args) -> None:
     from ragged._cli import UsageError
 
     world, local = _world_sizes(args)
-    if args.moe:
-        args.experts = _EXPERTS if args.experts is None else args.experts
-        args.top_k = min(_TOP_K, args.experts) if args.top_k is None else args.top_k
-        if args.top_k > args.experts:
-            raise UsageError(f"--top-k {args.top_k} is more than --experts {args.experts}: each token picks top-k "
-                             "distinct experts; use --top-k <= --experts.")
-        if args.layers < 2:
-            raise UsageError(f"--moe makes every 2nd block an MoE block, and --layers {args.layers} has no 2nd block; "
-                             "use --layers >= 2.")
-    elif args.experts is not None or args.top_k is not None:
-        raise UsageError("--experts and --top-k set up MoE blocks: add --moe (or drop them).")
+    if args.hf and args.moe:
+        raise UsageError(f"--moe makes the example GPT an MoE; with --hf {args.hf} drop it (--hf mixtral is the "
+                         "Hugging Face MoE).")
+    if args.hf and args.activation_checkpointing:
+        raise UsageError("--activation-checkpointing is not supported with --hf (HF gradient checkpointing inside "
+                         "the model does not mix with functional_call).")
+    if args.save_pretrained and not args.hf:
+        raise UsageError("--save-pretrained saves a Hugging Face model: add --hf llama|mixtral (or drop it).")
+    experts_used = args.moe or args.hf == "mixtral"
+    if not experts_used and (args.experts is not None or args.top_k is not None):
+        raise UsageError("--experts and --top-k set up MoE blocks: add --moe (or --hf mixtral), or drop them.")
+    args.experts = _EXPERTS if args.experts is None else args.experts
+    args.top_k = min(_TOP_K, args.experts) if args.top_k is None else args.top_k
+    if experts_used and args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} is more than --experts {args.experts}: each token picks top-k "
+                         "distinct experts; use --top-k <= --experts.")
+    if args.moe and args.layers < 2:
+        raise UsageError(f"--moe makes every 2nd block an MoE block, and --layers {args.layers} has no 2nd block; "
+                         "use --layers >= 2.")
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads} (each head gets dim / heads).")
     per_step = world * args.micro_batches
@@ -244,6 +258,10 @@ def train(args) -> dict:
     from ragged.examples.data import SyntheticLM, rank_slice
     from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
+    if args.hf:
+        from ragged.examples.hf import train as train_hf
+
+        return train_hf(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     comm = rg.collectives.from_torch()
@@ -254,10 +272,7 @@ def train(args) -> dict:
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
     opt = _optimizer(args, comm)
-    state = fsdp.init(units, model, opt, comm)
-    # the module's own parameters are no longer needed: every rank keeps only its shards
-    for p in model.parameters():
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
                           micro_batches=args.micro_batches,
                           compute_dtype=_DTYPES[args.compute_dtype],
@@ -367,7 +382,7 @@ def _run_in_group(args) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return summary["exit_status"]
+    return summary.get("exit_status", 0)  # the --hf path has no verdict
 
 
 def main_from_args(args) -> int:

@@ -256,7 +256,7 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
     if first_use and all(fp in memo for fp in fps):
         _declare(comm, operation, plans, fps)
         return
-    if not ranks_agree(comm, operation + "|" + ",".join(fps), f"plan agreement for {operation.split(':')[0]}"):
+    if not ranks_agree(comm, operation + "|" + ",".join(fps)):  # one label for every round: the token compares
         scope = getattr(comm, "scope", None)
         if scope is not None:
             comm.scope = None

@@ -13,12 +13,16 @@ tagged ``send``/``recv`` (the all-to-all pattern that is also gloo's fastest pat
   whatever the peer calls. Messages are at most ``_MAX_PART`` bytes (larger tensors go in
   parts); the own chunk is a local copy;
 * every call sends each peer a fixed-size header first (see [Note: collective headers] in
-  ``_header.py``) on ``_HEADER_TAG``, received into a receive posted one call ahead, so it is
-  written to the socket the moment it is sent.
+  ``_header.py``) on ``_HEADER_TAG``, received into one of ``_AHEAD`` receives kept posted per
+  peer, so it is written to the socket the moment it is sent (sent before the data: behind a
+  large message it would wait for the pair). Receives are re-posted once a call's data has
+  arrived: posting needs the pair's lock, which gloo's I/O thread holds while it moves a
+  large message.
 
-At the call, a rank posts its data receives (into the output: no staging), its data sends
-and its headers, and returns: no waiting, so the exchange costs what a bare
-``batch_isend_irecv`` costs plus one 512-byte message per peer (``bench/collectives.py``).
+At the call, a rank posts its headers, then its data sends and receives (into the output: no
+staging) as ``batch_isend_irecv`` does, and returns: no waiting, so the exchange costs what a
+bare ``batch_isend_irecv`` costs plus one 512-byte message per peer (measured in
+``bench/collectives.py``).
 ``wait()`` first takes every peer's header (ragged's timeout) and compares it with its own
 (the peer's sends against its receives and the other way round, operation, dtype, identity);
 only if all agree does it wait for the data and run the local part (e.g. the chunk sum).
@@ -64,6 +68,7 @@ __all__ = ["Channel", "channel_for", "raised_on_every_rank"]
 _HEADER_TAG = 0x20000001
 _DATA_TAG = 0x40000000  # | nbytes
 _MAX_PART = (1 << 30) - 1  # bytes per data message (the size fits the tag's low 30 bits)
+_AHEAD = 2  # header receives posted per peer: the next call's header never waits for one
 
 
 def raised_on_every_rank(exc: BaseException) -> BaseException:
@@ -93,6 +98,10 @@ def _parts(tensors) -> list[torch.Tensor]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _sizes(parts) -> tuple[int, ...]:
+    return tuple(_nbytes(t) for t in parts)
 
 
 class _Pending:
@@ -126,6 +135,7 @@ class _Pending:
                         raise ch.fail_in_call(self.seq, self.call, peer, e, f"its {kind}") from e
         self._done = True
         ch.settle(self.seq)
+        ch.repost()
         if self.finish is not None:
             self.finish()
 
@@ -143,7 +153,7 @@ class Channel:
         self.name = name
         self.seq = 0
         self.failure: CollectiveError | None = None
-        self._posted: dict[int, tuple[bytearray, object]] = {}  # peer -> (buffer, recv) of its next header
+        self._posted: dict[int, list] = {}  # peer -> [(buffer, recv)] of its next headers, in order
         self._received: dict[int, dict[int, hd.Header]] = {}  # peer -> {seq: header} taken, not yet used
         self._next: dict[int, int] = {}  # peer -> seq of the header its posted receive will get
         self._sent: list = []  # (work, buffer) of header sends not known complete
@@ -171,7 +181,17 @@ class Channel:
     # ---- headers -----------------------------------------------------------------------------
     def _post_header_recv(self, j: int):
         buf = bytearray(hd.NBYTES)
-        self._posted[j] = (buf, self.pg.recv([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG))
+        self._posted[j].append((buf, self.pg.recv([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG)))
+
+    def repost(self) -> None:
+        """Keeps ``_AHEAD`` header receives posted per peer. Called once a call's data has
+        arrived: posting needs the pair's lock, which gloo's I/O thread holds while it moves a
+        large message on that pair."""
+        with self._lock:
+            if self.failure is None:
+                for j, posted in self._posted.items():
+                    while len(posted) < _AHEAD:
+                        self._post_header_recv(j)
 
     def _send(self, j: int, buf: bytearray):
         self._sent.append((self.pg.send([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG), buf))
@@ -187,11 +207,14 @@ class Channel:
             for j in self.peers(-1):
                 got = self._received.setdefault(j, {})
                 while seq not in got:
-                    buf, work = self._posted[j]
+                    if not self._posted[j]:
+                        self._post_header_recv(j)
+                    buf, work = self._posted[j][0]
                     try:
                         _wait(work, deadline - time.monotonic())
                     except RuntimeError as e:
                         raise self.fail_in_call(seq, call, j, e, "its header") from e
+                    self._posted[j].pop(0)
                     h = hd.decode(buf)
                     if h.kind == hd.POISON:
                         msg = (f"{self.who(j)} failed: {h.text} (rank {self.rank} learnt it in collective #{seq}, "
@@ -200,7 +223,6 @@ class Channel:
                         raise CollectiveError(msg, peer=j)
                     got[self._next[j]] = h
                     self._next[j] += 1
-                    self._post_header_recv(j)
                 out[j] = got.pop(seq)
             return out
 
@@ -237,8 +259,9 @@ class Channel:
                 return _Pending(self, seq, call, {}, {}, {}, finish, timeout)
             if not self._posted:
                 for j in self.peers(1):
-                    self._post_header_recv(j)
+                    self._posted[j] = []
                     self._next[j] = 0
+            self.repost()
             out_parts = {j: _parts(sends[j]) for j in self.peers(1)}
             in_parts = None if recvs is None else {j: _parts(recvs[j]) for j in self.peers(1)}
             recv_works: dict[int, list] = {}
@@ -246,14 +269,18 @@ class Channel:
             mine = {}
             peer = None
             try:
-                for peer in self.peers(1):  # as batch_isend_irecv posts them: a send, then a receive, per peer
+                last = None
+                for peer in self.peers(1):  # a header first: behind a large message it would wait for the pair
+                    key = (_sizes(out_parts[peer]), None if in_parts is None else _sizes(in_parts[peer]))
+                    if key != last:  # the same header for every peer of a uniform call: encode it once
+                        buf = hd.encode(call, seq, self.size, out_parts[peer], None if in_parts is None else in_parts[peer])
+                        header, last = hd.decode(buf), key
+                    mine[peer] = header
+                    self._send(peer, buf)
+                for peer in self.peers(1):  # then as batch_isend_irecv posts them: a send, a receive, per peer
                     send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
                     if in_parts is not None:
                         recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in in_parts[peer]]
-                for peer in self.peers(1):  # after the data: a header is only waited once it arrived
-                    buf = hd.encode(call, seq, self.size, out_parts[peer], None if in_parts is None else in_parts[peer])
-                    mine[peer] = hd.decode(buf)
-                    self._send(peer, buf)
             except RuntimeError as e:  # gloo refused to post: a connection is gone
                 self._graveyard.append((out_parts, in_parts))
                 raise self.fail_in_call(seq, call, peer, e, "the exchange") from e

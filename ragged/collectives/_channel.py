@@ -96,6 +96,11 @@ def _parts(tensors) -> list[torch.Tensor]:
     return out
 
 
+def _lost_connection(e: RuntimeError) -> bool:
+    text = str(e)
+    return any(k in text for k in ("Connection", "connection", "Socket", "pair closure", "closed by peer"))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -125,6 +130,11 @@ class _Pending:
         if bad:
             self._done = True
             raise ch.mismatch(self, bad)
+        ins = ch.inflight_recvs(self.seq)
+        if ins is not None:
+            for j, h in theirs.items():
+                if h.payload:
+                    hd.unpack(h, ins[j])
         deadline = time.monotonic() + self.timeout
         for kind, works in (("data", self.recvs), ("receipt of its data", self.sends)):
             for peer, ws in works.items():
@@ -193,8 +203,8 @@ class Channel:
                     while len(posted) < _AHEAD:
                         self._post_header_recv(j)
 
-    def _send(self, j: int, buf: bytearray):
-        self._sent.append((self.pg.send([torch.frombuffer(buf, dtype=torch.uint8)], j, _HEADER_TAG), buf))
+    def _send(self, j: int, message: torch.Tensor):
+        self._sent.append((self.pg.send([message], j, _HEADER_TAG), message))
         if len(self._sent) > 4 * self.size:
             self._sent = [(w, b) for w, b in self._sent if not w.is_completed()]
 
@@ -271,19 +281,27 @@ class Channel:
             try:
                 last = None
                 for peer in self.peers(1):  # a header first: behind a large message it would wait for the pair
-                    key = (_sizes(out_parts[peer]), None if in_parts is None else _sizes(in_parts[peer]))
+                    outs = out_parts[peer]
+                    ins = None if in_parts is None else in_parts[peer]
+                    small = hd.inline(sum(_sizes(outs)))
+                    key = (_sizes(outs), None if ins is None else _sizes(ins),
+                           tuple(id(t) for t in outs) if small else None)
                     if key != last:  # the same header for every peer of a uniform call: encode it once
-                        buf = hd.encode(call, seq, self.size, out_parts[peer], None if in_parts is None else in_parts[peer])
-                        header, last = hd.decode(buf), key
+                        buf, fields = hd.encode(call, seq, self.size, outs, ins, with_payload=small)
+                        header, last = hd.decode(fields, with_payload=False), key
                     mine[peer] = header
                     self._send(peer, buf)
                 for peer in self.peers(1):  # then as batch_isend_irecv posts them: a send, a receive, per peer
-                    send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
-                    if in_parts is not None:
+                    if not hd.inline(sum(_sizes(out_parts[peer]))):
+                        send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
+                    if in_parts is not None and not hd.inline(sum(_sizes(in_parts[peer]))):
                         recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in in_parts[peer]]
-            except RuntimeError as e:  # gloo refused to post: a connection is gone
+            except Exception as e:
                 self._graveyard.append((out_parts, in_parts))
-                raise self.fail_in_call(seq, call, peer, e, "the exchange") from e
+                if isinstance(e, RuntimeError) and _lost_connection(e):  # gloo refused to post
+                    raise self.fail_in_call(seq, call, peer, e, "the exchange") from e
+                self.fail(f"rank {self.rank} raised inside collective #{seq} ({call.describe()}): {type(e).__name__}: {e}")
+                raise
             self._inflight[seq] = [out_parts, in_parts]
             pending = _Pending(self, seq, call, mine, send_works, recv_works, finish, timeout)
             if not all_pairs_see_mismatch:
@@ -299,11 +317,19 @@ class Channel:
                     if theirs[peer].send_total > 0:
                         t = make_recv(peer, theirs[peer].send_total)
                         got.append(t)
-                        recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | theirs[peer].send_total)]
+                        if hd.inline(theirs[peer].send_total):
+                            hd.unpack(theirs[peer], [t])
+                        else:
+                            recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | theirs[peer].send_total)]
                 self._inflight[seq].append(got)
                 for j, h in theirs.items():  # back for wait(), which checks them again
                     self._received.setdefault(j, {})[seq] = h
             return pending
+
+    def inflight_recvs(self, seq: int):
+        """``{peer: [tensors]}`` a fixed-size call ``seq`` receives into (``None``: sized from headers)."""
+        got = self._inflight.get(seq)
+        return None if got is None else got[1]
 
     def settle(self, seq: int) -> None:
         self._inflight.pop(seq, None)

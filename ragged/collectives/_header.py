@@ -4,10 +4,13 @@
 A :class:`Call` names one collective call: the operation (and reduction), the dtype, the
 elements per rank, and an *identity*: a hash of the plan fingerprints and operation the
 transform declared (``check_plans``) and of the caller's label. On gloo each call sends every
-peer a fixed-size header (:func:`encode`, 512 bytes: 16 int64 fields and 384 bytes of text)
-ahead of its data, carrying the call plus the exact sizes of the messages it sends that peer
-and expects from it; the peer compares it with its own (:func:`mismatch`) before it uses the
-data. The
+peer a fixed-size header (:func:`encode`, 4 KiB: 17 int64 fields, 376 bytes of text and room
+for ``INLINE_BYTES`` of data) ahead of its data, carrying the call plus the exact sizes of the
+messages it sends that peer and expects from it; the peer compares it with its own
+(:func:`mismatch`) before it uses the data. Data of at most ``INLINE_BYTES`` to a peer rides
+inside the header (small all-reduces, plan agreements, barriers, small objects: one message per
+peer, as a bare exchange); which data is inline follows from the sizes, so two ranks whose
+sizes agree also agree on it. The
 comparison is symmetric (a's sends against b's expectations and the other way round, every
 other field by equality), so both ranks of a pair reach the same verdict, and for every
 operation but ``all_to_all`` the fields are the same towards every peer, so if any two ranks
@@ -28,12 +31,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Call", "Header", "encode", "decode", "mismatch", "describe", "identity_of", "NBYTES", "POISON", "CALL"]
+__all__ = ["Call", "Header", "encode", "decode", "mismatch", "describe", "identity_of", "inline", "NBYTES", "INLINE_BYTES",
+           "POISON", "CALL"]
 
-_MAGIC = 0x5241474745440001  # "RAGGED" v1
-_FIELDS = struct.Struct("<16q")
-_TEXT_BYTES = 384
-NBYTES = _FIELDS.size + _TEXT_BYTES  # 512
+_MAGIC = 0x5241474745440002  # "RAGGED" v2
+_FIELDS = struct.Struct("<17q")
+_TEXT_BYTES = 376
+_PAYLOAD = _FIELDS.size + _TEXT_BYTES  # 512: where an inline payload starts
+INLINE_BYTES = 3584  # messages to a peer up to this size travel inside the header (one message per peer)
+NBYTES = _PAYLOAD + INLINE_BYTES  # 4096
 CALL, POISON = 1, 2
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gather_object", "barrier")
@@ -111,6 +117,7 @@ class Header(NamedTuple):
     expect_count: int
     expect_layout: int
     text: str
+    payload: bytes = b""
 
 
 def _dtype_code(dtype) -> int:
@@ -128,45 +135,93 @@ def _text(text: str) -> bytes:
     return raw.decode("utf-8", "ignore").encode()
 
 
-def encode(call: Call, seq: int, world: int, sends, expects) -> bytearray:
-    """The header sent to one peer: ``sends`` are the tensors this rank sends it (in order),
-    ``expects`` the tensors it will receive from it, or ``None`` when this rank sizes that
-    receive from the peer's header (objects)."""
+def inline(total: int) -> bool:
+    """Whether ``total`` bytes to (or from) one peer travel inside the header."""
+    return 0 < total <= INLINE_BYTES
+
+
+def encode(call: Call, seq: int, world: int, sends, expects, with_payload: bool = False) -> tuple[torch.Tensor, bytearray]:
+    """The header sent to one peer, as ``(message, fields)``: ``message`` is the uint8 tensor to
+    send, ``fields`` its first bytes (what :func:`decode` reads). ``sends`` are the tensors this
+    rank sends that peer (in order), ``expects`` the tensors it will receive from it, or ``None``
+    when this rank sizes that receive from the peer's header (objects); ``with_payload``:
+    ``sends`` travel inside the header (at most ``INLINE_BYTES`` in all, see :func:`inline`).
+    The message is a fresh tensor written with torch ops (which ``torch.func`` transforms allow,
+    and which read tensors wrapped by them)."""
     out = sizes = _sizes(sends)
     exp = _sizes(expects) if expects is not None else None
-    buf = bytearray(NBYTES)
+    head = bytearray(_PAYLOAD)
     text = _text(call.label)
+    npay = sum(out) if with_payload else 0
     _FIELDS.pack_into(
-        buf, 0, _MAGIC, CALL, seq, OPS.index(call.op) + 1, _REDUCE.index(call.reduce), _dtype_code(call.dtype),
+        head, 0, _MAGIC, CALL, seq, OPS.index(call.op) + 1, _REDUCE.index(call.reduce), _dtype_code(call.dtype),
         call.numel, world, call.identity, sum(out), len(out), _layout(sizes),
         -1 if exp is None else sum(exp), -1 if exp is None else len(exp), 0 if exp is None else _layout(exp),
-        len(text),
+        len(text), npay,
     )
-    buf[_FIELDS.size : _FIELDS.size + len(text)] = text
-    return buf
+    head[_FIELDS.size : _FIELDS.size + len(text)] = text
+    message = torch.zeros(NBYTES, dtype=torch.uint8)
+    message[:_PAYLOAD].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    pos = _PAYLOAD
+    for t in sends if npay else ():
+        n = t.numel() * t.element_size()
+        if n:
+            message[pos : pos + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+            pos += n
+    return message, head
 
 
 def encode_poison(seq: int, world: int, reason: str) -> bytearray:
     buf = bytearray(NBYTES)
     text = _text(reason)
-    _FIELDS.pack_into(buf, 0, _MAGIC, POISON, seq, 0, 0, 0, 0, world, 0, 0, 0, 0, 0, 0, 0, len(text))
+    _FIELDS.pack_into(buf, 0, _MAGIC, POISON, seq, 0, 0, 0, 0, world, 0, 0, 0, 0, 0, 0, 0, len(text), 0)
     buf[_FIELDS.size : _FIELDS.size + len(text)] = text
     return buf
 
 
-def decode(buf) -> Header:
+def decode(buf, with_payload: bool = True) -> Header:
     f = _FIELDS.unpack_from(buf, 0)
     if f[0] != _MAGIC:
         return Header(0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"not a ragged header (magic {f[0]:#x})")
     n = max(0, min(f[15], _TEXT_BYTES))
     text = bytes(buf[_FIELDS.size : _FIELDS.size + n]).decode("utf-8", "replace")
-    (_, kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, _) = f
-    return Header(kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, text)
+    (_, kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, _, np_) = f
+    payload = bytes(buf[_PAYLOAD : _PAYLOAD + max(0, min(np_, INLINE_BYTES))]) if with_payload else b""
+    return Header(kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, text, payload)
+
+
+def unpack(h: "Header", into) -> None:
+    """Copies an inline payload into the tensors ``into`` (in order; their sizes were agreed)."""
+    src, pos = torch.frombuffer(bytearray(h.payload), dtype=torch.uint8), 0
+    for t in into:
+        n = t.numel() * t.element_size()
+        if n:
+            t.view(torch.uint8).copy_(src[pos : pos + n])
+            pos += n
+
+
+def encode_poison(seq: int, world: int, reason: str) -> bytearray:
+    buf = bytearray(NBYTES)
+    text = _text(reason)
+    _FIELDS.pack_into(buf, 0, _MAGIC, POISON, seq, 0, 0, 0, 0, world, 0, 0, 0, 0, 0, 0, 0, len(text), 0)
+    buf[_FIELDS.size : _FIELDS.size + len(text)] = text
+    return buf
+
+
+def decode(buf, with_payload: bool = True) -> Header:
+    f = _FIELDS.unpack_from(buf, 0)
+    if f[0] != _MAGIC:
+        return Header(0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"not a ragged header (magic {f[0]:#x})")
+    n = max(0, min(f[15], _TEXT_BYTES))
+    text = bytes(buf[_FIELDS.size : _FIELDS.size + n]).decode("utf-8", "replace")
+    (_, kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, _, np_) = f
+    payload = bytes(buf[_PAYLOAD : _PAYLOAD + max(0, min(np_, INLINE_BYTES))]) if with_payload else b""
+    return Header(kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, text, payload)
 
 
 def header_of(call: Call, seq: int, world: int, sends, expects) -> Header:
-    """:func:`decode` of :func:`encode` without the bytes (this rank's side of a comparison)."""
-    return decode(encode(call, seq, world, sends, expects))
+    """:func:`decode` of :func:`encode` (this rank's side of a comparison)."""
+    return decode(encode(call, seq, world, sends, expects)[1])
 
 
 def describe_fields(op, reduce, dtype, numel, label) -> str:
@@ -183,6 +238,18 @@ def describe_fields(op, reduce, dtype, numel, label) -> str:
 def describe(h: Header) -> str:
     """A header in words (for error messages)."""
     return describe_fields(h.op, h.reduce, h.dtype, h.numel, h.text)
+
+
+def call_difference(a, b) -> str | None:
+    """The first field of what every call carries (:class:`Call` or :class:`Header`) that
+    differs: operation, dtype, elements per rank (the identity is compared last, by callers)."""
+    if (a.op, a.reduce) != (b.op, b.reduce):
+        return "the operation"
+    if a.dtype != b.dtype:
+        return "the dtype"
+    if a.numel != b.numel:
+        return "the number of elements per rank"
+    return None
 
 
 def sizes_differ(mine: Header, theirs: Header) -> bool:
@@ -205,12 +272,9 @@ def mismatch(mine: Header, theirs: Header) -> str | None:
         return f"out of step: collective #{mine.seq} vs #{theirs.seq}"
     if mine.world != theirs.world:
         return f"group size {mine.world} vs {theirs.world}"
-    if (mine.op, mine.reduce) != (theirs.op, theirs.reduce):
-        return "the operation"
-    if mine.dtype != theirs.dtype:
-        return "the dtype"
-    if mine.numel != theirs.numel:
-        return "the number of elements per rank"
+    why = call_difference(mine, theirs)
+    if why is not None:
+        return why
     for a, b in ((mine, theirs), (theirs, mine)):
         if b.expect_total >= 0 and (a.send_total, a.send_count, a.send_layout) != (b.expect_total, b.expect_count,
                                                                                   b.expect_layout):

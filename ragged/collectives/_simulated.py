@@ -20,21 +20,16 @@ import torch
 from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError
 from ragged.collectives._base import DoneHandle, check_op, poison_on_error, scoped_label
 from ragged.collectives._channel import raised_on_every_rank
-from ragged.collectives._header import Call, identity_of
+from ragged.collectives._header import Call, call_difference, identity_of
 
 __all__ = ["SimulatedCollectives", "simulate"]
 
 
 def _differs(a: Call, b: Call) -> str | None:
-    if (a.op, a.reduce) != (b.op, b.reduce):
-        return "the operation"
-    if a.dtype != b.dtype:
-        return "the dtype"
-    if a.numel != b.numel:
-        return "the number of elements per rank"
-    if a.identity != b.identity:
+    why = call_difference(a, b)
+    if why is None and a.identity != b.identity:
         return "the plan, transform or label"
-    return None
+    return why
 
 
 class _Group:

@@ -296,7 +296,7 @@ def flatten_like_plan(plan: LayoutPlan, tree, what: str, *, device=None, allow_d
         raise LayoutError(
             f"{what} does not have the plan's tree structure: missing {missing}, unexpected {extra}"
             + ("" if missing or extra else f" (structure {treedef} vs plan {plan.treedef})")
-            + f". Fix: pass a tree shaped like the params the plan was made from."
+            + ". Fix: pass a tree shaped like the params the plan was made from."
         )
     for layout in plan.leaves + plan.replicated:
         leaf = leaves[layout.index]

@@ -14,7 +14,7 @@ def _call(op="all_gather", reduce=None, dtype=torch.float32, numel=6, identity=7
 def _h(call, sends=(6,), expects=(6,), seq=3, world=2, dtype=torch.float32):
     s = [torch.empty(n, dtype=dtype) for n in sends]
     e = None if expects is None else [torch.empty(n, dtype=dtype) for n in expects]
-    return hd.decode(hd.encode(call, seq, world, s, e))
+    return hd.decode(hd.encode(call, seq, world, s, e)[0].numpy().tobytes())
 
 
 def test_round_trip_keeps_every_field_and_the_label():
@@ -27,7 +27,16 @@ def test_round_trip_keeps_every_field_and_the_label():
 
 def test_long_and_non_ascii_labels_are_cut_at_a_character_boundary():
     h = _h(_call(label="é" * 400))
-    assert h.text == "é" * (384 // 2) and len(h.text.encode()) <= 384
+    assert h.text == "é" * (376 // 2) and len(h.text.encode()) <= 376
+
+
+def test_small_data_rides_inside_the_header():
+    sends = [torch.arange(3, dtype=torch.float64), torch.tensor([True, False])]
+    h = hd.decode(bytearray(hd.encode(_call(), 0, 2, sends, sends, with_payload=True)[0].numpy().tobytes()))
+    assert len(h.payload) == 3 * 8 + 2 and hd.inline(len(h.payload)) and not hd.inline(hd.INLINE_BYTES + 1)
+    into = [torch.empty(3, dtype=torch.float64), torch.empty(2, dtype=torch.bool)]
+    hd.unpack(h, into)
+    assert all(torch.equal(a, b) for a, b in zip(into, sends))
 
 
 def test_poison_carries_its_reason():

@@ -73,13 +73,17 @@ def _check_all_raised(outcomes, t_fault, allowed=("PlanMismatchError", "Collecti
 
 
 # ---- mismatches (every rank raises PlanMismatchError naming both sides) ---------------------
-def _mismatch(kind):
-    comm = _fresh_comm()
+def _setup(**kw):
+    """A fresh comm, this rank, the world size, whether this is the odd (last) rank, params, plan, shard."""
+    comm = _fresh_comm(**kw)
     r, m = comm.rank, comm.world_size
-    odd = r == m - 1
     params = _params()
     plan = rg.make_plan(params, world_size=m)
-    d = rg.shard(plan, params, comm)
+    return comm, r, m, r == m - 1, params, plan, rg.shard(plan, params, comm)
+
+
+def _mismatch(kind):
+    comm, r, m, odd, params, plan, d = _setup()
     grads = _params(seed=1 + r)
     other = rg.make_plan(params, {"emb": spec.Rows(1), "w": spec.Elements(1), "b": None}, world_size=m, strategy="naive")
     d_other = rg.shard(other, params, comm)
@@ -133,12 +137,7 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
 
 # ---- a lone failure before the collective ---------------------------------------------------
 def _lone_failure(kind):
-    comm = _fresh_comm()
-    r, m = comm.rank, comm.world_size
-    odd = r == m - 1
-    params = _params()
-    plan = rg.make_plan(params, world_size=m)
-    d = rg.shard(plan, params, comm)
+    comm, r, m, odd, params, plan, d = _setup()
     rg.gather(d, comm)
     t0 = time.time()
 
@@ -179,11 +178,7 @@ def test_lone_failure_makes_every_peer_raise_promptly(workers, kind):
 
 # ---- a rank that stops calling collectives --------------------------------------------------
 def _sleeper(timeout, sleep):
-    comm = _fresh_comm(timeout=timeout)
-    r, m = comm.rank, comm.world_size
-    params = _params()
-    plan = rg.make_plan(params, world_size=m)
-    d = rg.shard(plan, params, comm)
+    comm, r, m, _, params, plan, d = _setup(timeout=timeout)
     rg.gather(d, comm)
     t0 = time.time()
     if r == m - 1:

@@ -166,7 +166,7 @@ class Channel:
         self._posted: dict[int, list] = {}  # peer -> [(buffer, recv)] of its next headers, in order
         self._received: dict[int, dict[int, hd.Header]] = {}  # peer -> {seq: header} taken, not yet used
         self._next: dict[int, int] = {}  # peer -> seq of the header its posted receive will get
-        self._sent: list = []  # (work, buffer) of header sends not known complete
+        self._sent: list = []  # (work, message) of the latest header sends, oldest first
         self._inflight: dict[int, list] = {}  # seq -> tensors gloo may still read or write
         self._pairwise: set[int] = set()  # seqs of calls whose sizes differ pair by pair (all-to-all)
         self._graveyard: list = []  # what a failed call left posted: never freed under gloo
@@ -203,10 +203,13 @@ class Channel:
                     while len(posted) < _AHEAD:
                         self._post_header_recv(j)
 
-    def _send(self, j: int, message: torch.Tensor):
+    def _send(self, j: int, message: torch.Tensor, timeout: float):
         self._sent.append((self.pg.send([message], j, _HEADER_TAG), message))
-        if len(self._sent) > 4 * self.size:
-            self._sent = [(w, b) for w, b in self._sent if not w.is_completed()]
+        # gloo marks a send complete only once it is waited: wait the old ones (written long
+        # ago: every peer keeps receives posted), so that the list stays short
+        while len(self._sent) > 2 * _AHEAD * self.size:
+            work, _ = self._sent.pop(0)
+            _wait(work, timeout)
 
     def take_headers(self, seq: int, call, timeout: float) -> dict[int, hd.Header]:
         """Every peer's header of call ``seq`` (headers arrive in order; earlier ones are kept)."""
@@ -290,7 +293,7 @@ class Channel:
                         buf, fields = hd.encode(call, seq, self.size, outs, ins, with_payload=small)
                         header, last = hd.decode(fields, with_payload=False), key
                     mine[peer] = header
-                    self._send(peer, buf)
+                    self._send(peer, buf, timeout)
                 for peer in self.peers(1):  # then as batch_isend_irecv posts them: a send, a receive, per peer
                     if not hd.inline(sum(_sizes(out_parts[peer]))):
                         send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]

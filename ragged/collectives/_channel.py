@@ -12,16 +12,17 @@ tagged ``send``/``recv`` (the all-to-all pattern that is also gloo's fastest pat
   match a receive of exactly its own size (gloo matches by tag), so no length check can fail,
   whatever the peer calls. Messages are at most ``_MAX_PART`` bytes (larger tensors go in
   parts); the own chunk is a local copy;
-* every call sends each peer a fixed-size header first (see [Note: collective headers] in
-  ``_header.py``) on ``_HEADER_TAG``, received into one of ``_AHEAD`` receives kept posted per
-  peer, so it is written to the socket the moment it is sent (sent before the data: behind a
-  large message it would wait for the pair). Receives are re-posted once a call's data has
-  arrived: posting needs the pair's lock, which gloo's I/O thread holds while it moves a
+* every call sends each peer a fixed-size header (see [Note: collective headers] in
+  ``_header.py``) on ``_HEADER_TAG``, right after its data to that peer (so a receiver that
+  has its header has the data too: one wake-up, not two), received into one of ``_AHEAD``
+  receives kept posted per peer, so it is written the moment it is sent. Data of at most
+  ``INLINE_BYTES`` per peer rides inside the header. Receives are re-posted once a call's data
+  has arrived: posting needs the pair's lock, which gloo's I/O thread holds while it moves a
   large message.
 
-At the call, a rank posts its headers, then its data sends and receives (into the output: no
-staging) as ``batch_isend_irecv`` does, and returns: no waiting, so the exchange costs what a
-bare ``batch_isend_irecv`` costs plus one 512-byte message per peer (measured in
+At the call, a rank posts, per peer as ``batch_isend_irecv`` does, its data send, its header
+and its data receive (into the output: no staging), and returns: no waiting, so the exchange
+costs what a bare ``batch_isend_irecv`` costs plus one 4 KiB message per peer (measured in
 ``bench/collectives.py``).
 ``wait()`` first takes every peer's header (ragged's timeout) and compares it with its own
 (the peer's sends against its receives and the other way round, operation, dtype, identity);
@@ -283,22 +284,20 @@ class Channel:
             peer = None
             try:
                 last = None
-                for peer in self.peers(1):  # a header first: behind a large message it would wait for the pair
+                for peer in self.peers(1):  # per peer, as batch_isend_irecv: a send, (its header), a receive
                     outs = out_parts[peer]
                     ins = None if in_parts is None else in_parts[peer]
                     small = hd.inline(sum(_sizes(outs)))
-                    key = (_sizes(outs), None if ins is None else _sizes(ins),
-                           tuple(id(t) for t in outs) if small else None)
+                    key = (_sizes(outs), None if ins is None else _sizes(ins), tuple(id(t) for t in outs) if small else None)
                     if key != last:  # the same header for every peer of a uniform call: encode it once
                         buf, fields = hd.encode(call, seq, self.size, outs, ins, with_payload=small)
                         header, last = hd.decode(fields, with_payload=False), key
                     mine[peer] = header
-                    self._send(peer, buf, timeout)
-                for peer in self.peers(1):  # then as batch_isend_irecv posts them: a send, a receive, per peer
-                    if not hd.inline(sum(_sizes(out_parts[peer]))):
-                        send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in out_parts[peer]]
-                    if in_parts is not None and not hd.inline(sum(_sizes(in_parts[peer]))):
-                        recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in in_parts[peer]]
+                    if not small:
+                        send_works[peer] = [self.pg.send([t], peer, _DATA_TAG | _nbytes(t)) for t in outs]
+                    self._send(peer, buf, timeout)  # after its data: when the header is in, so is the data
+                    if ins is not None and not hd.inline(sum(_sizes(ins))):
+                        recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in ins]
             except Exception as e:
                 self._graveyard.append((out_parts, in_parts))
                 if isinstance(e, RuntimeError) and _lost_connection(e):  # gloo refused to post

@@ -255,25 +255,25 @@ def ragged_labels():
     """Adds ``record_function`` labels around ragged's FSDP step internals (bench only)."""
     from torch.profiler import record_function
 
-    from ragged.fsdp import _step
+    from ragged.fsdp import _runtime, _step
 
     targets = {
-        "_start": "ragged::all_gather_start",
+        "_gather_unit_start": "ragged::all_gather_start",
         "_wait": "ragged::all_gather_wait",
-        "_store_grad": "ragged::grad_copy_in",
+        "grad_ready": "ragged::grad_copy_in",
         "_reduce": "ragged::reduce_scatter_start",
-        "_finish_oldest_reduce": "ragged::reduce_scatter_wait+sum",
+        "finish_oldest_reduce": "ragged::reduce_scatter_wait+sum",
     }
     saved = {}
     for attr, label in targets.items():
-        orig = getattr(_step._Run, attr)
+        orig = getattr(_runtime.Run, attr)
         saved[attr] = orig
 
         def wrapped(self, *a, _orig=orig, _label=label, **k):
             with record_function(_label):
                 return _orig(self, *a, **k)
 
-        setattr(_step._Run, attr, wrapped)
+        setattr(_runtime.Run, attr, wrapped)
     step_call = _step.Step.__call__
 
     def call(self, *a, **k):
@@ -285,5 +285,5 @@ def ragged_labels():
         yield
     finally:
         for attr, orig in saved.items():
-            setattr(_step._Run, attr, orig)
+            setattr(_runtime.Run, attr, orig)
         _step.Step.__call__ = step_call

@@ -9,5 +9,8 @@ from ragged.fsdp._state import gather as gather
 from ragged.fsdp._state import global_norm as global_norm
 from ragged.fsdp._state import init as init
 from ragged.fsdp._state import shard as shard
+from ragged.fsdp._layout import MixedPrecision as MixedPrecision
+from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
+from ragged.fsdp._grad import value_and_grad as value_and_grad
 from ragged.fsdp._step import Step as Step
 from ragged.fsdp._step import make_step as make_step

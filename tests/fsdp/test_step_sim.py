@@ -182,7 +182,7 @@ def test_freed_units_really_release_storage_and_nothing_leaks():
     prefetched next one); after the step no ``_Run`` survives."""
     import gc
 
-    from ragged.fsdp._step import _Run
+    from ragged.fsdp._runtime import Run as _Run
 
     case = Case(num_layers=5, steps=2, dtype=torch.float32)
     model = case.model()

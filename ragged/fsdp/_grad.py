@@ -12,7 +12,8 @@ then takes the same branch: a failure raises everywhere (the failing rank re-rai
 error); a deviation reruns the call with the schedule every rank learnt (see [Note: a
 collective order that does not depend on data] in ``_schedule.py``) from the same RNG state, at
 most ``MAX_ATTEMPTS`` times, then raises :class:`~ragged.PlanMismatchError` naming the unit and
-position; a loss that reached no parameter raises :data:`UNUSED_PARAMS_MSG`. A rank that fails
+position; a loss that reached no parameter raises :data:`UNUSED_PARAMS_MSG`, one that also (or
+only) reached others :data:`FOREIGN_GRADS_MSG`. A rank that fails
 mid-call still issues the rest of the schedule's collectives (on zeros), so no peer is left
 waiting in one.
 """
@@ -35,7 +36,7 @@ from ragged.fsdp._schedule import Schedule, program
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans
 
-__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "MAX_ATTEMPTS"]
+__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "MAX_ATTEMPTS"]
 
 MAX_ATTEMPTS = 3
 UNUSED_PARAMS_MSG = (
@@ -44,6 +45,14 @@ UNUSED_PARAMS_MSG = (
     "torch.func.functional_call(model, params, (x,)); calling model(x) uses the module's own tensors. Fix: "
     "use functional_call, or rg.fsdp.make_step(..., module=model) (or value_and_grad(..., module=model)) so "
     "that model(...) reads the step's parameters."
+)
+
+FOREIGN_GRADS_MSG = (
+    "loss_fn computed gradients for parameters that are not the step's ({where}: an nn.Parameter requiring grad "
+    "that the loss read directly, e.g. model.head.weight, or model(x) outside torch.func.functional_call): the "
+    "step never updates them, and their part of the loss is missing from the step's gradients (every rank raises "
+    "this, before any parameter changes). Fix: read parameters from `params`, or rg.fsdp.make_step(..., "
+    "module=model); a parameter that must not train needs requires_grad=False."
 )
 
 
@@ -123,16 +132,17 @@ class ValueAndGrad:
             run, losses, failure = self._attempt(shards, micro)
             memo.digest, memo.lazy = run.digest.hexdigest(), frozenset(run.lazy)
             try:
-                verdict = _agree(run, losses, failure, self.comm, data_axes, self.units)
+                verdict = _agree(run, losses, failure, self.comm, data_axes)
                 seen = []
                 if verdict["exchange"]:
-                    seen = self.comm.all_gather_object((run.observation(), run.deviations[:1], _describe(failure)))
-                    memo.schedule = memo.schedule.observe([o for o, _, _ in seen])
+                    seen = self.comm.all_gather_object(
+                        (run.observation(), run.deviations[:1], _describe(failure), run.foreign_grads()[:1]))
+                    memo.schedule = memo.schedule.observe([s[0] for s in seen])
                 if verdict["deviated"]:  # before failures: computing on zeros may have caused them
                     if attempt + 1 < MAX_ATTEMPTS:
                         _set_rng_state(self.comm.device, rng)
                         continue
-                    what = [f"rank {r}: {d[0]}" for r, (_, d, _) in enumerate(seen) if d]
+                    what = [f"rank {r}: {s[1][0]}" for r, s in enumerate(seen) if s[1]]
                     raise PlanMismatchError(
                         "the ranks' collective sequences would diverge: " + "; ".join(what or ["another group"])
                         + f" (still after {MAX_ATTEMPTS} attempts with the learnt schedule: the units this model "
@@ -142,11 +152,14 @@ class ValueAndGrad:
                 if verdict["failed"]:
                     if failure is not None:
                         raise failure
-                    ranks = [f"rank {r}: {text}" for r, (_, _, text) in enumerate(seen) if text]
+                    ranks = [f"rank {r}: {s[2]}" for r, s in enumerate(seen) if s[2]]
                     raise RaggedError("loss_fn failed on another rank (every rank stops before any parameter "
                                       "changes): " + "; ".join(ranks or ["a rank of another data-parallel group"]))
                 if not verdict["used"].any():
                     raise RaggedValueError(UNUSED_PARAMS_MSG)
+                if verdict["foreign"]:
+                    shapes = [f"rank {r}: shape {s[3][0]}" for r, s in enumerate(seen) if s[3]]
+                    raise RaggedValueError(FOREIGN_GRADS_MSG.format(where="; ".join(shapes or ["another group"])))
                 run.reduce_late(verdict["late"])
                 return self._result(run, verdict, shards, attempt)
             finally:
@@ -229,7 +242,10 @@ def _describe(failure) -> str:
     return "" if failure is None else f"{type(failure).__name__}: {failure}"
 
 
-def _agree(run, losses, failure, comm, data_axes, units) -> dict:
+_HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the mesh; the first four over data axes too
+
+
+def _agree(run, losses, failure, comm, data_axes) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
     obs = run.observation()
     used = [float(x) for u in run.units for x in u.used]
@@ -237,28 +253,27 @@ def _agree(run, losses, failure, comm, data_axes, units) -> dict:
     for i, _ in obs.late:
         late[i] = 1.0
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
-    failed = failure is not None
-    head = [float(loss), float(failed), float(obs.deviated), float(failed or obs.deviated or bool(obs.late)
-                                                                   or run.schedule.learning)]
+    failed, foreign = failure is not None, bool(run.foreign_grads())
+    exchange = failed or obs.deviated or foreign or bool(obs.late) or run.schedule.learning
+    head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
     v = torch.tensor(head + late + used, dtype=torch.float64, device=comm.device)
     comm.all_reduce(v, op="sum")
     if comm.num_replicas > 1:
         comm.all_reduce_replicas(v, op="sum")
-    count = comm.world_size * comm.num_replicas
-    nl = len(late)
+    count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_axes:
         paths = [p for lay in run.layouts for p, *_ in lay.leaves + lay.replicated]
         for axis_comm, is_replicated in data_axes:
             w = v.clone()
             axis_comm.all_reduce(w, op="sum")
-            v[:3] = w[:3]
+            v[: h - 1] = w[: h - 1]
             for k, p in enumerate(paths):
                 if is_replicated(p):
-                    v[4 + nl + k] = w[4 + nl + k]
+                    v[h + nl + k] = w[h + nl + k]
             count *= axis_comm.world_size
-    head = v[:4].tolist()
-    return {"loss": head[0] / count, "failed": head[1] > 0, "deviated": head[2] > 0, "exchange": head[3] > 0,
-            "late": [i for i in range(nl) if v[4 + i] > 0], "used": v[4 + nl:] > 0}
+    out = dict(zip(_HEAD, (x > 0 for x in v[:h].tolist())))
+    out.update(loss=float(v[0]) / count, late=[i for i in range(nl) if v[h + i] > 0], used=v[h + nl:] > 0)
+    return out
 
 
 def _rng_state(device):

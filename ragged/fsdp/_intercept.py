@@ -109,8 +109,10 @@ class UseMode(TorchFunctionMode):
                 i = key_to_unit.get(storage_key(a))
                 if i is not None:
                     touched = (touched or []) + [i]
-                elif isinstance(a, torch.nn.Parameter) and a.requires_grad and run.phase == "backward":
-                    raise RaggedValueError(FOREIGN_PARAMETER_MSG.format(shape=f"shape {tuple(a.shape)}"))
+                elif isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                    if run.phase == "backward":
+                        raise RaggedValueError(FOREIGN_PARAMETER_MSG.format(shape=f"shape {tuple(a.shape)}"))
+                    run.foreign_read(a)
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):

@@ -71,6 +71,7 @@ class Run:
         self.protect: set[int] = set()
         self.deferred: set[int] = set()
         self.armed: dict[int, int] = {}
+        self.foreign: dict[int, tuple] = {}  # nn.Parameters requiring grad that forward read and the step does not own
         self.reset()
 
     def reset(self):
@@ -87,7 +88,17 @@ class Run:
             self.trace.append((event, self.layouts[i].name, self.phase))
 
     def _issued(self, label: str):
+        """Every collective of the program passes its label (unit, phase, position) here: folded
+        into the digest the next call agrees on, and the one place to hand it to the wire."""
         self.digest.update(label.encode())
+
+    def foreign_read(self, p: torch.Tensor):
+        if id(p) not in self.foreign:
+            self.foreign[id(p)] = (p, p.grad)
+
+    def foreign_grads(self) -> list:
+        """Shapes of the parameters read in forward that are not the step's and got a gradient."""
+        return [tuple(p.shape) for p, before in self.foreign.values() if p.grad is not None and p.grad is not before]
 
     def observation(self) -> Observation:
         return Observation(used=frozenset(self.used_entries), inserts=tuple(self.inserts), needs=tuple(self.needs),
@@ -355,7 +366,7 @@ class Run:
         t.grad = None
 
     def _reduce(self, i: int, label: str):
-        u, lay = self.units[i], self.layouts[i]
+        u = self.units[i]
         for j, t in u.held:
             self._copy_grad(i, j, t)
         u.held = []
@@ -373,17 +384,19 @@ class Run:
         u.grad = u.rgrad = u.written = None
         u.reduced = True
         self.num_reduces += 1
-        self._issued(label)
-        pending = self._reduce_scatter_unit_start(i, g, r, lay.reduce_dtype)
+        pending = self._reduce_scatter_unit_start(i, g, r, label)
         self.rs_pending.append((i, pending, g.numel() * g.element_size()))
         self._log("reduce_start", i)
         while len(self.rs_pending) > self.max_inflight:
             self.finish_oldest_reduce()
 
-    def _reduce_scatter_unit_start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, dtype):
+    def _reduce_scatter_unit_start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, label: str):
+        """Issues unit ``i``'s reduce-scatter of ``grad`` (and all-reduce of ``replicated``)."""
         plan = self.shards[self.layouts[i].name].plan
         rep = replicated if plan.replicated else None
-        return _reduce_scatter_start(plan, grad, self.comm, "mean", dtype, replicated=rep, agreed=True)
+        self._issued(label)
+        return _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
+                                     agreed=True)
 
     def finish_oldest_reduce(self):
         i, pending, nbytes = self.rs_pending.popleft()
@@ -408,8 +421,8 @@ class Run:
             u = self.units[i]
             g, r = self._buffers(i, late=True)
             u.late = u.rlate = None
-            self._issued(f"reduce-scatter {self.layouts[i].name} late gradients")
-            self.rs_pending.append((i, self._reduce_scatter_unit_start(i, g, r, self.layouts[i].reduce_dtype), 0))
+            label = f"reduce-scatter {self.layouts[i].name} late gradients"
+            self.rs_pending.append((i, self._reduce_scatter_unit_start(i, g, r, label), 0))
         self.finish_reduces()
 
     def close(self):
@@ -430,5 +443,5 @@ class Run:
             u.grad = u.rgrad = u.late = u.rlate = u.source = u.handle = None
             u.held = []
         self.units = []
-        self.params_tree = None
+        self.params_tree, self.foreign = None, {}
         self.key_to_unit, self.leaf_of = {}, {}

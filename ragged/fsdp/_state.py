@@ -10,6 +10,7 @@ import torch
 from ragged import transforms
 from ragged._dbuffer import DBuffer
 from ragged.fsdp._units import Units, picked_leaves
+from ragged.fsdp._donate import check_not_donated
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
 __all__ = ["TrainState", "shard", "gather", "init", "global_norm"]
@@ -44,6 +45,7 @@ def shard(units: Units, params, comm) -> dict[str, DBuffer]:
 def gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | None = None):
     """The full parameter tree (e.g. ``{name: tensor}`` for a module), not differentiable;
     each unit's leaves are views of that unit's gathered buffer."""
+    check_not_donated(shards, "fsdp.gather")
     with torch.no_grad():
         return units.merge({u.name: transforms.gather(shards[u.name], comm, dtype=dtype) for u in units})
 

@@ -63,7 +63,8 @@ from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._state import TrainState
 from ragged.fsdp._units import Units, picked_leaves
-from ragged.fsdp._unused import Donations, freeze_unused, restore_unused
+from ragged.fsdp._donate import check_not_donated, donate
+from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
 from ragged.transforms._reduce_scatter import all_reduce_leaves
 
@@ -76,8 +77,8 @@ class Step:
 
     Built by :func:`make_step`; see there for the arguments. Between calls it carries only
     caches that never change results: the schedule every rank agreed on (see [Note: a collective
-    order that does not depend on data]), a local memory hint, and, with ``donate=True``, which
-    states were donated (passing one again raises).
+    order that does not depend on data]) and a local memory hint. With ``donate=True`` the input
+    state is marked donated: passing it to a step or to ``rg.fsdp.gather`` again raises.
     """
 
     units: Units
@@ -95,7 +96,6 @@ class Step:
     module: Any = None
     skip_unused: bool = True
     value_and_grad: ValueAndGrad = dataclasses.field(default=None, repr=False, compare=False)
-    donations: Donations = dataclasses.field(default_factory=Donations, repr=False, compare=False)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -107,8 +107,7 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         shards, opt_state = state
-        if self.donate:
-            self.donations.check(state)
+        check_not_donated(state, "step(state, batch)")
         result = self.value_and_grad.compute(shards, batch, data_axes=self.data_axes)
         grads = result.grads
         for u in self.units:
@@ -119,7 +118,7 @@ class Step:
             restore_unused(frozen, shards, updates, new_opt_state)
         new_state = TrainState(apply_updates(shards, updates, donate=self.donate), new_opt_state)
         if self.donate:
-            new_state = self.donations.donate(state, new_state)
+            new_state = donate(state, new_state)
         return new_state, {"loss": result.loss, **result.metrics, "unused_leaves": sum(map(len, result.unused.values()))}
 
 

@@ -1,5 +1,5 @@
 """``torch.optim`` semantics for parameters no rank produced a gradient for, over any ragged
-optimizer, and the guard against reusing a donated state.
+optimizer.
 
 [Note: parameters without a gradient]
 ``torch.optim`` skips a parameter whose ``.grad`` is ``None``: no update, no weight decay, no
@@ -18,7 +18,6 @@ and state not laid out like the shards (the 8-bit AdamW codes) still advances fo
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
@@ -26,13 +25,8 @@ from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 
-__all__ = ["freeze_unused", "restore_unused", "Donations", "DONATED_MSG"]
+__all__ = ["freeze_unused", "restore_unused"]
 
-DONATED_MSG = (
-    "this state was donated to a previous call of this step (make_step(donate=True)): its buffers were "
-    "overwritten with the new parameters and optimizer state. Fix: pass the state that call returned "
-    "(state, metrics = step(state, batch)), or build the step with donate=False to keep old states valid."
-)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -80,28 +74,3 @@ def restore_unused(frozen, shards: dict, updates: dict, opt_state):
             for tree, values in zip(subtrees, saved):
                 tree[name].data[data_pos] = values[name][0]
                 tree[name].replicated[rep_pos] = values[name][1]
-
-
-class Donations:
-    """Tensors of states donated to a step (``make_step(donate=True)``), refused when passed again.
-
-    The new state holds fresh tensor objects aliasing the same storage (``detach()``), so the
-    old objects can be told apart from the new ones without copying anything."""
-
-    def __init__(self):
-        self._refs: dict[int, weakref.ref] = {}
-
-    def check(self, state) -> None:
-        for t in pytree.leaves(state):
-            if isinstance(t, torch.Tensor):
-                ref = self._refs.get(id(t))
-                if ref is not None and ref() is t:
-                    raise RaggedValueError(DONATED_MSG)
-
-    def donate(self, old_state, new_state):
-        old = [t for t in pytree.leaves(old_state) if isinstance(t, torch.Tensor)]
-        ids = {id(t) for t in old}
-        new_state = pytree.map(lambda t: t.detach() if isinstance(t, torch.Tensor) and id(t) in ids else t, new_state)
-        for t in old:
-            self._refs[id(t)] = weakref.ref(t, lambda _, k=id(t), refs=self._refs: refs.pop(k, None))
-        return new_state

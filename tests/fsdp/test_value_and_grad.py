@@ -169,15 +169,43 @@ def test_a_donated_state_is_refused():
         step = fsdp.make_step(units, _loss, opt, comm, donate=donate)
         new, _ = step(state, batch(comm))
         new, _ = step(new, batch(comm))  # the state a call returned is fine
-        try:
-            step(state, batch(comm))
-        except rg.RaggedValueError as e:
-            return str(e)
-        return None
+        msgs = []
+        for read in (lambda: step(state, batch(comm)), lambda: fsdp.gather(units, state.shards, comm)):
+            try:
+                read()
+            except rg.RaggedValueError as e:
+                msgs.append(str(e))
+        return msgs
 
-    for msg in rg.collectives.simulate(2, run, donate=True):
-        assert msg is not None and re.search(r"donated to a previous call of this step .* Fix: pass the state", msg)
-    assert rg.collectives.simulate(2, run, donate=False) == [None, None]
+    for msgs in rg.collectives.simulate(2, run, donate=True):
+        assert len(msgs) == 2 and all(re.search(r"donated to a previous step call .* Fix: pass", m)
+                                      for m in msgs), msgs
+    assert rg.collectives.simulate(2, run, donate=False) == [[], []]
+
+
+def test_a_loss_reading_module_attributes_besides_params_is_refused():
+    """functional_call for the model, plus a penalty on the module's own head weight: that part of
+    the gradient would land on the module, not the step."""
+    template = tiny_moe()
+
+    def run(comm):
+        model = copy.deepcopy(template)
+        units = fsdp.make_units(model, world_size=comm.world_size)
+        opt = rg.optim.sgd(0.1)
+        state = fsdp.init(units, model, opt, comm)
+        before = {k: v.data.clone() for k, v in state.shards.items()}
+
+        def loss(p, b):
+            return cross_entropy(logits_of(model, b[0], p), b[1]) + 1e-3 * model.head.weight.square().sum()
+
+        try:
+            fsdp.make_step(units, loss, opt, comm)(state, rank_slice(moe_batches(1)[0], comm.rank, comm.world_size))
+        except rg.RaggedValueError as e:
+            return str(e), all(torch.equal(state.shards[k].data, before[k]) for k in before)
+        return None, False
+
+    for msg, unchanged in rg.collectives.simulate(2, run):
+        assert unchanged and msg and "rank 0: shape (16, 8)" in msg and "make_step(..., module=model)" in msg
 
 
 def test_module_binding_is_restored_after_the_step_also_on_error():

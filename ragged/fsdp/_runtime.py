@@ -64,7 +64,8 @@ class Run:
         self.grads, self.rep_grads = {}, {}
         self.rs_pending: collections.deque = collections.deque()
         self.used_entries: set[int] = set()
-        self.inserts, self.needs, self.late_seen, self.deviations = [], [], [], []
+        self.inserts, self.missing, self.late_seen, self.deviations = [], [], [], []
+        self.needs: set[tuple[int, int]] = set()
         self.live_bytes = self.peak_bytes = self.grad_live = self.grad_peak = 0
         self.num_gathers = self.num_reduces = self.saved_bytes = self.saved_peak = 0
         self.busy = 0
@@ -77,7 +78,7 @@ class Run:
     def reset(self):
         """Start of a micro-batch."""
         self.phase, self.cursor, self.event, self.active = "forward", -1, len(self.schedule.forward) + 1, None
-        self.marker_entry = None
+        self.marker_entry, self.pending_prefetch = None, []
         self.saved_peak, self.saved_bytes = max(self.saved_peak, self.saved_bytes), 0
         for u in self.units:
             u.reduced, u.grads_started, u.held = False, None, []
@@ -101,8 +102,8 @@ class Run:
         return [tuple(p.shape) for p, before in self.foreign.values() if p.grad is not None and p.grad is not before]
 
     def observation(self) -> Observation:
-        return Observation(used=frozenset(self.used_entries), inserts=tuple(self.inserts), needs=tuple(self.needs),
-                           late=tuple(self.late_seen))
+        return Observation(used=frozenset(self.used_entries), inserts=tuple(self.inserts), needs=frozenset(self.needs),
+                           missing=tuple(self.missing), late=tuple(self.late_seen))
 
     # ---- parameters: the one all-gather call site ----------------------------------------------
     def _gather_unit_start(self, i: int, label: str):
@@ -193,10 +194,12 @@ class Run:
                 if self.cursor >= 0 and fwd[self.cursor] == i:
                     self.used_entries.add(self.cursor)
             else:
+                self._prefetch_pending()
                 if tag is not None:
                     self.reached(tag + 2)
+                self.needs.add((self.event - 1, i))
                 if u.state is UnitState.FREE:
-                    self.needs.append((self.event - 1, i))
+                    self.missing.append((self.event - 1, i))
                     self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in backward segment {self.event - 1}, "
                                          "where the schedule has it freed")
             self._wait(i)
@@ -262,8 +265,14 @@ class Run:
         self.busy += 1
         try:
             self.reached(len(self.schedule.forward))
+            self.pending_prefetch = list(self.program.start_prefetch)
         finally:
             self.busy -= 1
+
+    def _prefetch_pending(self):
+        while self.pending_prefetch:
+            i = self.pending_prefetch.pop(0)
+            self._gather_unit_start(i, f"gather {self.layouts[i].name} backward start (prefetch)")
 
     def marker_fired(self, entry: int, leaf_id: int):
         """The marker of ``entry`` ran: event ``entry`` holds once that leaf's gradient is in."""
@@ -271,6 +280,7 @@ class Run:
 
     def reached(self, e: int):
         """Processes events down to ``e`` (each proven: see [Note: markers and tags])."""
+        self._prefetch_pending()
         while self.event > max(e, 0):
             self.event -= 1
             reduces, frees, gathers = self.program.backward[self.event]

@@ -22,8 +22,9 @@ none on the other. So the runtime never decides *what* to communicate, only *whe
   forward's work from entry ``c`` on is done. Segment ``s`` (the nodes made while entry ``s`` was
   current) runs between events ``s + 1`` and ``s``. Event ``e`` reduce-scatters every unit whose
   ``reduce_at`` is ``e`` (default: its first entry: then all of its gradient is in), frees the units
-  not needed in the next segments and gathers those of segment ``e - 1`` (``forward[e - 1]``
-  and any ``needs[e - 1]``) and, as prefetch, of segment ``e - 2``. Events are processed in
+  not needed in the next segments and gathers those of segment ``e - 1`` (``needs[e - 1]``: at
+  first ``forward[e - 1]``, then what backward was seen reading there) and, as prefetch, of
+  segment ``e - 2``. Events are processed in
   order, the actions of each are fixed by the schedule, so every rank issues the same sequence.
 
 What is still learnt, and how: a rank that needs a unit the schedule does not have alive (the
@@ -55,20 +56,21 @@ class Observation:
     Attributes:
         used: forward entries this rank read.
         inserts: ``(entry, unit)``: the rank needed ``unit`` before entry ``entry`` (forward deviation).
-        needs: ``(segment, unit)``: the rank needed ``unit`` in backward segment ``segment``
-            while the schedule had it freed (backward deviation).
+        needs: ``(segment, unit)``: the rank read ``unit`` in backward segment ``segment``.
+        missing: the reads of ``needs`` the schedule had freed (backward deviations).
         late: ``(unit, segment)``: a gradient of ``unit`` arrived in segment ``segment`` (-1: after
             the last event) after the unit's reduce-scatter.
     """
 
     used: frozenset[int] = frozenset()
     inserts: tuple[tuple[int, int], ...] = ()
-    needs: tuple[tuple[int, int], ...] = ()
+    needs: frozenset[tuple[int, int]] = frozenset()
+    missing: tuple[tuple[int, int], ...] = ()
     late: tuple[tuple[int, int], ...] = ()
 
     @property
     def deviated(self) -> bool:
-        return bool(self.inserts or self.needs)
+        return bool(self.inserts or self.missing)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +80,7 @@ class Schedule:
 
     Attributes:
         forward: unit index of every forward entry.
-        needs: per backward segment, units needed besides ``forward[segment]``.
+        needs: per backward segment, the units it reads (gathered at the event before it).
         reduce_at: per unit, the event after which it is reduce-scattered (-1: after backward).
         learning: whether the next call should keep only the entries some rank used.
 
@@ -101,7 +103,7 @@ class Schedule:
     @staticmethod
     def initial(num_units: int) -> Schedule:
         order = tuple(range(num_units))
-        return Schedule(forward=order + order, needs=(frozenset(),) * (2 * num_units), reduce_at=order)
+        return Schedule(forward=order + order, needs=tuple(frozenset({u}) for u in order + order), reduce_at=order)
 
     def fingerprint(self) -> str:
         text = repr((self.forward, tuple(tuple(sorted(n)) for n in self.needs), self.reduce_at, self.learning))
@@ -133,13 +135,25 @@ class Schedule:
                     i = j
             return i
 
-        needs = [set() for _ in forward]
-        for s, extra in enumerate(self.needs):
-            needs[segment(s)] |= extra
+        # backward: an inserted entry needs its unit; while learning, an entry some rank read in
+        # forward needs what backward was seen reading in its segment (the embedding's backward
+        # reads no weight) and one no rank read keeps its unit (it may get tokens later); after
+        # learning, needs only grow (by the reads the schedule missed)
+        def start(k: float, u: int) -> set:
+            if not k.is_integer():
+                return {u}
+            if self.learning:
+                return set() if int(k) in used else {u}
+            return set(self.needs[int(k)])
+
+        needs = [start(k, u) for k, u in entries]
+        for s, x in enumerate(self.needs):  # needs of dropped entries go to the entry now holding their nodes
+            if s not in keep and not self.learning:
+                needs[segment(s)] |= x
         for o in observations:
-            for s, u in o.needs:
+            for s, u in (o.needs if self.learning else o.missing):
                 needs[segment(s)].add(u)
-        needs = tuple(frozenset(x - {forward[s]}) for s, x in enumerate(needs))
+        needs = tuple(frozenset(x) for x in needs)
         reduce_at = [min(segment(p) if p >= 0 else -1, forward.index(u)) if p >= 0 else -1
                      for u, p in enumerate(self.reduce_at)]
         for o in observations:
@@ -158,12 +172,15 @@ class Program:
             ``len(forward)`` is the start of backward), ``(reduces, frees, gathers)``.
         end: units reduce-scattered after the last event, then every unit is freed.
         segment_units: per segment, the units it needs.
+        start_prefetch: the prefetch of the start event, issued (in this order, before anything
+            of event ``len(forward) - 1``) when backward first reaches the model.
     """
 
     forward: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     backward: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
     end: tuple[int, ...]
     segment_units: tuple[frozenset[int], ...]
+    start_prefetch: tuple[int, ...] = ()
 
 
 @functools.lru_cache(maxsize=64)
@@ -174,7 +191,7 @@ def program(schedule: Schedule, *, reshard: bool, prefetch: bool) -> Program:
     only, never on what this rank's data touched.
 
     Examples:
-        >>> p = program(Schedule(forward=(0, 1, 0), needs=(frozenset(),) * 3, reduce_at=(0, 1)),
+        >>> p = program(Schedule(forward=(0, 1, 0), needs=tuple(frozenset({u}) for u in (0, 1, 0)), reduce_at=(0, 1)),
         ...             reshard=True, prefetch=True)
         >>> p.forward                  # entry 1 keeps unit 0 alive: it is prefetched for entry 2
         (((), (0, 1)), ((), ()), ((1,), ()))
@@ -191,7 +208,7 @@ def program(schedule: Schedule, *, reshard: bool, prefetch: bool) -> Program:
         gathers = tuple(u for u in want if u not in alive)
         alive |= set(gathers)
         forward.append((frees, gathers))
-    seg = tuple(frozenset({fwd[s]}) | schedule.needs[s] for s in range(n))
+    seg = schedule.needs
     later_need = [frozenset().union(*seg[:s]) if s else frozenset() for s in range(n + 1)]  # needed in segments < s
     backward: list = [None] * (n + 1)
     for e in range(n, -1, -1):
@@ -202,9 +219,16 @@ def program(schedule: Schedule, *, reshard: bool, prefetch: bool) -> Program:
             keep |= later_need[e]
         frees = tuple(sorted(u for u in alive if u not in keep))
         alive -= set(frees)
-        order = [fwd[s] for s in (e - 1, e - 2) if s >= 0] + [u for part in soon for u in sorted(part)]
-        gathers = tuple(dict.fromkeys(u for u in order if u in keep and u not in alive and any(u in p for p in soon)))
-        alive |= set(gathers)
-        backward[e] = (reduces, frees, gathers)
+        now = [u for u in _ordered(seg[e - 1], fwd[e - 1]) if u not in alive] if e >= 1 else []
+        ahead = [u for u in _ordered(seg[e - 2], fwd[e - 2]) if u not in alive and u not in now] if prefetch and e >= 2 else []
+        alive |= set(now) | set(ahead)
+        if e == n:  # the loss's own backward runs first: prefetch once backward reaches the model
+            start_prefetch, ahead = tuple(ahead), []
+        backward[e] = (reduces, frees, tuple(now + ahead))
     end = tuple(u for u, p in enumerate(schedule.reduce_at) if p < 0)
-    return Program(forward=tuple(forward), backward=tuple(backward), end=end, segment_units=seg)
+    return Program(forward=tuple(forward), backward=tuple(backward), end=end, segment_units=seg,
+                   start_prefetch=start_prefetch if n else ())
+
+
+def _ordered(units: frozenset, first: int) -> list[int]:
+    return ([first] if first in units else []) + sorted(u for u in units if u != first)

@@ -75,35 +75,27 @@ __all__ = ["make_step", "Step"]
 class Step:
     """A training step built once; call it as ``state, metrics = step(state, batch)``.
 
-    Built by :func:`make_step`; see there for the arguments. Between calls it carries only
+    Built by :func:`make_step`; see there for the arguments (``units``, ``loss_fn``, ``comm``,
+    ``policy`` ... are those of its :class:`~ragged.fsdp.ValueAndGrad`). Between calls it carries only
     caches that never change results: the schedule every rank agreed on (see [Note: a collective
     order that does not depend on data]) and a local memory hint. With ``donate=True`` the input
     state is marked donated: passing it to a step or to ``rg.fsdp.gather`` again raises.
     """
 
-    units: Units
-    loss_fn: Callable
+    value_and_grad: ValueAndGrad
     optimizer: Any
-    comm: Any
-    micro_batches: int = 1
-    policy: MixedPrecision = MixedPrecision()
-    prefetch: bool = True
-    reshard_after_forward: bool = True
-    max_inflight_reduce: int = 1
     donate: bool = False
-    trace: bool = False
     data_axes: tuple = ()
-    module: Any = None
     skip_unused: bool = True
-    value_and_grad: ValueAndGrad = dataclasses.field(default=None, repr=False, compare=False)
 
-    @property
-    def compute_dtype(self) -> torch.dtype | None:
-        return self.policy.compute_dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype | None:
-        return self.policy.reduce_dtype
+    units = property(lambda self: self.value_and_grad.units)
+    loss_fn = property(lambda self: self.value_and_grad.loss_fn)
+    comm = property(lambda self: self.value_and_grad.comm)
+    micro_batches = property(lambda self: self.value_and_grad.micro_batches)
+    policy = property(lambda self: self.value_and_grad.policy)
+    compute_dtype = property(lambda self: self.value_and_grad.policy.compute_dtype)
+    reduce_dtype = property(lambda self: self.value_and_grad.policy.reduce_dtype)
+    module = property(lambda self: self.value_and_grad.module)
 
     def __call__(self, state: TrainState, batch):
         shards, opt_state = state
@@ -240,10 +232,7 @@ def make_step(
     grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
                           module=module, trace=trace)
-    return Step(units=units, loss_fn=loss_fn, optimizer=optimizer, comm=comm, micro_batches=micro_batches,
-                policy=policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                max_inflight_reduce=max_inflight_reduce, donate=donate, trace=trace, data_axes=data_axes,
-                module=module, skip_unused=skip_unused, value_and_grad=grad)
+    return Step(value_and_grad=grad, optimizer=optimizer, donate=donate, data_axes=data_axes, skip_unused=skip_unused)
 
 
 def _reduce_data_axes(unit, grad, data_axes) -> None:

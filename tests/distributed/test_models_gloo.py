@@ -108,13 +108,20 @@ def test_misuse_is_refused_on_every_rank_before_any_change(workers2, case):
         assert "make_step(..., module=model)" in msg
 
 
-def _divergent():
-    """Rank 1's loss reads, after the head, another unit on every call: no schedule covers it."""
-    c = comm()
-    model = tiny_moe()
+def _tiny_moe_step(loss=None):
+    """``(comm, model, units, step, state, batches)`` for the tiny MoE on this rank (SGD); ``loss``
+    defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches."""
+    c, model = comm(), tiny_moe()
     units = fsdp.make_units(model, world_size=c.world_size)
     opt = rg.optim.sgd(0.1)
     state = fsdp.init(units, model, opt, c)
+    loss = loss or (lambda p, b: cross_entropy(logits_of(model, b[0], p), b[1]))
+    batches = lambda k: [tuple(t[2 * c.rank: 2 * c.rank + 2] for t in b) for b in moe_batches(k)]  # noqa: E731
+    return c, model, units, fsdp.make_step(units, loss, opt, c), state, batches
+
+
+def _divergent():
+    """Rank 1's loss reads, after the head, another unit on every call: no schedule covers it."""
     calls = [0]
 
     def loss(params, batch):
@@ -124,10 +131,10 @@ def _divergent():
             out = out + 0 * params[units[calls[0]].paths[0]].sum()
         return out
 
-    step = fsdp.make_step(units, loss, opt, c)
+    c, model, units, step, state, batches = _tiny_moe_step(loss)
     try:
-        for batch in moe_batches(steps=2):  # the first call learns; the second cannot
-            state, _ = step(state, tuple(t[2 * c.rank: 2 * c.rank + 2] for t in batch))
+        for batch in batches(2):  # the first call learns; the second cannot
+            state, _ = step(state, batch)
     except rg.PlanMismatchError as e:
         return str(e)
     return None
@@ -139,20 +146,15 @@ def test_data_dependent_collectives_raise_plan_mismatch_on_every_rank(workers2):
 
 
 def _one_rank_fails():
-    c = comm()
-    model = tiny_moe()
-    units = fsdp.make_units(model, world_size=c.world_size)
-    opt = rg.optim.sgd(0.1)
-    state = fsdp.init(units, model, opt, c)
-
     def loss(params, batch):
         out = cross_entropy(logits_of(model, batch[0], params), batch[1])
         if c.rank == 0:
             raise ValueError("bad batch on rank 0")
         return out
 
+    c, model, units, step, state, batches = _tiny_moe_step(loss)
     try:
-        fsdp.make_step(units, loss, opt, c)(state, tuple(t[2 * c.rank: 2 * c.rank + 2] for t in moe_batches(1)[0]))
+        step(state, batches(1)[0])
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
     return None
@@ -166,13 +168,8 @@ def test_a_loss_failing_on_one_rank_raises_on_every_rank(workers2):
 
 def _digest_diverged():
     """The previous call's collectives are folded into the next call's agreement."""
-    c = comm()
-    model = tiny_moe()
-    units = fsdp.make_units(model, world_size=c.world_size)
-    opt = rg.optim.sgd(0.1)
-    state = fsdp.init(units, model, opt, c)
-    step = fsdp.make_step(units, lambda p, b: cross_entropy(logits_of(model, b[0], p), b[1]), opt, c)
-    batch = tuple(t[2 * c.rank: 2 * c.rank + 2] for t in moe_batches(1)[0])
+    c, _, _, step, state, batches = _tiny_moe_step()
+    (batch,) = batches(1)
     state, _ = step(state, batch)
     if c.rank == 1:
         step.value_and_grad.memo.digest = "as if rank 1 had issued other collectives"

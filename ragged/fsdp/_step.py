@@ -208,7 +208,7 @@ def make_step(
         >>> def run(comm):  # one module object per simulated rank (ranks are threads)
         ...     module = copy.deepcopy(model)
         ...     opt = rg.optim.sgd(0.1)
-        ...     state = fsdp.init(units, model, opt, comm)
+        ...     state = fsdp.init(units, model.state_dict(), opt, comm)  # a module would be released
         ...     loss_fn = lambda params, batch: ((module(batch[0]) - batch[1]) ** 2).mean()
         ...     step = fsdp.make_step(units, loss_fn, opt, comm, module=module)
         ...     rows = slice(4 * comm.rank, 4 * comm.rank + 4)

@@ -141,7 +141,7 @@ def test_mixed_precision_policy_equals_the_keyword_arguments():
     def run(comm, **step_kw):
         from ragged.examples.gpt import loss_fn
         opt = case.make_optimizer()
-        state = fsdp.init(units, model, opt, comm)
+        state = fsdp.init(units, model.state_dict(), opt, comm)  # the shared model stays whole
         step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, **step_kw)
         for s in range(case.steps):
             state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
@@ -192,7 +192,7 @@ def test_a_loss_reading_module_attributes_besides_params_is_refused():
         model = copy.deepcopy(template)
         units = fsdp.make_units(model, world_size=comm.world_size)
         opt = rg.optim.sgd(0.1)
-        state = fsdp.init(units, model, opt, comm)
+        state = fsdp.init(units, model.state_dict(), opt, comm)  # the module keeps its own weights
         before = {k: v.data.clone() for k, v in state.shards.items()}
 
         def loss(p, b):
@@ -213,10 +213,10 @@ def test_module_binding_is_restored_after_the_step_also_on_error():
 
     def run(comm):
         model = copy.deepcopy(template)
-        own = {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)}
         units = fsdp.make_units(model, world_size=comm.world_size)
         opt = rg.optim.sgd(0.1)
-        state = fsdp.init(units, model, opt, comm)
+        state = fsdp.init(units, model, opt, comm)  # the module's parameters become placeholders
+        own = {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)}
         calls = []
 
         def loss(p, b):

@@ -52,7 +52,7 @@ class Quant8:
 
 
 def _is_state(x) -> bool:
-    from ragged.optim._quant8 import ScaleByAdam8bitState
+    from ragged.optim._quant8_state import ScaleByAdam8bitState
 
     return isinstance(x, ScaleByAdam8bitState)
 
@@ -79,7 +79,7 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
         >>> type(bound).__name__, bound.moments.mu_scales.numel()  # 2 x 2 tiles of 4 x 32
         ('Quant8', 4)
     """
-    from ragged.optim._quant8 import Quant8Moments
+    from ragged.optim._quant8_state import Quant8Moments
 
     def bind(state):
         moments = pytree.map(
@@ -109,11 +109,11 @@ def unbind(state):
 def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:
     """Per leaf: how 8-bit Adam stores it (blocks, total blocks) -- the same rule as the
     optimizer's own layout."""
-    from ragged.optim._quant8 import _block_shape
+    from ragged.optim._quant8_state import quantized_block
 
     kinds = {}
     for leaf in plan.leaves:
-        block = _block_shape(leaf) if leaf.numel >= min_size and leaf.dtype.is_floating_point else None
+        block = quantized_block(leaf, min_size)
         if block is None:
             kinds[leaf.path] = {"block": None, "numel": leaf.numel, "blocks": 0, "replicated": False}
             continue
@@ -131,7 +131,7 @@ def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:
 
 
 def describe(where: str, leaf: Quant8, comm) -> dict[str, Any]:
-    from ragged.optim._quant8 import Quant8Moments
+    from ragged.optim._quant8_state import Quant8Moments
 
     if not isinstance(leaf.moments, Quant8Moments) or not isinstance(leaf.params, DBuffer):
         raise RaggedTypeError(f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8.")
@@ -167,11 +167,11 @@ def stored(entry_path: str, entry: dict) -> dict[str, tuple[int, torch.dtype]]:
 
 def pieces(entry_path: str, leaf: Quant8, rank: int, kinds=None):
     """``[(fqn, start, numel, 1-D tensor)]``: this rank's chunks of ``leaf.moments`` (views)."""
-    from ragged.optim._quant8 import _layout
+    from ragged.optim._quant8_state import shard_layout
 
     mom, d = leaf.moments, leaf.params
     kinds = kinds or _leaf_kinds(d.plan, leaf.min_size)
-    lay = _layout(d, leaf.min_size)
+    lay = shard_layout(d, leaf.min_size)
     starts = {p.local_offset: p.start for p in d.plan.local_pieces(rank)}
     out = []
     for q in lay.qpieces:
@@ -215,9 +215,9 @@ def compare(where: str, saved: dict, like: dict, problems: list[str]) -> None:
 
 def allocate(leaf: Quant8):
     """A fresh zero state with ``leaf``'s layout (a new Quant8 sharing nothing with ``leaf``)."""
-    from ragged.optim._quant8 import _moments_init
+    from ragged.optim._quant8_state import init_moments
 
-    moments = _moments_init(leaf.params, leaf.min_size)
+    moments = init_moments(leaf.params, leaf.min_size)
     moments = type(moments)(*[torch.zeros_like(t) for t in moments])
     return Quant8(moments, leaf.params, leaf.min_size)
 

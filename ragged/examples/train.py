@@ -46,6 +46,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--moe", action="store_true", help="every 2nd block is a top-k MoE with fused experts")
     g.add_argument("--experts", type=int, default=8)
     g.add_argument("--top-k", type=int, default=2)
+    g.add_argument("--hf", choices=["llama", "mixtral"], default=None,
+                   help="a Hugging Face model of these sizes instead (config only, built on meta; ragged.examples.hf)")
+    g.add_argument("--save-pretrained", default=None, metavar="DIR",
+                   help="with --hf: save_pretrained the trained model here (default: a temporary directory)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch", type=int, default=32, help="global batch (sequences), split over ranks")
@@ -124,6 +128,10 @@ def train(args) -> dict:
     from ragged.examples.data import SyntheticLM, rank_slice
     from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
+    if args.hf:
+        from ragged.examples.hf import train as train_hf
+
+        return train_hf(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     comm = rg.collectives.from_torch()
@@ -136,10 +144,7 @@ def train(args) -> dict:
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
     opt = _optimizer(args, comm)
-    state = fsdp.init(units, model, opt, comm)
-    # the module's own parameters are no longer needed: every rank keeps only its shards
-    for p in model.parameters():
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
                           micro_batches=args.micro_batches,
                           compute_dtype=_DTYPES[args.compute_dtype],

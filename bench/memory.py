@@ -54,6 +54,17 @@ import torch  # noqa: E402
 
 METHODS = ("ragged", "fsdp2")
 
+# --units split: the rest of the model (embeddings, final norm, head) as two units in both methods,
+# embeddings apart from norm + head, instead of one "rest" unit / FSDP2 root group
+SPLIT_FSDP2 = (("tok_emb", "pos_emb"), ("norm", "head"))
+
+
+def split_rest(name: str) -> str:
+    """ragged's unit of parameter ``name`` with ``--units split``."""
+    if name.startswith("blocks."):
+        return ".".join(name.split(".")[:2])
+    return "embed" if name.startswith(("tok_emb.", "pos_emb.")) else "head"
+
 
 def _saved_activation_bytes(model, batch, checkpoint: bool) -> int:
     """Unique storage bytes saved for backward by one forward of the unsharded ``model``
@@ -95,6 +106,7 @@ def _measure(rank, world, backend, opts):
         return x.to(device), y.to(device)
 
     kw = dict(seed=0, device=device, lr=1e-3, policy="fp32", checkpoint=opts["checkpoint"])
+    split = opts.get("units") == "split"
     extra = {}
     with contextlib.ExitStack() as stack:
         try:  # labels around ragged's step internals, where the step runtime still has them
@@ -104,28 +116,16 @@ def _measure(rank, world, backend, opts):
         live = stack.enter_context(LiveBytes(device))
         with live.window("build"):
             if opts["method"] == "ragged":
-                method = RaggedMethod(cfg, comm=rg.collectives.from_torch(), **kw)
+                method = RaggedMethod(cfg, comm=rg.collectives.from_torch(), groups=split_rest if split else None, **kw)
             else:
-                method = FSDP2Method(cfg, **kw)
+                method = FSDP2Method(cfg, groups=SPLIT_FSDP2 if split else (), **kw)
         for s in range(opts["warmup"]):
             with live.window(f"warmup {s}"):
                 method.step(batch(s))
         with live.window("step"):
             method.step(batch(opts["warmup"]))
     if opts["method"] == "ragged":
-        units = method.units
-        sizes = [u.plan.buffer_numel * u.plan.dtype.itemsize for u in units]
-        extra = dict(units=len(units), largest_unit_bytes=max(sizes), padding=sum(u.plan.padding for u in units))
-    else:
-        import math
-
-        padded = {}  # FSDP2's all-gather buffer per fully_shard group: dim 0 padded to a multiple of W
-        for name, p in method.model.named_parameters():
-            owner = name.split(".")
-            key = ".".join(owner[:2]) if owner[0] == "blocks" else "root"
-            d0 = p.shape[0] if p.dim() else 1
-            padded[key] = padded.get(key, 0) + -(-d0 // world) * world * math.prod(p.shape[1:]) * p.element_size()
-        extra = dict(largest_unit_bytes=max(padded.values()))
+        extra = dict(units=len(method.units), padding=sum(u.plan.padding for u in method.units))
     out = dict(method=opts["method"], world=world, device=str(device), **extra,
                **{name: live.result(name) for name in ["build", "step"] + [f"warmup {s}" for s in range(opts["warmup"])]})
     out["live_at_peak"] = live.live_at_peak("step", top=8) if device.type == "cpu" else []
@@ -135,14 +135,41 @@ def _measure(rank, world, backend, opts):
     return out
 
 
-def run_cell(model: str, world: int, checkpoint: bool, *, batch: int, warmup: int, rank: int = 1, timeout=1800.0):
+def unit_bytes(model: str, world: int, split: bool = False) -> dict[str, tuple[int, int]]:
+    """Gathered bytes of the largest non-block unit and of the largest block, per method (from shapes
+    only: ragged's plans, FSDP2's dim-0 padding to a multiple of W per parameter)."""
+    import math
+
+    from ragged import fsdp
+    from ragged.examples.gpt import GPT, GPTConfig
+
+    from bench.step import CONFIGS
+
+    meta = GPT(GPTConfig(**CONFIGS[model]), device="meta")
+    units = fsdp.make_units(meta, world_size=world, groups=split_rest if split else None)
+    size = {n: units[n].plan.buffer_numel * units[n].plan.dtype.itemsize for n in units.names}
+    padded: dict[str, int] = {}
+    for name, p in meta.named_parameters():
+        key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else (split_rest(name) if split else "rest")
+        d0 = p.shape[0] if p.dim() else 1
+        padded[key] = padded.get(key, 0) + -(-d0 // world) * world * math.prod(p.shape[1:]) * p.element_size()
+
+    def pick(sizes):
+        blocks = [v for k, v in sizes.items() if k.startswith("blocks.")]
+        return max(v for k, v in sizes.items() if not k.startswith("blocks.")), max(blocks)
+
+    return {"ragged": pick(size), "fsdp2": pick(padded)}
+
+
+def run_cell(model: str, world: int, checkpoint: bool, *, batch: int, warmup: int, units: str = "default", rank: int = 1,
+             timeout=1800.0):
     """``{method: result}`` of one (model, W, checkpointing) cell, each method in its own process."""
     from bench._launch import launch
     from bench.step import CONFIGS
 
     out = {}
     for method in METHODS:
-        opts = dict(cfg=CONFIGS[model], method=method, checkpoint=checkpoint, batch=batch, warmup=warmup)
+        opts = dict(cfg=CONFIGS[model], method=method, checkpoint=checkpoint, batch=batch, warmup=warmup, units=units)
         out[method] = launch(world, _measure, opts, backend="fake", fake_rank=min(rank, world - 1), timeout=timeout)[0]
     return out
 
@@ -152,18 +179,19 @@ def _mib(n) -> str:
 
 
 COLUMNS = ("model", "AC", "W", "ragged peak MiB", "fsdp2 peak MiB", "ragged / fsdp2", "ragged state + rise",
-           "fsdp2 state + rise", "largest unit MiB (ragged / fsdp2)", "saved activations MiB", "ragged peak at",
-           "fsdp2 peak at")
+           "fsdp2 state + rise", "rest / largest block MiB, ragged", "same, fsdp2", "saved activations MiB",
+           "ragged peak at", "fsdp2 peak at")
 
 
-def row(model: str, checkpoint: bool, cell: dict) -> list[str]:
+def row(model: str, checkpoint: bool, cell: dict, units: str = "default") -> list[str]:
     a, b = cell["ragged"], cell["fsdp2"]
     sa, sb = a["step"], b["step"]
+    ub = unit_bytes(model, a["world"], units == "split")
     return [model, "on" if checkpoint else "off", str(a["world"]), _mib(sa["peak"]), _mib(sb["peak"]),
             f"{sa['peak'] / sb['peak']:.2f}x", f"{_mib(sa['start'])} + {_mib(sa['peak'] - sa['start'])}",
             f"{_mib(sb['start'])} + {_mib(sb['peak'] - sb['start'])}",
-            f"{_mib(a['largest_unit_bytes'])} / {_mib(b['largest_unit_bytes'])}", _mib(a["saved_activation_bytes"]),
-            sa["where"], sb["where"]]
+            " / ".join(_mib(x) for x in ub["ragged"]), " / ".join(_mib(x) for x in ub["fsdp2"]),
+            _mib(a["saved_activation_bytes"]), sa["where"], sb["where"]]
 
 
 def render(rows, console=None):
@@ -181,7 +209,7 @@ def render(rows, console=None):
 
 
 def markdown(rows) -> str:
-    keep = COLUMNS[:10]
+    keep = COLUMNS[:11]
     lines = ["| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
     for r in rows:
         lines.append("| " + " | ".join(r[: len(keep)]) + " |")
@@ -198,25 +226,39 @@ def main(argv=None) -> int:
                     help="activation checkpointing of every block in both methods")
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--warmup", type=int, default=1, help="steps before the measured one (the optimizer state appears in the first)")
+    ap.add_argument("--units", choices=("default", "split"), default="default",
+                    help="split: embeddings and final norm + head as two units / fully_shard groups in both methods "
+                         "(default: one 'rest' unit, FSDP2's root)")
     ap.add_argument("--json", default=None, help="append every cell to this JSON-lines file")
+    ap.add_argument("--from-json", default=None, metavar="JSONL", help="do not run: render the cells saved with --json")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="print what is live at each peak (CPU), by allocation site")
     args = ap.parse_args(argv)
     print(f"== fake process group, torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'} ==",
           flush=True)
     rows, notes = [], []
-    for model in args.models:
+
+    def add(model, ac, cell, units):
+        rows.append(row(model, ac, cell, units))
+        print("  " + " | ".join(rows[-1][:6]), flush=True)
+        for name in METHODS if args.breakdown else ():
+            notes.append(f"{model}, AC {'on' if ac else 'off'}, W={cell[name]['world']}, {name}: live at the peak, "
+                         "by where it was allocated")
+            notes.extend(f"    {_mib(b):>8} MiB  x{n:<4} {site}" for b, n, site in cell[name]["live_at_peak"])
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            for line in f:
+                cell = json.loads(line)
+                add(cell["model"], cell["checkpointing"], cell, cell.get("units", "default"))
+    for model in args.models if not args.from_json else ():
         for ac in args.checkpointing:
             for world in args.world:
-                cell = run_cell(model, world, ac == "on", batch=args.batch, warmup=args.warmup)
-                rows.append(row(model, ac == "on", cell))
-                print("  " + " | ".join(rows[-1][:6]), flush=True)
-                for name in METHODS if args.breakdown else ():
-                    notes.append(f"{model}, AC {ac}, W={world}, {name}: live at the peak, by where it was allocated")
-                    notes += [f"    {_mib(b):>8} MiB  x{n:<4} {site}" for b, n, site in cell[name]["live_at_peak"]]
+                cell = run_cell(model, world, ac == "on", batch=args.batch, warmup=args.warmup, units=args.units)
+                add(model, ac == "on", cell, args.units)
                 if args.json:
                     with open(args.json, "a") as f:
-                        f.write(json.dumps(dict(model=model, checkpointing=ac == "on", **cell)) + "\n")
+                        f.write(json.dumps(dict(model=model, checkpointing=ac == "on", units=args.units, **cell)) + "\n")
     render(rows)
     print("\n".join(notes))
     if args.markdown:

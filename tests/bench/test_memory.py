@@ -35,6 +35,6 @@ def test_memory_bench_runs_on_the_fake_process_group():
     for name in ("ragged", "fsdp2"):
         step = cell[name]["step"]
         assert cell[name]["world"] == 8
-        assert step["peak"] > step["start"] > 0 and cell[name]["largest_unit_bytes"] > 0
+        assert step["peak"] > step["start"] > 0
     assert cell["ragged"]["saved_activation_bytes"] > 0
     assert row("tiny", True, cell)[:3] == ["tiny", "on", "8"]

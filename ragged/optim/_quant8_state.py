@@ -1,8 +1,12 @@
 """Where 8-bit Adam keeps what: the quantized pieces of a rank's shard and the state containers.
 
-This module is also the internal API of ``ragged/checkpoint/_quant8.py`` (which leaves are
-quantized, the layout of one rank's moments, a fresh state): :func:`quantized_block`,
-:func:`shard_layout`, :func:`init_moments`, :class:`Quant8Moments`, :class:`ScaleByAdam8bitState`.
+This module is also the internal API ``ragged/checkpoint/_quant8.py`` uses to store 8-bit Adam
+moments (see [Note: 8-bit moments in a checkpoint] there); the checkpoint asks the optimizer only
+these names, so the codec, the layout and the transform can change as long as they keep their
+meaning: :func:`quantized_block` (how a leaf's moments are kept: 8-bit blocks or fp32),
+:func:`adam8bit_leaf_state` (views of this rank's part of each leaf's moments),
+:func:`init_moments` (a fresh state laid out for a DBuffer, to load into),
+:class:`Quant8Moments` and :class:`ScaleByAdam8bitState` (the state containers).
 
 [Note: blocks are the plan's blocks]
 Each quantization block is one block of the layout: an ``r x c`` tile of a leaf planned with

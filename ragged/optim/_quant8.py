@@ -37,10 +37,9 @@ from ragged.optim._quant8_codec import codec
 from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
-    chunks,
     adam8bit_leaf_state,
+    chunks,
     init_moments,
-    quantized_block,
     shard_layout,
 )
 from ragged.optim._transform import (
@@ -51,19 +50,10 @@ from ragged.optim._transform import (
     _check_nonneg,
 )
 
-__all__ = ["scale_by_adam_8bit", "adamw_8bit", "state_nbytes", "adam8bit_leaf_state"]  # the last: see below
+# adam8bit_leaf_state lives in _quant8_state; tests import it from here too
+__all__ = ["scale_by_adam_8bit", "adamw_8bit", "state_nbytes", "adam8bit_leaf_state"]
 
 KERNELS = ("auto", "c", "torch")
-
-# Names modules outside optim imported from here before the codec / state split (kept so that
-# they keep working; new code imports from _quant8_state): adam8bit_leaf_state (imported above) and
-_layout = shard_layout
-_moments_init = init_moments
-_chunks = chunks
-
-
-def _block_shape(leaf):
-    return quantized_block(leaf, 0)
 
 
 def _check_kernel(kernel: str) -> None:

@@ -334,6 +334,9 @@ def main(argv=None) -> int:
     from bench._launch import launch, pick_backend
 
     if args.from_json:
+        if not os.path.isfile(args.from_json):
+            ap.error(f"--from-json {args.from_json}: no such file ({os.path.abspath(args.from_json)}); --json wrote it "
+                     "relative to the directory that run started in, and printed its absolute path at the end")
         with open(args.from_json) as f:
             for line in f:
                 summary = json.loads(line)
@@ -358,6 +361,9 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(summary) + "\n")
+    if args.json:
+        print(f"summaries appended to {os.path.abspath(args.json)}; from any directory: "
+              f"python3 {os.path.abspath(__file__)} --from-json {os.path.abspath(args.json)}", flush=True)
     return 0
 
 

@@ -68,3 +68,11 @@ def test_plans_display_themselves_in_jupyter():
     plan = rg.make_plan({"w": torch.empty(6, 4)}, world_size=2, align=1)
     bundle = plan._repr_mimebundle_(include=None, exclude=None)
     assert set(bundle) == {"text/plain", "text/html"} and "shard_size S=12" in bundle["text/plain"]
+
+
+def test_a_terminal_repl_shows_the_picture_not_the_object():
+    plan = rg.make_plan({"a": torch.empty(3, 4), "b": torch.empty(5, 4)}, world_size=3, align=1)
+    view = rg.visualize(plan, width=12)
+    for text in (repr(view), str(view), repr(rg.rank_table(plan))):
+        assert "object at" not in text and "rank" in text
+    assert "rank 2 ████████····  8/12" in repr(view) and view.title == "m=3 S=12 float32 dp"

@@ -83,7 +83,9 @@ def split_batch(batch, k: int):
 class _Memo:
     """What a :class:`ValueAndGrad` carries between calls: the agreed schedule, the digest of the
     last call's collectives and a local memory hint (which units keep leaf gradients). A cache:
-    with any value of it the results are the same; ranks agree on the first two every call."""
+    with any value of it the results are the same, up to the order of floating-point sums (a
+    gradient that arrives late is reduce-scattered on its own and added); ranks agree on the
+    first two every call."""
 
     def __init__(self, num_units: int):
         self.schedule, self.digest, self.lazy = Schedule.initial(num_units), "", frozenset()

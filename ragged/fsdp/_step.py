@@ -76,10 +76,11 @@ class Step:
     """A training step built once; call it as ``state, metrics = step(state, batch)``.
 
     Built by :func:`make_step`; see there for the arguments (``units``, ``loss_fn``, ``comm``,
-    ``policy`` ... are those of its :class:`~ragged.fsdp.ValueAndGrad`). Between calls it carries only
-    caches that do not change results (up to the order of floating-point sums): the schedule every rank agreed on (see [Note: a collective
-    order that does not depend on data]) and a local memory hint. With ``donate=True`` the input
-    state is marked donated: passing it to a step or to ``rg.fsdp.gather`` again raises.
+    ``policy`` ... are those of its :class:`~ragged.fsdp.ValueAndGrad`). Between calls it carries
+    only caches that do not change results (up to the order of floating-point sums): the schedule
+    every rank agreed on (see [Note: a collective order that does not depend on data]) and a local
+    memory hint. With ``donate=True`` the input state is marked donated: passing it to a step or to
+    ``rg.fsdp.gather`` again raises.
     """
 
     value_and_grad: ValueAndGrad

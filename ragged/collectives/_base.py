@@ -11,6 +11,12 @@ A ``Collectives`` value is one rank's view of a 1-D shard group (FSDP) or of a 2
 ``all_gather_into``, ``reduce_scatter_into``, ``all_reduce`` and ``all_to_all`` run within it.
 ``all_reduce_replicas`` runs across the replica group (a no-op when ``num_replicas == 1``),
 and ``all_gather_object`` spans every rank of the mesh (used to compare plans).
+
+Optional: ``all_gather_into_coalesced(outputs, inputs, *, async_op)`` and
+``reduce_scatter_into_coalesced(outputs, inputs, *, op, async_op)`` do what the single-tensor
+ops do for each (output, input) pair, in one launch (both bundled backends have them; the
+transforms fall back to one call per buffer for a backend without them). They move the buffers
+of a multi-buffer plan (see ``transforms.all_gather_flat``).
 """
 
 from __future__ import annotations

@@ -116,6 +116,39 @@ class SimulatedCollectives:
                 output[j * n : (j + 1) * n].copy_(v.reshape(-1))
         return self._done(async_op)
 
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
+        m = self.world_size
+        for out, inp in zip(outputs, inputs, strict=True):
+            if out.numel() != m * inp.numel():
+                raise RaggedValueError(
+                    f"all_gather_into_coalesced: an output has {out.numel()} elements, needs world_size * "
+                    f"{inp.numel()} = {m * inp.numel()}."
+                )
+        values = self._shard.exchange(self._rank, "all_gather_coalesced", [_plain(i).clone() for i in inputs])
+        with torch.no_grad():
+            for b, (out, inp) in enumerate(zip(outputs, inputs)):
+                n = inp.numel()
+                for j, v in enumerate(values):
+                    out[j * n : (j + 1) * n].copy_(v[b].reshape(-1))
+        return self._done(async_op)
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
+        check_op(op)
+        m = self.world_size
+        for out, inp in zip(outputs, inputs, strict=True):
+            if inp.numel() != m * out.numel():
+                raise RaggedValueError(
+                    f"reduce_scatter_into_coalesced: an input has {inp.numel()} elements, needs world_size * "
+                    f"{out.numel()} = {m * out.numel()}."
+                )
+        values = self._shard.exchange(self._rank, f"reduce_scatter_coalesced_{op}", [_plain(i).clone() for i in inputs])
+        with torch.no_grad():
+            for b, out in enumerate(outputs):
+                n = out.numel()
+                chunks = [v[b].reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
+                out.copy_(self._reduce(chunks, op, out).view_as(out))
+        return self._done(async_op)
+
     def _reduce(self, values, op, like):
         with torch.no_grad():
             acc = values[0].to(like.dtype).clone()

@@ -27,7 +27,9 @@ buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_
 launch: on gloo ("p2p" and "all_to_all") one ``batch_isend_irecv`` over every (peer, buffer)
 pair, received straight into the outputs (all-gather) or into a rank-major scratch that one
 local sum per buffer reduces (reduce-scatter); on NCCL ("native") the per-buffer native ops
-inside ``torch.distributed._coalescing_manager`` (one NCCL group: one launch).
+inside ``torch.distributed._coalescing_manager`` (one NCCL group: one launch; written, not run
+here: no GPU). gloo has no coalescing group, so ``algorithm="native"`` on gloo issues one
+native op per buffer.
 """
 
 from __future__ import annotations
@@ -257,6 +259,9 @@ class TorchCollectives:
                 out.copy_(inp)
             return _result(_Work([]), async_op)
         if self.ag_algorithm == "native":
+            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
+                return _result(_Work([self.all_gather_into(o, i, async_op=True) for o, i in zip(outputs, inputs)]),
+                               async_op)
             with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
                 for out, inp in zip(outputs, inputs):
                     dist.all_gather_single(out, inp, group=self.group)
@@ -290,6 +295,9 @@ class TorchCollectives:
                 out.copy_(inp)
             return _result(_Work([]), async_op)
         if self.rs_algorithm == "native":
+            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
+                works = [self.reduce_scatter_into(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
+                return _result(_Work(works), async_op)
             avg = op == "mean" and "nccl" in self.backend
             torch_op = dist.ReduceOp.AVG if avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
             with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:

@@ -83,7 +83,7 @@ from ragged._pytree import flatten_with_keystr, pytree
 from ragged.fsdp._state import TrainState
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.optim import apply_updates
-from ragged.transforms import reduce_scatter_wait
+from ragged.transforms import all_gather_flat, reduce_scatter_wait
 from ragged.transforms._check import check_plans
 from ragged.transforms._reduce_scatter import _reduce_scatter_start, all_reduce_leaves
 
@@ -231,7 +231,7 @@ class _Run:
         data = self.shards[self.units[i].name].data
         src = data if data.dtype == self.dtype[i] else data.to(self.dtype[i])
         self.sources[i] = src
-        self.handles[i] = self.comm.all_gather_into(flat, src, async_op=True)
+        self.handles[i] = all_gather_flat(self.units[i].plan, flat, src, self.comm, async_op=True)
         self.state[i] = _PENDING
         self.num_gathers += 1
         self.live_bytes += self.nbytes[i]

@@ -387,3 +387,44 @@ def make_plan(
             _PLAN_MEMO.pop(next(iter(_PLAN_MEMO)))
         _PLAN_MEMO[memo_key] = plan
     return plan
+
+
+def with_buffers(plan: LayoutPlan, groups: Sequence[Sequence[str]] | None = None) -> LayoutPlan:
+    """``plan``'s leaves laid out in the given buffers (one per group of key paths, in order;
+    inside a buffer, the leaves keep ``plan``'s order and take the exact least S for it).
+
+    For tests of code that consumes plans: a multi-buffer plan whatever the padding says
+    (``make_plan`` only splits when that pads less). Default ``groups``: one buffer per granule.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged.spec._planning import with_buffers
+        >>> plan = rg.make_plan({"a": torch.empty(4, 2), "b": torch.empty(3, 3)}, world_size=2, align=1)
+        >>> with_buffers(plan).buffers
+        ((0, 4), (8, 6))
+    """
+    by_path = {leaf.path: leaf for leaf in plan.leaves}
+    if groups is None:
+        by_granule: dict[int, list[str]] = {}
+        for leaf in plan.leaves:
+            by_granule.setdefault(leaf.granule, []).append(leaf.path)
+        groups = list(by_granule.values())
+    listed = [p for g in groups for p in g]
+    if sorted(listed) != sorted(by_path) or any(not g for g in groups):
+        raise RaggedValueError(
+            f"with_buffers: groups must be non-empty and list every sharded leaf exactly once; got {groups}, "
+            f"leaves are {list(by_path)}."
+        )
+    position = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
+    leaves, buffers, start, m, align = [], [], 0, plan.world_size, plan.align
+    for group in groups:
+        members = sorted(group, key=position.get)
+        sizes = tuple(by_path[p].numel for p in members)
+        granules = tuple(by_path[p].granule for p in members)
+        S = _search.min_shard_size(sizes, granules, align, m)
+        for p, off in zip(members, _search.place(sizes, granules, align, S)):
+            leaves.append(by_path[p].replace(offset=start + off))
+        buffers.append((start, S))
+        start += m * S
+    return plan.replace(leaves=tuple(leaves), shard_size=sum(s for _, s in buffers), buffers=tuple(buffers),
+                        split_blocks=0)

@@ -44,7 +44,8 @@ def _ce(logits, targets):
 class RaggedMethod:
     name = "ragged"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False):
+    def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
+                 max_buffers=1):
         import ragged as rg
         from ragged import fsdp
         from ragged.examples.gpt import GPT, loss_fn
@@ -53,7 +54,7 @@ class RaggedMethod:
 
         compute, reduce = dtypes(policy)
         model = _model(cfg, seed, device)
-        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
+        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
             lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=donate)
 

@@ -115,6 +115,8 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
                    help="rows:N | elements:N | blocks:RxC (default rows:1)")
     p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp")
+    p.add_argument("--max-buffers", type=_max_buffers, default="auto", metavar="K|auto",
+                   help="buffers per unit: auto (default; up to 8, see README Planning) or an int (1: one buffer)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype (default bf16)")
     p.add_argument("--align", type=int, default=None, help="offset alignment in elements (default 16 bytes)")
     p.add_argument("--layers-per-unit", type=int, default=1, help="decoder layers per FSDP unit (default 1)")
@@ -148,21 +150,35 @@ def _world_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B).") from None
 
 
+def _max_buffers(text: str):
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+        if k >= 1:
+            return k
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"max buffers {text!r} must be 'auto' or a positive int.")
+
+
 def _lower_bound(plan) -> int:
     lo = -(-plan.numel // plan.world_size)
     return -(-lo // plan.align) * plan.align
 
 
-def forcing_leaves(plan):
-    """Leaves too long to cross only one rank boundary at the ideal shard size
-    ``ceil(numel / m)``: each forces S to a multiple of its granule (see ``_search`` note).
+def forcing_leaves(plan, leaves=None):
+    """Leaves (of ``leaves``, default all: one buffer) too long to cross only one rank boundary
+    at their buffer's ideal shard size ``ceil(numel / m)``: each forces S to a multiple of its
+    granule (see ``_search`` note).
 
     Returns:
         ``(leaves, step)``: the forcing leaves and the lcm of ``align`` and their granules.
     """
-    S = max(_lower_bound(plan), 1)
+    leaves = plan.leaves if leaves is None else leaves
+    S = max(-(-(-(-sum(l.numel for l in leaves) // plan.world_size)) // plan.align) * plan.align, 1)
     forced, step = [], plan.align
-    for leaf in plan.leaves:
+    for leaf in leaves:
         L = math.lcm(leaf.granule, plan.align)
         if leaf.numel > leaf.granule and leaf.numel > S + (S // L) * L:
             forced.append(leaf)
@@ -174,7 +190,8 @@ def _merged(params, k: int):
     return {f"layer{i}": params for i in range(k)}
 
 
-def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated: int, threshold: float):
+def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated: int, threshold: float,
+                    max_buffers=1):
     """Why a unit's padding is large and what would fix it, with numbers.
 
     Args:
@@ -187,10 +204,21 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
     from ragged.spec import Rows, make_plan
 
     m = plan.world_size
-    forced, step = forcing_leaves(plan)
     lines = []
+    if plan.num_buffers > 1:
+        for b, (_, size) in enumerate(plan.buffers):
+            members = [l for l in plan.leaves if plan.buffer_index(l.offset) == b]
+            forced, step = forcing_leaves(plan, members)
+            lines.append(f"buffer {b} ({len(members)} leaves, S_b={size}): "
+                         + (f"{len(forced)} leaves longer than 2*S_b force S_b to a multiple of {step}" if forced
+                            else "no leaf forces S_b"))
+        forced = ()
+    else:
+        forced, step = forcing_leaves(plan)
     ideal = _lower_bound(plan)
-    if forced:
+    if plan.num_buffers > 1:
+        pass  # one line per buffer above
+    elif forced:
         shown = sorted(forced, key=lambda l: (-l.granule, l.path))[:4]
         listing = ", ".join(f"{l.path} {l.shape} granule {l.granule}" for l in shown)
         more = f", +{len(forced) - len(shown)} more" if len(forced) > len(shown) else ""
@@ -211,7 +239,7 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
     # Smaller shard groups (HSDP: m = replicas x shard group), halving until under threshold.
     hsdp, d = [], 2
     while m % d == 0 and m // d >= 1:
-        p2 = make_plan(unit.params, specs, world_size=m // d, strategy=strategy, align=align)
+        p2 = make_plan(unit.params, specs, world_size=m // d, strategy=strategy, align=align, max_buffers=max_buffers)
         hsdp.append(f"{m // d} ({d} replicas): {p2.overhead:.2%}")
         if p2.overhead * 100 <= threshold:
             break
@@ -222,13 +250,13 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
         per_unit = []
         for k in (k for k in (2, 4, 8, 16) if k <= repeated):
             p3 = make_plan(_merged(unit.params, k), _merged(specs, k) if not _is_leaf_spec(specs) else specs,
-                           world_size=m, strategy=strategy, align=align)
+                           world_size=m, strategy=strategy, align=align, max_buffers=max_buffers)
             per_unit.append(f"{k}: {p3.overhead:.2%}")
             if p3.overhead * 100 <= threshold:
                 break
         fixes.append(f"layers per unit at m={m} " + ", ".join(per_unit))
     if isinstance(granularity, Rows) and granularity.n > 1:
-        p4 = make_plan(unit.params, Rows(1), world_size=m, strategy=strategy, align=align)
+        p4 = make_plan(unit.params, Rows(1), world_size=m, strategy=strategy, align=align, max_buffers=max_buffers)
         fixes.append(f"granularity rows:1 at m={m}: {p4.overhead:.2%}")
     return lines, fixes
 
@@ -266,7 +294,7 @@ def run_plan(args) -> int:
     console.print(
         f"[bold]{source}[/]: {len(units)} FSDP units ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}), "
         f"{sum(unit_numel(u) for u in units) / 1e9:.2f}B parameters, granularity {gtext}, strategy {args.strategy}, "
-        f"dtype {args.dtype}"
+        f"dtype {args.dtype}, max buffers {args.max_buffers}"
     )
     totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
     warnings = []
@@ -275,7 +303,7 @@ def run_plan(args) -> int:
         table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
                             f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
                       header_style="bold", title_justify="left")
-        for col in ("m", "S (ragged)", "ragged", *spec.PEERS, "planner time"):
+        for col in ("m", "S (ragged)", "buffers", "ragged", *spec.PEERS, "planner time"):
             table.add_column(col, justify="right")
         for m in args.world_size:
             t0 = time.perf_counter()
@@ -283,7 +311,8 @@ def run_plan(args) -> int:
             for unit in members:
                 specs, notes = unit_specs(unit.params, args.granularity)
                 all_notes.update(f"{kind}: {n}" for n in notes)
-                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align))
+                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
+                                            max_buffers=1 if args.strategy == "naive" else args.max_buffers))
             elapsed = time.perf_counter() - t0
             peers = spec.peer_padding(members[0].params, m)
             tot = totals[m]
@@ -295,19 +324,20 @@ def run_plan(args) -> int:
             worst = max(plans, key=lambda p: p.overhead)
             style = "bold red" if worst.overhead * 100 > args.warn_above else "green"
             split = f" ({worst.split_blocks} split)" if worst.split_blocks else ""
-            table.add_row(str(m), str(worst.shard_size), f"[{style}]{worst.overhead:.2%}[/]{split}",
+            table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
                           *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
             if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
                 specs, _ = unit_specs(members[0].params, args.granularity)
                 lines, fixes = explain_padding(members[0], worst, specs, granularity=args.granularity,
                                                strategy=args.strategy, align=args.align,
-                                               repeated=len(members), threshold=args.warn_above)
+                                               repeated=len(members), threshold=args.warn_above,
+                                               max_buffers=args.max_buffers)
                 warnings.append((kind, m, worst.overhead, lines, fixes))
         console.print(table)
         if args.visualize:
             specs, _ = unit_specs(members[0].params, args.granularity)
             plan = spec.make_plan(members[0].params, specs, world_size=args.world_size[0], strategy=args.strategy,
-                                  align=args.align)
+                                  align=args.align, max_buffers=1 if args.strategy == "naive" else args.max_buffers)
             console.print(visualize(plan, max_ranks=8))
     summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
     for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):

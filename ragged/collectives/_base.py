@@ -33,7 +33,7 @@ REDUCE_OPS = ("sum", "mean", "max")
 # backend; absent means "every_call", the safe choice): see [Note: plan check before collectives] in ragged/transforms/_check.py
 PLAN_CHECKS = ("every_call", "first_use")
 
-__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op"]
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op", "check_coalesced"]
 
 
 @runtime_checkable
@@ -54,6 +54,18 @@ def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise RaggedValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
     return op
+
+
+def check_coalesced(outputs, inputs, world_size: int, where: str, *, gather: bool) -> None:
+    """Sizes of a coalesced op's (output, input) pairs: ``world_size`` times the input (all-gather)
+    or the output (reduce-scatter)."""
+    for out, inp in zip(outputs, inputs, strict=True):
+        big, small, name = (out, inp, "output") if gather else (inp, out, "input")
+        if big.numel() != world_size * small.numel():
+            raise RaggedValueError(
+                f"{where}: an {name} has {big.numel()} elements, needs world_size * {small.numel()} = "
+                f"{world_size * small.numel()}."
+            )
 
 
 @runtime_checkable

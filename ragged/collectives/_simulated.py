@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ragged._errors import RaggedError, RaggedValueError
-from ragged.collectives._base import DoneHandle, check_op
+from ragged.collectives._base import DoneHandle, check_coalesced, check_op
 
 __all__ = ["SimulatedCollectives", "simulate"]
 
@@ -118,12 +118,7 @@ class SimulatedCollectives:
 
     def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
         m = self.world_size
-        for out, inp in zip(outputs, inputs, strict=True):
-            if out.numel() != m * inp.numel():
-                raise RaggedValueError(
-                    f"all_gather_into_coalesced: an output has {out.numel()} elements, needs world_size * "
-                    f"{inp.numel()} = {m * inp.numel()}."
-                )
+        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
         values = self._shard.exchange(self._rank, "all_gather_coalesced", [_plain(i).clone() for i in inputs])
         with torch.no_grad():
             for b, (out, inp) in enumerate(zip(outputs, inputs)):
@@ -135,12 +130,7 @@ class SimulatedCollectives:
     def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
         check_op(op)
         m = self.world_size
-        for out, inp in zip(outputs, inputs, strict=True):
-            if inp.numel() != m * out.numel():
-                raise RaggedValueError(
-                    f"reduce_scatter_into_coalesced: an input has {inp.numel()} elements, needs world_size * "
-                    f"{out.numel()} = {m * out.numel()}."
-                )
+        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
         values = self._shard.exchange(self._rank, f"reduce_scatter_coalesced_{op}", [_plain(i).clone() for i in inputs])
         with torch.no_grad():
             for b, out in enumerate(outputs):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import PLAN_CHECKS, check_op
+from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op
 from ragged._errors import RaggedValueError
 
 __all__ = ["TorchCollectives", "from_torch"]
@@ -248,12 +248,7 @@ class TorchCollectives:
     # ---- several buffers in one launch (see [Note: coalesced collectives of several buffers]) ----
     def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
         m = self._world
-        for out, inp in zip(outputs, inputs, strict=True):
-            if out.numel() != m * inp.numel():
-                raise RaggedValueError(
-                    f"all_gather_into_coalesced: an output has {out.numel()} elements, needs world_size * "
-                    f"{inp.numel()} = {m * inp.numel()}."
-                )
+        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
         if m == 1:
             for out, inp in zip(outputs, inputs):
                 out.copy_(inp)
@@ -284,12 +279,7 @@ class TorchCollectives:
     def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
         check_op(op)
         m = self._world
-        for out, inp in zip(outputs, inputs, strict=True):
-            if inp.numel() != m * out.numel():
-                raise RaggedValueError(
-                    f"reduce_scatter_into_coalesced: an input has {inp.numel()} elements, needs world_size * "
-                    f"{out.numel()} = {m * out.numel()}."
-                )
+        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
         if m == 1:
             for out, inp in zip(outputs, inputs):
                 out.copy_(inp)

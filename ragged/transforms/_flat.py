@@ -82,14 +82,7 @@ def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, co
         [[0.0, 1.0], [0.0, 1.0]]
     """
     _check(plan, out, local, comm, "all_gather_flat")
-    if len(plan.buffers) == 1:
-        return comm.all_gather_into(out, local, async_op=async_op)
-    pairs = buffer_views(plan, out, local)
-    coalesced = getattr(comm, "all_gather_into_coalesced", None)
-    if coalesced is not None:
-        return coalesced([o for o, _ in pairs], [i for _, i in pairs], async_op=async_op)
-    handles = [comm.all_gather_into(o, i, async_op=async_op) for o, i in pairs]
-    return _Handles(handles) if async_op else None
+    return _launch(plan, comm, "all_gather_into", [(o, i) for o, i in buffer_views(plan, out, local)], async_op)
 
 
 def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *, op: str = "sum",
@@ -111,11 +104,18 @@ def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor,
         [True, True]
     """
     _check(plan, flat, out, comm, "reduce_scatter_flat")
+    return _launch(plan, comm, "reduce_scatter_into", [(o, i) for i, o in buffer_views(plan, flat, out)], async_op,
+                   op=op)
+
+
+def _launch(plan, comm, name: str, pairs, async_op: bool, **kw):
+    """``comm.<name>(output, input)`` for one buffer; ``comm.<name>_coalesced`` for several, or
+    one ``comm.<name>`` per buffer when the comm has no coalesced op."""
     if len(plan.buffers) == 1:
-        return comm.reduce_scatter_into(out, flat, op=op, async_op=async_op)
-    pairs = buffer_views(plan, flat, out)
-    coalesced = getattr(comm, "reduce_scatter_into_coalesced", None)
+        (out, inp), = pairs
+        return getattr(comm, name)(out, inp, async_op=async_op, **kw)
+    coalesced = getattr(comm, name + "_coalesced", None)
     if coalesced is not None:
-        return coalesced([o for _, o in pairs], [i for i, _ in pairs], op=op, async_op=async_op)
-    handles = [comm.reduce_scatter_into(o, i, op=op, async_op=async_op) for i, o in pairs]
+        return coalesced([o for o, _ in pairs], [i for _, i in pairs], async_op=async_op, **kw)
+    handles = [getattr(comm, name)(o, i, async_op=async_op, **kw) for o, i in pairs]
     return _Handles(handles) if async_op else None

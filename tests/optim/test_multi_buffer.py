@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import ragged as rg
-from ragged import spec
 from tests.optim import _muon_cases
-from tests.optim._engine_cases import CASES, SPECS, _params, _rank_grads, _reference
+from tests.optim._engine_cases import CASES, SPECS, _adamw8_state, _ours, _params, _reference
 
-STEPS = 4
 
 
 def _split(plan, how):
@@ -26,16 +24,13 @@ def _split(plan, how):
 
 
 def _train(comm, make_opt, how):
-    params = _params()
-    plan = _split(rg.make_plan(params, SPECS, world_size=comm.world_size), how)
-    local = rg.shard(plan, params, comm)
-    opt = make_opt(comm)
-    state = opt.init(local)
-    for step in range(STEPS):
-        g = rg.reduce_scatter(plan, _rank_grads(step, comm.rank), comm, op="mean")
-        updates, state = opt.update(g, state, local)
-        local = rg.apply_updates(local, updates)
-    return rg.gather(local, comm), plan.num_buffers
+    plans = []
+
+    def split(plan):
+        plans.append(_split(plan, how))
+        return plans[-1]
+
+    return _ours(comm, make_opt, split), plans[0].num_buffers
 
 
 MORE = {
@@ -64,23 +59,13 @@ def test_optimizer_on_multi_buffer_plan(name, world_size, how):
 
 
 def _adamw8(comm, how):
-    g = torch.Generator().manual_seed(3)
-    params = {"w": torch.randn(96, 80, generator=g), "e": torch.randn(2, 64, 40, generator=g),
-              "v": torch.randn(6000, generator=g)}
-    specs = {"w": spec.Blocks(32, 32), "e": spec.Blocks(32, 16), "v": spec.Elements(256)}
-    plan = _split(rg.make_plan(params, specs, world_size=comm.world_size), how)
-    local = rg.shard(plan, params, comm)
-    opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)
-    state = opt.init(local)
-    for step in range(3):
-        gr = torch.Generator().manual_seed(100 + step)
-        grads = rg.pytree.map(lambda p: torch.randn(p.shape, generator=gr), params)
-        if comm.rank:  # rank 0 contributes the gradient, the others zeros: the sum is exact
-            grads = rg.pytree.map(torch.zeros_like, grads)
-        updates, state = opt.update(rg.reduce_scatter(plan, grads, comm, op="sum"), state, local)
-        local = rg.apply_updates(local, updates)
-    per_leaf = rg.optim.adam8bit_leaf_state(state[0].moments, local, min_size=1000)
-    return per_leaf, rg.gather(local, comm), plan.num_buffers
+    plans = []
+
+    def split(plan):
+        plans.append(_split(plan, how))
+        return plans[-1]
+
+    return (*_adamw8_state(comm, split), plans[0].num_buffers)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

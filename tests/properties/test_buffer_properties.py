@@ -6,7 +6,6 @@ force on tiny instances; soundness of the search's order-free filters.
 """
 
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -18,52 +17,9 @@ import ragged as rg
 from ragged import spec
 from ragged.spec import _search
 from ragged.testing import strategies as rst
-from tests.properties._cases import brute_feasible, brute_min_shard_size
+from tests.properties._cases import brute_feasible, brute_min_shard_size, check_invariants
 
 BUFFER_COUNTS = st.sampled_from([1, 2, 3, "auto"])
-
-
-def check_buffer_invariants(plan, params):
-    """Every invariant of the contract, per buffer; asserts."""
-    m, S = plan.world_size, plan.shard_size
-    assert plan.buffer_numel == m * S and S == sum(s for _, s in plan.buffers) >= 1
-    pos = 0
-    for offset, size in plan.buffers:  # buffers tile the global buffer in order
-        assert offset == pos and size >= 1 and size % plan.align == 0
-        pos += m * size
-    leaves = list(plan.leaves)
-    assert [l.offset for l in leaves] == sorted(l.offset for l in leaves)
-    for a, b in zip(leaves, leaves[1:]):
-        assert a.stop <= b.offset
-    for leaf in leaves:
-        b = plan.buffer_index(leaf.offset)
-        offset, size = plan.buffers[b]
-        assert offset <= leaf.offset and leaf.stop <= offset + m * size, "a leaf lies inside one buffer"
-        assert leaf.offset % plan.align == 0 and leaf.numel == math.prod(leaf.shape)
-        for k in range(1, m):  # no granule crosses a rank boundary of its buffer
-            cut = offset + k * size
-            if leaf.offset < cut < leaf.stop:
-                assert (cut - leaf.offset) % leaf.granule == 0, (leaf.path, k)
-    covered = {leaf.path: 0 for leaf in leaves}
-    for r in range(m):
-        ranges = plan.shard_ranges(r)
-        assert [x.local_offset for x in ranges] == [sum(s for _, s in plan.buffers[:b]) for b in range(len(ranges))]
-        pieces = plan.local_pieces(r)
-        assert sum(p.numel for p in pieces) <= S
-        for p in pieces:
-            assert 0 <= p.local_offset and p.local_offset + p.numel <= S
-            assert p.start == covered[p.leaf.path]
-            covered[p.leaf.path] = p.stop
-            assert plan.locate(p.leaf.offset + p.start) == (r, p.local_offset)
-            assert plan.global_position(r, p.local_offset) == p.leaf.offset + p.start
-    assert covered == {leaf.path: leaf.numel for leaf in leaves}
-    assert plan.occupancy() == tuple(sum(p.numel for p in plan.local_pieces(r)) for r in range(m))
-    positions = torch.arange(plan.buffer_numel)
-    ranks, local = plan.locate(positions)
-    assert torch.equal(plan.global_position(0, local[ranks == 0]), positions[ranks == 0])
-    assert torch.equal(torch.bincount(ranks, minlength=m), torch.full((m,), S))
-    paths = [leaf.path for leaf in plan.leaves + plan.replicated]
-    assert len(paths) == len(set(paths)) == len(rg.pytree.leaves(params))
 
 
 def baselines(params, specs, m, max_buffers, **options):
@@ -98,7 +54,7 @@ _flat_trees = rst.param_trees(max_leaves=7, nested=False)
 def test_every_multi_buffer_plan_keeps_the_invariants(inputs, max_buffers, strategy, align):
     params, specs, m = inputs
     plan = rg.make_plan(params, specs, world_size=m, strategy=strategy, align=align, max_buffers=max_buffers)
-    check_buffer_invariants(plan, params)
+    check_invariants(plan, params, single=False)
     assert plan.num_buffers <= (8 if max_buffers == "auto" else max_buffers)
     if max_buffers == 1:
         assert plan == rg.make_plan(params, specs, world_size=m, strategy=strategy, align=align)
@@ -168,7 +124,7 @@ def test_exact_buffers_equal_brute_force_and_partition_bounds(instance):
         for part in _partitions(list(range(len(sizes))), K)
     )
     assert plan.shard_size >= best
-    check_buffer_invariants(plan, params)
+    check_invariants(plan, params, single=False)
 
 
 experts = st.tuples(

@@ -254,7 +254,7 @@ def markdown(rows, world_sizes) -> str:
     for r in rows:
         out.append(f"| {r['model']} | {r['granularity']} | {r['m']} | {r['one']:.2%} | {r['granule']:.2%} | "
                    f"{r['auto']:.2%} | {r['buffers_max']} / {r['buffers_total']} | {r['fsdp2']:.2%} | "
-                   f"{r['megatron_fsdp']:.2%} |")
+                   f"{r['megatron']:.2%} |")
     out.append("")
     out.append("| layer kind | granularity | " + " | ".join(f"m={m}" for m in world_sizes) + " |")
     out.append("|---|---|" + "---|" * len(world_sizes))

@@ -85,6 +85,12 @@ def sweep(models, granularities, world_sizes, strategies):
                     cell[f"{strategy}_time"] = seconds
                     if strategy == "naive":
                         cell["naive_split"] = sum(p.split_blocks for p in plans)
+                    if strategy in ("dp", "auto"):
+                        worst = {}
+                        for u, p in zip(units, plans):
+                            if u.kind not in ("embed", "head"):
+                                worst[u.kind] = max(worst.get(u.kind, 0.0), p.overhead)
+                        cell[f"{strategy}_worst_layer"] = worst
                     if strategy == "dp":
                         bound_pad, at_bound = 0, 0
                         for p in plans:
@@ -96,11 +102,6 @@ def sweep(models, granularities, world_sizes, strategies):
                             at_bound += p.shard_size == lb
                         cell["bound"] = bound_pad / numel
                         cell["dp_at_bound"] = (at_bound, len(plans))
-                        worst = {}
-                        for u, p in zip(units, plans):
-                            if u.kind not in ("embed", "head"):
-                                worst[u.kind] = max(worst.get(u.kind, 0.0), p.overhead)
-                        cell["dp_worst_layer"] = worst
                 if m not in peer_cache:
                     tot = dict.fromkeys(spec.PEERS, 0)
                     for u in units:
@@ -171,21 +172,21 @@ def main(argv=None) -> int:
         console.print(table)
 
     # ---- Figure 11: worst layer of each kind, dp ------------------------------------------
-    if "dp" in args.strategies:
-        fig = Table(title="worst layer padding by layer kind (dp), the paper's Figure 11 view",
+    for strategy in (s for s in ("dp", "auto") if s in args.strategies):
+        fig = Table(title=f"worst layer padding by layer kind ({strategy}), the paper's Figure 11 view",
                     header_style="bold", title_justify="left")
         fig.add_column("model / kind")
         fig.add_column("granularity")
         for m in args.world_sizes:
             fig.add_column(str(m), justify="right")
         for model in args.models:
-            kinds = sorted({k for c in cells if c["model"] == model for k in c["dp_worst_layer"]})
+            kinds = sorted({k for c in cells if c["model"] == model for k in c[f"{strategy}_worst_layer"]})
             for kind in kinds:
                 for gtext in args.granularities:
                     row = []
                     for m in args.world_sizes:
                         c = next(c for c in cells if c["model"] == model and c["granularity"] == gtext and c["m"] == m)
-                        v = c["dp_worst_layer"][kind]
+                        v = c[f"{strategy}_worst_layer"][kind]
                         row.append(f"[{'red' if v > 0.03 else 'green'}]{v:.2%}[/]")
                     fig.add_row(f"{model} / {kind}", gtext, *row)
         console.print(fig)
@@ -226,21 +227,22 @@ def main(argv=None) -> int:
         console.print(f"check: dp reaches the order-free lower bound ('bound' column: no order or planner can do "
                       f"better) on {reached} of {total_units} unit plans; max gap "
                       f"{max((c['dp'] - c['bound']) * 100 for c in cells):.4f} pp of whole-model padding")
+    for strategy in (s for s in ("dp", "auto") if s in args.strategies):
         bad = []
         worst = 0.0
         checked = 0
         for c in cells:
             if c["model"] in ("gpt-oss-120b", "deepseek-v3-671b") and c["granularity"] in ("rows:1", "rows:16") and c["m"] <= 256:
-                for kind, v in c["dp_worst_layer"].items():
+                for kind, v in c[f"{strategy}_worst_layer"].items():
                     checked += 1
                     worst = max(worst, v)
                     if v >= 0.03:
                         bad.append(f"{c['model']}/{kind} {c['granularity']} m={c['m']}: {v:.2%}")
         if not checked:
-            console.print("check: GPT-OSS / DeepSeek layers, rows:1 and rows:16, m <= 256: n/a (no such cell in this sweep)")
+            console.print(f"check: GPT-OSS / DeepSeek layers ({strategy}), rows:1 and rows:16, m <= 256: n/a (no such cell)")
         else:
-            console.print(f"check: GPT-OSS / DeepSeek layers, rows:1 and rows:16, m <= 256: worst {worst:.2%} over "
-                          f"{checked} (kind, cell) pairs " + ("[green]PASS[/]" if not bad else f"[red]{len(bad)} >= 3%[/]"))
+            console.print(f"check: GPT-OSS / DeepSeek layers ({strategy}), rows:1 and rows:16, m <= 256: worst {worst:.2%} "
+                          f"over {checked} (kind, cell) pairs " + ("[green]PASS[/]" if not bad else f"[red]{len(bad)} >= 3%[/]"))
         for line in bad:
             console.print(f"  {line}")
     if args.json:

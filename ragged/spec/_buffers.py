@@ -64,9 +64,9 @@ LAUNCH_COST_BYTES = 1 << 20
 #: candidate shard sizes (a deterministic budget, so plans never depend on the machine).
 _MAX_ATOMS = 32
 _MAX_ROUNDS = 64
-_SEARCH_WORK = 1 << 16
+_SEARCH_WORK = 1 << 14
 
-Solve = Callable[[tuple[int, ...], tuple[int, ...], int, int], "int | None"]
+Solve = Callable[[tuple[int, ...], tuple[int, ...], int, int, int], "int | None"]
 Place = Callable[[tuple[int, ...], tuple[int, ...], int], tuple[int, ...]]
 
 
@@ -161,8 +161,15 @@ class _Groups:
         for k in range(64):
             # rounds of 1, 8, 64, ... candidates above lb; an order only needs to beat the best so far
             top = lb + (self.align << (3 * k) if k else 0)
-            if limit is not None:
+            spent = False
+            if limit is not None:  # a search solve: within the limit and what is left of the work budget
                 top = min(top, limit)
+                left = (_SEARCH_WORK - self.work) // len(runs)
+                if left <= 0:
+                    return None
+                reach = min(run[3] for run in runs) + (left - 1) * self.align
+                if reach < top:
+                    top, spent = reach, True
             best = None
             for run in runs:
                 sub, sizes, granules, start = run
@@ -170,7 +177,7 @@ class _Groups:
                 if start <= cap:
                     if limit is not None:
                         self.work += (cap - start) // self.align + 1
-                    S = self.solve(sizes, granules, start, cap)
+                    S = self.solve(sizes, granules, start, cap, 8 if start == lb else 0)
                     if S is not None:
                         best = (S, sub, sizes, granules)
                     run[3] = max(start, cap + self.align)
@@ -180,7 +187,7 @@ class _Groups:
                 del self.resume[group]
                 return hit
             self.lower[group] = top + self.align
-            if limit is not None and top >= limit:
+            if limit is not None and (top >= limit or spent):
                 return None
         raise AssertionError("unreachable: the upper bound is feasible")  # pragma: no cover
 
@@ -256,9 +263,10 @@ def partition(
         itemsize: bytes per element of the buffer dtype (the cost model counts bytes).
         orders: candidate leaf orders (sequences of all item indices); each buffer takes the
             best of them restricted to its leaves.
-        solve: ``solve(sizes, granules, start, limit) -> S`` for one buffer in one order: the
-            least feasible ``S`` in ``[start, limit]`` (``None`` if none; smaller S are known
-            infeasible).
+        solve: ``solve(sizes, granules, start, limit, scalar) -> S`` for one buffer in one
+            order: the least feasible ``S`` in ``[start, limit]`` (``None`` if none; smaller S are
+            known infeasible; ``scalar``: candidates to try one by one first, see
+            ``_search.min_shard_size``).
         place: ``place(sizes, granules, S) -> offsets`` of that order at a feasible ``S``.
     """
     items = [(int(e), int(g)) for e, g in items]

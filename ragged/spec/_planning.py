@@ -154,10 +154,10 @@ def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_
 
 @functools.lru_cache(maxsize=16384)
 def _solve_range(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, start: int,
-                 limit: int) -> int | None:
+                 limit: int, scalar: int = 8) -> int | None:
     """The least feasible S in ``[start, limit]`` for this order (smaller S known infeasible),
     or ``None``; the multi-buffer search's solve (cached like :func:`_solve`)."""
-    return _search.min_shard_size(sizes, granules, align, world_size, limit=limit, start=start)
+    return _search.min_shard_size(sizes, granules, align, world_size, limit=limit, start=start, scalar=scalar)
 
 
 _BUILTIN_NODES = (dict, list, tuple, type(None))
@@ -337,8 +337,8 @@ def make_plan(
             best = (align_elems, (), 0, [])
         S, offsets, split, chosen = best
     else:
-        def solve(sizes, granules, start, limit):
-            return _solve_range(sizes, granules, align_elems, world_size, start, limit)
+        def solve(sizes, granules, start, limit, scalar=8):
+            return _solve_range(sizes, granules, align_elems, world_size, start, limit, scalar)
 
         parts = _buffers.partition(
             [(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align_elems, max_buffers=max_buffers,

@@ -368,7 +368,7 @@ class OrderFree:
 
 
 def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int | None = None,
-                   start: int | None = None) -> int | None:
+                   start: int | None = None, scalar: int = 8) -> int | None:
     """The smallest S (multiple of ``align``) for which the order has a valid placement.
 
     Candidates ascend from the lower bound ``max(ceil(total / m), largest uncuttable
@@ -381,6 +381,9 @@ def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int |
             feasible (used to try further orders against the best S so far).
         start: when given, look only at ``S >= start`` (the caller knows smaller S are
             infeasible for this order, e.g. from an earlier call with ``limit=start - align``).
+        scalar: how many candidates to try one by one in plain Python before vectorising
+            (fast when one of the first is feasible; a resumed scan, whose first candidates
+            are unlikely to be, passes 0).
     """
     sizes, granules = tuple(int(e) for e in sizes), tuple(int(g) for g in granules)
     sizes_l, granules_l, total, atomic, prefix, suffix, kinds, hi = _prepared(sizes, granules, align, world_size)
@@ -392,7 +395,7 @@ def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int |
         if hi < lo:
             return None
     check = OrderFree(kinds, align, world_size, lo)
-    scalar_left = 8
+    scalar_left = scalar
     for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
         for S in check.candidates(a, b, step):
             # The first few candidates one by one in plain Python (usually one of them is feasible).

@@ -43,6 +43,8 @@ def storage_bytes(tensors) -> int:
         local = getattr(t, "_local_tensor", None)
         if local is not None:
             t = local
+        if t.is_meta:  # no memory (e.g. rg.fsdp placeholders); meta storages all report data_ptr 0
+            continue
         s = t.untyped_storage()
         key = s.data_ptr()
         if key in seen or s.nbytes() == 0:

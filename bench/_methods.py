@@ -7,6 +7,10 @@
   (the compute floor: what a step costs with nothing sharded).
 
 All three start from the same weights (``torch.manual_seed(seed)`` before building the model).
+The model is ``ragged.examples.gpt``'s GPT for a ``GPTConfig``, or a Hugging Face causal LM
+(``ragged.examples.hf``) for a ``transformers`` config. ragged trains the module itself after
+``fsdp.init`` released its weights (placeholders, see ``ragged/fsdp/_placeholder.py``), as a
+user would; ``keep_module=True`` keeps them (``release_module=False``) to show what that costs.
 """
 
 from __future__ import annotations
@@ -27,12 +31,47 @@ def dtypes(policy: str):
     raise ValueError(f"unknown dtype policy {policy!r}; use 'fp32' or 'bf16'.")
 
 
+def _is_hf(cfg) -> bool:
+    from ragged.examples.gpt import GPTConfig
+
+    return not isinstance(cfg, GPTConfig)
+
+
 def _model(cfg, seed, device):
+    torch.manual_seed(seed)
+    if _is_hf(cfg):
+        from ragged.examples import hf
+
+        return hf.build(cfg, device="cpu").to(device)
     from ragged.examples.gpt import GPT
 
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    return model.to(device)
+    return GPT(cfg).to(device)
+
+
+def _blocks(cfg, model):
+    """The modules FSDP2 wraps one by one (ragged's default units are the same)."""
+    if _is_hf(cfg):
+        from ragged.examples import hf
+
+        return hf.blocks(model)
+    return model.blocks
+
+
+def _logits(model, inputs):
+    out = model(inputs, use_cache=False) if hasattr(model, "config") else model(inputs)
+    return getattr(out, "logits", out)
+
+
+def _ragged_loss(cfg, model, checkpoint):
+    if _is_hf(cfg):
+        from ragged.examples import hf
+
+        if checkpoint:
+            raise ValueError("--activation-checkpointing is not wired for the HF models")
+        return hf.loss_fn(model)
+    from ragged.examples.gpt import loss_fn
+
+    return loss_fn(model, checkpoint=checkpoint)
 
 
 def _ce(logits, targets):
@@ -45,10 +84,9 @@ class RaggedMethod:
     name = "ragged"
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
-                 max_buffers=1):
+                 keep_module=False, max_buffers=1):
         import ragged as rg
         from ragged import fsdp
-        from ragged.examples.gpt import GPT, loss_fn
         from ragged.optim import GradientTransformation
         from torch.profiler import record_function
 
@@ -63,11 +101,12 @@ class RaggedMethod:
                 return opt.update(grads, state, params)
 
         self.optimizer = GradientTransformation(opt.init, update)
-        self.state = fsdp.init(self.units, model, self.optimizer, comm)
-        del model
-        template = GPT(cfg, device="meta")  # functional_call supplies every parameter
-        self.step_fn = fsdp.make_step(self.units, loss_fn(template, checkpoint=checkpoint), self.optimizer, comm, compute_dtype=compute,
-                                      reduce_dtype=reduce, donate=donate)  # shards updated in place (the bench owns them)
+        # the module's weights are released (placeholders) unless keep_module: functional_call supplies them
+        self.state = fsdp.init(self.units, model, self.optimizer, comm, release_module=not keep_module)
+        self.model = model
+        self.step_fn = fsdp.make_step(self.units, _ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
+                                      compute_dtype=compute, reduce_dtype=reduce,
+                                      donate=donate)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}
 
@@ -78,7 +117,8 @@ class RaggedMethod:
     def state_tensors(self):
         from ragged._pytree import pytree
 
-        return [t for t in pytree.leaves(self.state) if isinstance(t, torch.Tensor)]
+        module = [*self.model.parameters(), *self.model.buffers()]  # placeholders hold no storage
+        return [t for t in pytree.leaves(self.state) if isinstance(t, torch.Tensor)] + module
 
     def optimizer_state_bytes(self):
         from bench._measure import storage_bytes
@@ -113,7 +153,7 @@ class FSDP2Method(_TorchOptimizerState):
         model = _model(cfg, seed, device)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
-        for block in model.blocks:
+        for block in _blocks(cfg, model):
             if checkpoint:  # the composable activation checkpointing FSDP2 documents (applied before fully_shard)
                 from torch.distributed._composable import checkpoint as ac
 
@@ -126,7 +166,7 @@ class FSDP2Method(_TorchOptimizerState):
 
     def step(self, batch):
         inputs, targets = batch
-        loss = _ce(self.model(inputs), targets)
+        loss = _ce(_logits(self.model, inputs), targets)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -152,9 +192,9 @@ class LocalMethod(_TorchOptimizerState):
         inputs, targets = batch
         if self.compute is not None:
             with torch.autocast(inputs.device.type, dtype=self.compute):
-                loss = _ce(self.model(inputs), targets)
+                loss = _ce(_logits(self.model, inputs), targets)
         else:
-            loss = _ce(self.model(inputs), targets)
+            loss = _ce(_logits(self.model, inputs), targets)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

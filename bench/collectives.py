@@ -80,6 +80,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
     comm = rg.collectives.from_torch()  # plan_check="first_use", the default
     comm_every = rg.collectives.from_torch(plan_check="every_call")
     rows = []
+    started = time.perf_counter()
     for h in hiddens:
         f = int(h * 2.75)
         params = block_params(h, f, torch.float32)
@@ -187,6 +188,9 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
                     times[name].append(dt.item())
             for name, ts in times.items():
                 rows.append((m, h, plan.buffer_numel * 4 / 2**20, kind, name, [t * 1e3 for t in ts]))
+            if rank == 0:  # a long run shows it is alive (a log gets a line per collective and size)
+                print(f"progress: W={m} hidden={h} {'all-gather' if kind == 'ag' else 'reduce-scatter'}: "
+                      f"{len(ms)} methods x {iters} iterations done, {time.perf_counter() - started:.0f} s", flush=True)
     # the every-call plan agreement alone (see ragged/transforms/_check.py), after a barrier
     from ragged.transforms._check import ranks_agree
 
@@ -255,6 +259,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = []
     for m in args.world_sizes:
+        print(f"progress: starting {m} gloo ranks (hidden {' '.join(map(str, args.hidden))}, {args.iters} iterations)",
+              flush=True)
         rows += launch(m, _worker, args.hidden, args.iters, args.pairs, backend="gloo", timeout=3600)[0]
     table = Table(title="gloo collectives, one GPT block (fp32), median ms (max over ranks)")
     cols = ("W", "hidden", "MB", "collective", "method", "median ms", "GB/s", "vs fastest raw", "paired ratio",
@@ -278,6 +284,7 @@ def main(argv=None):
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
                       f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{min(ts):.1f}")
     Console(width=200).print(table)
+    print("progress: timing ragged's own per-call cost on a 1-rank group", flush=True)
     over = _overhead(args.hidden)
     t2 = Table(title="ragged wrapper cost per call beyond the collective (7-leaf block, 1-rank gloo group)")
     for col in ("collective", "overhead us/call", "as % of the fastest raw median"):

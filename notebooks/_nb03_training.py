@@ -86,8 +86,10 @@ assert worst < 1e-8
     md("""
 ## Block-wise 8-bit Adam on aligned blocks
 
-`adamw_8bit` stores both Adam moments as int8 with one fp32 scale per block. The blocks are the
-plan's blocks: with `spec.Blocks(8, 8)` every 8x8 tile of a matrix lives on one rank, so each rank
+`adamw_8bit` stores both Adam moments as 8-bit codes (`torch.uint8` indices into a dynamic
+quantization map, signed for the first moment, unsigned for the second) with one fp32 scale per
+block. The blocks are the plan's blocks: with `spec.Blocks(32, 32)` every 32x32 tile of a matrix
+lives on one rank (6144 codes and 6 scales for the 96x64 `attn` below), so each rank
 quantizes its own shard with no communication, and the optimizer state is **the same whatever the
 number of ranks** (a per-local-shard quantizer, as in torchao, changes with the mesh).
 """),

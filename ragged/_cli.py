@@ -6,6 +6,14 @@ receives the subcommand's ``argparse`` parser, adds its options and calls
 ``parser.set_defaults(func=handler)``; ``handler(args) -> int`` is the exit status. Modules
 are imported only when their subcommand runs (or ``--help`` lists it), so a heavy
 subcommand costs nothing to the others.
+
+[Note: bad command-line values]
+Every option is checked before anything runs (no process started, no model built): a
+per-value check is an argparse ``type=`` (:func:`int_at_least`, :func:`float_above`, ...),
+a check across options raises :class:`UsageError` at the top of the handler. Both end as one
+line on stderr, ``python -m ragged train: error: ... (see --help)``, and exit status 2 (the
+argparse convention), never a traceback. ``--help`` shows every default
+(:class:`HelpFormatter`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ import re
 import sys
 import time
 
-__all__ = ["run", "build_parser", "parse_granularity", "unit_specs", "SUBCOMMANDS"]
+from ragged._errors import RaggedValueError
+
+__all__ = ["run", "build_parser", "parse_granularity", "unit_specs", "SUBCOMMANDS", "ArgumentParser",
+           "HelpFormatter", "UsageError", "int_at_least", "float_at_least", "float_above"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan every FSDP unit of a model and compare padding with FSDP2/FSDP1/ZeRO-3/Megatron-FSDP",
@@ -27,13 +38,109 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class UsageError(RaggedValueError):
+    """A command-line value that cannot work (see [Note: bad command-line values])."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` after every option that has a default (not after flags or
+    options whose default is None, whose help says what happens then)."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        if "%(default)" in help_text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return help_text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit status 2 (no usage block).
+
+    Examples:
+        >>> import contextlib, io
+        >>> p = ArgumentParser(prog="demo")
+        >>> _ = p.add_argument("--steps", type=int_at_least(1), default=1)
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     try:
+        ...         p.parse_args(["--steps", "0"])
+        ...     except SystemExit as e:
+        ...         print(e.code)
+        2
+        >>> print(err.getvalue(), end="")
+        demo: error: argument --steps: must be >= 1, got 0 (see demo --help)
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        usage_error(self.prog, message)
+
+
+def usage_error(prog: str, message: str):
+    """Ends the program the argparse way: ``prog: error: message`` on stderr, exit status 2."""
+    sys.stderr.write(f"{prog}: error: {str(message).rstrip('.')} (see {prog} --help)\n")
+    raise SystemExit(2)
+
+
+def int_at_least(low: int):
+    """An argparse ``type``: an int ``>= low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def float_at_least(low: float):
+    """An argparse ``type``: a finite float ``>= low``."""
+
+    def parse(text: str) -> float:
+        value = _float(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def float_above(low: float):
+    """An argparse ``type``: a finite float ``> low``."""
+
+    def parse(text: str) -> float:
+        value = _float(text)
+        if value <= low:
+            raise argparse.ArgumentTypeError(f"must be > {low:g}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ragged", description="ragged: RaggedShard planning and FSDP tools.")
+    parser = ArgumentParser(prog="python -m ragged", description="ragged: RaggedShard planning and FSDP tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (help_text, target) in SUBCOMMANDS.items():
         module, func = target.split(":")
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         getattr(importlib.import_module(module), func)(p)
     return parser
 
@@ -41,11 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        usage_error(f"{parser.prog} {args.command}", err)
 
 
 # ---- granularities -----------------------------------------------------------------------
-_GRAN_RE = re.compile(r"^(rows|elements|blocks):(\d+)(?:x(\d+))?$")
+_GRAN_RE = re.compile(r"^(rows|elements|blocks):(-?\d+)(?:x(-?\d+))?$")
 
 
 def parse_granularity(text: str):
@@ -58,11 +168,15 @@ def parse_granularity(text: str):
     from ragged import spec
 
     m = _GRAN_RE.match(text.strip().lower())
-    if not m or (m.group(1) == "blocks") != (m.group(3) is not None) or int(m.group(2)) < 1:
+    if not m or (m.group(1) == "blocks") != (m.group(3) is not None):
         raise argparse.ArgumentTypeError(
-            f"granularity {text!r} is not one of rows:N, elements:N, blocks:RxC (e.g. rows:16, blocks:128x128)."
+            f"granularity {text!r} is not one of rows:N, elements:N, blocks:RxC (e.g. rows:16, blocks:128x128)"
         )
     kind, a = m.group(1), int(m.group(2))
+    if kind == "blocks" and min(a, int(m.group(3))) < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
+    if a < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
     if kind == "rows":
         return spec.Rows(a)
     if kind == "elements":
@@ -109,25 +223,35 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=MODELS, help="a bundled model")
-    src.add_argument("--shapes", metavar="JSON", help="your own shapes file (format: ragged.models docs)")
+    src.add_argument("--shapes", metavar="JSON", type=_shapes_file, help="your own shapes file (format: ragged.models docs)")
     p.add_argument("--world-size", "-m", type=_world_sizes, nargs="+", required=True, metavar="N",
                    help="shard group size(s) m, e.g. 64 256 1024, or A..B for the powers of two from A to B")
     p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
-                   help="rows:N | elements:N | blocks:RxC (default rows:1)")
-    p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp")
+                   help="rows:N | elements:N | blocks:RxC")
+    p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp", help="planner")
     p.add_argument("--max-buffers", type=_max_buffers, default="auto", metavar="K|auto",
-                   help="buffers per unit: auto (default; up to 8, see README Planning) or an int (1: one buffer)")
-    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype (default bf16)")
-    p.add_argument("--align", type=int, default=None, help="offset alignment in elements (default 16 bytes)")
-    p.add_argument("--layers-per-unit", type=int, default=1, help="decoder layers per FSDP unit (default 1)")
-    p.add_argument("--warn-above", type=float, default=3.0, metavar="PCT",
-                   help="explain units whose padding exceeds this percentage (default 3)")
+                   help="buffers per unit: auto (up to 8, README \"Planning\") or an int (1: one buffer per unit)")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype")
+    p.add_argument("--align", type=int_at_least(1), default=None,
+                   help="offset alignment in elements (default: 16 bytes of --dtype)")
+    p.add_argument("--layers-per-unit", type=int_at_least(1), default=1, help="decoder layers per FSDP unit")
+    p.add_argument("--warn-above", type=float_at_least(0.0), default=3.0, metavar="PCT",
+                   help="explain units whose padding exceeds this percentage")
     p.add_argument("--visualize", action="store_true", help="draw the plan of one unit of each kind")
-    p.add_argument("--width", type=int, default=None, help="console width")
+    p.add_argument("--width", type=int_at_least(40), default=None, help="console width (default: the terminal's)")
     p.set_defaults(func=run_plan)
 
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def _shapes_file(text: str) -> str:
+    """``--shapes``: an existing file (its content is checked by ``ragged.models``)."""
+    import os
+
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a shapes JSON; format in help(ragged.models))")
+    return text
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -147,19 +271,18 @@ def _world_sizes(text: str) -> list[int]:
             raise ValueError
         return [m]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B).") from None
+        raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B)") from None
 
 
 def _max_buffers(text: str):
     if text == "auto":
         return text
     try:
-        k = int(text)
-        if k >= 1:
-            return k
+        if int(text) >= 1:
+            return int(text)
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"max buffers {text!r} must be 'auto' or a positive int.")
+    raise argparse.ArgumentTypeError(f"max buffers {text!r} must be 'auto' or a positive int")
 
 
 def _lower_bound(plan) -> int:
@@ -194,27 +317,28 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
                     max_buffers=1):
     """Why a unit's padding is large and what would fix it, with numbers.
 
+    Every suggestion is planned, not guessed (see [Note: only verified fixes]).
+
     Args:
         repeated: how many identical units of this kind the model has (merging up to that
             many layers per unit is offered as a fix).
+        threshold: padding percentage at or below which a change counts as a fix.
 
     Returns:
-        ``(why_lines, fixes)``.
+        ``(why_lines, fixes, reductions)``: fixes bring the padding to ``threshold`` or below,
+        reductions lower it without getting there; both are ``"change: padding"`` strings.
     """
     from ragged.spec import Rows, make_plan
 
     m = plan.world_size
     lines = []
-    if plan.num_buffers > 1:
-        for b, (_, size) in enumerate(plan.buffers):
-            members = [l for l in plan.leaves if plan.buffer_index(l.offset) == b]
-            forced, step = forcing_leaves(plan, members)
-            lines.append(f"buffer {b} ({len(members)} leaves, S_b={size}): "
-                         + (f"{len(forced)} leaves longer than 2*S_b force S_b to a multiple of {step}" if forced
-                            else "no leaf forces S_b"))
-        forced = ()
-    else:
-        forced, step = forcing_leaves(plan)
+    forced, step = forcing_leaves(plan) if plan.num_buffers == 1 else ((), plan.align)
+    for b, (_, size) in enumerate(plan.buffers if plan.num_buffers > 1 else ()):
+        members = [l for l in plan.leaves if plan.buffer_index(l.offset) == b]
+        in_b, step_b = forcing_leaves(plan, members)
+        lines.append(f"buffer {b} ({len(members)} leaves, S_b={size}): "
+                     + (f"{len(in_b)} leaves longer than 2*S_b force S_b to a multiple of {step_b}" if in_b
+                        else "no leaf forces S_b"))
     ideal = _lower_bound(plan)
     if plan.num_buffers > 1:
         pass  # one line per buffer above
@@ -235,30 +359,48 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
             lines.append("this S is the order-free lower bound: no leaf order and no planner pads less here.")
     else:
         lines.append(f"no leaf forces S (S={plan.shard_size}, ideal {ideal}); large granules relative to S cost the rest.")
-    fixes = []
-    # Smaller shard groups (HSDP: m = replicas x shard group), halving until under threshold.
+
+    def overhead(params, unit_specs, world_size):
+        return make_plan(params, unit_specs, world_size=world_size, strategy=strategy, align=align,
+                         max_buffers=max_buffers).overhead
+
+    # Each family of changes, mildest first: (label, padding) until one reaches the threshold.
+    families = []
     hsdp, d = [], 2
-    while m % d == 0 and m // d >= 1:
-        p2 = make_plan(unit.params, specs, world_size=m // d, strategy=strategy, align=align, max_buffers=max_buffers)
-        hsdp.append(f"{m // d} ({d} replicas): {p2.overhead:.2%}")
-        if p2.overhead * 100 <= threshold:
+    while m % d == 0:  # HSDP: m = replicas x shard group
+        hsdp.append((f"shard group {m // d} ({d} replicas)", overhead(unit.params, specs, m // d)))
+        if hsdp[-1][1] * 100 <= threshold:
             break
         d *= 2
-    if hsdp:
-        fixes.append("shard group " + ", ".join(hsdp[:2] + (["..."] if len(hsdp) > 3 else []) + hsdp[2:][-1:]))
-    if repeated > 1:
-        per_unit = []
-        for k in (k for k in (2, 4, 8, 16) if k <= repeated):
-            p3 = make_plan(_merged(unit.params, k), _merged(specs, k) if not _is_leaf_spec(specs) else specs,
-                           world_size=m, strategy=strategy, align=align, max_buffers=max_buffers)
-            per_unit.append(f"{k}: {p3.overhead:.2%}")
-            if p3.overhead * 100 <= threshold:
-                break
-        fixes.append(f"layers per unit at m={m} " + ", ".join(per_unit))
+    families.append(hsdp)
+    merged = []
+    for k in (k for k in (2, 4, 8, 16) if k <= repeated):
+        merged_specs = specs if _is_leaf_spec(specs) else _merged(specs, k)
+        merged.append((f"{k} layers per unit", overhead(_merged(unit.params, k), merged_specs, m)))
+        if merged[-1][1] * 100 <= threshold:
+            break
+    families.append(merged)
     if isinstance(granularity, Rows) and granularity.n > 1:
-        p4 = make_plan(unit.params, Rows(1), world_size=m, strategy=strategy, align=align, max_buffers=max_buffers)
-        fixes.append(f"granularity rows:1 at m={m}: {p4.overhead:.2%}")
-    return lines, fixes
+        families.append([("granularity rows:1", overhead(unit.params, Rows(1), m))])
+    fixes, reductions = [], []
+    for family in families:
+        fixing = [c for c in family if c[1] * 100 <= threshold]
+        if fixing:
+            fixes.append(f"{fixing[0][0]}: {fixing[0][1]:.2%}")
+        elif family:
+            label, best = min(family, key=lambda c: c[1])
+            if best < _HELPS * plan.overhead:
+                reductions.append(f"{label}: {best:.2%}")
+    return lines, fixes, reductions
+
+
+# [Note: only verified fixes]
+# The CLI suggests a change only after planning the unit with it: "would fix it" lists changes
+# whose padding is at or below --warn-above, "would reduce it" those that cut the padding to
+# less than _HELPS of what it is (the best of each family), and nothing else. A change that
+# plans to the same padding (2 layers per unit when both layers force the same multiple) is
+# not a fix and is not shown.
+_HELPS = 0.9
 
 
 def _is_leaf_spec(specs) -> bool:
@@ -281,9 +423,8 @@ def run_plan(args) -> int:
     source = args.model or args.shapes
     try:
         units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
-    except ValueError as err:
-        console.print(f"[bold red]error:[/] {err}")
-        return 2
+    except ValueError as err:  # a malformed --shapes file (JSON or format)
+        raise UsageError(f"--shapes {source}: {err}") from None
     args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
 
     kinds: dict[str, list] = {}
@@ -328,11 +469,11 @@ def run_plan(args) -> int:
                           *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
             if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
                 specs, _ = unit_specs(members[0].params, args.granularity)
-                lines, fixes = explain_padding(members[0], worst, specs, granularity=args.granularity,
-                                               strategy=args.strategy, align=args.align,
-                                               repeated=len(members), threshold=args.warn_above,
-                                               max_buffers=args.max_buffers)
-                warnings.append((kind, m, worst.overhead, lines, fixes))
+                lines, fixes, reductions = explain_padding(members[0], worst, specs, granularity=args.granularity,
+                                                           strategy=args.strategy, align=args.align,
+                                                           repeated=len(members), threshold=args.warn_above,
+                                                           max_buffers=args.max_buffers)
+                warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
         console.print(table)
         if args.visualize:
             specs, _ = unit_specs(members[0].params, args.granularity)
@@ -351,10 +492,15 @@ def run_plan(args) -> int:
         console.print(f"[dim]note: {note}[/]")
     console.print("[dim]note: fsdp1 and zero3 cut the flat buffer anywhere (rows and blocks split across ranks); "
                   "fsdp2 pads dim 0 of every tensor to a multiple of m; megatron pads to m x lcm(row sizes).[/]")
-    for kind, m, overhead, lines, fixes in warnings:
+    for kind, m, overhead, lines, fixes, reductions in warnings:
         console.print(f"[bold yellow]warning:[/] {kind} at m={m} with {gtext}: padding {overhead:.2%}.")
         for line in lines:
             console.print(f"  why: {line}")
         if fixes:
-            console.print("  would fix it: " + "; ".join(fixes))
+            console.print(f"  would fix it (<= {args.warn_above:g}%): " + "; ".join(fixes))
+        if reductions:
+            console.print("  would reduce it: " + "; ".join(reductions))
+        if not fixes and not reductions:
+            console.print("  no fix found: smaller shard groups, more layers per unit and rows:1 (if coarser) "
+                          "all plan to about the same padding.")
     return 0

@@ -1,9 +1,10 @@
 """Rich renderings of plans: a summary table and a per-rank picture of the buffer.
 
 rich is imported lazily (inside the functions), as ``jax/_src/debugging.py`` does, so
-``import ragged`` stays light. Every function returns a rich renderable: print it with
-``rich.print(...)`` or ``Console().print(...)`` in a terminal; in Jupyter it displays
-itself as the last expression of a cell (rich renderables carry ``_repr_mimebundle_``).
+``import ragged`` stays light. :func:`visualize` and :func:`rank_table` return a
+:class:`Rendering`: a rich renderable (``rich.print`` / ``Console().print`` it, or let Jupyter
+display it as the last expression of a cell) that also draws itself in a plain terminal REPL,
+where ``repr`` shows the picture, and under ``print(...)``.
 
 [Note: one cell, one colour]
 ``visualize`` draws each rank's S elements as ``width`` cells. A cell covers
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from ragged._errors import RaggedValueError
 
-__all__ = ["plan_summary", "visualize", "rank_table"]
+__all__ = ["plan_summary", "visualize", "rank_table", "Rendering"]
 
 #: Distinct colours, cycled over leaves in buffer order (neighbours never share one).
 PALETTE = (
@@ -25,6 +26,52 @@ PALETTE = (
     "#bcbd22", "#393b79", "#ad494a", "#637939", "#7b4173", "#3182bd", "#e6550d", "#31a354",
 )
 _PAD_STYLE = "grey23"
+
+
+class Rendering:
+    """A rich renderable that draws itself anywhere: ``__rich__`` for rich consoles,
+    ``_repr_mimebundle_`` for Jupyter, and ``repr`` / ``str`` rendered for this terminal (its
+    width; colours only when stdout is a terminal), so a REPL echo or ``print`` shows the
+    picture rather than ``<rich.panel.Panel object at ...>``. Other attributes are the
+    renderable's.
+
+    Examples:
+        >>> from rich.text import Text
+        >>> print(Rendering(Text("a picture")))
+        a picture
+    """
+
+    __slots__ = ("renderable",)
+
+    def __init__(self, renderable):
+        self.renderable = renderable
+
+    def __rich__(self):
+        return self.renderable
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        from rich.jupyter import JupyterMixin
+
+        return JupyterMixin._repr_mimebundle_(self, include, exclude, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.renderable, name)
+
+    def __repr__(self) -> str:
+        import os
+
+        from rich.console import Console
+        from rich.measure import Measurement
+
+        console = Console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:  # a file or pipe: nothing cut at 80
+            console = Console(width=max(80, Measurement.get(console, console.options.update(width=10_000),
+                                                             self.renderable).maximum))
+        with console.capture() as captured:
+            console.print(self.renderable)
+        return captured.get().rstrip("\n")
+
+    __str__ = __repr__
 
 
 def _fmt(n: int) -> str:
@@ -201,7 +248,7 @@ def rank_table(plan, ranks=None, *, max_pieces: int = 8):
         if len(pieces) > max_pieces:
             lines.append(f"... {len(pieces) - max_pieces} more")
         table.add_row(str(r), f"{used}/{S} ({used / S:.1%})" if S else "0", "\n".join(lines) or "(padding only)")
-    return table
+    return Rendering(table)
 
 
 def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True, details: bool = False):
@@ -218,7 +265,7 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
         details: add :func:`rank_table` (exact local ragged ranges).
 
     Returns:
-        A rich renderable (works in terminals and Jupyter).
+        A :class:`Rendering` (rich consoles, Jupyter, and ``repr`` / ``print`` in a terminal).
 
     Examples:
         >>> import torch, ragged as rg
@@ -278,4 +325,4 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
     title = f"m={plan.world_size} S={S} {str(plan.dtype).replace('torch.', '')} {plan.strategy}"
     if plan.num_buffers > 1:
         title += f" {plan.num_buffers} buffers"
-    return Panel(Group(*parts), title=title, expand=False)
+    return Rendering(Panel(Group(*parts), title=title, expand=False))

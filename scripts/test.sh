@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Installs ragged with its test extras (CPU torch 2.13.0) and runs the whole suite:
-# unit, property, doctest, multi-process gloo tests and notebooks.
+# Install what is missing for ragged and its test extras (scripts/install_missing.py: torch==2.13.0
+# only when there is no torch at all; a torch >= 2.13 you have is kept), then run the whole suite:
+# unit, property, doctest, multi-process gloo tests, README blocks and notebooks.
+#   bash scripts/test.sh                  # what CI runs (.ci/run)
+#   bash scripts/test.sh tests/test_cli.py -x     # pytest arguments pass through
+#   PYTHON=/tmp/v/bin/python bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0 2>&1 | grep -v "Running pip as the 'root' user" || true
-python3 -m pip install -q -e '.[test]' 2>&1 | grep -v "Running pip as the 'root' user" || true
+PY=${PYTHON:-python3}
+"$PY" scripts/install_missing.py --extra test
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # this checkout (gloo workers and notebook kernels too)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python3 -m pytest -q "$@"
+exec "$PY" -m pytest -q "$@"

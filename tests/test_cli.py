@@ -1,12 +1,19 @@
-"""`python -m ragged plan` (in-process through main(), plus one real subprocess)."""
+"""`python -m ragged plan` and `train` (in-process through main(), plus real subprocesses):
+tables, honest fixes, one-line errors with exit status 2 for every bad value, defaults in
+--help, progress lines and a verdict in a log."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from ragged.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(capsys, *argv):
@@ -29,8 +36,34 @@ def test_coarse_granules_are_explained_with_numbers(capsys):
     assert "warning: moe_layer at m=1024 with rows:128" in out
     assert "longer than 2*S" in out and "multiple of the lcm of their granules" in out
     assert "order-free lower bound" in out
-    assert "shard group 512 (2 replicas):" in out and "layers per unit at m=1024 2:" in out
-    assert "granularity rows:1 at m=1024:" in out
+    assert "would fix it (<= 3%): shard group 128 (8 replicas): 2.80%; 8 layers per unit: 2.80%" in out
+    assert "would reduce it: granularity rows:1: 5.74%" in out
+
+
+def _warnings(out):
+    """``[(padding, [fix %], [reduction %])]`` of every warning the plan command printed."""
+    found = []
+    for block in out.split("warning: ")[1:]:
+        padding = float(re.search(r"padding ([\d.]+)%", block).group(1))
+        fixes = re.search(r"would fix it \(<= [\d.]+%\): (.*)", block)
+        reductions = re.search(r"would reduce it: (.*)", block)
+        found.append((padding, [float(x) for x in re.findall(r": ([\d.]+)%", fixes.group(1))] if fixes else [],
+                      [float(x) for x in re.findall(r": ([\d.]+)%", reductions.group(1))] if reductions else []))
+    return found
+
+
+def test_suggested_fixes_are_verified_to_help(capsys):
+    # DeepSeek-V3's dense layers at rows:1: 2 layers per unit plan to the same 81.15% at m=1024
+    # (both layers force the same multiple), so that is no fix and is not offered there.
+    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "256", "1024", "-g", "rows:16")
+    assert code == 0
+    found = _warnings(out)
+    assert len(found) >= 3 and any(fixes for _, fixes, _ in found) and any(r for _, _, r in found)
+    for padding, fixes, reductions in found:
+        assert all(f <= 3.0 for f in fixes) and all(r < 0.9 * padding for r in reductions), (padding, fixes, reductions)
+    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "1024", "-g", "rows:1")
+    dense = out[out.index("warning: dense_layer"):].split("warning:")[1]
+    assert "layers per unit" not in dense and "would fix it (<= 3%): shard group" in dense
 
 
 def test_blocks_fall_back_where_tiles_cannot_apply(capsys):
@@ -54,15 +87,139 @@ def test_world_size_ranges(capsys):
     assert rows == ["8", "16", "32", "64"]
 
 
-def test_bad_inputs_exit_non_zero(capsys):
-    assert run(capsys, "--shapes", "/no/such.json", "-m", "8")[0] == 2
+def refused(capsys, *argv):
+    """Runs ``python -m ragged ARGV`` in-process; returns the one error line (exit status 2)."""
     with pytest.raises(SystemExit) as info:
-        main(["plan", "--model", "llama3-70b", "-m", "8", "-g", "rows:x"])
-    assert info.value.code == 2
-    assert "not one of rows:N" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama3-70b", "-m", "0"])
-    assert "must be a positive int" in capsys.readouterr().err
+        main(list(argv))
+    captured = capsys.readouterr()
+    assert info.value.code == 2, captured
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err and not captured.out, captured
+    assert lines[0].startswith(f"python -m ragged {argv[0]}: error: ") and lines[0].endswith("--help)")
+    return lines[0]
+
+
+PLAN = ("plan", "--model", "llama3-70b", "-m", "8")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("plan", "--shapes", "/no/such.json", "-m", "8"), "no such file: '/no/such.json'"),
+    ((*PLAN, "-g", "rows:x"), "not one of rows:N"),
+    ((*PLAN, "-g", "rows:0"), "rows:N needs N >= 1"),
+    ((*PLAN, "-g", "elements:-3"), "elements:N needs N >= 1"),
+    ((*PLAN, "-g", "blocks:0x128"), "blocks:RxC needs R >= 1 and C >= 1"),
+    (("plan", "--model", "llama3-70b", "-m", "0"), "must be a positive int"),
+    (("plan", "--model", "llama3-70b", "-m", "64..8"), "1 <= A <= B"),
+    ((*PLAN, "--align", "0"), "--align: must be >= 1, got 0"),
+    ((*PLAN, "--layers-per-unit", "0"), "--layers-per-unit: must be >= 1, got 0"),
+    ((*PLAN, "--warn-above", "-1"), "--warn-above: must be >= 0, got -1"),
+    ((*PLAN, "--strategy", "best"), "invalid choice: 'best'"),
+], ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
+def test_bad_plan_values_are_one_line_and_exit_2(capsys, argv, says):
+    assert says in refused(capsys, *argv)
+
+
+def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"units": []}')
+    assert "non-empty 'units' list" in refused(capsys, "plan", "--shapes", str(path), "-m", "8")
+    path.write_text("{not json")
+    assert f"--shapes {path}" in refused(capsys, "plan", "--shapes", str(path), "-m", "8")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["--steps", "abc"], "--steps: expected an integer, got 'abc'"),
+    (["--batch", "0"], "--batch: must be >= 1, got 0"),
+    (["--micro-batches", "0"], "--micro-batches: must be >= 1, got 0"),
+    (["--nproc-per-node", "0"], "--nproc-per-node: must be >= 1, got 0"),
+    (["--moe", "--top-k", "10"], "--top-k 10 is more than --experts 8"),
+    (["--moe", "--experts", "0"], "--experts: must be >= 1, got 0"),
+    (["--moe", "--experts", "2", "--top-k", "3"], "--top-k 3 is more than --experts 2"),
+    (["--moe", "--layers", "1"], "--layers 1 has no 2nd block"),
+    (["--experts", "4"], "add --moe"),
+    (["--nproc-per-node", "3"], "--batch 32 must split into 3 ranks x 1 micro-batches (a multiple of 3); use --batch 30 or 33"),
+    (["--micro-batches", "3"], "--batch 32 must split into 2 ranks x 3 micro-batches (a multiple of 6); use --batch 30 or 36"),
+    (["--batch", "1"], "use --batch 2"),
+    (["--dim", "130"], "--dim 130 must be a multiple of --heads 4"),
+    (["--layers", "0"], "--layers: must be >= 1"),
+    (["--vocab", "1"], "--vocab: must be >= 2"),
+    (["--seq", "1"], "--seq: must be >= 2"),
+    (["--lr", "0"], "--lr: must be > 0, got 0"),
+    (["--lr", "nan"], "--lr: must be a finite number, got nan"),
+    (["--warmup", "-1"], "--warmup: must be >= 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be >= 0"),
+    (["--clip", "-1"], "--clip: must be >= 0"),
+    (["--log-every", "0"], "--log-every: must be >= 1"),
+    (["--optimizer", "adam"], "invalid choice: 'adam'"),
+    (["--json", "/no/such/dir/m.json"], "the directory /no/such/dir does not exist"),
+    (["--hf", "llama", "--experts", "4"], "add --moe (or --hf mixtral), or drop them"),
+    (["--hf", "mixtral", "--experts", "2", "--top-k", "4"], "--top-k 4 is more than --experts 2"),
+    (["--hf", "llama", "--moe"], "with --hf llama drop it"),
+    (["--hf", "mixtral", "--activation-checkpointing"], "not supported with --hf"),
+    (["--save-pretrained", "out"], "add --hf llama|mixtral"),
+    (["--hf", "gpt2"], "invalid choice: 'gpt2'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
+    assert says in refused(capsys, "train", *argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_nccl_without_cuda_is_refused(capsys):
+    assert "--backend nccl needs CUDA GPUs" in refused(capsys, "train", "--backend", "nccl")
+
+
+@pytest.mark.parametrize("command, shown", [
+    ("train", ["--steps STEPS         optimizer steps (default: 300)", "(default: 2)", "(default: 0.003)",
+               "(default: adamw)", "(with --moe or --hf mixtral; default 8)"]),
+    ("plan", ["(default: rows:1)", "(default: dp)", "(default: bf16)", "(default: 3.0)"]),
+])
+def test_help_shows_the_defaults(capsys, command, shown):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for piece in shown:
+        assert re.sub(r"\s+", " ", piece) in text, piece
+
+
+def _ragged(*argv, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "ragged", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_bad_value_stops_before_any_process_starts():
+    proc = _ragged("train", "--nproc-per-node", "3")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["python -m ragged train: error: --batch 32 must split into 3 ranks x 1 "
+                                        "micro-batches (a multiple of 3); use --batch 30 or 33 (see python -m "
+                                        "ragged train --help)"]
+
+
+TINY = ("train", "--nproc-per-node", "2", "--layers", "2", "--dim", "32", "--ffn", "64", "--vocab", "64", "--seq", "32",
+        "--batch", "8", "--warmup", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_in_a_log_progress_comes_as_plain_lines_and_a_verdict_ends_the_job():
+    proc = _ragged(*TINY, "--steps", "16", "--lr", "1e-2", "--log-every", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    steps = [int(m.group(1)) for m in (re.match(r"train step (\d+)/16  loss [\d.]+  ", l) for l in lines) if m]
+    assert steps == [1, 4, 8, 12, 16]
+    assert lines[-1].startswith("verdict: not learnt yet, loss ") and "fell but not below" in lines[-1]
+    assert all(len(l) <= 200 for l in lines) and any(len(l) > 80 for l in lines)  # no cut at 80 columns
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_loss_that_does_not_fall_fails_the_job():
+    proc = _ragged(*TINY, "--steps", "12", "--lr", "1e-9", "--quiet")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("verdict: NOT LEARNT, the loss did not fall: loss ")
+    assert "train step" not in proc.stdout  # --quiet
 
 
 @pytest.mark.slow

@@ -80,3 +80,11 @@ def test_multi_buffer_plan_draws_each_buffer():
     rank_lines = [line for line in text.splitlines() if "rank " in line and "/22" in line]
     assert len(rank_lines) == 2 and all("█│█" in line for line in rank_lines)  # one separator between buffers
     assert "buffer" in text
+
+
+def test_a_terminal_repl_shows_the_picture_not_the_object():
+    plan = rg.make_plan({"a": torch.empty(3, 4), "b": torch.empty(5, 4)}, world_size=3, align=1)
+    view = rg.visualize(plan, width=12)
+    for text in (repr(view), str(view), repr(rg.rank_table(plan))):
+        assert "object at" not in text and "rank" in text
+    assert "rank 2 ████████····  8/12" in repr(view) and view.title == "m=3 S=12 float32 dp"

@@ -15,7 +15,8 @@ Resharding on load is DCP's own overlap computation
 ``torch.distributed.checkpoint.save``/``load`` need a torch ProcessGroup. ragged code talks to a
 ``Collectives`` value (gloo, NCCL, or the in-process simulated mesh), so this module runs the
 same protocol (set up, local plans, global plan, write, coordinator's finish) with
-``comm.all_gather_object`` as its only collective (see [Note: every rank plans globally]). Every phase catches the local error
+one exchange per phase as its only collective (see [Note: every rank plans globally] and
+[Note: the exchange is all-to-all]). Every phase catches the local error
 and gathers it, so a failure on one rank is raised on every rank, with that rank's message,
 instead of leaving the others waiting in the next collective. The files are plain DCP
 (``FileSystemWriter``/``FileSystemReader``): ``torch.distributed.checkpoint.load`` or
@@ -25,11 +26,12 @@ instead of leaving the others waiting in the next collective. The files are plai
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import traceback
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
@@ -43,8 +45,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ragged.checkpoint._format import CheckpointError, error_type
+from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone"]
+__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached", "poison"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,13 +84,72 @@ def _who(comm, index: int) -> str:
     return f"rank {index % comm.world_size} of replica {index // comm.world_size}"
 
 
-def agree(comm, what: str, fn: Callable[[], Any]) -> list[Any]:
+# [Note: protocol steps] ``reached(step)`` marks each step of the save and load protocols
+# (``_save.SAVE_STEPS``, ``_load.LOAD_STEPS``). ``FAULT``, when set (tests only), is called with
+# the step's name: the fault tests stop a process there (os._exit) to check that every other rank
+# raises promptly and that the path always holds a complete checkpoint.
+FAULT: Callable[[str], None] | None = None
+
+
+def reached(step: str) -> None:
+    if FAULT is not None:
+        FAULT(step)
+
+
+def _exchange(comm, obj) -> list[Any]:
+    """Every process's ``obj`` (indexed as :func:`everyone`).
+
+    [Note: the exchange is all-to-all]
+    On one shard group the objects travel by ``comm.all_to_all`` (sizes, then pickled bytes),
+    not ``all_gather_object``: gloo's all-gather is a ring, so when a rank dies only its two
+    neighbours see the connection close and the others wait for the group timeout (measured:
+    30 s of 30 s at W=4), while an all-to-all connects every pair, so every survivor fails within
+    milliseconds. HSDP meshes (whose Collectives has no all-to-all across replicas) use
+    ``all_gather_object``. Objects come from the other ranks of this job, never from disk.
+    """
+    m, replicas = comm.world_size, getattr(comm, "num_replicas", 1)
+    if m * replicas == 1:
+        return [obj]
+    if replicas > 1 or not hasattr(comm, "all_to_all"):
+        return comm.all_gather_object(obj)
+    device = getattr(comm, "device", None) or torch.device("cpu")
+    data = pickle.dumps(obj)
+    sizes = torch.empty(m, dtype=torch.int64, device=device)
+    comm.all_to_all(sizes, torch.full((m,), len(data), dtype=torch.int64, device=device), [1] * m, [1] * m)
+    counts = sizes.tolist()
+    send = torch.frombuffer(bytearray(data), dtype=torch.uint8).repeat(m).to(device)
+    recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
+    comm.all_to_all(recv, send, counts, [len(data)] * m)
+    raw, out, pos = recv.cpu().numpy().tobytes(), [], 0
+    for n in counts:
+        out.append(pickle.loads(raw[pos : pos + n]))
+        pos += n
+    return out
+
+
+def poison(comm, reason: str) -> None:
+    """``comm.poison(reason)`` where the Collectives offers it (peers in a collective with this
+    rank then fail instead of waiting); a no-op otherwise."""
+    fn = getattr(comm, "poison", None)
+    if callable(fn):
+        try:
+            fn(reason)
+        except Exception:  # noqa: BLE001 - the failure being reported matters more
+            pass
+
+
+def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
     """Runs ``fn()`` on every rank and gathers the results (indexed as :func:`everyone`); if any
     rank failed, raises on every rank (a CheckpointError subclass named by the first failing
     rank's error).
 
-    The only collective is one ``all_gather_object``, which every rank reaches whether or not
-    its ``fn`` raised: an error on one rank never leaves the others waiting.
+    ``call`` names the checkpoint call (``"save('/x/ckpt')"``) and ``step`` its round: ranks in
+    another call or another round (a rank saving another path, loading while the others save)
+    make every rank raise before any result is used. The only collective is one exchange
+    (see [Note: the exchange is all-to-all]), which every rank reaches whether or not its
+    ``fn`` raised: an error on one rank never leaves the others waiting. If the exchange itself
+    fails (a rank died or left the call), this rank raises a CheckpointError and poisons
+    ``comm`` when it can (``comm.poison(reason)``), so that peers in other collectives fail too.
     """
     try:
         out = (True, fn())
@@ -97,8 +159,24 @@ def agree(comm, what: str, fn: Callable[[], Any]) -> list[Any]:
         text = f"{type(exc).__name__}: {exc}"
         tb = traceback.format_exc(limit=4)
         out = (False, ("CheckpointError", f"{text}\n{tb}"))
-    results = comm.all_gather_object(out)
-    failures = [(rank, payload) for rank, (ok, payload) in enumerate(results) if not ok]
+    what = f"checkpoint {call} ({step})"
+    try:
+        results = _exchange(comm, (call, step, out))
+    except BaseException as exc:  # noqa: BLE001 - a torch error from the collective: say which call
+        reason = f"{what}: the ranks could not exchange ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        poison(comm, reason)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointError(f"{reason}; a rank died, was killed, or is not in this checkpoint call.") from exc
+    calls = [(c, s) for c, s, _ in results]
+    if len(set(calls)) > 1:
+        mine = calls[everyone(comm)[0]]
+        others = "; ".join(f"{_who(comm, i)} is in {c} ({s})" for i, (c, s) in enumerate(calls) if (c, s) != mine)
+        raise CheckpointError(
+            f"{what}: the ranks are not in the same checkpoint call: {others}. Every rank must call the "
+            "same rg.checkpoint.save / load with the same path, at the same point of the program."
+        )
+    failures = [(rank, payload) for rank, (_, _, (ok, payload)) in enumerate(results) if not ok]
     if failures:
         index, (name, message) = failures[0]
         others = [_who(comm, i) for i, _ in failures[1:]]
@@ -106,7 +184,7 @@ def agree(comm, what: str, fn: Callable[[], Any]) -> list[Any]:
         if len(results) == 1:
             raise error_type(name)(f"{what}: {message}")
         raise error_type(name)(f"{what} failed on {_who(comm, index)}{extra}: {message}")
-    return [payload for _, payload in results]
+    return [payload for _, _, (_, payload) in results]
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -143,8 +221,9 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self._pieces[(write_item.index.fqn, write_item.index.offset[0])].tensor.detach()
 
 
-def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
-    """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it.
+def dcp_save(path: str, pieces: list[Piece], comm, call: str) -> list[str]:
+    """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it
+    (``call`` names the checkpoint call for :func:`agree`).
 
     Pieces with the same ``(fqn, start)`` on several ranks (replicated values) are written once.
     Returns the names of the files this rank wrote (rank 0's list includes ``.metadata``).
@@ -159,7 +238,7 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
         writer.set_up_storage_writer(coordinator, rank=me, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    all_local = agree(comm, "checkpoint save (local plans)", local_step)
+    all_local = agree(comm, call, "local plans", local_step)
     state: dict[str, Any] = {}
 
     def write_step():
@@ -173,9 +252,10 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
         final = planner.finish_plan(plans[me])
         future = writer.write_data(final, planner)
         future.wait()
+        reached("written")
         return future.value()
 
-    all_results = agree(comm, "checkpoint save (writing data)", write_step)
+    all_results = agree(comm, call, "writing data", write_step)
 
     def finish_step():
         names = sorted({r.storage_data.relative_path for r in all_results[me]})
@@ -184,7 +264,7 @@ def dcp_save(path: str, pieces: list[Piece], comm) -> list[str]:
             names.append(".metadata")
         return names
 
-    return agree(comm, "checkpoint save (metadata)", finish_step)[me]
+    return agree(comm, call, "metadata", finish_step)[me]
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -224,11 +304,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         raise CheckpointError(f"unexpected byte item {read_item.dest_index.fqn!r} in a ragged checkpoint.")
 
 
-def read_metadata(path: str) -> Metadata:
-    return FileSystemReader(path).read_metadata()
-
-
-def dcp_load(path: str, pieces: list[Piece], metadata: Metadata, comm) -> None:
+def dcp_load(path: str, pieces: list[Piece], metadata: Metadata, comm, call: str) -> None:
     """Fills the destination ``pieces`` (this rank's) from the DCP checkpoint at ``path``.
 
     [Note: load plans are local]
@@ -239,13 +315,14 @@ def dcp_load(path: str, pieces: list[Piece], metadata: Metadata, comm) -> None:
 
     def read_step():
         planner = _PieceLoadPlanner(pieces)
-        reader = FileSystemReader(path)
+        reader = checked_reader(path)
         me, _ = everyone(comm)
         planner.set_up_planner(metadata=metadata, is_coordinator=me == 0)
         reader.set_up_storage_reader(metadata, me == 0, rank=me, use_collectives=True)
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(plan)
         reader.read_data(plan, planner).wait()
+        reached("read")
         return None
 
-    agree(comm, "checkpoint load (reading data)", read_step)
+    agree(comm, call, "reading data", read_step)

@@ -19,11 +19,13 @@ from typing import Any, Callable
 import torch
 
 from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
-from ragged._errors import RaggedValueError
+from ragged.checkpoint._dcp import Piece
+from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, export_plan_leaves, plan_leaf_tensors
 
-__all__ = ["Packed", "bind_packed", "bind_muon"]
+__all__ = ["Packed", "bind_packed", "bind_muon", "PackedKind"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,56 +114,61 @@ def bind_muon(opt_state, muon_filter: Callable | None = None) -> Any:
     return bind_packed(opt_state, lambda leaf: "muon" if f(leaf) else "adam", ("adam",))
 
 
-def describe(where: str, leaf: Packed, comm) -> dict[str, Any]:
-    d = leaf.dbuf
-    if d.rank != comm.rank or d.plan.world_size != comm.world_size:
-        raise RaggedValueError(
-            f"{where} is a packed DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
-            f"rank {comm.rank} of {comm.world_size}."
-        )
-    n, r = packed_sizes(d.plan, d.rank, leaf.paths)
-    if d.data.numel() != n or d.replicated.numel() != r:
-        raise RaggedValueError(f"{where} holds {d.data.numel()} + {d.replicated.numel()} elements; its leaves hold {n} + {r}.")
-    return {
-        "kind": "packed",
-        "dtype": fmt.dtype_name(d.data.dtype),
-        "replicated_dtype": fmt.dtype_name(d.replicated.dtype),
-        "paths": list(leaf.paths),
-        "plan": fmt.describe_plan(d.plan),
-    }
+class PackedKind(EntryKind):
+    """A :class:`Packed` DBuffer: each included leaf stored like a DBuffer leaf."""
 
+    name = "packed"
+    holds = Packed
+    holds_leaves = True
+    whole = True
 
-def pieces(entry_path: str, leaf: Packed, rank: int):
-    """``[(fqn, start, numel, 1-D view)]``: this rank's chunks of a packed DBuffer."""
-    d = leaf.dbuf
-    sharded, replicated = _included(d.plan, leaf.paths)
-    keep = {l.path for l in sharded}
-    out, off = [], 0
-    for piece in d.plan.local_pieces(rank):
-        if piece.leaf.path in keep:
-            out.append((fmt.leaf_fqn(entry_path, piece.leaf.path), piece.start, piece.leaf.numel, d.data[off : off + piece.numel]))
-            off += piece.numel
-    off = 0
-    for l in replicated:
-        if l.numel:
-            out.append((fmt.leaf_fqn(entry_path, l.path), 0, l.numel, d.replicated[off : off + l.numel]))
-        off += l.numel
-    return out
+    def describe(self, where, leaf, comm):
+        d = leaf.dbuf
+        if d.rank != comm.rank or d.plan.world_size != comm.world_size:
+            raise RaggedValueError(
+                f"{where} is a packed DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
+                f"rank {comm.rank} of {comm.world_size}."
+            )
+        n, r = packed_sizes(d.plan, d.rank, leaf.paths)
+        if d.data.numel() != n or d.replicated.numel() != r:
+            raise RaggedValueError(f"{where} holds {d.data.numel()} + {d.replicated.numel()} elements; its leaves hold {n} + {r}.")
+        return {
+            "kind": self.name,
+            "dtype": fmt.dtype_name(d.data.dtype),
+            "replicated_dtype": fmt.dtype_name(d.replicated.dtype),
+            "paths": list(leaf.paths),
+            "plan": fmt.describe_plan(d.plan),
+        }
 
+    def pieces(self, path, leaf, rank, index):
+        d = leaf.dbuf
+        sharded, replicated = _included(d.plan, leaf.paths)
+        keep = {l.path for l in sharded}
+        data, rep = d.data.detach(), d.replicated.detach()
+        out, off = [], 0
+        for piece in d.plan.local_pieces(rank):
+            if piece.leaf.path in keep:
+                out.append(Piece(fmt.leaf_fqn(path, piece.leaf.path), piece.start, piece.leaf.numel, data[off : off + piece.numel]))
+                off += piece.numel
+        off = 0
+        for l in replicated:
+            if l.numel:
+                out.append(Piece(fmt.leaf_fqn(path, l.path), 0, l.numel, rep[off : off + l.numel]))
+            off += l.numel
+        return out
 
-def allocate(leaf: Packed) -> Packed:
-    d = leaf.dbuf
-    return Packed(d.replace(data=torch.zeros_like(d.data), replicated=torch.zeros_like(d.replicated)), leaf.paths)
+    def stored(self, path, entry):
+        return plan_leaf_tensors(path, entry, keep=set(entry["paths"]))
 
+    def compare(self, where, saved, like, leaf, site, problems):
+        compare_plans(where, saved["plan"], like["plan"], problems)
+        if saved["paths"] != like["paths"]:
+            problems.append(f"{where}: saved a packed buffer of leaves {saved['paths']}, like_state's holds {like['paths']} (other labels)")
+        compare_dtypes(where, saved, like, problems, replicated_matters=True)
 
-def stored(entry_path: str, entry: dict) -> dict[str, int]:
-    keep = set(entry["paths"])
-    leaves = entry["plan"]["leaves"] + entry["plan"]["replicated"]
-    out = {}
-    for l in leaves:
-        n = 1
-        for s in l["shape"]:
-            n *= s
-        if l["path"] in keep and n:
-            out[fmt.leaf_fqn(entry_path, l["path"])] = n
-    return out
+    def allocate(self, leaf, entry):
+        d = leaf.dbuf
+        return Packed(d.replace(data=torch.zeros_like(d.data), replicated=torch.zeros_like(d.replicated)), leaf.paths)
+
+    def export(self, path, entry):
+        return export_plan_leaves(path, entry, keep=set(entry["paths"]))

@@ -27,11 +27,20 @@ from typing import Any
 import torch
 
 from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.checkpoint._dcp import Piece
+from ragged.checkpoint._entry import EntryKind, Exported, compare_plans, full_tensor
+from ragged.optim._quant8_state import (
+    Quant8Moments,
+    ScaleByAdam8bitState,
+    adam8bit_leaf_state,
+    init_moments,
+    quantized_block,
+)
 
-__all__ = ["Quant8", "bind_quant8", "unbind"]
+__all__ = ["Quant8", "bind_quant8", "unbind", "Quant8Kind"]
 
 _SEP = "::"
 
@@ -52,8 +61,6 @@ class Quant8:
 
 
 def _is_state(x) -> bool:
-    from ragged.optim._quant8 import ScaleByAdam8bitState
-
     return isinstance(x, ScaleByAdam8bitState)
 
 
@@ -79,8 +86,6 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
         >>> type(bound).__name__, bound.moments.mu_scales.numel()  # 2 x 2 tiles of 4 x 32
         ('Quant8', 4)
     """
-    from ragged.optim._quant8 import Quant8Moments
-
     def bind(state):
         moments = pytree.map(
             lambda q, d: Quant8(q, d, min_size),
@@ -107,13 +112,10 @@ def unbind(state):
 
 
 def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:
-    """Per leaf: how 8-bit Adam stores it (blocks, total blocks) -- the same rule as the
-    optimizer's own layout."""
-    from ragged.optim._quant8 import _block_shape
-
+    """Per leaf: how 8-bit Adam stores it (blocks, total blocks): the optimizer's own rule."""
     kinds = {}
     for leaf in plan.leaves:
-        block = _block_shape(leaf) if leaf.numel >= min_size and leaf.dtype.is_floating_point else None
+        block = quantized_block(leaf, min_size)
         if block is None:
             kinds[leaf.path] = {"block": None, "numel": leaf.numel, "blocks": 0, "replicated": False}
             continue
@@ -130,108 +132,97 @@ def _leaf_kinds(plan, min_size: int) -> dict[str, dict[str, Any]]:
     return kinds
 
 
-def describe(where: str, leaf: Quant8, comm) -> dict[str, Any]:
-    from ragged.optim._quant8 import Quant8Moments
-
-    if not isinstance(leaf.moments, Quant8Moments) or not isinstance(leaf.params, DBuffer):
-        raise RaggedTypeError(f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8.")
-    d = leaf.params
-    if d.rank != comm.rank or d.plan.world_size != comm.world_size:
-        raise RaggedValueError(
-            f"{where} is bound to a DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
-            f"rank {comm.rank} of {comm.world_size}."
-        )
-    return {"kind": "quant8", "plan": fmt.describe_plan(d.plan), "min_size": leaf.min_size, "leaves": _leaf_kinds(d.plan, leaf.min_size)}
-
-
 def fqn(entry_path: str, leaf_path: str, part: str) -> str:
     return f"{entry_path}{leaf_path}{_SEP}{part}"
 
 
-def stored(entry_path: str, entry: dict) -> dict[str, tuple[int, torch.dtype]]:
-    """``fqn -> (numel, dtype)`` of every tensor a quant8 entry is stored as (non-empty)."""
-    out = {}
-    for leaf_path, k in entry["leaves"].items():
-        if not k["numel"]:
-            continue
-        if k["block"] is None:
-            for part in ("mu", "nu"):
-                out[fqn(entry_path, leaf_path, part)] = (k["numel"], torch.float32)
-        else:
-            for part in ("mu_codes", "nu_codes"):
-                out[fqn(entry_path, leaf_path, part)] = (k["numel"], torch.uint8)
-            for part in ("mu_scales", "nu_scales"):
-                out[fqn(entry_path, leaf_path, part)] = (k["blocks"], torch.float32)
-    return out
+_CODES, _SCALES, _FP32 = ("mu_codes", "nu_codes"), ("mu_scales", "nu_scales"), ("mu", "nu")
 
 
-def pieces(entry_path: str, leaf: Quant8, rank: int, kinds=None):
-    """``[(fqn, start, numel, 1-D tensor)]``: this rank's chunks of ``leaf.moments`` (views)."""
-    from ragged.optim._quant8 import _layout
+class Quant8Kind(EntryKind):
+    """8-bit Adam moments bound to their params (:class:`Quant8`): see [Note: 8-bit moments in a
+    checkpoint]."""
 
-    mom, d = leaf.moments, leaf.params
-    kinds = kinds or _leaf_kinds(d.plan, leaf.min_size)
-    lay = _layout(d, leaf.min_size)
-    starts = {p.local_offset: p.start for p in d.plan.local_pieces(rank)}
-    out = []
-    for q in lay.qpieces:
-        k, start = kinds[q.path], starts[q.local_offset]
-        br, bc = k["block"]
-        block_start = start // bc if br == 1 else (start // (br * q.cols)) * k["tiles"]
-        cs, ss = q.code_offset, q.scale_offset
-        out += [
-            (fqn(entry_path, q.path, "mu_codes"), start, k["numel"], mom.mu_codes[cs : cs + q.numel]),
-            (fqn(entry_path, q.path, "nu_codes"), start, k["numel"], mom.nu_codes[cs : cs + q.numel]),
-            (fqn(entry_path, q.path, "mu_scales"), block_start, k["blocks"], mom.mu_scales[ss : ss + q.num_blocks]),
-            (fqn(entry_path, q.path, "nu_scales"), block_start, k["blocks"], mom.nu_scales[ss : ss + q.num_blocks]),
-        ]
-    for path, local_offset, n, c in lay.fp32_pieces:
-        start = starts[local_offset]
-        out += [
-            (fqn(entry_path, path, "mu"), start, kinds[path]["numel"], mom.mu_fp32[c : c + n]),
-            (fqn(entry_path, path, "nu"), start, kinds[path]["numel"], mom.nu_fp32[c : c + n]),
-        ]
-    for rleaf in d.plan.replicated:
-        if rleaf.numel:
-            out += [
-                (fqn(entry_path, rleaf.path, "mu"), 0, rleaf.numel, mom.mu_rep[rleaf.offset : rleaf.stop]),
-                (fqn(entry_path, rleaf.path, "nu"), 0, rleaf.numel, mom.nu_rep[rleaf.offset : rleaf.stop]),
-            ]
-    return out
+    name = "quant8"
+    holds = Quant8
+    holds_leaves = True
+    whole = True
 
-
-def compare(where: str, saved: dict, like: dict, problems: list[str]) -> None:
-    for path in sorted(set(saved["leaves"]) & set(like["leaves"])):
-        s, l = saved["leaves"][path], like["leaves"][path]
-        if s["block"] != l["block"]:
-            def say(k):
-                return f"8-bit blocks {tuple(k['block'])}" if k["block"] else "fp32 moments"
-
-            problems.append(
-                f"{where}{path}: saved with {say(s)}, like_state's optimizer keeps {say(l)}; 8-bit codes only "
-                "carry over between layouts with the same blocks (use the same spec and min_size for this leaf)"
+    def describe(self, where, leaf, comm):
+        if not isinstance(leaf.moments, Quant8Moments) or not isinstance(leaf.params, DBuffer):
+            raise RaggedTypeError(
+                f"{where} is a Quant8 whose moments/params are not Quant8Moments/DBuffer; build it with rg.checkpoint.bind_quant8."
             )
+        d = leaf.params
+        if d.rank != comm.rank or d.plan.world_size != comm.world_size:
+            raise RaggedValueError(
+                f"{where} is bound to a DBuffer of rank {d.rank} / world_size {d.plan.world_size}, but the comm is "
+                f"rank {comm.rank} of {comm.world_size}."
+            )
+        return {"kind": self.name, "plan": fmt.describe_plan(d.plan), "min_size": leaf.min_size,
+                "leaves": _leaf_kinds(d.plan, leaf.min_size)}
 
+    def pieces(self, path, leaf, rank, index):
+        """This rank's chunks of ``leaf.moments`` (views): codes at the piece's first element,
+        scales at its first block (band-major), fp32 moments at its first element."""
+        d = leaf.params
+        kinds = _leaf_kinds(d.plan, leaf.min_size)
+        starts = {p.leaf.path: p.start for p in d.plan.local_pieces(rank)}
+        out = []
+        for leaf_path, parts in adam8bit_leaf_state(leaf.moments, d, min_size=leaf.min_size).items():
+            k = kinds[leaf_path]
+            start = 0 if k["replicated"] else starts[leaf_path]
+            if k["block"] is None:
+                if k["replicated"] and not k["numel"]:
+                    continue
+                out += [Piece(fqn(path, leaf_path, part), start, k["numel"], parts[part]) for part in _FP32]
+                continue
+            br, bc = k["block"]
+            block_start = start // bc if br == 1 else (start // (br * d.plan.leaf(leaf_path).shape[-1])) * k["tiles"]
+            out += [Piece(fqn(path, leaf_path, part), start, k["numel"], parts[part]) for part in _CODES]
+            out += [Piece(fqn(path, leaf_path, part), block_start, k["blocks"], parts[part]) for part in _SCALES]
+        return out
 
-def allocate(leaf: Quant8):
-    """A fresh zero state with ``leaf``'s layout (a new Quant8 sharing nothing with ``leaf``)."""
-    from ragged.optim._quant8 import _moments_init
+    def stored(self, path, entry):
+        out = {}
+        for leaf_path, k in entry["leaves"].items():
+            if not k["numel"]:
+                continue
+            if k["block"] is None:
+                out.update({fqn(path, leaf_path, part): (k["numel"], "float32") for part in _FP32})
+            else:
+                out.update({fqn(path, leaf_path, part): (k["numel"], "uint8") for part in _CODES})
+                out.update({fqn(path, leaf_path, part): (k["blocks"], "float32") for part in _SCALES})
+        return out
 
-    moments = _moments_init(leaf.params, leaf.min_size)
-    moments = type(moments)(*[torch.zeros_like(t) for t in moments])
-    return Quant8(moments, leaf.params, leaf.min_size)
+    def compare(self, where, saved, like, leaf, site, problems):
+        compare_plans(where, saved["plan"], like["plan"], problems)
+        for path in sorted(set(saved["leaves"]) & set(like["leaves"])):
+            s, l = saved["leaves"][path], like["leaves"][path]
+            if s["block"] != l["block"]:
+                def say(k):
+                    return f"8-bit blocks {tuple(k['block'])}" if k["block"] else "fp32 moments"
 
+                problems.append(
+                    f"{where}{path}: saved with {say(s)}, like_state's optimizer keeps {say(l)}; 8-bit codes only "
+                    "carry over between layouts with the same blocks (use the same spec and min_size for this leaf)"
+                )
 
-def export(entry_path: str, entry: dict):
-    """``[(name parts, output tensor, fqn, flat destination)]`` for a single-process full read:
-    codes and fp32 moments in the leaf's shape, scales 1-D (one per block, band-major)."""
-    out = []
-    shapes = {l["path"]: tuple(l["shape"]) for l in entry["plan"]["leaves"] + entry["plan"]["replicated"]}
-    for leaf_path, k in entry["leaves"].items():
-        parts = ("mu", "nu") if k["block"] is None else ("mu_codes", "nu_codes", "mu_scales", "nu_scales")
-        for part in parts:
-            scales = part.endswith("scales")
-            flat = torch.zeros(k["blocks"] if scales else k["numel"], dtype=torch.uint8 if part.endswith("codes") else torch.float32)
-            view = flat if scales else flat.view(shapes[leaf_path])
-            out.append((fmt.path_parts(leaf_path) + [part], view, fqn(entry_path, leaf_path, part), flat))
-    return out
+    def allocate(self, leaf, entry):
+        """A fresh zero state with ``leaf``'s layout (a new Quant8 sharing nothing with ``leaf``)."""
+        moments = init_moments(leaf.params, leaf.min_size)
+        moments = type(moments)(*[torch.zeros_like(t) for t in moments])
+        return Quant8(moments, leaf.params, leaf.min_size)
+
+    def export(self, path, entry):
+        """Codes and fp32 moments in the leaf's shape, scales 1-D (one per block, band-major)."""
+        out = []
+        shapes = {l["path"]: tuple(l["shape"]) for l in entry["plan"]["leaves"] + entry["plan"]["replicated"]}
+        for leaf_path, k in entry["leaves"].items():
+            parts = _FP32 if k["block"] is None else _CODES + _SCALES
+            for part in parts:
+                scales = part.endswith("scales")
+                dtype = torch.uint8 if part.endswith("codes") else torch.float32
+                flat, pieces = full_tensor(fqn(path, leaf_path, part), k["blocks"] if scales else k["numel"], dtype)
+                out.append(Exported(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
+        return out

@@ -2,42 +2,37 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from typing import Any
 
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint import _packed as pk
-from ragged.checkpoint import _quant8 as q8
-from ragged.checkpoint._dcp import Piece, agree, dcp_save, everyone
-from ragged.checkpoint._format import CheckpointError, PerRank
-from ragged.spec._plan import LayoutPlan
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.checkpoint._dcp import agree, dcp_save, everyone, poison, reached
+from ragged.checkpoint._format import CheckpointError
+from ragged.checkpoint._kinds import is_entry, kind_of
 
-__all__ = ["save"]
+__all__ = ["save", "SAVE_STEPS"]
 
-_SUPPORTED = (
-    "DBuffers, torch tensors, rg.checkpoint.PerRank(tensor), 8-bit Adam moments bound with "
-    "rg.checkpoint.bind_quant8, packed states bound with rg.checkpoint.bind_packed / bind_muon, "
-    "LayoutPlans, and Python scalars "
-    "(bool, int, float, str, None)"
-)
-
-
-def is_entry(x) -> bool:
-    return isinstance(x, (DBuffer, PerRank, q8.Quant8, pk.Packed))
+#: The steps of the save protocol, in order (see [Note: protocol steps] in ``_dcp.py``):
+#: every rank: the state agreed, its data written, the checksums exchanged; rank 0: the manifest
+#: written, the old checkpoint off the path (overwrite), the new one at the path, the old one's
+#: manifest removed.
+SAVE_STEPS = ("agreed", "written", "checksummed", "manifest", "swapped", "published", "retired")
 
 
 def flatten_state(state):
-    """``(paths, leaves, treedef)`` with DBuffers and PerRank values kept whole as leaves."""
+    """``(paths, leaves, treedef)`` with DBuffers and the other whole entries kept as leaves."""
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(state, namespace="ragged", is_leaf=is_entry)
     return [keystr(a) for a in accessors], leaves, treedef
 
@@ -49,92 +44,13 @@ def check_comm(comm, what: str) -> None:
             raise RaggedTypeError(f"rg.checkpoint.{what}: comm is a {type(comm).__name__} without .{name}; pass a ragged Collectives.")
 
 
-def describe(path: str, leaf, comm, *, argname: str) -> dict[str, Any]:
-    """JSON description of one state leaf; raises TypeError/ValueError naming ``path``."""
-    where = f"{argname}{path}"
-    if isinstance(leaf, DBuffer):
-        plan = leaf.plan
-        if leaf.rank != comm.rank:
-            raise RaggedValueError(
-                f"{where} is a DBuffer of rank {leaf.rank}, but this process is rank {comm.rank} of the comm. "
-                "Each rank saves its own shard: pass the DBuffer that rg.shard returned on this rank."
-            )
-        if plan.world_size != comm.world_size:
-            raise RaggedValueError(
-                f"{where} is a DBuffer planned for world_size={plan.world_size}, but the comm has "
-                f"world_size={comm.world_size}. Save with the comm the state was sharded over."
-            )
-        if leaf.data.dim() != 1 or leaf.data.numel() != plan.shard_size:
-            raise RaggedValueError(
-                f"{where}.data has shape {tuple(leaf.data.shape)}; its plan needs a 1-D tensor of "
-                f"shard_size={plan.shard_size} elements. If it is the packed state of a compact "
-                "multi_transform label (e.g. rg.optim.muon's AdamW part), bind the optimizer state first: "
-                "rg.checkpoint.bind_muon(opt_state) or rg.checkpoint.bind_packed(opt_state, labels, compact)."
-            )
-        rep_end = max((l.stop for l in plan.replicated), default=0)
-        if leaf.replicated.dim() != 1 or leaf.replicated.numel() < rep_end:
-            raise RaggedValueError(
-                f"{where}.replicated has shape {tuple(leaf.replicated.shape)}; its plan needs a 1-D "
-                f"tensor of at least {rep_end} elements."
-            )
-        return {
-            "kind": "dbuffer",
-            "dtype": fmt.dtype_name(leaf.data.dtype),
-            "replicated_dtype": fmt.dtype_name(leaf.replicated.dtype),
-            "plan": fmt.describe_plan(plan),
-        }
-    if isinstance(leaf, q8.Quant8):
-        return q8.describe(where, leaf, comm)
-    if isinstance(leaf, pk.Packed):
-        return pk.describe(where, leaf, comm)
-    if isinstance(leaf, PerRank):
-        if not isinstance(leaf.value, torch.Tensor):
-            raise RaggedTypeError(f"{where} is PerRank({type(leaf.value).__name__}); PerRank holds a torch tensor.")
-        return {"kind": "per_rank", "dtype": fmt.dtype_name(leaf.value.dtype)}
-    if isinstance(leaf, torch.Tensor):
-        return {"kind": "tensor", "shape": list(leaf.shape), "dtype": fmt.dtype_name(leaf.dtype)}
-    if isinstance(leaf, LayoutPlan):
-        return {"kind": "plan", "plan": fmt.describe_plan(leaf)}
-    if isinstance(leaf, fmt._JSON_SCALARS):
-        if isinstance(leaf, float) and leaf != leaf:
-            return {"kind": "value", "value": None, "nan": True}
-        return {"kind": "value", "value": leaf}
-    raise RaggedTypeError(
-        f"{where} is a {type(leaf).__name__}, which a checkpoint cannot hold. Supported leaves: "
-        f"{_SUPPORTED}. Fix: convert it (e.g. a torch.Generator's get_state()) or leave it out of the state."
-    )
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().reshape(-1).contiguous().cpu()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
-
-
-def pieces_of(path: str, leaf, rank: int, *, index: int | None = None) -> list[Piece]:
-    """This rank's pieces of one state leaf (1-D chunks; see [Note: checkpoint layout]).
-    ``index`` names PerRank values (the process index, replicas included)."""
-    out = []
-    if isinstance(leaf, DBuffer):
-        data, plan = leaf.data.detach(), leaf.plan
-        for piece in plan.local_pieces(rank):
-            view = data[piece.local_offset : piece.local_offset + piece.numel]
-            out.append(Piece(fmt.leaf_fqn(path, piece.leaf.path), piece.start, piece.leaf.numel, view))
-        for rleaf in plan.replicated:
-            if rleaf.numel:
-                view = leaf.replicated.detach()[rleaf.offset : rleaf.offset + rleaf.numel]
-                out.append(Piece(fmt.leaf_fqn(path, rleaf.path), 0, rleaf.numel, view))
-    elif isinstance(leaf, q8.Quant8):
-        out += [Piece(f, s, n, t) for f, s, n, t in q8.pieces(path, leaf, rank)]
-    elif isinstance(leaf, pk.Packed):
-        out += [Piece(f, s, n, t.detach()) for f, s, n, t in pk.pieces(path, leaf, rank)]
-    elif isinstance(leaf, PerRank):
-        if leaf.value.numel():
-            who = rank if index is None else index
-            out.append(Piece(fmt.per_rank_fqn(path, who), 0, leaf.value.numel(), leaf.value.detach().reshape(-1)))
-    elif isinstance(leaf, torch.Tensor):
-        if leaf.numel():
-            out.append(Piece(path, 0, leaf.numel(), leaf.detach().reshape(-1)))
-    return out
+def describe_state(paths, leaves, comm, argname: str):
+    """``(kinds, entries)``: each leaf's kind and JSON description (raising before any communication)."""
+    kinds = [kind_of(leaf, f"{argname}{p}") for p, leaf in zip(paths, leaves)]
+    entries = {p: kind.describe(f"{argname}{p}", leaf, comm) for p, leaf, kind in zip(paths, leaves, kinds)}
+    if len(entries) != len(paths):
+        raise RaggedValueError(f"{argname} has repeated key paths {paths}; a checkpoint needs unique paths.")
+    return kinds, entries
 
 
 def _disagreement(descriptions: list[str]) -> str | None:
@@ -162,6 +78,11 @@ def _short(entry: dict) -> str:
     return json.dumps(entry)[:200]
 
 
+def _occupied(path: str) -> bool:
+    """Something is at ``path``, or the checkpoint an interrupted overwrite moved aside."""
+    return os.path.lexists(path) or bool(fmt.old_siblings(path))
+
+
 def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     """Saves a training state as a sharded checkpoint: every rank writes only its own pieces.
 
@@ -180,8 +101,8 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
             :class:`PerRank` tensors (one value per rank), LayoutPlans (their description) and
             Python scalars (kept in the manifest).
         comm: the ranks' ``Collectives`` (the one the DBuffers were sharded over).
-        overwrite: replace an existing checkpoint at ``path`` (it stays intact until the new
-            one is complete).
+        overwrite: replace an existing checkpoint at ``path``: at every instant the path holds
+            the old checkpoint or the new one, both complete (see [Note: publish by rename]).
 
     Returns:
         The manifest written (a dict; ``manifest["files"]`` lists the files with checksums).
@@ -191,7 +112,8 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
             communication.
         ValueError: a DBuffer of another rank or world size, before any communication.
         CheckpointError: ranks passed different states (other trees, shapes, or plain tensors
-            with different values), the path exists, or writing failed; raised on every rank.
+            with different values) or other paths, the path exists, writing failed, or a rank
+            died or left the call; raised on every rank.
 
     Examples:
         >>> import tempfile, os, torch, ragged as rg
@@ -209,73 +131,58 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     check_comm(comm, "save")
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(state)
-    # Local validation first: a bad leaf raises here, before any communication.
-    entries = {p: describe(p, leaf, comm, argname="state") for p, leaf in zip(paths, leaves)}
-    if len(entries) != len(paths):
-        raise RaggedValueError(f"state has repeated key paths {paths}; a checkpoint needs unique paths.")
-
+    # Local validation first: a bad leaf raises here, before any communication (a comm that can
+    # be poisoned is, so that peers already in the first round fail too, see agree).
+    try:
+        kinds, entries = describe_state(paths, leaves, comm, "state")
+    except RaggedError as exc:
+        poison(comm, f"rg.checkpoint.save({path!r}) failed on rank {comm.rank}: {exc}")
+        raise
     description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
+    call = f"save({path!r})"
 
     def prepare():
-        # Only a digest of the description travels (all_gather_object pads every rank's object
-        # to the largest, so full descriptions would cost world_size x their size per rank).
-        digests = {
-            p: tensor_digest(leaf) for p, leaf in zip(paths, leaves)
-            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DBuffer)
-        }
-        replicated = {
-            p: tensor_digest(leaf.replicated) for p, leaf in zip(paths, leaves) if isinstance(leaf, DBuffer)
-        }
-        shapes = {p: list(leaf.value.shape) for p, leaf in zip(paths, leaves) if isinstance(leaf, PerRank)}
+        # Only a digest of the description travels (every rank receives every rank's object,
+        # so full descriptions would cost world_size x their size per rank).
+        agreements = {p: kind.agreement(leaf) for p, leaf, kind in zip(paths, leaves, kinds)}
+        agreements = {p: v for p, v in agreements.items() if v is not None}
         digest = hashlib.sha256(description.encode()).hexdigest()
-        return digest, digests, replicated, shapes, os.path.exists(path), uuid.uuid4().hex[:12]
+        return digest, agreements, _occupied(path), uuid.uuid4().hex[:12]
 
-    gathered = agree(comm, "checkpoint save (checking the state on every rank)", prepare)
+    gathered = agree(comm, call, "checking the state", prepare)
     problem = None
     if len({g[0] for g in gathered}) > 1:  # every rank sees this: all take the second round
-        problem = _disagreement(agree(comm, "checkpoint save (comparing states)", lambda: description))
+        problem = _disagreement(agree(comm, call, "comparing states", lambda: description))
     else:
-        for rank, g in enumerate(gathered[1:], start=1):
-            for key, (which, fix) in ((1, ("tensor", "wrap it in rg.checkpoint.PerRank")), (2, ("replicated leaves of DBuffer", "all-reduce it"))):
-                for p, digest in g[key].items():
-                    if digest != gathered[0][key][p]:
-                        problem = (
-                            f"state{p} ({which}) holds different values on rank 0 and rank {rank}; a plain "
-                            f"tensor is saved once, so it must be the same on every rank. Fix: {fix}, or "
-                            "store per-rank data as a DBuffer."
-                        )
-                        break
+        for p, kind in zip(paths, kinds):
+            if p in gathered[0][1]:
+                problem = kind.settle(f"state{p}", entries[p], [g[1][p] for g in gathered])
                 if problem:
                     break
-            if problem:
-                break
     if problem is not None:
         raise CheckpointError(f"cannot save to {path!r}: {problem}")
-    exists, token = gathered[0][4], gathered[0][5]
+    exists, token = gathered[0][2], gathered[0][3]
     if exists and not overwrite:
         raise CheckpointError(f"cannot save: {path!r} already exists. Pass overwrite=True to replace it, or pick a new path.")
+    reached("agreed")
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, f".{name}.tmp-{token}")
-    for p, entry in entries.items():
-        if entry["kind"] == "per_rank":
-            entry["shapes"] = [g[3][p] for g in gathered]
 
     # [Note: HSDP] Replicas hold identical shards: replica 0 writes them, the others write
     # only their PerRank values; every process takes part in the protocol (and in loading).
     me, _ = everyone(comm)
     replica = getattr(comm, "replica_rank", 0)
     pieces = [
-        pc for p, leaf in zip(paths, leaves)
-        for pc in pieces_of(p, leaf, comm.rank, index=me)
-        if replica == 0 or isinstance(leaf, PerRank)
+        pc for p, leaf, kind in zip(paths, leaves, kinds)
+        if replica == 0 or kind.per_process
+        for pc in kind.pieces(p, leaf, comm.rank, me)
     ]
     try:
-        written = dcp_save(tmp, pieces, comm)
+        written = dcp_save(tmp, pieces, comm, call)
         digests = agree(
-            comm,
-            "checkpoint save (checksums)",
-            lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written},
+            comm, call, "checksums", lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written}
         )
+        reached("checksummed")
 
         files = {}
         for d in digests:
@@ -297,41 +204,92 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
             for name_ in os.listdir(tmp):  # e.g. the empty file of a rank with nothing to write
                 if name_ not in files and name_ != fmt.MANIFEST:
                     extra[name_] = fmt.file_digest(os.path.join(tmp, name_))
-            manifest = dict(base, files=dict(files, **extra))
-            fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), manifest)
+            fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(base, files=dict(files, **extra))))
             fmt.fsync_dir(tmp)
+            reached("manifest")
             _publish(tmp, path, token, overwrite)
             return extra  # small: every rank rebuilds the manifest from what it has
 
-        extra = agree(comm, "checkpoint save (publishing)", publish)[0]
-        return dict(base, files=dict(files, **extra))
+        extra = agree(comm, call, "publishing", publish)[0]
+        return fmt.with_checksum(dict(base, files=dict(files, **extra)))
     except BaseException:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def _exchange_dirs(a: str, b: str) -> bool:
+    """Atomically swaps two directories (Linux ``renameat2(RENAME_EXCHANGE)``); False when the
+    system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _retire(old: str) -> None:
+    """Deletes a replaced checkpoint: its manifest first, so that a crash mid-way never leaves
+    a half-deleted directory that looks like a checkpoint."""
+    try:
+        os.unlink(os.path.join(old, fmt.MANIFEST))
+    except FileNotFoundError:
+        pass
+    fmt.fsync_dir(old)
+    reached("retired")
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _publish(tmp: str, path: str, token: str, overwrite: bool) -> None:
     """[Note: publish by rename]
     ``rename`` of a directory is atomic on POSIX filesystems: readers see either no
-    checkpoint or a complete one (manifest included). Overwriting moves the old checkpoint
-    aside first, renames the new one in, then deletes the old one; a crash in between leaves
-    the old checkpoint intact under ``.<name>.old-<token>`` (never a half-written one at
-    ``path``). Only directories that are ragged checkpoints (or empty) are ever replaced.
+    checkpoint or a complete one (manifest included). Overwriting swaps the new directory with
+    the old one in one ``renameat2(RENAME_EXCHANGE)`` where Linux offers it, so the path holds a
+    complete checkpoint at every instant; then the old one is retired (manifest first). Elsewhere
+    the old checkpoint is renamed to ``.<name>.old-<token>`` and the new one into place: between
+    the two renames the path is empty, and ``load`` / ``export`` find the old checkpoint there by
+    themselves (``_format.locate``), so a crash at any instant leaves a complete checkpoint that
+    loads from ``path``. The next save at ``path`` retires such leftovers. Only directories that
+    are ragged checkpoints (or empty) are ever replaced.
     """
     parent, name = os.path.split(path)
-    if os.path.exists(path):
+    if os.path.lexists(path):
         if not overwrite:
             raise CheckpointError(f"{path!r} appeared while saving; refusing to replace it (overwrite=False).")
-        if not os.path.isdir(path) or (os.listdir(path) and not os.path.isfile(os.path.join(path, fmt.MANIFEST))):
+        if not os.path.isdir(path) or os.path.islink(path) or (
+            os.listdir(path) and not os.path.isfile(os.path.join(path, fmt.MANIFEST))
+        ):
             raise CheckpointError(
                 f"refusing to overwrite {path!r}: it is not a ragged checkpoint (no {fmt.MANIFEST}). Remove it yourself."
             )
-        old = os.path.join(parent, f".{name}.old-{token}")
-        os.rename(path, old)
-        os.rename(tmp, path)
-        fmt.fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if _exchange_dirs(tmp, path):
+            fmt.fsync_dir(parent)
+            reached("swapped")
+            reached("published")
+            _retire(tmp)
+        else:
+            old = os.path.join(parent, f".{name}.old-{token}")
+            os.rename(path, old)
+            fmt.fsync_dir(parent)
+            reached("swapped")
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(old, path)
+                raise
+            fmt.fsync_dir(parent)
+            reached("published")
+            _retire(old)
     else:
         os.rename(tmp, path)
         fmt.fsync_dir(parent)
+        reached("published")
+    for stale in fmt.old_siblings(path):  # left by an overwrite that crashed between its renames
+        _retire(stale)

@@ -1,18 +1,38 @@
 """What a training step threads and how it is made and read: :class:`TrainState`, :func:`init`,
-:func:`shard`, :func:`gather` and the whole-model :func:`global_norm` over ``{unit name: DBuffer}``."""
+:func:`shard`, :func:`gather` and the whole-model :func:`global_norm` over ``{unit name: DBuffer}``.
+
+[Note: what fsdp.init accepts]
+``params`` is the model's full parameters, equal on every rank, as
+
+* the module the units were made from (``make_units(model)``): its ``named_parameters()``. Its
+  parameters are then replaced by placeholders (see [Note: releasing the module's parameters]):
+  no full copy of the weights is left on the rank. A module built on ``meta`` is materialised one
+  unit at a time (see [Note: initialising a meta module unit by unit]);
+* a mapping ``{parameter name: tensor}``: ``dict(model.named_parameters())``,
+  ``model.state_dict()`` (an OrderedDict; buffers and tied aliases in it are ignored) or a
+  loaded checkpoint; every parameter name of the units must be there;
+* for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike).
+
+Misuse is refused before any communication, with a short message naming the fix.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from ragged import transforms
 from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
+from ragged._pytree import flatten_with_keystr
+from ragged.fsdp._materialize import default_init, materialize_buffers, materialize_unit
+from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
-__all__ = ["TrainState", "shard", "gather", "init", "global_norm"]
+__all__ = ["TrainState", "shard", "gather", "init", "global_norm", "unit_trees"]
 
 
 class TrainState(NamedTuple):
@@ -37,8 +57,67 @@ def shard(units: Units, params, comm) -> dict[str, DBuffer]:
         >>> rg.collectives.simulate(2, fn)[1]["['a']"]
         [4.0, 5.0, 0.0, 0.0]
     """
-    trees = units.split(params)
+    trees = unit_trees(units, params)
     return {u.name: transforms.shard(u.plan, {p: t.detach() for p, t in trees[u.name].items()}, comm) for u in units}
+
+
+def _short(names, k: int = 3) -> str:
+    names = list(names)
+    return ", ".join(map(repr, names[:k])) + (f" and {len(names) - k} more" if len(names) > k else "")
+
+
+def _check_leaf(path: str, t, meta: bool) -> None:
+    if isinstance(t, Placeholder):
+        raise RaggedValueError(
+            f"params[{path!r}] is a placeholder: this module's parameters were already sharded (and released) by "
+            "rg.fsdp.init. Fix: reuse that TrainState, or pass full values (rg.fsdp.export(...), a checkpoint, a "
+            "freshly built module)."
+        )
+    if not isinstance(t, torch.Tensor):
+        raise RaggedTypeError(f"params[{path!r}] is a {type(t).__name__}, not a torch.Tensor.")
+    if t.is_meta and not meta:
+        raise RaggedValueError(
+            f"params[{path!r}] is a meta tensor: it has no values. Fix: pass the meta *module* (fsdp.init materialises "
+            "it unit by unit, see init_fn), or real tensors."
+        )
+
+
+def unit_trees(units: Units, params, *, meta: bool = False) -> dict[str, dict[str, Any]]:
+    """``{unit name: {path: tensor}}`` from any form :func:`init` accepts (see [Note: what
+    fsdp.init accepts]); the tensors are checked to be real (no placeholders; meta only if
+    ``meta``)."""
+    if not isinstance(units, Units):
+        raise RaggedTypeError(
+            f"units must be rg.fsdp.make_units(model, world_size=...), got {type(units).__name__}. "
+            "The order is fsdp.init(units, params, optimizer, comm)."
+        )
+    expected = [p for u in units for p in u.paths]
+    if isinstance(params, torch.nn.Module):
+        if not units.is_module:
+            raise RaggedTypeError("params is a module but the units were made from a pytree: pass that pytree.")
+        got = dict(params.named_parameters())
+    elif isinstance(params, Mapping) and units.is_module:
+        got = params
+    elif units.is_module:
+        raise RaggedTypeError(
+            f"params is a {type(params).__name__}; the units were made from a module, so pass the module, "
+            "dict(model.named_parameters()) or model.state_dict()."
+        )
+    else:
+        paths, leaves, _ = flatten_with_keystr(params)
+        got = dict(zip(paths, leaves))
+    missing = [p for p in expected if p not in got]
+    if missing:
+        raise RaggedKeyError(
+            f"params lacks {len(missing)} of the units' {len(expected)} parameters: {_short(missing)}; its keys look "
+            f"like {_short(got, 2) or 'nothing'}. Fix: pass the model the units were made from (or its state_dict())."
+        )
+    if not units.is_module and len(got) != len(expected):
+        extra = [p for p in got if p not in set(expected)]
+        raise RaggedKeyError(f"params has leaves the units do not: {_short(extra)}. Fix: pass the tree make_units got.")
+    for p in expected:
+        _check_leaf(p, got[p], meta)
+    return {u.name: {p: got[p] for p in u.paths} for u in units}
 
 
 def gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | None = None):
@@ -72,7 +151,106 @@ def global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_axes=()) 
     return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [c for c, _ in data_axes]))
 
 
-def init(units: Units, params, optimizer, comm) -> TrainState:
-    """Shards ``params`` and initialises ``optimizer`` over the shards."""
-    shards = shard(units, params, comm)
+def _barrier(comm) -> None:
+    if hasattr(comm, "barrier"):
+        comm.barrier()
+    else:
+        comm.all_reduce(torch.zeros(1, device=comm.device))
+
+
+def init(
+    units: Units,
+    params,
+    optimizer,
+    comm,
+    *,
+    init_fn: Callable[[torch.nn.Module], None] | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    release_module: bool = True,
+) -> TrainState:
+    """Shards ``params`` and initialises ``optimizer`` over the shards.
+
+    Args:
+        units: from :func:`ragged.fsdp.make_units`.
+        params: the module the units were made from, a mapping ``{name: tensor}`` (e.g.
+            ``model.state_dict()``) or, for pytree units, the pytree; see [Note: what fsdp.init
+            accepts]. Equal on every rank.
+        optimizer: a ``rg.optim`` GradientTransformation.
+        comm: the shard group's collectives.
+        init_fn: for a module built on ``meta``: ``init_fn(module)`` fills the parameters and
+            buffers that ``module`` itself holds (it gets a copy of each such module with its own
+            tensors real, under a generator seeded per module). Default: the module's
+            ``reset_parameters()``, or Hugging Face's ``_init_weights(module)``. See [Note:
+            initialising a meta module unit by unit].
+        seed: seeds the meta initialisation (with each module's name): equal parameters on
+            every rank and every world size.
+        device: where a meta module's shards and buffers are made (default: ``comm.device``).
+        release_module: after sharding a module, replace its parameters by placeholders (default;
+            always for a meta module), so that no full copy of the weights is left on the rank.
+            ``False`` keeps the module's own tensors (one more model copy per rank).
+
+    Returns:
+        ``TrainState(shards, optimizer.init(shards))``.
+
+    Raises:
+        RaggedTypeError, RaggedKeyError, RaggedValueError: a misuse (the message names the fix),
+            before any communication.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
+        >>> def run(comm):
+        ...     state = fsdp.init(units, model, rg.optim.sgd(0.1), comm)
+        ...     return fsdp.export(units, state.shards, comm, module=model, rank0_only=False)
+        >>> full = rg.collectives.simulate(2, run)
+        >>> torch.equal(full[0]["1.weight"], full[1]["1.weight"]), model[1].weight
+        (True, Placeholder('1.weight', shape=(2, 8), dtype=torch.float32))
+    """
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise RaggedTypeError(
+            f"optimizer must be a rg.optim GradientTransformation (init / update), got {type(optimizer).__name__}. "
+            "The order is fsdp.init(units, params, optimizer, comm)."
+        )
+    if not isinstance(getattr(comm, "world_size", None), int):
+        raise RaggedTypeError(f"comm must be ragged collectives (rg.collectives.from_torch()), got {type(comm).__name__}.")
+    if isinstance(units, Units) and units.world_size != comm.world_size:
+        raise RaggedValueError(
+            f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
+            "Fix: make_units(model, world_size=comm.world_size)."
+        )
+    module = params if isinstance(params, torch.nn.Module) else None
+    meta = module is not None and any(p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
+    if (init_fn is not None or device is not None) and not meta:
+        raise RaggedValueError(f"{'init_fn' if init_fn is not None else 'device'} is for a module built on meta, but "
+                               f"params has real values (their shards stay on their device). Fix: drop "
+                               f"{'init_fn' if init_fn is not None else 'device'}, or build the model under "
+                               "torch.device('meta').")
+    if not meta:
+        shards = shard(units, params, comm)
+        buffers = {}
+    else:
+        unit_trees(units, module, meta=True)  # the same checks, before any communication
+        device = torch.device(device) if device is not None else comm.device
+        if init_fn is None:
+            fn = default_init(module)
+        else:
+            def fn(name, m):
+                init_fn(m)
+        shards = {}
+        for u in units:  # one unit real at a time
+            tree = materialize_unit(module, u, fn, seed=seed, device=device)
+            shards[u.name] = transforms.shard(u.plan, tree, comm)
+            del tree
+        buffers = materialize_buffers(module, fn, seed=seed, device=device)
+    if module is not None and (release_module or meta):
+        _barrier(comm)  # simulated ranks share the module: every rank has read it before anyone releases it
+        with LOCK:
+            for name, values in buffers.items():
+                owner = module.get_submodule(name) if name else module
+                owner._buffers.update(values)
+            release(module)
     return TrainState(shards, optimizer.init(shards))

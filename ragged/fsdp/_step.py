@@ -647,7 +647,7 @@ def make_step(
         >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
         >>> def run(comm):  # one module object per simulated rank (ranks are threads)
         ...     opt = rg.optim.sgd(0.1)
-        ...     state = fsdp.init(units, model, opt, comm)
+        ...     state = fsdp.init(units, model.state_dict(), opt, comm)  # a module would be released
         ...     step = fsdp.make_step(units, make_loss(copy.deepcopy(model)), opt, comm)
         ...     rows = slice(4 * comm.rank, 4 * comm.rank + 4)
         ...     state, metrics = step(state, (x[rows], y[rows]))

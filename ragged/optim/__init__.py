@@ -8,7 +8,12 @@ from ragged.optim._base import GradientTransformation as GradientTransformation
 from ragged.optim._base import Schedule as Schedule
 from ragged.optim._base import apply_updates as apply_updates
 from ragged.optim._base import identity as identity
+from ragged.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from ragged.optim._clipping import global_norm as global_norm
 from ragged.optim._combine import MaskedState as MaskedState
+from ragged.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
+from ragged.optim._finite import NonFiniteError as NonFiniteError
+from ragged.optim._finite import apply_if_finite as apply_if_finite
 from ragged.optim._combine import MultiTransformState as MultiTransformState
 from ragged.optim._combine import chain as chain
 from ragged.optim._combine import leaf_labels as leaf_labels
@@ -37,8 +42,6 @@ from ragged.optim._transform import ScaleByAdamState as ScaleByAdamState
 from ragged.optim._transform import ScaleByScheduleState as ScaleByScheduleState
 from ragged.optim._transform import TraceState as TraceState
 from ragged.optim._transform import add_decayed_weights as add_decayed_weights
-from ragged.optim._transform import clip_by_global_norm as clip_by_global_norm
-from ragged.optim._transform import global_norm as global_norm
 from ragged.optim._transform import scale as scale
 from ragged.optim._transform import scale_by_adam as scale_by_adam
 from ragged.optim._transform import scale_by_adamw as scale_by_adamw

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from ragged.optim._base import GradientTransformation, Schedule
+from ragged.optim._base import GradientTransformation, Schedule, check_floating
 from ragged.optim._combine import chain
-from ragged.optim._transform import add_decayed_weights, scale_by_adam, scale_by_adamw, scale_by_learning_rate, trace
+from ragged.optim._transform import (
+    _check_beta,
+    _check_nonneg,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_adamw,
+    scale_by_learning_rate,
+    trace,
+)
 from ragged._errors import RaggedValueError
 
 __all__ = ["sgd", "adam", "adamw"]
@@ -38,6 +46,10 @@ def sgd(
         >>> p
         tensor([0.7100])
     """
+    _check_nonneg("sgd: learning_rate", learning_rate)
+    _check_nonneg("sgd: weight_decay", weight_decay)
+    if momentum is not None:
+        _check_beta("sgd: momentum", momentum)
     parts = []
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay))
@@ -46,7 +58,13 @@ def sgd(
     elif nesterov:
         raise RaggedValueError("nesterov=True needs a momentum > 0 (as in torch.optim.SGD).")
     parts.append(scale_by_learning_rate(learning_rate))
-    return chain(*parts)
+    opt = chain(*parts)
+
+    def init(params):
+        check_floating(params, "sgd")
+        return opt.init(params)
+
+    return GradientTransformation(init, opt.update)
 
 
 def adam(

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._pytree import pytree
-from ragged._errors import RaggedValueError
+from ragged._pytree import flatten_with_keystr, pytree
+from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = [
     "GradientTransformation",
@@ -32,6 +32,7 @@ __all__ = [
     "identity",
     "apply_updates",
     "first_tensor",
+    "check_floating",
 ]
 
 Params = Any
@@ -132,6 +133,21 @@ def check_like_state(updates, state_tree, where: str) -> None:
         f"was built for {describe(state_tree)}. Fix: call opt.init on the same DBuffer(s) (same plan, same "
         "rank) whose gradients you pass to opt.update."
     )
+
+
+def check_floating(params, where: str) -> None:
+    """Refuses parameters that are not real floating point: an optimizer's update of an integer
+    tensor would be rounded (or fail deep inside torch), a complex one squared wrongly."""
+    paths, leaves, _ = flatten_with_keystr(params)
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() and not leaf.is_floating_point():
+            owner = " (a DBuffer's buffer)" if path.endswith((".data", ".replicated")) else ""
+            raise RaggedTypeError(
+                f"{where}: params{'' if path == '<root>' else path}{owner} has dtype {leaf.dtype}; optimizers update "
+                "real floating-point parameters (an integer update would be rounded away). Fix: keep integer "
+                "tensors (step counters, indices, masks) out of the optimized tree, e.g. plan them in a "
+                "separate DBuffer, or convert them with .float()."
+            )
 
 
 def first_tensor(tree) -> torch.Tensor | None:

@@ -34,6 +34,13 @@ def _check_steps(name: str, steps) -> int:
     return steps
 
 
+def _check_values(**values) -> None:
+    """Schedule values must be finite numbers (a NaN or inf learning rate ruins every parameter)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RaggedValueError(f"{name} must be a finite float, got {v!r}.")
+
+
 def constant_schedule(value: float) -> Schedule:
     """Returns ``value`` at every step.
 
@@ -42,6 +49,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> float(optim.constant_schedule(0.1)(7))
         0.1
     """
+    _check_values(value=value)
 
     def schedule(count):
         return torch.full_like(_as_float(count), value)
@@ -59,6 +67,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
         >>> [float(s(c)) for c in (0, 2, 4, 9)]
         [0.0, 0.5, 1.0, 1.0]
     """
+    _check_values(init_value=init_value, end_value=end_value)
     _check_steps("transition_steps", transition_steps)
 
     def schedule(count):
@@ -80,6 +89,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         >>> [round(float(s(c)), 4) for c in (0, 5, 10, 20)]
         [1.0, 0.5, 0.0, 0.0]
     """
+    _check_values(init_value=init_value, alpha=alpha)
     _check_steps("decay_steps", decay_steps)
 
     def schedule(count):
@@ -105,6 +115,7 @@ def warmup_cosine_decay_schedule(
         >>> [round(float(s(c)), 4) for c in range(8)]
         [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
     """
+    _check_values(init_value=init_value, peak_value=peak_value, end_value=end_value)
     _check_steps("warmup_steps", warmup_steps)
     _check_steps("decay_steps", decay_steps)
     if decay_steps < warmup_steps:

@@ -7,13 +7,13 @@ Every transform maps over pytrees through :data:`ragged.pytree`, so on a
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
-from ragged.optim._base import EmptyState, GradientTransformation, Schedule, check_like_state, zero_count
+from ragged.optim._base import EmptyState, GradientTransformation, Schedule, check_floating, check_like_state, zero_count
 from ragged._errors import RaggedValueError
 
 __all__ = [
@@ -22,7 +22,6 @@ __all__ = [
     "ScaleByAdamState",
     "TraceState",
     "AddDecayedWeightsState",
-    "ClipByGlobalNormState",
     "scale",
     "scale_by_schedule",
     "scale_by_learning_rate",
@@ -30,13 +29,10 @@ __all__ = [
     "scale_by_adamw",
     "trace",
     "add_decayed_weights",
-    "global_norm",
-    "clip_by_global_norm",
 ]
 
 ScaleState = EmptyState
 AddDecayedWeightsState = EmptyState
-ClipByGlobalNormState = EmptyState
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -65,14 +61,16 @@ def _wide(u: torch.Tensor) -> torch.Tensor:
 
 
 def _check_nonneg(name: str, value) -> None:
+    """A finite number >= 0 (or a schedule, when ``value`` is callable): NaN, inf, negative and
+    non-numbers are refused, naming the hyperparameter."""
     if callable(value):
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise RaggedValueError(f"{name} must be a float >= 0, got {value!r}.")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise RaggedValueError(f"{name} must be a finite float >= 0, got {value!r}.")
 
 
 def _check_beta(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
         raise RaggedValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
@@ -213,6 +211,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
     _check_nonneg("eps", eps)
 
     def init(params):
+        check_floating(params, "scale_by_adam")
         zeros = lambda p: torch.zeros_like(p)  # noqa: E731
         return ScaleByAdamState(count=zero_count(params), mu=pytree.map(zeros, params), nu=pytree.map(zeros, params))
 
@@ -257,6 +256,7 @@ def scale_by_adamw(
     scheduled = callable(learning_rate)
 
     def init(params):
+        check_floating(params, "adamw")
         adam = ScaleByAdamState(
             count=zero_count(params), mu=pytree.map(torch.zeros_like, params), nu=pytree.map(torch.zeros_like, params)
         )
@@ -307,6 +307,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     _check_beta("decay", decay)
 
     def init(params):
+        check_floating(params, "trace")
         return TraceState(trace=pytree.map(torch.zeros_like, params))
 
     def update(updates, state, params=None):
@@ -349,80 +350,5 @@ def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> G
         if donate:
             return pytree.map(lambda u, p: u.add_(p.to(u.dtype) * weight_decay), updates, params), state
         return pytree.map(lambda u, p: u + p.to(u.dtype) * weight_decay, updates, params), state
-
-    return GradientTransformation(init, update)
-
-
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
-def global_norm(tree, *, comm=None) -> torch.Tensor:
-    """The L2 norm of every element of ``tree``, across all ranks of ``comm``.
-
-    Sharded parts (``DBuffer.data``) are summed locally, then all-reduced once (one scalar);
-    replicated parts (``DBuffer.replicated`` and plain tensors) are the same on every rank
-    and count once. Computed in float64 on the tensors' device; no host sync.
-
-    Args:
-        tree: a pytree of tensors and/or DBuffers.
-        comm: the shard group's :class:`~ragged.collectives.Collectives` (``None``: one rank).
-
-    Examples:
-        >>> import torch, ragged as rg
-        >>> float(rg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
-        5.0
-    """
-    sharded, local = [], []
-    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
-        if isinstance(leaf, DBuffer):
-            sharded.append(leaf.data)
-            local.append(leaf.replicated)
-        elif isinstance(leaf, torch.Tensor):
-            local.append(leaf)
-    ref = (sharded + local)[0]
-    sq = lambda t: torch.sum(torch.square(t.to(torch.float64)))  # noqa: E731
-    total = torch.zeros((), dtype=torch.float64, device=ref.device)
-    if sharded:
-        shard_sq = sum((sq(t) for t in sharded), start=total.clone()).reshape(1)
-        if comm is not None and comm.world_size > 1:
-            comm.all_reduce(shard_sq, op="sum")
-        total = total + shard_sq[0]
-    for t in local:
-        total = total + sq(t)
-    return torch.sqrt(total)
-
-
-def clip_by_global_norm(max_norm: float, *, comm, norm=None) -> GradientTransformation:
-    """Scales updates so that their global L2 norm is at most ``max_norm``.
-
-    Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
-    ``min(1, max_norm / (norm + 1e-6))``. The norm is global over the shard group (see
-    :func:`global_norm`: one all-reduce of one scalar; replicated leaves count once).
-
-    Args:
-        max_norm: the largest allowed norm.
-        comm: the shard group's collectives, or ``None`` for a single rank.
-        norm: ``norm(updates) -> 0-d tensor`` replacing :func:`global_norm` over ``comm``, for
-            updates spread over more than the shard group (e.g. ``rg.fsdp.global_norm`` with the
-            step's ``data_axes`` under expert parallelism). It must be equal on every rank.
-
-    Examples:
-        >>> import torch, ragged as rg
-        >>> opt = rg.optim.clip_by_global_norm(1.0, comm=None)
-        >>> opt.update(torch.tensor([3.0, 4.0]), opt.init(None))[0]
-        tensor([0.6000, 0.8000])
-    """
-    _check_nonneg("max_norm", max_norm)
-
-    def init(params):
-        del params
-        return ClipByGlobalNormState()
-
-    def update(updates, state, params=None):
-        del params
-        total = global_norm(updates, comm=comm) if norm is None else norm(updates)
-        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
 
     return GradientTransformation(init, update)

@@ -49,7 +49,7 @@ import optree
 import torch
 
 from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
-from ragged._pytree import keystr
+from ragged._pytree import key_mismatch, keystr
 from ragged.spec._granularity import GRANULARITY_TYPES, Blocks, Elements, Replicate, Rows
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._planning import make_plan
@@ -392,6 +392,9 @@ def _spec_leaves(specs, params, treedef, mesh: Mesh) -> list:
     except ValueError:
         errors = optree.prefix_errors(wrapped, params, namespace="ragged")
         if errors:
+            said = key_mismatch(wrapped, params, prefix_name="specs", full_name="params")
+            if said:
+                raise RaggedValueError(f"{said}. Fix: give specs the structure of params, or a prefix of it.") from None
             raise errors[0]("specs") from None
         raise
     boxes = treedef.flatten_up_to(full)

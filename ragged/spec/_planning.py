@@ -26,7 +26,7 @@ import optree
 import torch
 
 from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
-from ragged._pytree import keystr
+from ragged._pytree import key_mismatch, keystr
 from ragged.spec import _buffers, _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
 from ragged.spec._plan import LayoutPlan, LeafLayout
@@ -83,9 +83,9 @@ def _broadcast_specs(specs, params):
     except ValueError:
         errors = optree.prefix_errors(specs, params, namespace="ragged")
         if errors:
-            err = errors[0]("specs")
-            raise type(err)(
-                f"{err}\nFix: give specs the structure of params, or a prefix of it (one spec stands for "
+            said = key_mismatch(specs, params, prefix_name="specs", full_name="params") or errors[0]("specs")
+            raise RaggedValueError(
+                f"{str(said).rstrip('.')}.\nFix: give specs the structure of params, or a prefix of it (one spec stands for "
                 "a whole subtree, e.g. {'layers': spec.Rows(1)}); None leaves mean Rows(1)."
             ) from None
         raise

@@ -141,6 +141,22 @@ def _check_out(out, numel, dtype, device):
     return out
 
 
+def _check_cast(have: torch.dtype, dtype) -> None:
+    """Refuses a cast that drops information silently: floating to integer or bool, complex to real."""
+    if dtype is None or dtype == have:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise RaggedTypeError(f"gather: dtype must be a torch.dtype, got {type(dtype).__name__}.")
+    lossy = (have.is_floating_point and not (dtype.is_floating_point or dtype.is_complex)) or (have.is_complex and not dtype.is_complex)
+    if lossy:
+        raise RaggedValueError(
+            f"gather: dtype={dtype} would cast the {have} shard to {dtype}, dropping every fraction (silently "
+            f"wrong values). Fix: gather in a floating dtype (e.g. torch.bfloat16); to gather {dtype} on purpose, "
+            f"cast the shard first: rg.gather(dbuf.replace(data=dbuf.data.to({dtype}), "
+            f"replicated=dbuf.replicated.to({dtype})), comm)."
+        )
+
+
 def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
@@ -156,11 +172,12 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
     """
     _check_dbuf(dbuf, comm, "gather")
+    _check_cast(dbuf.data.dtype, dtype)
+    out = _check_out(out, dbuf.plan.buffer_numel, dtype or dbuf.data.dtype, dbuf.data.device)  # before any collective
     check_plan(dbuf.plan, comm, f"gather:{dtype or dbuf.data.dtype}")
     src = dbuf.data if dtype is None or dtype == dbuf.data.dtype else dbuf.data.to(dtype)
     rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
     box = _Box()
-    out = _check_out(out, dbuf.plan.buffer_numel, src.dtype, src.device)
     if torch.is_grad_enabled() and (src.requires_grad or rep.requires_grad):
         buffer = _GatherStart.apply(src, comm, box, out, dbuf.plan)
         if rep.numel():

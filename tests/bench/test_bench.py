@@ -96,25 +96,27 @@ def test_padding_sweep_matches_planner_and_peer_rules():
     assert "gpt-oss-120b" in text and "█" in text
 
 
-def _smoke(rank, world, backend):
+def _smoke(rank, world, backend, model):
     from bench.step import CONFIGS, _bench
 
-    opts = dict(cfg=CONFIGS["tiny-moe"], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
+    opts = dict(cfg=CONFIGS[model], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
                 verbose=False, optim="adamw")
     return _bench(rank, world, backend, opts)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_step_bench_ragged_trains_like_fsdp2_on_gloo():
-    """One tiny MoE run of bench/step.py: ragged and FSDP2 see the same data from the same
-    weights, so their losses agree step by step; both all-gather every parameter."""
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-hf-llama"])
+def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
+    """One tiny run of bench/step.py (the GPT MoE; a HF Llama whose module ragged trains after
+    fsdp.init released its weights): ragged and FSDP2 see the same data from the same weights,
+    so their losses agree step by step; both all-gather every parameter."""
     from bench._launch import launch
     from bench.step import summarize
 
-    results = launch(2, _smoke, backend="gloo", timeout=600)
+    results = launch(2, _smoke, model, backend="gloo", timeout=600)
     opts = dict(batch=2, policy="fp32", optim="adamw")
-    s = summarize("tiny-moe", 2, results, opts)
+    s = summarize(model, 2, results, opts)
     a, b = s["methods"]["ragged"], s["methods"]["fsdp2"]
     assert len(a["losses"]) == len(b["losses"]) == 3
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-5)

@@ -49,7 +49,8 @@ def _units(model, m):
 
 
 def _init(comm, model):
-    return fsdp.init(_units(model, comm.world_size), model, rg.optim.adamw(1e-2, weight_decay=0.01), comm)
+    # the state dict, not the module: init would release a module's parameters, and the tests reuse it
+    return fsdp.init(_units(model, comm.world_size), model.state_dict(), rg.optim.adamw(1e-2, weight_decay=0.01), comm)
 
 
 def test_fsdp_state_resumes_on_another_world_size(tmp_path):

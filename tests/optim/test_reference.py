@@ -233,7 +233,6 @@ def test_bf16_grads_on_fp32_params(name):
 
     g = torch.Generator().manual_seed(2)
     params = {"w": torch.randn(64, 96, generator=g), "b": torch.randn(96, generator=g)}
-    plan = rg.make_plan(params, {"w": sp.Blocks(32, 32), "b": sp.Elements(1)}, world_size=2)
     make = {
         "adamw": lambda: rg.optim.adamw(1e-2, weight_decay=0.1),
         "sgd": lambda: rg.optim.sgd(0.1, momentum=0.9),

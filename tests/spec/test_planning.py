@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -33,8 +35,13 @@ def test_mixed_dtypes_need_explicit_buffer_dtype():
 
 
 def test_spec_tree_must_be_a_prefix():
-    with pytest.raises(ValueError, match="missing key"):
+    with pytest.raises(rg.RaggedValueError, match=re.escape(
+            "specs has key(s) ['v'] that params does not have, and params has key(s) ['w'] that specs does not cover")):
         rg.make_plan({"w": meta(4, 4)}, {"v": spec.Rows(1)}, world_size=2)
+    with pytest.raises(rg.RaggedValueError, match=re.escape("specs['l'] has key(s) ['x'] that params['l'] does not")):
+        rg.make_plan({"l": {"w": meta(4, 4)}}, {"l": {"w": None, "x": None}}, world_size=2)
+    with pytest.raises(rg.RaggedValueError, match=re.escape("params has key(s) ['b'] that specs does not cover")):
+        rg.make_plan({"w": meta(4, 4), "b": meta(4)}, {"w": None}, world_size=2)
 
 
 def test_blocks_on_1d_leaf_names_path_and_fix():

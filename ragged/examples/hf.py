@@ -1,0 +1,164 @@
+"""Hugging Face ``transformers`` models under ``rg.fsdp``, the whole path, from a config only
+(random init, nothing downloaded).
+
+``python -m ragged train --hf llama`` (or ``--hf mixtral``; sizes from ``--layers``, ``--dim``,
+``--heads``, ``--ffn``, ``--vocab``, ``--seq``, ``--experts``, ``--top-k``) runs on every rank:
+
+1. build on ``meta`` (no memory): ``with torch.device("meta"): model = LlamaForCausalLM(cfg)``;
+2. ``units = fsdp.make_units(model, world_size=W)``: every decoder layer is a unit, the
+   embeddings, final norm and head form ``"rest"``;
+3. ``state = fsdp.init(units, model, opt, comm)``: each unit is materialised alone, initialised
+   by HF's own ``_init_weights`` (seeded per module: equal on every rank and world size) and
+   sharded; the rotary ``inv_freq`` buffers are computed; the module keeps placeholders;
+4. ``fsdp.make_step(units, loss_fn(model), opt, comm)``, a few steps on the synthetic task of
+   ``ragged.examples.data``;
+5. ``full = fsdp.export(units, state.shards, comm, module=model, device="cpu")`` (rank 0: the
+   whole state dict, tied ``lm_head.weight`` included);
+6. ``model.save_pretrained(path, state_dict=dict(full))`` (``--save-pretrained DIR``, default a
+   temporary directory), reloaded with ``from_pretrained(path)`` and compared.
+
+``transformers`` is imported only when these functions run.
+
+Examples:
+    >>> import torch
+    >>> from ragged.examples import hf
+    >>> cfg = hf.config("llama", vocab_size=64, dim=32, layers=2, heads=4, ffn=48, seq=16)
+    >>> model = hf.build(cfg)                      # on meta
+    >>> model.lm_head.weight.is_meta, type(model).__name__
+    (True, 'LlamaForCausalLM')
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from ragged._errors import RaggedValueError
+
+__all__ = ["KINDS", "config", "build", "loss_fn", "blocks", "train"]
+
+KINDS = ("llama", "mixtral")
+
+
+def config(kind: str, *, vocab_size: int, dim: int, layers: int, heads: int, ffn: int, seq: int,
+           kv_heads: int | None = None, experts: int = 8, top_k: int = 2, tie: bool = False, **overrides):
+    """A ``LlamaConfig`` or ``MixtralConfig`` of the given sizes (``**overrides`` go to the
+    config, e.g. ``experts_implementation="eager"``, which float64 needs for Mixtral)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=seq,
+                  tie_word_embeddings=tie)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, **overrides)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=top_k, **overrides)
+    raise RaggedValueError(f"unknown HF model kind {kind!r}; choose one of {KINDS}.")
+
+
+def build(cfg, *, device="meta", dtype: torch.dtype | None = None):
+    """``AutoModelForCausalLM.from_config(cfg)`` on ``device`` (default ``meta``: no memory, no
+    init), in ``dtype`` (default: the config's)."""
+    import transformers
+
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model if dtype is None else model.to(dtype)
+
+
+def blocks(model) -> torch.nn.ModuleList:
+    """The decoder layers (what FSDP2 wraps one by one)."""
+    return model.model.layers
+
+
+def loss_fn(model):
+    """``loss(params, batch)``: mean next-token cross entropy of ``model`` run with ``params``
+    (``torch.func.functional_call``), ``batch = (input_ids, targets)``. The loss is computed
+    here, in the logits' dtype (bf16/fp16 logits upcast to fp32): HF's ``labels=`` loss
+    always upcasts to fp32, even in a float64 model."""
+
+    def loss(params, batch):
+        inputs, targets = batch
+        logits = torch.func.functional_call(model, params, (inputs,), {"use_cache": False}).logits
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return loss
+
+
+def train(args) -> dict:
+    """The ``--hf`` path of ``python -m ragged train`` in an initialised process group (every
+    rank); returns the summary."""
+    import json
+
+    import torch.distributed as dist
+    import transformers
+
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM, rank_slice
+    from ragged.examples.train import _DTYPES, _optimizer, _specs_for
+
+    if args.activation_checkpointing:
+        raise SystemExit("--activation-checkpointing is not supported with --hf (HF gradient checkpointing inside "
+                         "the model does not mix with functional_call).")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = rg.collectives.from_torch()
+    if args.batch % world or (args.batch // world) % args.micro_batches:
+        raise SystemExit(f"--batch {args.batch} must split into {world} ranks x {args.micro_batches} micro-batches.")
+    cfg = config(args.hf, vocab_size=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn,
+                 seq=args.seq, experts=args.experts, top_k=args.top_k)
+    model = build(cfg)  # meta: nothing allocated, nothing initialised yet
+    units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
+    opt = _optimizer(args, comm)
+    state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
+    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
+                          compute_dtype=_DTYPES[args.compute_dtype],
+                          reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
+                          donate=not args.no_donate)
+    task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
+    say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
+    n_params = sum(u.plan.numel for u in units)
+    if rank == 0:
+        from rich.console import Console
+
+        Console().print(f"[bold]ragged FSDP[/] · {world} ranks ({dist.get_backend()}) · HF {type(model).__name__} "
+                        f"{n_params / 1e6:.2f}M params, built on meta · optimizer {args.optimizer}", units)
+    history = []
+    for s in range(args.steps):
+        batch = tuple(x.to(comm.device) for x in rank_slice(task.batch(s, args.batch), rank, world))
+        state, m = step(state, batch)
+        history.append({"step": s, "loss": m["loss"], "peak_gathered_bytes": m["peak_gathered_bytes"]})
+        say(f"step {s}: loss {m['loss']:.4f}", flush=True)
+    full = fsdp.export(units, state.shards, comm, module=model, device="cpu")  # rank 0 only
+    summary = {"model": type(model).__name__, "world_size": world, "params": n_params, "steps": args.steps,
+               "first_loss": history[0]["loss"] if history else None,
+               "last_loss": history[-1]["loss"] if history else None, "ln_vocab": math.log(cfg.vocab_size)}
+    if rank == 0:
+        summary.update(_save_and_reload(model, full, args.save_pretrained, transformers))
+        say(f"exported {len(full)} tensors; save_pretrained -> {summary['saved_to'] or 'a temporary directory'}; "
+            f"from_pretrained reloads them with max |diff| {summary['reload_max_diff']:.1e}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"summary": summary, "history": history}, f, indent=1)
+    return summary
+
+
+def _save_and_reload(model, full: dict, path: str | None, transformers) -> dict:
+    """save_pretrained + from_pretrained of the exported state dict; the largest difference."""
+    with tempfile.TemporaryDirectory() as tmp:
+        where = path or tmp
+        os.makedirs(where, exist_ok=True)
+        model.save_pretrained(where, state_dict=dict(full))  # save_pretrained pops keys from the dict it gets
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
+                                                                     dtype=next(iter(full.values())).dtype)
+        got = reloaded.state_dict()
+        diff = max((got[k].double() - v.double()).abs().max().item() for k, v in full.items())
+        files = sorted(os.listdir(where))
+    return {"exported": len(full), "saved_to": path, "saved_files": files, "reload_max_diff": diff}

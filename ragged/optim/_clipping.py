@@ -1,0 +1,133 @@
+"""Clipping by the global norm of the updates, over every rank of the shard group (optax's
+``transforms/_clipping.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._pytree import pytree
+from ragged.optim._base import EmptyState, GradientTransformation
+from ragged.optim._finite import NonFiniteError, check_sharded_comm, local_nonfinite, nonfinite_report
+from ragged.optim._transform import _check_nonneg
+
+__all__ = ["ClipByGlobalNormState", "global_norm", "clip_by_global_norm"]
+
+ClipByGlobalNormState = EmptyState
+
+
+def _is_dbuffer(x) -> bool:
+    return isinstance(x, DBuffer)
+
+
+def _global_sq(tree, comm, *, agree_finite: bool = False):
+    """``(sum of squares over all ranks, some rank non-finite)`` of ``tree``: see
+    :func:`global_norm`. With ``agree_finite`` the second value is a bool every rank agrees on
+    (a flag for the parts that are not all-reduced rides in the same all-reduce), else None."""
+    sharded, local = [], []
+    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
+        if isinstance(leaf, DBuffer):
+            sharded.append(leaf.data)
+            local.append(leaf.replicated)
+        elif isinstance(leaf, torch.Tensor):
+            local.append(leaf)
+    ref = (sharded + local)[0]
+    sq = lambda t: torch.sum(torch.square(t.to(torch.float64)))  # noqa: E731
+    total = torch.zeros((), dtype=torch.float64, device=ref.device)
+    shard_sq = sum((sq(t) for t in sharded), start=total.clone())
+    flag = local_nonfinite(local, ref.device) if agree_finite else None
+    many = comm is not None and comm.world_size > 1
+    if many and agree_finite:
+        both = torch.stack([shard_sq, flag])  # one all-reduce for both
+        comm.all_reduce(both, op="sum")
+        shard_sq, flag = both[0], both[1]
+    elif many and sharded:
+        shard_sq = shard_sq.reshape(1)
+        comm.all_reduce(shard_sq, op="sum")
+        shard_sq = shard_sq[0]
+    total = total + shard_sq
+    for t in local:
+        total = total + sq(t)
+    if not agree_finite:
+        return total, None
+    if getattr(comm, "num_replicas", 1) > 1:
+        flag = flag.reshape(1).clone()
+        comm.all_reduce_replicas(flag, op="max")
+    return total, bool(flag.reshape(()) > 0) or not bool(torch.isfinite(shard_sq))
+
+
+def global_norm(tree, *, comm=None) -> torch.Tensor:
+    """The L2 norm of every element of ``tree``, across all ranks of ``comm``.
+
+    Sharded parts (``DBuffer.data``) are summed locally, then all-reduced once (one scalar);
+    replicated parts (``DBuffer.replicated`` and plain tensors) are the same on every rank
+    and count once. Computed in float64 on the tensors' device; no host sync.
+
+    Args:
+        tree: a pytree of tensors and/or DBuffers.
+        comm: the shard group's :class:`~ragged.collectives.Collectives` (``None``: one rank).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> float(rg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
+        5.0
+    """
+    return torch.sqrt(_global_sq(tree, comm)[0])
+
+
+def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite: bool = False) -> GradientTransformation:
+    """Scales updates so that their global L2 norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
+    ``min(1, max_norm / (norm + 1e-6))``. The norm is global over the shard group (see
+    :func:`global_norm`: one all-reduce of one scalar; replicated leaves count once).
+
+    Args:
+        max_norm: the largest allowed norm.
+        comm: the shard group's collectives, or ``None`` for a single rank.
+        norm: ``norm(updates) -> 0-d tensor`` replacing :func:`global_norm` over ``comm``, for
+            updates spread over more than the shard group (e.g. ``rg.fsdp.global_norm`` with the
+            step's ``data_axes`` under expert parallelism). It must be equal on every rank.
+        error_if_nonfinite: raise :class:`~ragged.optim.NonFiniteError` when the norm is NaN
+            or inf (torch's ``clip_grad_norm_(error_if_nonfinite=True)``), on every rank alike
+            (a NaN anywhere, replicated leaves included, is seen by all: its flag rides in the
+            norm's all-reduce) and before anything is updated. Costs one host sync per step.
+            To skip such steps instead, wrap the optimizer in :func:`ragged.optim.apply_if_finite`.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.clip_by_global_norm(1.0, comm=None)
+        >>> opt.update(torch.tensor([3.0, 4.0]), opt.init(None))[0]
+        tensor([0.6000, 0.8000])
+        >>> strict = rg.optim.clip_by_global_norm(1.0, comm=None, error_if_nonfinite=True)
+        >>> strict.update(torch.tensor([3.0, float("inf")]), strict.init(None))
+        Traceback (most recent call last):
+        ...
+        ragged.optim._finite.NonFiniteError: clip_by_global_norm: the global norm of the gradients is not finite ...
+    """
+    _check_nonneg("max_norm", max_norm)
+
+    def init(params):
+        del params
+        return ClipByGlobalNormState()
+
+    def update(updates, state, params=None):
+        del params
+        if norm is None:
+            check_sharded_comm(updates, comm, "clip_by_global_norm")
+            total_sq, nonfinite = _global_sq(updates, comm, agree_finite=error_if_nonfinite)
+            total = torch.sqrt(total_sq)
+        else:
+            total = norm(updates)
+            nonfinite = error_if_nonfinite and not bool(torch.isfinite(total))
+        if nonfinite:
+            raise NonFiniteError(
+                "clip_by_global_norm: the global norm of the gradients is not finite (NaN or inf on at least one "
+                f"rank; error_if_nonfinite=True, as torch.nn.utils.clip_grad_norm_); nothing was updated, on any "
+                f"rank. {nonfinite_report(updates)}. Fix: find where the NaN/inf comes from (learning rate, loss "
+                "scale, data), or skip such steps with rg.optim.apply_if_finite(opt, max_consecutive_errors, comm=comm)."
+            )
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,167 @@
+"""Non-finite gradients: detect them on every rank alike, skip or refuse the update.
+
+[Note: every rank takes the same decision]
+A NaN in one rank's gradient shard reaches every rank's parameters only through later steps;
+what must never happen is ranks deciding differently (one skips, the others apply: the replicas
+of replicated leaves diverge silently, and any collective inside the inner transformation
+pairs with the wrong call). So the decision is made on an agreed flag: one all-reduce (max) of
+one scalar over the shard group (and the replicas), then a host sync to branch on it. The
+update is skipped, or the error raised, before anything is changed.
+
+[Note: a skipped update is -0.0]
+A skipped step returns updates of negative zero, not zero: ``x + (-0.0)`` is ``x`` bit for bit
+for every ``x``, while ``-0.0 + 0.0`` is ``+0.0``. So ``apply_updates`` leaves parameters
+bit-identical on a skipped step, negative zeros included (and padding stays +0.0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
+from ragged._pytree import pytree
+from ragged.optim._base import GradientTransformation, first_tensor, zero_count
+
+__all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_nonfinite", "nonfinite_report", "check_sharded_comm"]
+
+
+class NonFiniteError(RaggedError, RuntimeError):
+    """The gradients hold NaN or inf and the transformation was asked to refuse them (raised
+    on every rank, before any parameter changes)."""
+
+
+def _is_dbuffer(x) -> bool:
+    return isinstance(x, DBuffer)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def local_nonfinite(tensors, device=None) -> torch.Tensor:
+    """A 0-d float64 tensor: 1.0 if any of ``tensors`` holds NaN or inf on this rank, else 0.0."""
+    flags = [torch.logical_not(torch.isfinite(t).all()) for t in tensors if t.numel()]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(flags).any().to(torch.float64)
+
+
+def nonfinite_report(tree, limit: int = 5) -> str:
+    """Which leaves hold NaN / inf on this rank (key paths; DBuffers by their plan's leaves)."""
+    found = []
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace="ragged", is_leaf=_is_dbuffer)
+    for accessor, leaf in zip(accessors, leaves):
+        name = accessor.codify("")
+        if isinstance(leaf, DBuffer):
+            spans = [(p.leaf.path, leaf.data[p.local_offset : p.local_offset + p.numel]) for p in leaf.plan.local_pieces(leaf.rank)]
+            spans += [(l.path, leaf.replicated[l.offset : l.stop]) for l in leaf.plan.replicated]
+            found += [f"{name}{p}" for p, t in spans if t.numel() and not bool(torch.isfinite(t).all())]
+        elif isinstance(leaf, torch.Tensor) and leaf.numel() and not bool(torch.isfinite(leaf).all()):
+            found.append(name or "<root>")
+    if not found:
+        return "this rank's gradients are finite (another rank's are not)"
+    more = f" and {len(found) - limit} more" if len(found) > limit else ""
+    return "non-finite on this rank: " + ", ".join(found[:limit]) + more
+
+
+def check_sharded_comm(updates, comm, where: str) -> None:
+    """Refuses ``comm=None`` for DBuffers sharded over several ranks: a decision (or a norm)
+    taken per rank would differ between ranks."""
+    if comm is not None:
+        return
+    for leaf in pytree.leaves(updates, is_leaf=_is_dbuffer):
+        if isinstance(leaf, DBuffer) and leaf.plan.world_size > 1:
+            raise RaggedValueError(
+                f"{where}: the updates are DBuffers sharded over world_size={leaf.plan.world_size} ranks but "
+                "comm=None, so each rank would decide on its own shard alone. Fix: pass the shard group's comm."
+            )
+
+
+def _agree_any(flag: torch.Tensor, comm) -> bool:
+    """Whether ``flag`` (0-d, 0 or 1) is set on any rank of ``comm`` (shard group and replicas)."""
+    if comm is not None and comm.world_size * getattr(comm, "num_replicas", 1) > 1:
+        flag = flag.reshape(1).clone()
+        if comm.world_size > 1:
+            comm.all_reduce(flag, op="max")
+        if getattr(comm, "num_replicas", 1) > 1:
+            comm.all_reduce_replicas(flag, op="max")
+    return bool(flag.reshape(()) > 0)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite` (optax's fields; 0-d tensors).
+
+    Attributes:
+        notfinite_count: consecutive steps with non-finite updates so far (int64).
+        last_finite: whether the last step's updates were finite on every rank (bool).
+        total_notfinite: steps with non-finite updates in total (int64).
+        inner_state: the inner transformation's state.
+    """
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *, comm) -> GradientTransformation:
+    """Runs ``inner`` only on steps whose updates are finite on every rank (optax's
+    ``apply_if_finite``).
+
+    A step whose updates hold NaN or inf on any rank returns updates that leave the parameters
+    bit-identical (see [Note: a skipped update is -0.0]) and keeps the inner state as it was, on
+    every rank (see [Note: every rank takes the same decision]: one all-reduce of one scalar and
+    one host sync per step). After more than ``max_consecutive_errors`` non-finite steps in a row
+    the update is applied anyway, as optax does (the NaN then reaches the parameters: the
+    caller watches ``notfinite_count``).
+
+    Args:
+        inner: the transformation to guard (e.g. ``rg.optim.adamw(...)``).
+        max_consecutive_errors: how many non-finite steps in a row are skipped.
+        comm: the shard group's collectives (``None``: one rank).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.apply_if_finite(rg.optim.sgd(0.1), 2, comm=None)
+        >>> p = torch.tensor([1.0, -0.0])
+        >>> state = opt.init(p)
+        >>> u, state = opt.update(torch.tensor([float("nan"), 1.0]), state, p)
+        >>> rg.optim.apply_updates(p, u), int(state.notfinite_count), bool(state.last_finite)
+        (tensor([1., -0.]), 1, False)
+        >>> u, state = opt.update(torch.tensor([1.0, 1.0]), state, p)
+        >>> rg.optim.apply_updates(p, u), int(state.notfinite_count), int(state.total_notfinite)
+        (tensor([ 0.9000, -0.1000]), 0, 1)
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise RaggedTypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}.")
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+        raise RaggedValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}.")
+
+    def init(params):
+        count = zero_count(params)
+        return ApplyIfFiniteState(
+            notfinite_count=count, last_finite=torch.ones((), dtype=torch.bool, device=count.device),
+            total_notfinite=count.clone(), inner_state=inner.init(params),
+        )
+
+    def update(updates, state, params=None):
+        check_sharded_comm(updates, comm, "apply_if_finite")
+        ref = first_tensor(updates)
+        finite = not _agree_any(local_nonfinite(_tensors(updates), None if ref is None else ref.device), comm)
+        notfinite = torch.zeros_like(state.notfinite_count) if finite else state.notfinite_count + 1
+        if finite or int(notfinite) > max_consecutive_errors:
+            updates, inner_state = inner.update(updates, state.inner_state, params)
+        else:
+            updates, inner_state = pytree.map(lambda u: torch.full_like(u, -0.0), updates), state.inner_state
+        return updates, ApplyIfFiniteState(
+            notfinite_count=notfinite,
+            last_finite=torch.full_like(state.last_finite, finite),
+            total_notfinite=state.total_notfinite + (0 if finite else 1),
+            inner_state=inner_state,
+        )
+
+    return GradientTransformation(init, update)

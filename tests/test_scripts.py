@@ -1,0 +1,85 @@
+"""scripts/: install only what is missing, never replace a torch that is there, fail loudly;
+the main job's script refuses a bad value before anything starts."""
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def installer(monkeypatch):
+    spec = importlib.util.spec_from_file_location("install_missing", os.path.join(ROOT, "scripts", "install_missing.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+    monkeypatch.setattr(module, "pip", lambda args, what: calls.append(args))
+    monkeypatch.setattr(module, "ragged_importable_outside", lambda: os.path.join(ROOT, "ragged", "__init__.py"))
+    module.calls = calls
+    return module
+
+
+def test_reads_the_requirements_of_pyproject(installer):
+    runtime, test = installer.requirements(None), installer.requirements("test")
+    assert "torch>=2.13" in runtime and set(runtime) < set(test) and "transformers>=5" in test
+
+
+def test_nothing_missing_installs_nothing(installer, monkeypatch):
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "optree>=0.13"])
+    assert installer.main([]) == 0 and installer.calls == []
+
+
+def test_a_torch_that_is_there_is_never_replaced(installer, monkeypatch):
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=99", "optree>=0.13"])
+    with pytest.raises(SystemExit, match="does not replace a torch you have. Upgrade it yourself: .*--index-url "
+                                         "https://download.pytorch.org/whl/cpu"):
+        installer.main([])
+    assert installer.calls == []
+
+
+def test_missing_packages_are_installed_with_the_torch_pinned(installer, monkeypatch):
+    pins = []
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "no-such-package-for-ragged>=1"])
+    monkeypatch.setattr(installer, "pip", lambda args, what: (installer.calls.append(args),
+                                                              pins.append(open(args[args.index("-c") + 1]).read())))
+    assert installer.main([]) == 0
+    assert installer.calls == [["no-such-package-for-ragged>=1", "-c", installer.calls[0][2]]]
+    assert pins == [f"torch=={importlib.metadata.version('torch')}\n"]
+
+
+def test_no_torch_installs_the_pin_from_the_chosen_index(installer, monkeypatch):
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13"])
+    monkeypatch.setattr(installer, "_installed", lambda name: None)
+    monkeypatch.setenv("TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu")
+    assert installer.main([]) == 0
+    assert installer.calls == [["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]]
+
+
+def test_a_failed_install_stops_with_one_line(installer, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("install_missing_real", os.path.join(ROOT, "scripts", "install_missing.py"))
+    real = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real)
+    monkeypatch.setattr(real.subprocess, "call", lambda cmd, env: 1)
+    with pytest.raises(SystemExit) as info:
+        real.pip(["no-such-package-for-ragged"], "no-such-package-for-ragged")
+    assert str(info.value) == ("error: pip could not install no-such-package-for-ragged (exit status 1); pip's output "
+                               "is above.")
+
+
+def test_check_lists_what_is_missing(installer, monkeypatch, capsys):
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "no-such-package-for-ragged>=1"])
+    assert installer.main(["--check"]) == 1
+    assert capsys.readouterr().out == "missing: no-such-package-for-ragged>=1\n" and installer.calls == []
+
+
+def test_main_sh_refuses_a_bad_value_before_training():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(["bash", "scripts/main.sh", "--steps", "0"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("python -m ragged train: error: argument --steps: must be >= 1, "
+                                                     "got 0 (see python -m ragged train --help)")

@@ -122,3 +122,21 @@ def test_multi_buffer_collectives_equal_single_buffer(inputs, max_buffers, seed)
         rg.testing.assert_trees_all_close(r1, r2, rtol=0, atol=0)
         rg.testing.assert_trees_all_close(b1, b2, rtol=0, atol=0)
         assert n1 == pytest.approx(n2, rel=1e-12)
+
+
+def test_hsdp_reduce_scatter_on_a_multi_buffer_plan():
+    """2 replicas x 2 shards: the reduce-scatter of every buffer, then the all-reduce across
+    replicas, gives each rank its ranges of the mean over all 4 ranks."""
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(8, 3, generator=g, dtype=torch.float64), "b": torch.randn(4, 5, generator=g, dtype=torch.float64)}
+    plan = rg.make_plan(params, world_size=2, align=1, max_buffers=2)
+    assert plan.num_buffers == 2
+    grads = [rg.pytree.map(lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), params) for _ in range(4)]
+    mean = rg.pytree.map(lambda *xs: sum(xs) / 4, *grads)
+
+    def fn(c):
+        index = c.replica_rank * c.world_size + c.rank
+        got = rg.reduce_scatter(plan, grads[index], c, op="mean")
+        return torch.allclose(got.data, rg.shard(plan, mean, rank=c.rank).data, rtol=1e-12, atol=1e-14)
+
+    assert rg.collectives.simulate(4, fn, mesh_shape=(2, 2)) == [True] * 4

@@ -9,6 +9,12 @@
   the main and autograd threads; gloo's own threads allocate nothing for the paths used
   here, since both FSDP2 and ragged hand gloo preallocated outputs). On CUDA:
   ``torch.cuda.max_memory_allocated``.
+* Live bytes from a method's construction on (:class:`LiveBytes`, ``bench/memory.py``): the
+  same allocator events, summed from the moment the profiler starts (before the method
+  exists), so the live bytes at any moment are everything the method allocated and has not
+  freed -- state, caches and buffers it keeps outside its state included -- and the peak of a
+  window is absolute, not a rise. On CUDA: ``torch.cuda.memory_allocated`` /
+  ``max_memory_allocated`` / ``max_memory_reserved`` (the caching allocator's reserve).
 * RSS: ``/proc/self/status`` VmHWM after resetting it (``/proc/self/clear_refs`` 5) right
   before the step, minus VmRSS before the step: how much resident memory the step adds.
   Both methods live in one process, so absolute RSS is not split between them.
@@ -22,6 +28,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import functools
@@ -31,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer"]
+__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes"]
 
 
 def storage_bytes(tensors) -> int:
@@ -176,7 +183,7 @@ def _norm(name: str) -> str:
 
 
 def _label(name: str) -> str | None:
-    if name.startswith(("FSDP::", "ragged::", "Optimizer.step")):
+    if name.startswith(("FSDP::", "ragged::", "Optimizer.step", "bench::")):
         return _norm(name)
     return None
 
@@ -214,11 +221,8 @@ def profile_step(fn, *, device: torch.device):
             cur += n
             if cur > peak:
                 peak, peak_ns = cur, ts
-        if peak_ns is not None:  # which labelled range / op was running when the peak was reached
-            inside = [e for e in kevents if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.end_ns()]
-            labels = sorted((e for e in inside if _label(e.name())), key=lambda e: e.start_ns())
-            ops = sorted((e for e in inside if not _label(e.name())), key=lambda e: e.start_ns())
-            peak_where = " > ".join([_label(e.name()) for e in labels[-2:]] + [e.name() for e in ops[-1:]])
+        if peak_ns is not None:
+            peak_where = _running_at(kevents, peak_ns)
     ranges = collections.Counter()
     copies = collections.Counter()
 
@@ -246,6 +250,140 @@ def profile_step(fn, *, device: torch.device):
             if where is not None:
                 copies[f"{e.name} @ {where}"] += e.cpu_time_total / 1e3
     return peak, dict(ranges), dict(copies), peak_where
+
+
+def _site(chain: tuple) -> str:
+    """A short name for where an allocation was made: its labelled ranges (the window, then the
+    innermost other label) and its outermost and innermost op."""
+    labels = [c for c in chain if _label(c)]
+    ops = [c for c in chain if not _label(c)]
+    keep = labels[:1] + [lab for lab in labels[1:][-1:]] + (ops[:1] + ops[-1:] if len(ops) > 1 else ops)
+    return " > ".join(_norm(c) for c in keep) or "(outside any op)"
+
+
+def _running_at(kevents, ns: int) -> str:
+    """Which labelled ranges (innermost two) and op were running at ``ns`` (kineto events)."""
+    inside = [e for e in kevents if e.name() != "[memory]" and e.start_ns() <= ns <= e.end_ns()]
+    labels = sorted((e for e in inside if _label(e.name())), key=lambda e: e.start_ns())
+    ops = sorted((e for e in inside if not _label(e.name())), key=lambda e: e.start_ns())
+    ops = [ops[0], ops[-1]] if len(ops) > 1 else ops  # outermost (e.g. an autograd node) and innermost op
+    return " > ".join([_label(e.name()) for e in labels[-2:]] + [e.name() for e in ops])
+
+
+class LiveBytes:
+    """Live tensor bytes of this process over named windows (see the module docstring).
+
+    Use as a context manager around everything a method does (from its construction on), and
+    mark windows with :meth:`window`; after the ``with`` block :meth:`result` gives, per window,
+    the live bytes at its start and end and its peak (CPU: where the peak was reached).
+
+    Examples:
+        >>> import torch
+        >>> from bench._measure import LiveBytes
+        >>> with LiveBytes(torch.device("cpu")) as live:
+        ...     keep = torch.zeros(1000)
+        ...     with live.window("step"):
+        ...         tmp = torch.ones(3000); del tmp
+        >>> r = live.result("step")
+        >>> r["start"], r["peak"], r["end"]
+        (4000, 16000, 4000)
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._windows: dict[str, dict] = {}
+        self._prof = None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._prof is not None:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                self._parse()
+        return False
+
+    @contextlib.contextmanager
+    def window(self, name: str):
+        """Marks a window (CUDA: resets the peak statistics at its start)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated() - self._base
+            yield
+            torch.cuda.synchronize()
+            self._windows[name] = dict(start=start, peak=torch.cuda.max_memory_allocated() - self._base,
+                                       end=torch.cuda.memory_allocated() - self._base,
+                                       reserved_peak=torch.cuda.max_memory_reserved(), where="")
+            return
+        from torch.profiler import record_function
+
+        with record_function(f"bench::{name}"):
+            yield
+
+    def _parse(self):
+        """Every allocation / free (with its address and the ops and labels it ran under), from
+        the profiler's event tree; the running total; each window's start, peak and end."""
+        allocs, windows = [], {}
+
+        def walk(node, chain):
+            ef = node.extra_fields
+            if type(ef).__name__ == "_ExtraFields_Allocation":
+                if ef.device.type == "cpu":
+                    allocs.append((node.start_time_ns, ef.ptr, ef.alloc_size, chain))
+                return
+            if node.name.startswith("bench::"):
+                windows[node.name[len("bench::"):]] = (node.start_time_ns, node.end_time_ns)
+            for child in node.children:
+                walk(child, chain + (node.name,))
+
+        for root in self._prof.profiler.kineto_results.experimental_event_tree():
+            walk(root, ())
+        allocs.sort(key=lambda a: a[0])
+        self._allocs = allocs
+        times = [a[0] for a in allocs]
+        live, run = [], 0
+        for a in allocs:
+            run += a[2]
+            live.append(run)
+        for name, (t0, t1) in windows.items():
+            lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+            start = live[lo - 1] if lo else 0
+            seg = live[lo:hi]
+            peak = max(seg + [start])
+            at = lo + seg.index(peak) if seg and peak > start else lo - 1
+            self._windows[name] = dict(start=start, peak=peak, end=live[hi - 1] if hi else 0, peak_index=at,
+                                       where=_site(allocs[at][3]) if at >= 0 else "")
+
+    def live_at_peak(self, name: str, top: int = 10) -> list[tuple[int, int, str]]:
+        """CPU: what is live when window ``name`` peaks: ``(bytes, count, allocated in)`` per
+        allocation site (the window, labelled ranges and ops it was allocated under), largest first."""
+        upto = self._windows[name]["peak_index"]
+        alive: dict[int, tuple[int, tuple]] = {}
+        for _, ptr, size, chain in self._allocs[: upto + 1]:
+            if size > 0:
+                alive[ptr] = (size, chain)
+            else:
+                alive.pop(ptr, None)
+        sites: dict[str, list[int]] = {}
+        for size, chain in alive.values():
+            slot = sites.setdefault(_site(chain), [0, 0])
+            slot[0] += size
+            slot[1] += 1
+        return sorted(((b, n, site) for site, (b, n) in sites.items()), reverse=True)[:top]
+
+    def result(self, name: str) -> dict:
+        """``{"start", "peak", "end", "where"}`` bytes of window ``name`` (CUDA: and ``"reserved_peak"``)."""
+        return self._windows[name]
 
 
 _COPYISH = ("aten::copy_", "aten::cat", "aten::sum", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::zero_",

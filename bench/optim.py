@@ -14,7 +14,11 @@ muon    Newton-Schulz work per rank (every 2-D matrix and every expert matrix of
 step    Wall time of one optimizer step on one process (torch.set_num_threads(1)) over the same
         fp32 parameters: ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW`` foreach and
         for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one flat tensor,
-        and ``rg.optim.adamw_8bit`` on the DBuffer. Median of --iters, interleaved.
+        and ``rg.optim.adamw_8bit`` on the DBuffer (functional; ``donate=True``, in place as
+        torch's; and its torch-ops kernel). Each of ours includes ``apply_updates``; the donated
+        ones refill the donated gradient buffer, as the next backward would. Median of --iters,
+        interleaved, and the paired ratio (median over iterations of method / torch foreach
+        per-leaf in the same iteration).
 
 Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
 """
@@ -169,7 +173,11 @@ def section_step(console, iters, hidden):
         "torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True),
         "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
         "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
-        "rg.optim.adamw_8bit (DBuffer)": ours(lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1)),
+        "rg.optim.adamw_8bit (DBuffer, functional)": ours(lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1)),
+        "rg.optim.adamw_8bit (DBuffer, donate=True)": ours(
+            lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=True), True),
+        "rg.optim.adamw_8bit (donate=True, kernel='torch')": ours(
+            lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=True, kernel="torch"), True),
     }
     times = {k: [] for k in methods}
     for _ in range(2):  # warm-up (state allocation)
@@ -180,14 +188,21 @@ def section_step(console, iters, hidden):
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    table = Table(title=f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, 1 thread (median of {iters})")
+    from ragged.optim import _quant8_kernel
+
+    kernel = "C kernel built" if _quant8_kernel.available() else f"no C kernel: {_quant8_kernel.unavailable_reason()}"
+    table = Table(title=f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, 1 thread (median of {iters}; "
+                        f"8-bit: {kernel})")
     table.add_column("method")
     table.add_column("ms", justify="right")
-    table.add_column("vs torch foreach per-leaf", justify="right")
-    base = statistics.median(times["torch AdamW foreach (per-leaf)"])
+    table.add_column("vs torch foreach per-leaf (ratio of medians)", justify="right")
+    table.add_column("paired ratio", justify="right")
+    ref = times["torch AdamW foreach (per-leaf)"]
+    base = statistics.median(ref)
     for k, ts in times.items():
         t = statistics.median(ts)
-        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x")
+        paired = statistics.median(a / b for a, b in zip(ts, ref))
+        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x", f"{paired:.2f}x")
     console.print(table)
 
 

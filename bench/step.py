@@ -35,7 +35,6 @@ On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

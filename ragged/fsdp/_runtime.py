@@ -38,7 +38,7 @@ import torch
 
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._schedule import Observation
-from ragged.transforms import reduce_scatter_wait
+from ragged.transforms import all_gather_flat, reduce_scatter_wait
 from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
 __all__ = ["Run"]
@@ -118,7 +118,7 @@ class Run:
         data = self.shards[self.layouts[i].name].data
         u.source = data if data.dtype == u.flat.dtype else data.to(u.flat.dtype)
         self._issued(label)
-        u.handle = self.comm.all_gather_into(u.flat, u.source, async_op=True)
+        u.handle = all_gather_flat(self.shards[self.layouts[i].name].plan, u.flat, u.source, self.comm, async_op=True)
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
         self.num_gathers += 1
         self._log("gather_start", i)

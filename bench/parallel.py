@@ -73,7 +73,7 @@ def run(models, degree, fsdp_sizes, granularities):
                         break
                     row[f"time {policy}"] = time.perf_counter() - t0
                     for mp in plans:
-                        local = mp.local_meta()
+                        local = mp.part_meta()
                         numel += mp.plan.numel + mp.plan.replicated_numel
                         per_rank_ragged += mp.plan.shard_size + mp.plan.replicated_numel / m
                         per_rank_fsdp2 += spec.peer_shard_numel(local, m, "fsdp2")

@@ -10,116 +10,14 @@ import bisect
 import dataclasses
 import functools
 import hashlib
-import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from ragged.spec._granularity import Granularity
 from ragged._errors import RaggedKeyError, RaggedValueError
+from ragged.spec._leaf import LeafLayout, LocalPiece, ShardRange, piece_shape
 
-__all__ = ["LeafLayout", "LocalPiece", "LayoutPlan", "ShardRange"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LeafLayout:
-    """Where one leaf lives.
-
-    Attributes:
-        path: key path string, e.g. ``"['layers'][0]['w']"``.
-        index: position of the leaf in the flattened parameter tree (key-sorted for dicts).
-        shape: full shape of the leaf.
-        dtype: the leaf's own dtype.
-        offset: global element offset in the sharded buffer (``m * S`` elements) or, for a
-            replicated leaf, in the replicated buffer every rank holds.
-        numel: number of elements.
-        granule: smallest piece (elements) a rank boundary may not cut.
-        spec: the granularity the leaf was planned with.
-    """
-
-    path: str
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    numel: int
-    granule: int
-    spec: Granularity
-
-    replace = dataclasses.replace
-
-    @property
-    def stop(self) -> int:
-        """One past the leaf's last global element."""
-        return self.offset + self.numel
-
-    @property
-    def row_size(self) -> int:
-        """Elements per row (the last dimension; 1 for 0-d and 1-D leaves)."""
-        return self.shape[-1] if len(self.shape) >= 2 else 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LocalPiece:
-    """The part of one leaf that one rank holds.
-
-    Attributes:
-        leaf: the leaf's layout.
-        start: first element of the leaf held (in the leaf's flattened order).
-        stop: one past the last element held.
-        local_offset: where the piece starts inside the rank's shard of S elements.
-    """
-
-    leaf: LeafLayout
-    start: int
-    stop: int
-    local_offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the piece's view: whole leading slices or whole rows when the cut allows,
-        else flat."""
-        return piece_shape(self.leaf.shape, self.start, self.stop)
-
-
-class ShardRange(NamedTuple):
-    """One contiguous part of a rank's shard: global elements ``[start, stop)`` of one buffer,
-    held at ``[local_offset, local_offset + stop - start)`` of the rank's ``S`` elements."""
-
-    start: int
-    stop: int
-    local_offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-
-def piece_shape(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
-    """Shape a contiguous piece ``[start, stop)`` of a leaf is viewed with.
-
-    Whole slices along dim 0 keep their trailing shape (``(k, *shape[1:])``); whole rows of
-    the last dimension become ``(k, shape[-1])``; anything else is flat.
-
-    Examples:
-        >>> piece_shape((4, 3, 2), 6, 18), piece_shape((4, 3, 2), 2, 8), piece_shape((4, 3, 2), 1, 4)
-        ((2, 3, 2), (3, 2), (3,))
-    """
-    n = stop - start
-    if len(shape) == 0:
-        return () if n == 1 else (n,)
-    inner = math.prod(shape[1:])
-    if inner > 0 and start % inner == 0 and n % inner == 0:
-        return (n // inner, *shape[1:])
-    if len(shape) >= 2:
-        row = shape[-1]
-        if row > 0 and start % row == 0 and n % row == 0:
-            return (n // row, row)
-    return (n,)
+__all__ = ["LeafLayout", "LocalPiece", "LayoutPlan", "ShardRange", "piece_shape"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -399,8 +297,8 @@ class LayoutPlan:
             str(self.dtype),
             self.align,
             self.strategy,
-            [(l.path, l.index, l.shape, str(l.dtype), l.offset, l.granule, repr(l.spec)) for l in self.leaves],
-            [(l.path, l.index, l.shape, str(l.dtype), l.offset, repr(l.spec)) for l in self.replicated],
+            [(l.path, l.index, l.shape, str(l.dtype), l.offset, l.granule, repr(l.granularity)) for l in self.leaves],
+            [(l.path, l.index, l.shape, str(l.dtype), l.offset, repr(l.granularity)) for l in self.replicated],
             str(self.treedef),
         )
         if len(self.buffers) > 1:  # single-buffer fingerprints stay what they were

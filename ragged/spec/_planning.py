@@ -26,9 +26,10 @@ import optree
 import torch
 
 from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
-from ragged._pytree import key_mismatch, keystr
+from ragged._pytree import keystr
 from ragged.spec import _buffers, _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
+from ragged.spec._spec_tree import broadcast_specs
 from ragged.spec._plan import LayoutPlan, LeafLayout
 
 __all__ = ["make_plan", "STRATEGIES", "ORDERS"]
@@ -53,7 +54,7 @@ def _leaf_shape_dtype(path: str, leaf):
 
 def _spec_leaves(specs, params, treedef, n: int) -> list:
     """One granularity per params leaf. Fast paths for the common cases (one spec for all
-    leaves; a full spec tree); prefixes and every error go through `_broadcast_specs`."""
+    leaves; a full spec tree); prefixes and every error go through :func:`broadcast_specs`."""
     if specs is None:
         return [_DEFAULT] * n
     if isinstance(specs, GRANULARITY_TYPES):
@@ -62,33 +63,18 @@ def _spec_leaves(specs, params, treedef, n: int) -> list:
         flat = treedef.flatten_up_to(specs)
     except ValueError:
         flat = None
-    if flat is not None and all(s is None or isinstance(s, GRANULARITY_TYPES) for s in flat):
-        return [_DEFAULT if s is None else s for s in flat]
-    return treedef.flatten_up_to(_broadcast_specs(specs, params))
+    if flat is None or not all(s is None or isinstance(s, GRANULARITY_TYPES) for s in flat):
+        flat = broadcast_specs(specs, params, treedef, check_leaf=_check_granularity, none_means="Rows(1)")
+    return [_DEFAULT if s is None else s for s in flat]
 
 
-def _broadcast_specs(specs, params):
-    if specs is None:
-        return None
-    specs = optree.tree_map(lambda s: _DEFAULT if s is None else s, specs, none_is_leaf=True, namespace="ragged")
-    for accessor, s in zip(*optree.tree_flatten_with_accessor(specs, namespace="ragged")[:2]):
-        if not isinstance(s, GRANULARITY_TYPES):
-            raise RaggedTypeError(
-                f"specs{keystr(accessor)} is {s!r} of type {type(s).__name__}, not a granularity. "
-                "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
-                "spec.Replicate() or None (= Rows(1))."
-            )
-    try:
-        return optree.tree_broadcast_prefix(specs, params, namespace="ragged")
-    except ValueError:
-        errors = optree.prefix_errors(specs, params, namespace="ragged")
-        if errors:
-            said = key_mismatch(specs, params, prefix_name="specs", full_name="params") or errors[0]("specs")
-            raise RaggedValueError(
-                f"{str(said).rstrip('.')}.\nFix: give specs the structure of params, or a prefix of it (one spec stands for "
-                "a whole subtree, e.g. {'layers': spec.Rows(1)}); None leaves mean Rows(1)."
-            ) from None
-        raise
+def _check_granularity(path: str, s) -> None:
+    if s is not None and not isinstance(s, GRANULARITY_TYPES):
+        raise RaggedTypeError(
+            f"specs{path} is {s!r} of type {type(s).__name__}, not a granularity. "
+            "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
+            "spec.Replicate() or None (= Rows(1))."
+        )
 
 
 @functools.lru_cache(maxsize=256)
@@ -363,7 +349,7 @@ def make_plan(
             offset=offset,
             numel=numel,
             granule=granule,
-            spec=spec_leaves[index],
+            granularity=spec_leaves[index],
         )
 
     rep_layouts, rep_offset = [], 0

@@ -77,6 +77,9 @@ def weighted_square_sums(plan: LayoutPlan, data: torch.Tensor, replicated: torch
     """``(sum over rank's shard, sum over the replicated buffer)`` of ``weight(leaf) * x**2`` in
     float64, leaf weights by index (default 1). For norms over several mesh axes: a leaf copied
     on an axis of size k gets weight 1/k there, so summing over that axis counts it once."""
+    if not weights:  # every weight 1: padding is zero, so whole buffers (no index tensors)
+        return (torch.sum(torch.square(data.to(torch.float64))),
+                torch.sum(torch.square(replicated.to(torch.float64))))
     groups: dict[float, set[int]] = {}
     for leaf in plan.leaves + plan.replicated:
         groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)

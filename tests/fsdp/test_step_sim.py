@@ -419,8 +419,8 @@ def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
     want = torch.sqrt(sum((p.detach() ** 2).sum() for p in model.parameters()))
 
     def fn(comm):
-        shards = fsdp.shard(units, model, comm)
-        return fsdp.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
+        shards = rg.shard(units, model, comm)
+        return rg.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
 
     for mine, theirs in rg.collectives.simulate(2, fn):
         torch.testing.assert_close(mine, want.to(mine.dtype), rtol=1e-12, atol=0)

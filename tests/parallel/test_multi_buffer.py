@@ -56,14 +56,14 @@ def _mixed():
 
 
 def _roundtrip(mc, mplan, params, gplan):
-    d = parallel.shard(mplan, params, mc)
-    local = parallel.gather(d, mc)
+    d = rg.shard(mplan, params, mc)
+    local = rg.gather(mplan, d, mc)
     same_local = all(torch.equal(a, b) for a, b in zip(rg.pytree.leaves(local),
-                                                       rg.pytree.leaves(parallel.local_params(mplan, params, mc.coords))))
+                                                       rg.pytree.leaves(parallel.parts(mplan, params, mc.coords))))
     g = parallel.to_global(mplan, d, mc, plan=gplan)
     same_global = torch.equal(g.data, rg.shard(gplan, params, rank=mc.world.rank).data)
     back = parallel.from_global(mplan, g, mc)
-    norm = parallel.global_norm(mplan, d, mc)
+    norm = rg.global_norm(mplan, d, mc)
     return (parallel.full_params(mplan, d, mc), same_local, same_global,
             torch.equal(back.data, d.data) and torch.equal(back.replicated, d.replicated), norm)
 

@@ -27,6 +27,7 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model dense --world 2 --policy bf16
     python3 bench/step.py --model 120m --world 2 --repeats 3 --no-local --no-donate
     python3 bench/step.py --model hf-llama --world 2 --repeats 5   # HF LlamaForCausalLM, the sizes of "dense"
+    python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 15   # max_buffers="auto" vs 1
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 """
@@ -34,7 +35,6 @@ On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -107,6 +107,8 @@ def _bench(rank, world, backend, opts):
     ac = opts.get("checkpoint", False)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, checkpoint=ac, **rkw, **kw),
                "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
+    if opts.get("auto_buffers"):  # the same ragged step on units planned with max_buffers="auto"
+        methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
@@ -161,6 +163,10 @@ def _bench(rank, world, backend, opts):
         extra["ragged_padding"] = sum(u.plan.padding for u in units)
         extra["numel"] = sum(u.plan.numel for u in units)
         extra["num_gathers"] = methods["ragged"].metrics.get("num_gathers")
+    if "ragged-auto" in methods:
+        units = methods["ragged-auto"].units
+        extra["auto_padding"] = sum(u.plan.padding for u in units)
+        extra["auto_buffers"] = [u.plan.num_buffers for u in units]
     return dict(times=times, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
 
 
@@ -206,6 +212,19 @@ def summarize(model: str, world: int, results, opts) -> dict:
     return out
 
 
+def _ci(summary, a, b, n=2000) -> str:
+    """Bootstrap 95% CI of the paired median ratio a/b (seeded: the same numbers every time)."""
+    import random
+
+    ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
+    ratios = [x / y for x, y in zip(ta, tb)]
+    if len(ratios) < 3:
+        return ""
+    rnd = random.Random(0)
+    meds = sorted(statistics.median(rnd.choices(ratios, k=len(ratios))) for _ in range(n))
+    return f"[95% CI {meds[int(0.025 * n)]:.3f}-{meds[int(0.975 * n)]:.3f}]"
+
+
 def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
     """Median over repeats of a's time / b's time in the same repeat (both ran back to back,
     so slow phases of a shared machine hit both): steadier than the ratio of medians."""
@@ -249,6 +268,12 @@ def render(summary, console=None):
                      f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
+        if "ragged-auto" in ms:
+            t.caption += (f"\npaired step-time ratio ragged-auto/ragged (units planned with max_buffers='auto': buffers "
+                          f"per unit {summary['extra'].get('auto_buffers')}, padding "
+                          f"{summary['extra'].get('auto_padding', 0):,}): {paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x"
+                          f" {_ci(summary, 'ragged-auto', 'ragged')}; ragged-auto/fsdp2: "
+                          f"{paired_ratio(summary, 'ragged-auto', 'fsdp2'):.2f}x")
     console.print(t)
     for name, m in ms.items():
         if m.get("peak_where"):
@@ -297,6 +322,9 @@ def markdown(summary) -> str:
             f"{r(a['comm'].get('reduce_scatter', 0), b['comm'].get('reduce_scatter', 0))} | "
             f"{r(a['copies_ms'], b['copies_ms'])} |")
         lines.append(f"\nPaired step-time ratio (median of per-repeat ragged/fsdp2): **{paired_ratio(summary):.2f}x**.")
+        if "ragged-auto" in ms:
+            lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
+                         f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")
     return "\n".join(lines)
 
 
@@ -321,6 +349,9 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute every block in backward, in both: ragged through examples.gpt.loss_fn(checkpoint=True), "
                          "FSDP2 through torch.distributed._composable.checkpoint on every block")
+    ap.add_argument("--auto-buffers", action="store_true",
+                    help="also time ragged with units planned by make_units(max_buffers='auto') (method ragged-auto), "
+                         "paired against the single-buffer ragged in the same repeats")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",
@@ -347,7 +378,7 @@ def main(argv=None) -> int:
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
                 keep_module=args.keep_module,
-                checkpoint=args.activation_checkpointing)
+                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

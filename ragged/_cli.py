@@ -229,6 +229,8 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
                    help="rows:N | elements:N | blocks:RxC")
     p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp", help="planner")
+    p.add_argument("--max-buffers", type=_max_buffers, default="auto", metavar="K|auto",
+                   help="buffers per unit: auto (up to 8, README \"Planning\") or an int (1: one buffer per unit)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype")
     p.add_argument("--align", type=int_at_least(1), default=None,
                    help="offset alignment in elements (default: 16 bytes of --dtype)")
@@ -272,21 +274,34 @@ def _world_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B)") from None
 
 
+def _max_buffers(text: str):
+    if text == "auto":
+        return text
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"max buffers {text!r} must be 'auto' or a positive int")
+
+
 def _lower_bound(plan) -> int:
     lo = -(-plan.numel // plan.world_size)
     return -(-lo // plan.align) * plan.align
 
 
-def forcing_leaves(plan):
-    """Leaves too long to cross only one rank boundary at the ideal shard size
-    ``ceil(numel / m)``: each forces S to a multiple of its granule (see ``_search`` note).
+def forcing_leaves(plan, leaves=None):
+    """Leaves (of ``leaves``, default all: one buffer) too long to cross only one rank boundary
+    at their buffer's ideal shard size ``ceil(numel / m)``: each forces S to a multiple of its
+    granule (see ``_search`` note).
 
     Returns:
         ``(leaves, step)``: the forcing leaves and the lcm of ``align`` and their granules.
     """
-    S = max(_lower_bound(plan), 1)
+    leaves = plan.leaves if leaves is None else leaves
+    S = max(-(-(-(-sum(l.numel for l in leaves) // plan.world_size)) // plan.align) * plan.align, 1)
     forced, step = [], plan.align
-    for leaf in plan.leaves:
+    for leaf in leaves:
         L = math.lcm(leaf.granule, plan.align)
         if leaf.numel > leaf.granule and leaf.numel > S + (S // L) * L:
             forced.append(leaf)
@@ -298,7 +313,8 @@ def _merged(params, k: int):
     return {f"layer{i}": params for i in range(k)}
 
 
-def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated: int, threshold: float):
+def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated: int, threshold: float,
+                    max_buffers=1):
     """Why a unit's padding is large and what would fix it, with numbers.
 
     Every suggestion is planned, not guessed (see [Note: only verified fixes]).
@@ -315,10 +331,18 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
     from ragged.spec import Rows, make_plan
 
     m = plan.world_size
-    forced, step = forcing_leaves(plan)
     lines = []
+    forced, step = forcing_leaves(plan) if plan.num_buffers == 1 else ((), plan.align)
+    for b, (_, size) in enumerate(plan.buffers if plan.num_buffers > 1 else ()):
+        members = [l for l in plan.leaves if plan.buffer_index(l.offset) == b]
+        in_b, step_b = forcing_leaves(plan, members)
+        lines.append(f"buffer {b} ({len(members)} leaves, S_b={size}): "
+                     + (f"{len(in_b)} leaves longer than 2*S_b force S_b to a multiple of {step_b}" if in_b
+                        else "no leaf forces S_b"))
     ideal = _lower_bound(plan)
-    if forced:
+    if plan.num_buffers > 1:
+        pass  # one line per buffer above
+    elif forced:
         shown = sorted(forced, key=lambda l: (-l.granule, l.path))[:4]
         listing = ", ".join(f"{l.path} {l.shape} granule {l.granule}" for l in shown)
         more = f", +{len(forced) - len(shown)} more" if len(forced) > len(shown) else ""
@@ -337,7 +361,8 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
         lines.append(f"no leaf forces S (S={plan.shard_size}, ideal {ideal}); large granules relative to S cost the rest.")
 
     def overhead(params, unit_specs, world_size):
-        return make_plan(params, unit_specs, world_size=world_size, strategy=strategy, align=align).overhead
+        return make_plan(params, unit_specs, world_size=world_size, strategy=strategy, align=align,
+                         max_buffers=max_buffers).overhead
 
     # Each family of changes, mildest first: (label, padding) until one reaches the threshold.
     families = []
@@ -410,7 +435,7 @@ def run_plan(args) -> int:
     console.print(
         f"[bold]{source}[/]: {len(units)} FSDP units ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}), "
         f"{sum(unit_numel(u) for u in units) / 1e9:.2f}B parameters, granularity {gtext}, strategy {args.strategy}, "
-        f"dtype {args.dtype}"
+        f"dtype {args.dtype}, max buffers {args.max_buffers}"
     )
     totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
     warnings = []
@@ -419,7 +444,7 @@ def run_plan(args) -> int:
         table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
                             f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
                       header_style="bold", title_justify="left")
-        for col in ("m", "S (ragged)", "ragged", *spec.PEERS, "planner time"):
+        for col in ("m", "S (ragged)", "buffers", "ragged", *spec.PEERS, "planner time"):
             table.add_column(col, justify="right")
         for m in args.world_size:
             t0 = time.perf_counter()
@@ -427,7 +452,8 @@ def run_plan(args) -> int:
             for unit in members:
                 specs, notes = unit_specs(unit.params, args.granularity)
                 all_notes.update(f"{kind}: {n}" for n in notes)
-                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align))
+                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
+                                            max_buffers=1 if args.strategy == "naive" else args.max_buffers))
             elapsed = time.perf_counter() - t0
             peers = spec.peer_padding(members[0].params, m)
             tot = totals[m]
@@ -439,19 +465,20 @@ def run_plan(args) -> int:
             worst = max(plans, key=lambda p: p.overhead)
             style = "bold red" if worst.overhead * 100 > args.warn_above else "green"
             split = f" ({worst.split_blocks} split)" if worst.split_blocks else ""
-            table.add_row(str(m), str(worst.shard_size), f"[{style}]{worst.overhead:.2%}[/]{split}",
+            table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
                           *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
             if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
                 specs, _ = unit_specs(members[0].params, args.granularity)
                 lines, fixes, reductions = explain_padding(members[0], worst, specs, granularity=args.granularity,
                                                            strategy=args.strategy, align=args.align,
-                                                           repeated=len(members), threshold=args.warn_above)
+                                                           repeated=len(members), threshold=args.warn_above,
+                                                           max_buffers=args.max_buffers)
                 warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
         console.print(table)
         if args.visualize:
             specs, _ = unit_specs(members[0].params, args.granularity)
             plan = spec.make_plan(members[0].params, specs, world_size=args.world_size[0], strategy=args.strategy,
-                                  align=args.align)
+                                  align=args.align, max_buffers=1 if args.strategy == "naive" else args.max_buffers)
             console.print(visualize(plan, max_ranks=8))
     summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
     for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):

@@ -63,7 +63,7 @@ from ragged.fsdp._device import COMPUTE, GATHER, REDUCE, streams_for
 from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._schedule import Observation
-from ragged.transforms import reduce_scatter_wait
+from ragged.transforms import all_gather_flat, reduce_scatter_wait
 from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
 __all__ = ["Run", "ENGINE_THREADS_MSG"]
@@ -193,10 +193,10 @@ class Run:
         with streams.on(GATHER):
             if u.state is UnitState.FREE:
                 self._materialize(i)
-            data = self.shards[self.layouts[i].name].data
-            u.source = data if data.dtype == u.flat.dtype else data.to(u.flat.dtype)
+            shard = self.shards[self.layouts[i].name]
+            u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
             self._issued(label)
-            work = self.comm.all_gather_into(u.flat, u.source, async_op=True)
+            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True)
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)

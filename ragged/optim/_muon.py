@@ -201,7 +201,7 @@ class _Wave:
 
 
 def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: int) -> tuple[_Wave, ...]:
-    S, m = plan.shard_size, plan.world_size
+    m = plan.world_size
     n = max(1, min(num_waves, len(units)))
     # contiguous groups of units in buffer order, balanced by element count
     total = sum(u.numel for u in units) or 1
@@ -221,28 +221,30 @@ def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: 
                 off += u.numel
         owned_off = {u.start: o for u, o in owned}
         send_spans, send_splits, recv_spans, recv_splits = [], [], [], []
-        lo_me, hi_me = rank * S, (rank + 1) * S
+        mine = plan.shard_ranges(rank)  # one global range per buffer (a matrix lies in one buffer)
         recv_at = 0
         for j in range(m):
             k = 0
             for u in group:  # what I hold of units owned by j
                 if u.owner != j:
                     continue
-                lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
-                if lo < hi:
-                    send_spans.append((lo - lo_me, hi - lo))
-                    k += hi - lo
+                for lo_me, hi_me, local in mine:
+                    lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
+                    if lo < hi:
+                        send_spans.append((local + lo - lo_me, hi - lo))
+                        k += hi - lo
             send_splits.append(k)
             k = 0
-            lo_j, hi_j = j * S, (j + 1) * S
+            theirs = plan.shard_ranges(j)
             for u in group:  # what j holds of units I own
                 if u.owner != rank:
                     continue
-                lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
-                if lo < hi:
-                    recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
-                    recv_at += hi - lo
-                    k += hi - lo
+                for lo_j, hi_j, _ in theirs:
+                    lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
+                    if lo < hi:
+                        recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
+                        recv_at += hi - lo
+                        k += hi - lo
             recv_splits.append(k)
         waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)

@@ -101,11 +101,13 @@ def _exchange_counts(world, counts: torch.Tensor) -> torch.Tensor:
     return recv
 
 
-def _sorted_by_owner(positions: torch.Tensor, S: int, W: int):
-    owner = torch.div(positions, S, rounding_mode="floor")
+def _sorted_by_owner(positions: torch.Tensor, plan: LayoutPlan, W: int):
+    """(order by owner, per-owner counts, offsets in the owners' shards) of global ``positions``
+    of ``plan`` (any number of buffers: ``plan.locate``)."""
+    owner, local = plan.locate(positions)
     order = torch.argsort(owner, stable=True)
     counts = torch.bincount(owner, minlength=W) if positions.numel() else torch.zeros(W, dtype=torch.int64)
-    return order, counts
+    return order, counts, local
 
 
 def _check(mplan, mcomm, where):
@@ -148,11 +150,10 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     if gplan.world_size != W:
         raise RaggedValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
     src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
-    order, counts = _sorted_by_owner(dst, Sg, W)
-    src, dst = src[order], dst[order]
+    order, counts, local = _sorted_by_owner(dst, gplan, W)
+    src, send_pos = src[order], local[order]
     recv_counts = _exchange_counts(world, counts)
     n_in = int(recv_counts.sum())
-    send_pos = dst - torch.div(dst, Sg, rounding_mode="floor") * Sg
     recv_pos = torch.empty(n_in, dtype=torch.int64)
     world.all_to_all(recv_pos, send_pos, recv_counts.tolist(), counts.tolist())
 
@@ -212,13 +213,12 @@ def from_global(mplan: MeshPlan, tree, mcomm):
             )
         if gplan not in cache:
             _check_same_leaves(mplan, gplan)
-            Sg = gplan.shard_size
             dst, need = _local_map(mplan, gplan, _coords_key(mcomm.coords), False)
-            order, counts = _sorted_by_owner(need, Sg, W)
-            dst, need = dst[order], need[order]
+            order, counts, local = _sorted_by_owner(need, gplan, W)
+            dst, local = dst[order], local[order]
             recv_counts = _exchange_counts(world, counts)
             req = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-            world.all_to_all(req, need - torch.div(need, Sg, rounding_mode="floor") * Sg, recv_counts.tolist(), counts.tolist())
+            world.all_to_all(req, local, recv_counts.tolist(), counts.tolist())
             cache[gplan] = (dst, counts, recv_counts, req)
         dst, counts, recv_counts, req = cache[gplan]
         src = d.data.detach()

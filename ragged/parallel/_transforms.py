@@ -23,8 +23,7 @@ import optree
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._pytree import pytree
-from ragged.spec._mesh import MeshLeaf, MeshPlan, local_part
+from ragged.spec._mesh import MeshPlan, local_part
 from ragged.transforms import gather as _gather
 from ragged.transforms import reduce_scatter as _reduce_scatter
 from ragged.transforms import shard as _shard

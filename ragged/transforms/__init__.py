@@ -1,5 +1,7 @@
 """Transforms over plans and DBuffers: shard, gather, reduce_scatter, redistribute."""
 
+from ragged.transforms._flat import all_gather_flat as all_gather_flat
+from ragged.transforms._flat import reduce_scatter_flat as reduce_scatter_flat
 from ragged.transforms._gather import GatherPending as GatherPending
 from ragged.transforms._gather import gather as gather
 from ragged.transforms._gather import gather_start as gather_start

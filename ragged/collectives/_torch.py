@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op
+from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op, completed
 from ragged._errors import RaggedValueError
 
 __all__ = ["TorchCollectives", "from_torch"]
@@ -68,6 +68,12 @@ class _Work:
         if self._finish is not None:
             self._finish()
         self._done = True
+
+    def is_completed(self) -> bool:
+        """Every op has finished (the local finaliser, if any, still runs at ``wait()``). The
+        fake process group's works are done on return (its collectives move no data), though
+        they never say so."""
+        return self._done or all(type(w).__name__ == "FakeWork" or completed(w) for w in self._works)
 
 
 def _result(work: _Work, async_op: bool):

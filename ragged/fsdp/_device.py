@@ -54,7 +54,7 @@ import contextlib
 
 import torch
 
-__all__ = ["COMPUTE", "GATHER", "REDUCE", "HostStreams", "CudaStreams", "streams_for"]
+__all__ = ["COMPUTE", "GATHER", "REDUCE", "HostStreams", "CudaStreams", "CudaApi", "streams_for"]
 
 COMPUTE, GATHER, REDUCE = "compute", "gather", "reduce"
 _NULL = contextlib.nullcontext()
@@ -101,12 +101,22 @@ class HostStreams:
         """``stream`` reads (or writes) buffer ``key`` now."""
 
 
+class CudaApi:
+    """The ``torch.cuda`` calls :class:`CudaStreams` makes (a test passes a recording stand-in)."""
+
+    current_device = staticmethod(lambda: torch.cuda.current_device())
+    current_stream = staticmethod(lambda index: torch.cuda.current_stream(index))
+    new_stream = staticmethod(lambda index: torch.cuda.Stream(index, priority=-1))  # high priority, as FSDP2's
+    stream = staticmethod(lambda s: torch.cuda.stream(s))
+
+
 class CudaStreams(HostStreams):
     """Compute (the current stream at the call), gather and reduce streams of one CUDA device."""
 
-    def __init__(self, device: torch.device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.streams = {COMPUTE: torch.cuda.current_stream(index), **_side_streams(index)}
+    def __init__(self, device: torch.device, api=CudaApi):
+        self.api = api
+        index = device.index if device.index is not None else api.current_device()
+        self.streams = {COMPUTE: api.current_stream(index), **_side_streams(api, index)}
 
     def begin_call(self):
         ev = self.record(COMPUTE)
@@ -118,7 +128,7 @@ class CudaStreams(HostStreams):
         self.wait(COMPUTE, self.record(REDUCE))
 
     def on(self, stream):
-        return _NULL if stream == COMPUTE else torch.cuda.stream(self.streams[stream])
+        return _NULL if stream == COMPUTE else self.api.stream(self.streams[stream])
 
     def record(self, stream):
         return self.streams[stream].record_event()
@@ -135,15 +145,16 @@ class CudaStreams(HostStreams):
         self.wait(stream, pending)
 
 
-_SIDE: dict[int, dict] = {}
+_SIDE: dict = {}
 
 
-def _side_streams(index: int) -> dict:
+def _side_streams(api, index: int) -> dict:
     """One gather and one reduce stream per device, for the process (like FSDP2's per-state
     streams; created on first use)."""
-    if index not in _SIDE:
-        _SIDE[index] = {GATHER: torch.cuda.Stream(index, priority=-1), REDUCE: torch.cuda.Stream(index, priority=-1)}
-    return _SIDE[index]
+    key = (id(api), index)
+    if key not in _SIDE:
+        _SIDE[key] = {GATHER: api.new_stream(index), REDUCE: api.new_stream(index)}
+    return _SIDE[key]
 
 
 HOST = HostStreams()

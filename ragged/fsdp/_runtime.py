@@ -44,6 +44,21 @@ and cheap: on CUDA the kernels of the nodes before a marker are only queued when
 what an event frees is ordered by the stream events of [Note: streams and lifetimes] in
 ``_device.py``, not by the host.
 
+[Note: when a flat gradient buffer is freed]
+A unit's flat gradient buffer (from the pool, see [Note: reusing unit buffers] in ``_pool.py``)
+is taken when its first gradient arrives and given back when its reduce-scatter, which reads
+it, is waited. That happens at the latest when ``max_inflight_reduce`` are in flight and another
+starts (the bound: the host waits, on CUDA the compute stream), and as soon as the handle says
+the collective is done otherwise: finished reduce-scatters are waited before a unit takes a new
+buffer and at every backward event, so with a fast network one buffer fills while none is in
+flight. Results do not depend on when (each unit's parts are accumulated in issue order); the
+memory does, within that bound. A unit whose gradients arrive at both ends of backward (the
+head and the embedding in one unit) holds autograd's leaf gradients instead of a buffer in
+between (the learnt ``lazy`` hint: a held head gradient is smaller than the unit), and copies
+them into its buffer at the event before the segment that makes its last ones, after waiting
+for the reduce-scatters in flight: at the end of backward only its buffer and the last
+gradients are alive (``Run._unhold``).
+
 [Note: the runtime's own torch calls]
 Backward runs with the function mode active (see [Note: backward under the mode] in
 ``_intercept.py``), so the runtime's own copies and collectives would be seen as reads;
@@ -59,6 +74,7 @@ import threading
 import torch
 
 from ragged._errors import RaggedError
+from ragged.collectives._base import completed
 from ragged.fsdp._device import COMPUTE, GATHER, REDUCE, streams_for
 from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
@@ -75,6 +91,9 @@ ENGINE_THREADS_MSG = (
     "ragged/fsdp/_runtime.py). Every rank raises this, before any parameter changes. Fix: keep the model, its "
     "loss and the batch on the step's device (comm.device)."
 )
+
+
+_thread_id = threading.get_ident  # (a test replaces it)
 
 
 class Run:
@@ -138,7 +157,7 @@ class Run:
 
     def in_engine(self):
         """A callback from inside the autograd engine: see [Note: the marker argument on CUDA]."""
-        t = threading.get_ident()
+        t = _thread_id()
         if self.engine_thread is None:
             self.engine_thread = t
         elif t != self.engine_thread:
@@ -171,9 +190,10 @@ class Run:
     def _dematerialize(self, i: int):
         """Unit ``i``'s storage is released once the gather stream is past every read so far."""
         u, streams = self.units[i], self.streams
-        fence = streams.record(COMPUTE)
         if u.block is not None:
             streams.access(COMPUTE, u.block.key)  # the last read of this unit's parameters was queued before
+        fence = streams.record(COMPUTE)
+        if u.block is not None:
             detach(u.flat.untyped_storage(), u.block)
             self.pool.give(u.block, (fence,))
             u.block = None
@@ -377,6 +397,7 @@ class Run:
     def reached(self, e: int):
         """Processes events down to ``e`` (each proven: see [Note: markers and tags])."""
         self._prefetch_pending()
+        self._finish_completed()
         while self.event > max(e, 0):
             self.event -= 1
             reduces, frees, gathers = self.program.backward[self.event]
@@ -447,6 +468,7 @@ class Run:
         u, lay = self.units[i], self.layouts[i]
         g = u.late if late else u.grad
         if g is None:
+            self._finish_completed()  # their buffers first
             block = self.pool.take(lay.nbytes, COMPUTE)
             g = block.tensor(lay.dtype, lay.numel)
             self.streams.access(COMPUTE, block.key, write=True)
@@ -549,7 +571,9 @@ class Run:
                     streams.access(REDUCE, b.key)
             pending = _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
                                             agreed=True)
-            read = streams.record(REDUCE)
+            read = streams.record(REDUCE)  # after the casts: the copies are all the collectives read
+            for h in pending.handles:
+                streams.issued(REDUCE, h)
         gblock, rblock = blocks
         if rblock is not None:
             self.pool.give(rblock, (read,))
@@ -578,6 +602,12 @@ class Run:
 
     def _finish_inflight(self):
         while self.rs_pending:
+            self.finish_oldest_reduce()
+
+    def _finish_completed(self):
+        """Finishes the oldest reduce-scatters that are already done (see [Note: when a flat
+        gradient buffer is freed])."""
+        while self.rs_pending and all(completed(h) for h in self.rs_pending[0][1].handles):
             self.finish_oldest_reduce()
 
     def finish_reduces(self):

@@ -192,26 +192,30 @@ def profile_step(fn, *, device: torch.device):
     """Runs ``fn()`` once under torch's profiler.
 
     Returns:
-        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where)``: the largest rise of allocated CPU bytes
-        during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
+        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where, reserved_rise_bytes)``: the largest rise of
+        allocated CPU bytes during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
         host time of every labelled range (``FSDP::...`` / ``ragged::...`` / optimizer step,
         summed by label with the module fqn stripped; time in nested labelled ranges is
         subtracted); and the host time of copy / reduction ops, keyed ``"op @ label"`` by the
         innermost labelled range they run in; and where the memory peak was reached (CPU: the
-        innermost labelled ranges and op running at that moment).
+        innermost labelled ranges and op running at that moment); CUDA only (else ``None``): how
+        much the caching allocator's reserve rose during the call, from a reserve emptied of cached
+        blocks first (``empty_cache``), so a method is not credited with blocks another one freed.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    peak_where = ""
+    peak_where, reserved = "", None
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
     else:
         kevents = prof.profiler.kineto_results.events()
         events = sorted((e.start_ns(), e.nbytes()) for e in kevents if e.name() == "[memory]")
@@ -249,7 +253,7 @@ def profile_step(fn, *, device: torch.device):
                 p = p.cpu_parent
             if where is not None:
                 copies[f"{e.name} @ {where}"] += e.cpu_time_total / 1e3
-    return peak, dict(ranges), dict(copies), peak_where
+    return peak, dict(ranges), dict(copies), peak_where, reserved
 
 
 def _site(chain: tuple) -> str:

@@ -154,9 +154,9 @@ def _bench(rank, world, backend, opts):
         state = storage_bytes(m.state_tensors())
         torch.distributed.barrier()
         with ragged_labels():
-            peak, ranges, copies, where = profile_step(lambda: m.step(b), device=device)
+            peak, ranges, copies, where, reserved = profile_step(lambda: m.step(b), device=device)
         prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies, peak_where=where,
-                          opt_bytes=m.optimizer_state_bytes())
+                          opt_bytes=m.optimizer_state_bytes(), reserved_rise_bytes=reserved)
     extra = {}
     if "ragged" in methods:
         units = methods["ragged"].units
@@ -203,9 +203,12 @@ def summarize(model: str, world: int, results, opts) -> dict:
         state = max(res["prof"][name]["state_bytes"] for res in results)
         opt_bytes = max(res["prof"][name]["opt_bytes"] for res in results)
         rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
+        reserved = [res["prof"][name]["state_bytes"] + res["prof"][name]["reserved_rise_bytes"] for res in results
+                    if res["prof"][name].get("reserved_rise_bytes") is not None]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
+            reserved_peak_bytes=max(reserved) if reserved else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
             ranges=r0["prof"][name]["ranges"], peak_where=r0["prof"][name].get("peak_where", ""), copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
@@ -225,6 +228,18 @@ def _ci(summary, a, b, n=2000) -> str:
     return f"[95% CI {meds[int(0.025 * n)]:.3f}-{meds[int(0.975 * n)]:.3f}]"
 
 
+def ratios_text(summary) -> str:
+    """The step-time ratios a reader wants: ragged / FSDP2 paired (with its bootstrap CI) and, with
+    the unsharded method, ragged / local on medians and paired."""
+    ms = summary["methods"]
+    text = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
+            f"{paired_ratio(summary):.3f}x {_ci(summary, 'ragged', 'fsdp2')}")
+    if "local" in ms:
+        text += (f"; ragged / unsharded: {ms['ragged']['median_s'] / ms['local']['median_s']:.3f}x on medians, "
+                 f"{paired_ratio(summary, 'ragged', 'local'):.3f}x paired {_ci(summary, 'ragged', 'local')}")
+    return text
+
+
 def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
     """Median over repeats of a's time / b's time in the same repeat (both ran back to back,
     so slow phases of a shared machine hit both): steadier than the ratio of medians."""
@@ -240,8 +255,9 @@ def render(summary, console=None):
     ms = summary["methods"]
     t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
     for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
-                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
+                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms") + (("peak reserved MiB/rank",) if reserved else ()):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
         c = m["comm"]
@@ -249,7 +265,8 @@ def render(summary, console=None):
                   f"{m['tokens_per_s']:,.0f}", _fmt_mib(m["peak_bytes"]),
                   f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
-                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}")
+                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}",
+                  *((_fmt_mib(m["reserved_peak_bytes"]) if m.get("reserved_peak_bytes") is not None else "-",) if reserved else ()))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -261,10 +278,10 @@ def render(summary, console=None):
                   ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
-                  ratio(a["copies_ms"], b["copies_ms"]))
+                  ratio(a["copies_ms"], b["copies_ms"]),
+                  *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-        t.caption = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
-                     f"{paired_ratio(summary):.2f}x\n"
+        t.caption = (f"{ratios_text(summary)}\n"
                      f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
@@ -296,18 +313,22 @@ def render(summary, console=None):
 def markdown(summary) -> str:
     """The step table as GitHub markdown (for the README)."""
     ms = summary["methods"]
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
     head = ("| method | step ms median (min-max) | tokens/s | peak alloc MiB/rank (state + step rise) | "
-            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |")
+            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |"
+            + (" peak reserved MiB/rank |" if reserved else ""))
     lines = [f"{summary['model']}, W={summary['world']}, {summary['policy']}, {summary['optim']}, "
-             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * 9]
+             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * (9 + reserved)]
     for name, m in ms.items():
         c = m["comm"]
         rss_mib = _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-"
+        res = m.get("reserved_peak_bytes")
         lines.append(
             f"| {name} | {m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f}) | "
             f"{m['tokens_per_s']:,.0f} | {_fmt_mib(m['peak_bytes'])} ({_fmt_mib(m['state_bytes'])} + "
             f"{_fmt_mib(m['peak_bytes'] - m['state_bytes'])}) | {_fmt_mib(m['opt_bytes'])} | {rss_mib} | "
-            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |")
+            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |"
+            + ((f" {_fmt_mib(res)} |" if res is not None else " - |") if reserved else ""))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -320,8 +341,9 @@ def markdown(summary) -> str:
             f"{r(a['rss_rise_bytes'] or 0, b['rss_rise_bytes'] or 0)} | "
             f"{r(a['comm'].get('all_gather', 0), b['comm'].get('all_gather', 0))} | "
             f"{r(a['comm'].get('reduce_scatter', 0), b['comm'].get('reduce_scatter', 0))} | "
-            f"{r(a['copies_ms'], b['copies_ms'])} |")
-        lines.append(f"\nPaired step-time ratio (median of per-repeat ragged/fsdp2): **{paired_ratio(summary):.2f}x**.")
+            f"{r(a['copies_ms'], b['copies_ms'])} |"
+            + (f" {r(a.get('reserved_peak_bytes') or 0, b.get('reserved_peak_bytes') or 0)} |" if reserved else ""))
+        lines.append(f"\n{ratios_text(summary)}")
         if "ragged-auto" in ms:
             lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
                          f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")

@@ -67,7 +67,7 @@ class FakeCudaApi:
         return 0
 
     def current_stream(self, index):
-        return self.compute
+        return self.by_name[self.current_name()]
 
     def new_stream(self, index):
         s = FakeStream(self, next(self._made))

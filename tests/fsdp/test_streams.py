@@ -105,3 +105,16 @@ def test_a_backward_on_two_autograd_threads_is_refused_on_every_rank(monkeypatch
     monkeypatch.setattr(_runtime, "_thread_id", thread_id)
     with pytest.raises(rg.RaggedError, match="more than one thread"):
         rg.collectives.simulate(2, fsdp_run, Case(num_layers=3, steps=1))
+
+
+def test_the_cuda_checks_pass_on_the_cpu_with_fake_streams():
+    """``tests/fsdp/test_streams_cuda.py``'s one worker, run on a 1-rank gloo group with the fake
+    streams: the code the GPU check runs is exercised here too, with the same assertions."""
+    from bench._launch import launch
+    from tests.fsdp import test_streams_cuda as on_gpu
+
+    results = launch(1, on_gpu._checks, True, backend="gloo", timeout=600)[0]
+    on_gpu.test_collectives_run_on_their_own_streams(results)
+    on_gpu.test_side_streams_give_the_result_of_no_streams(results)
+    on_gpu.test_bf16_compute_with_fp32_reductions_stays_close_to_fp32(results)
+    assert results["fp64_max_diff"] < 1e-10 and results["fp64_loss_diff"] < 1e-9, results

@@ -1,6 +1,11 @@
 """What the step benchmark measures, and how (all in the benchmark process, nothing in ragged).
 
-* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks.
+* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks
+  (:class:`Timer`). Every benchmark times through this module: :func:`interleaved` runs the
+  compared methods once per repeat, alternating their order, warm-up excluded (:func:`wall` on
+  one process, ``Timer(device).seconds`` across ranks); :func:`paired` and :func:`median_ci` give
+  the paired ratio (median over repeats of a / b in the same repeat: steadier on a shared
+  machine than a ratio of medians) and its seeded bootstrap confidence interval.
 * Allocated tensor bytes (CPU has no allocator statistics in torch 2.13): the bytes of the
   tensors the method keeps between steps (:func:`storage_bytes`, unique storages: parameter
   shards, optimizer state, gradients), plus the largest rise of allocated bytes during one
@@ -32,13 +37,16 @@ import bisect
 import collections
 import contextlib
 import functools
+import random
 import re
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes"]
+__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes",
+           "wall", "interleaved", "paired", "median_ci"]
 
 
 def storage_bytes(tensors) -> int:
@@ -162,6 +170,7 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn):
+        """``(seconds, fn())``."""
         dist.barrier()
         if self.cuda:
             torch.cuda.synchronize()
@@ -172,6 +181,82 @@ class Timer:
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt), out
+
+    def seconds(self, fn) -> float:
+        return self(fn)[0]
+
+
+def wall(fn) -> float:
+    """Seconds one call of ``fn()`` takes on this process."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, repeats: int, *, warmup: int = 1, timer=wall) -> dict[str, list[float]]:
+    """Times every function of ``fns`` once per repeat, in the given order on even repeats and
+    reversed on odd ones, after ``warmup`` untimed rounds. ``timer(fn) -> seconds`` (default
+    :func:`wall`; ``Timer(device).seconds`` across ranks). A function that returns a generator is
+    timed per phase: each ``yield phase`` closes one segment, kept as ``f"{name} {phase}"``.
+
+    Returns:
+        ``{name: [seconds of each timed repeat]}``.
+
+    Examples:
+        >>> from bench._measure import interleaved
+        >>> def two_phases():
+        ...     yield "forward"
+        ...     yield "backward"
+        >>> sorted(interleaved({"a": lambda: None, "b": two_phases}, 3))
+        ['a', 'b backward', 'b forward']
+        >>> len(interleaved({"a": lambda: None}, 3)["a"])
+        3
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {}
+    keys: dict[str, list[str]] = {name: [] for name in names}  # per method, its keys in order
+    for r in range(warmup + repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            phases = {}
+
+            def run(name=name):
+                out = fns[name]()
+                if hasattr(out, "__next__"):
+                    t0 = time.perf_counter()
+                    for phase in out:
+                        t1 = time.perf_counter()
+                        phases[f"{name} {phase}"] = t1 - t0
+                        t0 = t1
+
+            dt = timer(run)
+            if r >= warmup:
+                for key, value in (phases or {name: dt}).items():
+                    if key not in times:
+                        keys[name].append(key)
+                    times.setdefault(key, []).append(value)
+    return {key: times[key] for name in names for key in keys[name]}
+
+
+def paired(ta, tb) -> float:
+    """Median over repeats of ``ta[i] / tb[i]`` (both timed in the same repeat)."""
+    return statistics.median(x / y for x, y in zip(ta, tb))
+
+
+def median_ci(xs, level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of ``xs`` (seeded: the same data give the same
+    interval; a single value gives itself).
+
+    Examples:
+        >>> from bench._measure import median_ci
+        >>> median_ci([1.0, 1.0, 1.0])
+        (1.0, 1.0)
+    """
+    rnd = random.Random(0)
+    xs = list(xs)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
 
 
 _FQN = re.compile(r" \(.*\)$|\s*for .*$")

@@ -215,17 +215,16 @@ def summarize(model: str, world: int, results, opts) -> dict:
     return out
 
 
-def _ci(summary, a, b, n=2000) -> str:
+def _ci(summary, a, b) -> str:
     """Bootstrap 95% CI of the paired median ratio a/b (seeded: the same numbers every time)."""
-    import random
+    from bench._measure import median_ci
 
     ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
     ratios = [x / y for x, y in zip(ta, tb)]
     if len(ratios) < 3:
         return ""
-    rnd = random.Random(0)
-    meds = sorted(statistics.median(rnd.choices(ratios, k=len(ratios))) for _ in range(n))
-    return f"[95% CI {meds[int(0.025 * n)]:.3f}-{meds[int(0.975 * n)]:.3f}]"
+    lo, hi = median_ci(ratios)
+    return f"[95% CI {lo:.3f}-{hi:.3f}]"
 
 
 def ratios_text(summary) -> str:
@@ -243,8 +242,9 @@ def ratios_text(summary) -> str:
 def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
     """Median over repeats of a's time / b's time in the same repeat (both ran back to back,
     so slow phases of a shared machine hit both): steadier than the ratio of medians."""
-    ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
-    return statistics.median(x / y for x, y in zip(ta, tb))
+    from bench._measure import paired
+
+    return paired(summary["methods"][a]["times"], summary["methods"][b]["times"])
 
 
 def render(summary, console=None):

@@ -522,7 +522,7 @@ class Run:
             u.held = []
 
     def _reduce(self, i: int, label: str):
-        u, streams = self.units[i], self.streams
+        u = self.units[i]
         for j, t in u.held:
             self._copy_grad(i, j, t)
         u.held = []

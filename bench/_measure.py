@@ -20,6 +20,9 @@
   freed -- state, caches and buffers it keeps outside its state included -- and the peak of a
   window is absolute, not a rise. On CUDA: ``torch.cuda.memory_allocated`` /
   ``max_memory_allocated`` / ``max_memory_reserved`` (the caching allocator's reserve).
+* CPU time and minor page faults of the rank's process during each step (:func:`process_work`,
+  ``getrusage``: every thread, gloo's included): the work behind the wall time, steadier than
+  it on a loaded machine; minor faults count first touches of freshly mapped memory.
 * RSS: ``/proc/self/status`` VmHWM after resetting it (``/proc/self/clear_refs`` 5) right
   before the step, minus VmRSS before the step: how much resident memory the step adds.
   Both methods live in one process, so absolute RSS is not split between them.
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes",
-           "wall", "interleaved", "paired", "median_ci"]
+           "wall", "interleaved", "paired", "median_ci", "process_work"]
 
 
 def storage_bytes(tensors) -> int:
@@ -85,6 +88,16 @@ def _status() -> dict[str, int]:
 def rss() -> dict[str, int]:
     """``{"VmHWM": bytes, "VmRSS": bytes}`` of this process (empty off Linux)."""
     return _status()
+
+
+def process_work() -> tuple[float, int]:
+    """``(CPU seconds, minor page faults)`` this process has used so far, every thread included
+    (gloo's and autograd's): the work a step does, which a loaded machine's time-slicing does
+    not inflate the way it inflates wall time. Minor faults count first touches of fresh pages."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
 def reset_peak_rss() -> bool:

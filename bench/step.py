@@ -79,7 +79,8 @@ def _bench(rank, world, backend, opts):
     from ragged.examples.data import SyntheticLM, rank_slice
 
     from bench._launch import device_for
-    from bench._measure import CommCounter, Timer, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
+    from bench._measure import (CommCounter, Timer, process_work, profile_step, ragged_labels, reset_peak_rss, rss,
+                                storage_bytes)
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)
@@ -120,6 +121,7 @@ def _bench(rank, world, backend, opts):
     timer = Timer(device)
     names = list(methods)
     times = {n: [] for n in names}
+    work = {n: [] for n in names}  # (CPU seconds, minor page faults) of this rank's process per step
     rss_rise = {n: [] for n in names}
     losses = {n: [] for n in names}
     comm_bytes = {}
@@ -132,12 +134,15 @@ def _bench(rank, world, backend, opts):
             counter.active = name
             before = rss()
             reset_peak_rss()
+            used = process_work()
             dt, loss = timer(lambda: m.step(b))
+            used = [x - y for x, y in zip(process_work(), used)]
             after = rss()
             counter.active = None
             losses[name].append(loss)
             if r >= opts["warmup"]:
                 times[name].append(dt)
+                work[name].append(used)
                 if before and after:
                     rss_rise[name].append(after["VmHWM"] - before["VmRSS"])
         for name in names:
@@ -167,7 +172,11 @@ def _bench(rank, world, backend, opts):
         units = methods["ragged-auto"].units
         extra["auto_padding"] = sum(u.plan.padding for u in units)
         extra["auto_buffers"] = [u.plan.num_buffers for u in units]
-    return dict(times=times, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+    return dict(times=times, work=work, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+
+
+def _fmt_work(x, scale):
+    return "-" if x is None else f"{x * scale:,.0f}"
 
 
 def _fmt_mib(n):
@@ -205,8 +214,11 @@ def summarize(model: str, world: int, results, opts) -> dict:
         rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
         reserved = [res["prof"][name]["state_bytes"] + res["prof"][name]["reserved_rise_bytes"] for res in results
                     if res["prof"][name].get("reserved_rise_bytes") is not None]
+        cpu = [statistics.median(w[0] for w in res["work"][name]) for res in results if res.get("work")]
+        faults = [statistics.median(w[1] for w in res["work"][name]) for res in results if res.get("work")]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
+            cpu_s=max(cpu) if cpu else None, page_faults=max(faults) if faults else None,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
             reserved_peak_bytes=max(reserved) if reserved else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
@@ -236,6 +248,8 @@ def ratios_text(summary) -> str:
     if "local" in ms:
         text += (f"; ragged / unsharded: {ms['ragged']['median_s'] / ms['local']['median_s']:.3f}x on medians, "
                  f"{paired_ratio(summary, 'ragged', 'local'):.3f}x paired {_ci(summary, 'ragged', 'local')}")
+        if ms["ragged"].get("cpu_s") and ms["local"].get("cpu_s"):
+            text += f", CPU time {ms['ragged']['cpu_s'] / ms['local']['cpu_s']:.3f}x"
     return text
 
 
@@ -256,8 +270,9 @@ def render(summary, console=None):
     t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
     reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
-    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
-                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms") + (("peak reserved MiB/rank",) if reserved else ()):
+    cols = ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
+            "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms", "CPU ms/step", "page faults/step")
+    for col in cols + (("peak reserved MiB/rank",) if reserved else ()):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
         c = m["comm"]
@@ -266,6 +281,7 @@ def render(summary, console=None):
                   f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
                   _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}",
+                  _fmt_work(m.get("cpu_s"), 1e3), _fmt_work(m.get("page_faults"), 1),
                   *((_fmt_mib(m["reserved_peak_bytes"]) if m.get("reserved_peak_bytes") is not None else "-",) if reserved else ()))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
@@ -278,7 +294,8 @@ def render(summary, console=None):
                   ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
-                  ratio(a["copies_ms"], b["copies_ms"]),
+                  ratio(a["copies_ms"], b["copies_ms"]), ratio(a.get("cpu_s") or 0, b.get("cpu_s") or 0),
+                  ratio(a.get("page_faults") or 0, b.get("page_faults") or 0),
                   *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
         t.caption = (f"{ratios_text(summary)}\n"

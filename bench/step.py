@@ -79,7 +79,8 @@ def _bench(rank, world, backend, opts):
     from ragged.examples.data import SyntheticLM, rank_slice
 
     from bench._launch import device_for
-    from bench._measure import CommCounter, Timer, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
+    from bench._measure import (CommCounter, Timer, process_work, profile_step, ragged_labels, reset_peak_rss, rss,
+                                storage_bytes)
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)
@@ -120,6 +121,7 @@ def _bench(rank, world, backend, opts):
     timer = Timer(device)
     names = list(methods)
     times = {n: [] for n in names}
+    work = {n: [] for n in names}  # (CPU seconds, minor page faults) of this rank's process per step
     rss_rise = {n: [] for n in names}
     losses = {n: [] for n in names}
     comm_bytes = {}
@@ -132,12 +134,15 @@ def _bench(rank, world, backend, opts):
             counter.active = name
             before = rss()
             reset_peak_rss()
+            used = process_work()
             dt, loss = timer(lambda: m.step(b))
+            used = [x - y for x, y in zip(process_work(), used)]
             after = rss()
             counter.active = None
             losses[name].append(loss)
             if r >= opts["warmup"]:
                 times[name].append(dt)
+                work[name].append(used)
                 if before and after:
                     rss_rise[name].append(after["VmHWM"] - before["VmRSS"])
         for name in names:
@@ -154,9 +159,9 @@ def _bench(rank, world, backend, opts):
         state = storage_bytes(m.state_tensors())
         torch.distributed.barrier()
         with ragged_labels():
-            peak, ranges, copies, where = profile_step(lambda: m.step(b), device=device)
+            peak, ranges, copies, where, reserved = profile_step(lambda: m.step(b), device=device)
         prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies, peak_where=where,
-                          opt_bytes=m.optimizer_state_bytes())
+                          opt_bytes=m.optimizer_state_bytes(), reserved_rise_bytes=reserved)
     extra = {}
     if "ragged" in methods:
         units = methods["ragged"].units
@@ -167,7 +172,11 @@ def _bench(rank, world, backend, opts):
         units = methods["ragged-auto"].units
         extra["auto_padding"] = sum(u.plan.padding for u in units)
         extra["auto_buffers"] = [u.plan.num_buffers for u in units]
-    return dict(times=times, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+    return dict(times=times, work=work, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+
+
+def _fmt_work(x, scale):
+    return "-" if x is None else f"{x * scale:,.0f}"
 
 
 def _fmt_mib(n):
@@ -203,33 +212,53 @@ def summarize(model: str, world: int, results, opts) -> dict:
         state = max(res["prof"][name]["state_bytes"] for res in results)
         opt_bytes = max(res["prof"][name]["opt_bytes"] for res in results)
         rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
+        reserved = [res["prof"][name]["state_bytes"] + res["prof"][name]["reserved_rise_bytes"] for res in results
+                    if res["prof"][name].get("reserved_rise_bytes") is not None]
+        cpu = [statistics.median(w[0] for w in res["work"][name]) for res in results if res.get("work")]
+        faults = [statistics.median(w[1] for w in res["work"][name]) for res in results if res.get("work")]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
+            cpu_s=max(cpu) if cpu else None, page_faults=max(faults) if faults else None,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
+            reserved_peak_bytes=max(reserved) if reserved else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
             ranges=r0["prof"][name]["ranges"], peak_where=r0["prof"][name].get("peak_where", ""), copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
     return out
 
 
-def _ci(summary, a, b, n=2000) -> str:
+def _ci(summary, a, b) -> str:
     """Bootstrap 95% CI of the paired median ratio a/b (seeded: the same numbers every time)."""
-    import random
+    from bench._measure import median_ci
 
     ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
     ratios = [x / y for x, y in zip(ta, tb)]
     if len(ratios) < 3:
         return ""
-    rnd = random.Random(0)
-    meds = sorted(statistics.median(rnd.choices(ratios, k=len(ratios))) for _ in range(n))
-    return f"[95% CI {meds[int(0.025 * n)]:.3f}-{meds[int(0.975 * n)]:.3f}]"
+    lo, hi = median_ci(ratios)
+    return f"[95% CI {lo:.3f}-{hi:.3f}]"
+
+
+def ratios_text(summary) -> str:
+    """The step-time ratios a reader wants: ragged / FSDP2 paired (with its bootstrap CI) and, with
+    the unsharded method, ragged / local on medians and paired."""
+    ms = summary["methods"]
+    text = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
+            f"{paired_ratio(summary):.3f}x {_ci(summary, 'ragged', 'fsdp2')}")
+    if "local" in ms:
+        text += (f"; ragged / unsharded: {ms['ragged']['median_s'] / ms['local']['median_s']:.3f}x on medians, "
+                 f"{paired_ratio(summary, 'ragged', 'local'):.3f}x paired {_ci(summary, 'ragged', 'local')}")
+        if ms["ragged"].get("cpu_s") and ms["local"].get("cpu_s"):
+            text += f", CPU time {ms['ragged']['cpu_s'] / ms['local']['cpu_s']:.3f}x"
+    return text
 
 
 def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
     """Median over repeats of a's time / b's time in the same repeat (both ran back to back,
     so slow phases of a shared machine hit both): steadier than the ratio of medians."""
-    ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
-    return statistics.median(x / y for x, y in zip(ta, tb))
+    from bench._measure import paired
+
+    return paired(summary["methods"][a]["times"], summary["methods"][b]["times"])
 
 
 def render(summary, console=None):
@@ -240,8 +269,10 @@ def render(summary, console=None):
     ms = summary["methods"]
     t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
-    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
-                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
+    cols = ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
+            "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms", "CPU ms/step", "page faults/step")
+    for col in cols + (("peak reserved MiB/rank",) if reserved else ()):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
         c = m["comm"]
@@ -249,7 +280,9 @@ def render(summary, console=None):
                   f"{m['tokens_per_s']:,.0f}", _fmt_mib(m["peak_bytes"]),
                   f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
-                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}")
+                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}",
+                  _fmt_work(m.get("cpu_s"), 1e3), _fmt_work(m.get("page_faults"), 1),
+                  *((_fmt_mib(m["reserved_peak_bytes"]) if m.get("reserved_peak_bytes") is not None else "-",) if reserved else ()))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -261,10 +294,11 @@ def render(summary, console=None):
                   ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
-                  ratio(a["copies_ms"], b["copies_ms"]))
+                  ratio(a["copies_ms"], b["copies_ms"]), ratio(a.get("cpu_s") or 0, b.get("cpu_s") or 0),
+                  ratio(a.get("page_faults") or 0, b.get("page_faults") or 0),
+                  *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-        t.caption = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
-                     f"{paired_ratio(summary):.2f}x\n"
+        t.caption = (f"{ratios_text(summary)}\n"
                      f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
@@ -296,18 +330,22 @@ def render(summary, console=None):
 def markdown(summary) -> str:
     """The step table as GitHub markdown (for the README)."""
     ms = summary["methods"]
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
     head = ("| method | step ms median (min-max) | tokens/s | peak alloc MiB/rank (state + step rise) | "
-            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |")
+            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |"
+            + (" peak reserved MiB/rank |" if reserved else ""))
     lines = [f"{summary['model']}, W={summary['world']}, {summary['policy']}, {summary['optim']}, "
-             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * 9]
+             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * (9 + reserved)]
     for name, m in ms.items():
         c = m["comm"]
         rss_mib = _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-"
+        res = m.get("reserved_peak_bytes")
         lines.append(
             f"| {name} | {m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f}) | "
             f"{m['tokens_per_s']:,.0f} | {_fmt_mib(m['peak_bytes'])} ({_fmt_mib(m['state_bytes'])} + "
             f"{_fmt_mib(m['peak_bytes'] - m['state_bytes'])}) | {_fmt_mib(m['opt_bytes'])} | {rss_mib} | "
-            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |")
+            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |"
+            + ((f" {_fmt_mib(res)} |" if res is not None else " - |") if reserved else ""))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -320,8 +358,9 @@ def markdown(summary) -> str:
             f"{r(a['rss_rise_bytes'] or 0, b['rss_rise_bytes'] or 0)} | "
             f"{r(a['comm'].get('all_gather', 0), b['comm'].get('all_gather', 0))} | "
             f"{r(a['comm'].get('reduce_scatter', 0), b['comm'].get('reduce_scatter', 0))} | "
-            f"{r(a['copies_ms'], b['copies_ms'])} |")
-        lines.append(f"\nPaired step-time ratio (median of per-repeat ragged/fsdp2): **{paired_ratio(summary):.2f}x**.")
+            f"{r(a['copies_ms'], b['copies_ms'])} |"
+            + (f" {r(a.get('reserved_peak_bytes') or 0, b.get('reserved_peak_bytes') or 0)} |" if reserved else ""))
+        lines.append(f"\n{ratios_text(summary)}")
         if "ragged-auto" in ms:
             lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
                          f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")

@@ -33,7 +33,7 @@ REDUCE_OPS = ("sum", "mean", "max")
 # backend; absent means "every_call", the safe choice): see [Note: plan check before collectives] in ragged/transforms/_check.py
 PLAN_CHECKS = ("every_call", "first_use")
 
-__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op", "check_coalesced"]
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "completed", "check_op", "check_coalesced"]
 
 
 @runtime_checkable
@@ -48,6 +48,16 @@ class DoneHandle:
 
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def completed(handle) -> bool:
+    """Whether an async op's handle says it has finished (``wait()`` would not block); a
+    handle without ``is_completed`` counts as not finished."""
+    probe = getattr(handle, "is_completed", None)
+    return bool(probe()) if probe is not None else False
 
 
 def check_op(op: str) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op
+from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op, completed
 from ragged._errors import RaggedValueError
 
 __all__ = ["TorchCollectives", "from_torch"]
@@ -68,6 +68,12 @@ class _Work:
         if self._finish is not None:
             self._finish()
         self._done = True
+
+    def is_completed(self) -> bool:
+        """Every op has finished (the local finaliser, if any, still runs at ``wait()``). The
+        fake process group's works are done on return (its collectives move no data), though
+        they never say so."""
+        return self._done or all(type(w).__name__ == "FakeWork" or completed(w) for w in self._works)
 
 
 def _result(work: _Work, async_op: bool):
@@ -129,7 +135,10 @@ class TorchCollectives:
                 raise RaggedValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
             ag = rs = algorithm
         self.ag_algorithm, self.rs_algorithm = ag, rs
-        self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
+        # NCCL, and torch's fake process group on a machine with a GPU (one process measuring one rank's
+        # memory at any world size: its collectives move no data, its allocations are the device's)
+        on_gpu = "nccl" in self.backend or (self.backend == "fake" and torch.cuda.is_available())
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self._scratch = _Scratch()
         if plan_check is None:  # like torch's own per-call collective checks: a debug mode
             plan_check = "every_call" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else "first_use"

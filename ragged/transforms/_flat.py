@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ragged._errors import RaggedValueError
+from ragged.collectives._base import completed
 from ragged.spec._plan import LayoutPlan
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "buffer_views"]
@@ -35,6 +36,9 @@ class _Handles:
     def wait(self) -> None:
         for h in self._handles:
             h.wait()
+
+    def is_completed(self) -> bool:
+        return all(completed(h) for h in self._handles)
 
 
 def buffer_views(plan: LayoutPlan, flat: torch.Tensor, local: torch.Tensor):

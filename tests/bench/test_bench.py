@@ -134,3 +134,31 @@ def test_autograd_bench_both_leaf_views_give_the_same_gradient():
 
     r = measure(hidden=16, chunks=4, repeats=1)
     assert r["leaves"] == 28 and set(r["times"]) == {"rg.gather (split_with_sizes views)", "slice + view per leaf"}
+
+
+def test_measure_interleaves_methods_times_phases_and_pairs():
+    """bench/_measure.py, the one timing helper: the order alternates between repeats, warm-up
+    rounds are not kept, a generator is timed per phase, paired ratios and their CI."""
+    from bench._measure import interleaved, median_ci, paired
+
+    calls = []
+    clock = iter(range(1000))
+
+    def fake_timer(fn):
+        start = next(clock)
+        fn()
+        return next(clock) - start
+
+    def phases():
+        calls.append("c")
+        yield "forward"
+        yield "backward"
+
+    times = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": phases}, 3, warmup=1,
+                        timer=fake_timer)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    assert sorted(times) == ["a", "b", "c backward", "c forward"] and all(len(v) == 3 for v in times.values())
+    assert times["a"] == [1, 1, 1]
+    assert paired([2.0, 4.0, 6.0], [1.0, 2.0, 2.0]) == 2.0
+    lo, hi = median_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert 1.0 <= lo <= 3.0 <= hi <= 5.0 and median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (lo, hi)

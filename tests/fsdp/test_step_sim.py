@@ -112,9 +112,9 @@ def test_prefetch_starts_next_gather_before_compute_and_reduce_overlaps_backward
     # blocks.3's reduce-scatter starts before backward reaches blocks.0
     pos = {(ev, u, ph): i for i, (ev, u, ph) in enumerate(trace)}
     assert pos[("reduce_start", "blocks.3", "backward")] < pos[("compute", "blocks.0", "backward")]
-    # without prefetch every gather is issued right when needed
+    # without prefetch every gather is issued right when needed (a reduce-scatter may be waited in between)
     (_, plain), _ = _sim(2, Case(num_layers=4, steps=2, dtype=torch.float32, prefetch=False), trace=True)
-    t = plain[-1]["trace"]
+    t = [e for e in plain[-1]["trace"] if e[0] != "reduce_done"]
     for i, (ev, u, ph) in enumerate(t):
         if ev == "compute" and i > 0 and t[i - 1][0] == "gather_done":
             assert t[i - 2] == ("gather_start", u, ph)

@@ -5,11 +5,12 @@ consecutive elements of the tensor it is given; under FSDP2 that tensor is the r
 ``Shard(0)`` piece, so a block starts wherever the local shard starts and the last block of a
 shard is cut short. Where the quantization blocks fall therefore depends on the world size
 (pytorch/ao#4912). This file is our own re-implementation of that behaviour (torchao is not a
-dependency), using exactly the quantizer of ``rg.optim.adamw_8bit`` (the same dynamic maps,
-one fp32 absmax per block, round to nearest code) so that the *only* difference from ragged's
-8-bit AdamW is where the blocks are:
+dependency), using the codec of ``rg.optim.adamw_8bit`` itself (``ragged.optim._quant8_codec``:
+the same dynamic maps, one fp32 absmax per block, round to nearest code) so that the *only*
+difference from ragged's 8-bit AdamW is where the blocks are:
 
-* ``PerShardAdamW8bit``: blocks = ``block_size`` consecutive elements of the flattened local shard;
+* ``PerShardAdamW8bit``: blocks = ``block_size`` consecutive elements of the flattened local
+  shard (the local shard as one row of ``(1, block_size)`` blocks);
 * ragged: blocks = the plan's ``Blocks(32, 32)`` tiles of each full tensor, never cut by a rank
   boundary (the planner guarantees it), identical at every world size.
 
@@ -22,43 +23,15 @@ import math
 
 import torch
 
-__all__ = ["PerShardAdamW8bit", "BlockCodec", "local"]
+from ragged.optim._quant8_codec import codec
+
+__all__ = ["PerShardAdamW8bit", "local"]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (the tensor itself otherwise)."""
     inner = getattr(t, "_local_tensor", None)
     return t if inner is None else inner
-
-
-class BlockCodec:
-    """1-D block-wise quantizer with the dynamic maps of ``rg.optim.dynamic_map``."""
-
-    def __init__(self, signed: bool, block_size: int, device):
-        from ragged.optim import dynamic_map
-
-        self.table = dynamic_map(signed).to(device)
-        self.bounds = ((self.table[:-1].double() + self.table[1:].double()) / 2).to(torch.float32)
-        self.block = block_size
-
-    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        nb = -(-n // self.block)
-        pad = nb * self.block - n
-        return (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, self.block)
-
-    def encode(self, x: torch.Tensor):
-        """x: 1-D fp32 -> (uint8 codes of x.numel(), fp32 absmax per block)."""
-        xb = self._blocks(x)
-        absmax = xb.abs().amax(dim=1)
-        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        codes = torch.bucketize(xb / safe[:, None], self.bounds).to(torch.uint8)
-        return codes.reshape(-1)[: x.numel()], absmax
-
-    def decode(self, codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-        n = codes.numel()
-        values = self._blocks(self.table[codes.long()])
-        return (values * absmax[:, None]).reshape(-1)[:n]
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -82,13 +55,14 @@ class PerShardAdamW8bit(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.block_size, self.min_size = block_size, min_size
         self.full_numel = full_numel or (lambda p: p.numel())
-        self._codecs = {}
 
-    def _codec(self, signed, device):
-        key = (signed, str(device))
-        if key not in self._codecs:
-            self._codecs[key] = BlockCodec(signed, self.block_size, device)
-        return self._codecs[key]
+    def _encode(self, signed, x):
+        """(codes, absmax) of the 1-D ``x`` in blocks of ``block_size`` consecutive elements."""
+        return codec(signed, x.device).encode_blocks(x.view(1, -1), (1, self.block_size))
+
+    def _decode(self, signed, codes, absmax):
+        n = codes.numel()
+        return codec(signed, codes.device).decode_blocks(codes, absmax, (1, n), (1, self.block_size)).view(n)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -106,8 +80,7 @@ class PerShardAdamW8bit(torch.optim.Optimizer):
                     st["step"] = 0
                     if quantized:
                         nb = num_blocks(n, self.block_size)
-                        cm = self._codec(True, g.device)
-                        zero = int(torch.searchsorted(cm.table, torch.zeros(())))
+                        zero = codec(True, g.device).zero
                         st["mu_codes"] = torch.full((n,), zero, dtype=torch.uint8, device=g.device)
                         st["nu_codes"] = torch.zeros(n, dtype=torch.uint8, device=g.device)
                         st["mu_scales"] = torch.zeros(nb, dtype=torch.float32, device=g.device)
@@ -118,9 +91,8 @@ class PerShardAdamW8bit(torch.optim.Optimizer):
                 st["step"] += 1
                 t = st["step"]
                 if quantized and n:
-                    cm, cv = self._codec(True, g.device), self._codec(False, g.device)
-                    m = cm.decode(st["mu_codes"], st["mu_scales"])
-                    v = cv.decode(st["nu_codes"], st["nu_scales"])
+                    m = self._decode(True, st["mu_codes"], st["mu_scales"])
+                    v = self._decode(False, st["nu_codes"], st["nu_scales"])
                 else:
                     m, v = st.get("mu"), st.get("nu")
                 if n == 0:
@@ -131,8 +103,8 @@ class PerShardAdamW8bit(torch.optim.Optimizer):
                 bc2_sqrt = math.sqrt(1.0 - b2**t)
                 u = (m / (torch.sqrt(v).div_(bc2_sqrt).add_(eps))).div_(bc1)
                 if quantized:
-                    st["mu_codes"], st["mu_scales"] = cm.encode(m)
-                    st["nu_codes"], st["nu_scales"] = cv.encode(v)
+                    st["mu_codes"], st["mu_scales"] = self._encode(True, m)
+                    st["nu_codes"], st["nu_scales"] = self._encode(False, v)
                 else:
                     st["mu"], st["nu"] = m, v
                 xf = x.view(-1)

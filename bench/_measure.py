@@ -1,6 +1,11 @@
 """What the step benchmark measures, and how (all in the benchmark process, nothing in ragged).
 
-* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks.
+* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks
+  (:class:`Timer`). Every benchmark times through this module: :func:`interleaved` runs the
+  compared methods once per repeat, alternating their order, warm-up excluded (:func:`wall` on
+  one process, ``Timer(device).seconds`` across ranks); :func:`paired` and :func:`median_ci` give
+  the paired ratio (median over repeats of a / b in the same repeat: steadier on a shared
+  machine than a ratio of medians) and its seeded bootstrap confidence interval.
 * Allocated tensor bytes (CPU has no allocator statistics in torch 2.13): the bytes of the
   tensors the method keeps between steps (:func:`storage_bytes`, unique storages: parameter
   shards, optimizer state, gradients), plus the largest rise of allocated bytes during one
@@ -9,6 +14,15 @@
   the main and autograd threads; gloo's own threads allocate nothing for the paths used
   here, since both FSDP2 and ragged hand gloo preallocated outputs). On CUDA:
   ``torch.cuda.max_memory_allocated``.
+* Live bytes from a method's construction on (:class:`LiveBytes`, ``bench/memory.py``): the
+  same allocator events, summed from the moment the profiler starts (before the method
+  exists), so the live bytes at any moment are everything the method allocated and has not
+  freed -- state, caches and buffers it keeps outside its state included -- and the peak of a
+  window is absolute, not a rise. On CUDA: ``torch.cuda.memory_allocated`` /
+  ``max_memory_allocated`` / ``max_memory_reserved`` (the caching allocator's reserve).
+* CPU time and minor page faults of the rank's process during each step (:func:`process_work`,
+  ``getrusage``: every thread, gloo's included): the work behind the wall time, steadier than
+  it on a loaded machine; minor faults count first touches of freshly mapped memory.
 * RSS: ``/proc/self/status`` VmHWM after resetting it (``/proc/self/clear_refs`` 5) right
   before the step, minus VmRSS before the step: how much resident memory the step adds.
   Both methods live in one process, so absolute RSS is not split between them.
@@ -22,16 +36,20 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import functools
+import random
 import re
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer"]
+__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes",
+           "wall", "interleaved", "paired", "median_ci", "process_work"]
 
 
 def storage_bytes(tensors) -> int:
@@ -70,6 +88,16 @@ def _status() -> dict[str, int]:
 def rss() -> dict[str, int]:
     """``{"VmHWM": bytes, "VmRSS": bytes}`` of this process (empty off Linux)."""
     return _status()
+
+
+def process_work() -> tuple[float, int]:
+    """``(CPU seconds, minor page faults)`` this process has used so far, every thread included
+    (gloo's and autograd's): the work a step does, which a loaded machine's time-slicing does
+    not inflate the way it inflates wall time. Minor faults count first touches of fresh pages."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
 def reset_peak_rss() -> bool:
@@ -155,6 +183,7 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn):
+        """``(seconds, fn())``."""
         dist.barrier()
         if self.cuda:
             torch.cuda.synchronize()
@@ -166,6 +195,82 @@ class Timer:
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt), out
 
+    def seconds(self, fn) -> float:
+        return self(fn)[0]
+
+
+def wall(fn) -> float:
+    """Seconds one call of ``fn()`` takes on this process."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, repeats: int, *, warmup: int = 1, timer=wall) -> dict[str, list[float]]:
+    """Times every function of ``fns`` once per repeat, in the given order on even repeats and
+    reversed on odd ones, after ``warmup`` untimed rounds. ``timer(fn) -> seconds`` (default
+    :func:`wall`; ``Timer(device).seconds`` across ranks). A function that returns a generator is
+    timed per phase: each ``yield phase`` closes one segment, kept as ``f"{name} {phase}"``.
+
+    Returns:
+        ``{name: [seconds of each timed repeat]}``.
+
+    Examples:
+        >>> from bench._measure import interleaved
+        >>> def two_phases():
+        ...     yield "forward"
+        ...     yield "backward"
+        >>> sorted(interleaved({"a": lambda: None, "b": two_phases}, 3))
+        ['a', 'b backward', 'b forward']
+        >>> len(interleaved({"a": lambda: None}, 3)["a"])
+        3
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {}
+    keys: dict[str, list[str]] = {name: [] for name in names}  # per method, its keys in order
+    for r in range(warmup + repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            phases = {}
+
+            def run(name=name):
+                out = fns[name]()
+                if hasattr(out, "__next__"):
+                    t0 = time.perf_counter()
+                    for phase in out:
+                        t1 = time.perf_counter()
+                        phases[f"{name} {phase}"] = t1 - t0
+                        t0 = t1
+
+            dt = timer(run)
+            if r >= warmup:
+                for key, value in (phases or {name: dt}).items():
+                    if key not in times:
+                        keys[name].append(key)
+                    times.setdefault(key, []).append(value)
+    return {key: times[key] for name in names for key in keys[name]}
+
+
+def paired(ta, tb) -> float:
+    """Median over repeats of ``ta[i] / tb[i]`` (both timed in the same repeat)."""
+    return statistics.median(x / y for x, y in zip(ta, tb))
+
+
+def median_ci(xs, level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of ``xs`` (seeded: the same data give the same
+    interval; a single value gives itself).
+
+    Examples:
+        >>> from bench._measure import median_ci
+        >>> median_ci([1.0, 1.0, 1.0])
+        (1.0, 1.0)
+    """
+    rnd = random.Random(0)
+    xs = list(xs)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
+
 
 _FQN = re.compile(r" \(.*\)$|\s*for .*$")
 COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
@@ -176,7 +281,7 @@ def _norm(name: str) -> str:
 
 
 def _label(name: str) -> str | None:
-    if name.startswith(("FSDP::", "ragged::", "Optimizer.step")):
+    if name.startswith(("FSDP::", "ragged::", "Optimizer.step", "bench::")):
         return _norm(name)
     return None
 
@@ -185,26 +290,30 @@ def profile_step(fn, *, device: torch.device):
     """Runs ``fn()`` once under torch's profiler.
 
     Returns:
-        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where)``: the largest rise of allocated CPU bytes
-        during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
+        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where, reserved_rise_bytes)``: the largest rise of
+        allocated CPU bytes during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
         host time of every labelled range (``FSDP::...`` / ``ragged::...`` / optimizer step,
         summed by label with the module fqn stripped; time in nested labelled ranges is
         subtracted); and the host time of copy / reduction ops, keyed ``"op @ label"`` by the
         innermost labelled range they run in; and where the memory peak was reached (CPU: the
-        innermost labelled ranges and op running at that moment).
+        innermost labelled ranges and op running at that moment); CUDA only (else ``None``): how
+        much the caching allocator's reserve rose during the call, from a reserve emptied of cached
+        blocks first (``empty_cache``), so a method is not credited with blocks another one freed.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    peak_where = ""
+    peak_where, reserved = "", None
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
     else:
         kevents = prof.profiler.kineto_results.events()
         events = sorted((e.start_ns(), e.nbytes()) for e in kevents if e.name() == "[memory]")
@@ -214,11 +323,8 @@ def profile_step(fn, *, device: torch.device):
             cur += n
             if cur > peak:
                 peak, peak_ns = cur, ts
-        if peak_ns is not None:  # which labelled range / op was running when the peak was reached
-            inside = [e for e in kevents if e.name() != "[memory]" and e.start_ns() <= peak_ns <= e.end_ns()]
-            labels = sorted((e for e in inside if _label(e.name())), key=lambda e: e.start_ns())
-            ops = sorted((e for e in inside if not _label(e.name())), key=lambda e: e.start_ns())
-            peak_where = " > ".join([_label(e.name()) for e in labels[-2:]] + [e.name() for e in ops[-1:]])
+        if peak_ns is not None:
+            peak_where = _running_at(kevents, peak_ns)
     ranges = collections.Counter()
     copies = collections.Counter()
 
@@ -245,7 +351,141 @@ def profile_step(fn, *, device: torch.device):
                 p = p.cpu_parent
             if where is not None:
                 copies[f"{e.name} @ {where}"] += e.cpu_time_total / 1e3
-    return peak, dict(ranges), dict(copies), peak_where
+    return peak, dict(ranges), dict(copies), peak_where, reserved
+
+
+def _site(chain: tuple) -> str:
+    """A short name for where an allocation was made: its labelled ranges (the window, then the
+    innermost other label) and its outermost and innermost op."""
+    labels = [c for c in chain if _label(c)]
+    ops = [c for c in chain if not _label(c)]
+    keep = labels[:1] + [lab for lab in labels[1:][-1:]] + (ops[:1] + ops[-1:] if len(ops) > 1 else ops)
+    return " > ".join(_norm(c) for c in keep) or "(outside any op)"
+
+
+def _running_at(kevents, ns: int) -> str:
+    """Which labelled ranges (innermost two) and op were running at ``ns`` (kineto events)."""
+    inside = [e for e in kevents if e.name() != "[memory]" and e.start_ns() <= ns <= e.end_ns()]
+    labels = sorted((e for e in inside if _label(e.name())), key=lambda e: e.start_ns())
+    ops = sorted((e for e in inside if not _label(e.name())), key=lambda e: e.start_ns())
+    ops = [ops[0], ops[-1]] if len(ops) > 1 else ops  # outermost (e.g. an autograd node) and innermost op
+    return " > ".join([_label(e.name()) for e in labels[-2:]] + [e.name() for e in ops])
+
+
+class LiveBytes:
+    """Live tensor bytes of this process over named windows (see the module docstring).
+
+    Use as a context manager around everything a method does (from its construction on), and
+    mark windows with :meth:`window`; after the ``with`` block :meth:`result` gives, per window,
+    the live bytes at its start and end and its peak (CPU: where the peak was reached).
+
+    Examples:
+        >>> import torch
+        >>> from bench._measure import LiveBytes
+        >>> with LiveBytes(torch.device("cpu")) as live:
+        ...     keep = torch.zeros(1000)
+        ...     with live.window("step"):
+        ...         tmp = torch.ones(3000); del tmp
+        >>> r = live.result("step")
+        >>> r["start"], r["peak"], r["end"]
+        (4000, 16000, 4000)
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._windows: dict[str, dict] = {}
+        self._prof = None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._prof is not None:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                self._parse()
+        return False
+
+    @contextlib.contextmanager
+    def window(self, name: str):
+        """Marks a window (CUDA: resets the peak statistics at its start)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated() - self._base
+            yield
+            torch.cuda.synchronize()
+            self._windows[name] = dict(start=start, peak=torch.cuda.max_memory_allocated() - self._base,
+                                       end=torch.cuda.memory_allocated() - self._base,
+                                       reserved_peak=torch.cuda.max_memory_reserved(), where="")
+            return
+        from torch.profiler import record_function
+
+        with record_function(f"bench::{name}"):
+            yield
+
+    def _parse(self):
+        """Every allocation / free (with its address and the ops and labels it ran under), from
+        the profiler's event tree; the running total; each window's start, peak and end."""
+        allocs, windows = [], {}
+
+        def walk(node, chain):
+            ef = node.extra_fields
+            if type(ef).__name__ == "_ExtraFields_Allocation":
+                if ef.device.type == "cpu":
+                    allocs.append((node.start_time_ns, ef.ptr, ef.alloc_size, chain))
+                return
+            if node.name.startswith("bench::"):
+                windows[node.name[len("bench::"):]] = (node.start_time_ns, node.end_time_ns)
+            for child in node.children:
+                walk(child, chain + (node.name,))
+
+        for root in self._prof.profiler.kineto_results.experimental_event_tree():
+            walk(root, ())
+        allocs.sort(key=lambda a: a[0])
+        self._allocs = allocs
+        times = [a[0] for a in allocs]
+        live, run = [], 0
+        for a in allocs:
+            run += a[2]
+            live.append(run)
+        for name, (t0, t1) in windows.items():
+            lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+            start = live[lo - 1] if lo else 0
+            seg = live[lo:hi]
+            peak = max(seg + [start])
+            at = lo + seg.index(peak) if seg and peak > start else lo - 1
+            self._windows[name] = dict(start=start, peak=peak, end=live[hi - 1] if hi else 0, peak_index=at,
+                                       where=_site(allocs[at][3]) if at >= 0 else "")
+
+    def live_at_peak(self, name: str, top: int = 10) -> list[tuple[int, int, str]]:
+        """CPU: what is live when window ``name`` peaks: ``(bytes, count, allocated in)`` per
+        allocation site (the window, labelled ranges and ops it was allocated under), largest first."""
+        upto = self._windows[name]["peak_index"]
+        alive: dict[int, tuple[int, tuple]] = {}
+        for _, ptr, size, chain in self._allocs[: upto + 1]:
+            if size > 0:
+                alive[ptr] = (size, chain)
+            else:
+                alive.pop(ptr, None)
+        sites: dict[str, list[int]] = {}
+        for size, chain in alive.values():
+            slot = sites.setdefault(_site(chain), [0, 0])
+            slot[0] += size
+            slot[1] += 1
+        return sorted(((b, n, site) for site, (b, n) in sites.items()), reverse=True)[:top]
+
+    def result(self, name: str) -> dict:
+        """``{"start", "peak", "end", "where"}`` bytes of window ``name`` (CUDA: and ``"reserved_peak"``)."""
+        return self._windows[name]
 
 
 _COPYISH = ("aten::copy_", "aten::cat", "aten::sum", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::zero_",
@@ -257,25 +497,25 @@ def ragged_labels():
     """Adds ``record_function`` labels around ragged's FSDP step internals (bench only)."""
     from torch.profiler import record_function
 
-    from ragged.fsdp import _step
+    from ragged.fsdp import _runtime, _step
 
     targets = {
-        "_start": "ragged::all_gather_start",
+        "_gather_unit_start": "ragged::all_gather_start",
         "_wait": "ragged::all_gather_wait",
-        "_store_grad": "ragged::grad_copy_in",
+        "grad_ready": "ragged::grad_copy_in",
         "_reduce": "ragged::reduce_scatter_start",
-        "_finish_oldest_reduce": "ragged::reduce_scatter_wait+sum",
+        "finish_oldest_reduce": "ragged::reduce_scatter_wait+sum",
     }
     saved = {}
     for attr, label in targets.items():
-        orig = getattr(_step._Run, attr)
+        orig = getattr(_runtime.Run, attr)
         saved[attr] = orig
 
         def wrapped(self, *a, _orig=orig, _label=label, **k):
             with record_function(_label):
                 return _orig(self, *a, **k)
 
-        setattr(_step._Run, attr, wrapped)
+        setattr(_runtime.Run, attr, wrapped)
     step_call = _step.Step.__call__
 
     def call(self, *a, **k):
@@ -287,5 +527,5 @@ def ragged_labels():
         yield
     finally:
         for attr, orig in saved.items():
-            setattr(_step._Run, attr, orig)
+            setattr(_runtime.Run, attr, orig)
         _step.Step.__call__ = step_call

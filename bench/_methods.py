@@ -84,7 +84,7 @@ class RaggedMethod:
     name = "ragged"
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
-                 keep_module=False):
+                 keep_module=False, groups=None, max_buffers=1):
         import ragged as rg
         from ragged import fsdp
         from ragged.optim import GradientTransformation
@@ -92,7 +92,8 @@ class RaggedMethod:
 
         compute, reduce = dtypes(policy)
         model = _model(cfg, seed, device)
-        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
+        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups,
+                                     max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
             lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=donate)
 
@@ -145,7 +146,7 @@ class _TorchOptimizerState:
 class FSDP2Method(_TorchOptimizerState):
     name = "fsdp2"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False, groups=()):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -159,6 +160,8 @@ class FSDP2Method(_TorchOptimizerState):
 
                 ac(block)
             fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        for names in groups:  # more fully_shard groups (module names), as ragged's units with groups=
+            fully_shard([model.get_submodule(n) for n in names], mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         self.model = model
         self.opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(

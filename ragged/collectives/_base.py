@@ -12,6 +12,14 @@ A ``Collectives`` value is one rank's view of a 1-D shard group (FSDP) or of a 2
 ``all_reduce_replicas`` runs across the replica group (a no-op when ``num_replicas == 1``),
 and ``all_gather_object`` spans every rank of the mesh (used to compare plans).
 
+Optional: ``all_gather_into_coalesced(outputs, inputs, *, async_op, label)`` and
+``reduce_scatter_into_coalesced(outputs, inputs, *, op, async_op, label)`` do what the
+single-tensor ops do for each (output, input) pair, in one launch (both bundled backends have
+them; the transforms fall back to one call per buffer for a backend without them). They move
+the buffers of a multi-buffer plan (see ``transforms.all_gather_flat``). A coalesced call is
+ONE call in the sense of [Note: what a collective call carries]: one header per peer on gloo,
+one ledger entry on NCCL, describing all its buffers.
+
 [Note: what a collective call carries]
 Every call carries its operation, dtype and sizes, an *identity* and a human-readable label,
 and every rank must issue the same calls in the same order. The identity is what the caller
@@ -48,8 +56,8 @@ PLAN_CHECKS = ("every_call", "first_use")
 # long enough for a slow rank's step or checkpoint write, far shorter than gloo's 30 min
 DEFAULT_TIMEOUT = 300.0
 
-__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op", "CallScope",
-           "poison_on_error", "DEFAULT_TIMEOUT", "scoped_label"]
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "completed", "check_op",
+           "check_coalesced", "CallScope", "poison_on_error", "DEFAULT_TIMEOUT", "scoped_label"]
 
 
 class CallScope(NamedTuple):
@@ -122,11 +130,35 @@ class DoneHandle:
     def wait(self) -> None:
         return None
 
+    def is_completed(self) -> bool:
+        return True
+
+
+def completed(handle) -> bool:
+    """Whether an async op's handle says it has finished (``wait()`` would not block); a
+    handle without ``is_completed`` counts as not finished."""
+    probe = getattr(handle, "is_completed", None)
+    return bool(probe()) if probe is not None else False
+
 
 def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise RaggedValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
     return op
+
+
+def check_coalesced(outputs, inputs, world_size: int, where: str, *, gather: bool) -> None:
+    """Sizes of a coalesced op's (output, input) pairs: ``world_size`` times the input (all-gather)
+    or the output (reduce-scatter)."""
+    if len(outputs) != len(inputs):
+        raise RaggedValueError(f"{where}: {len(outputs)} outputs for {len(inputs)} inputs.")
+    for out, inp in zip(outputs, inputs):
+        big, small, name = (out, inp, "output") if gather else (inp, out, "input")
+        if big.numel() != world_size * small.numel():
+            raise RaggedValueError(
+                f"{where}: an {name} has {big.numel()} elements, needs world_size * {small.numel()} = "
+                f"{world_size * small.numel()}."
+            )
 
 
 @runtime_checkable
@@ -154,17 +186,13 @@ class Collectives(Protocol):
 
     def all_gather_into(self, output, input, *, async_op: bool = False, label: str | None = None) -> Handle | None:
         """``output`` (world_size * n) <- concatenation of every rank's ``input`` (n).
-
-        ``output`` and ``input`` may also be equal-length sequences of tensors (one per
-        buffer, one dtype): one coalesced call (one header on gloo, one coalesced launch on
-        NCCL). ``label``: see [Note: what a collective call carries]."""
+        ``label``: see [Note: what a collective call carries]."""
 
     def reduce_scatter_into(
         self, output, input, *, op: ReduceOp = "sum", async_op: bool = False, label: str | None = None
     ) -> Handle | None:
         """``output`` (n) <- chunk ``rank`` of the reduction over the shard group of every
-        rank's ``input`` (world_size * n). ``"mean"`` divides by ``world_size``. Sequences
-        coalesce, as in :meth:`all_gather_into`."""
+        rank's ``input`` (world_size * n). ``"mean"`` divides by ``world_size``."""
 
     def all_reduce(
         self, tensor: torch.Tensor, *, op: ReduceOp = "sum", async_op: bool = False, label: str | None = None

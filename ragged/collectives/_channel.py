@@ -122,6 +122,12 @@ class _Pending:
         self.finish, self.timeout = finish, timeout
         self._done = False
 
+    def is_completed(self) -> bool:
+        """Only once ``wait()`` has checked the headers and run the local part: the result is
+        never called done before its call was verified (gloo's works also report completion
+        only once waited)."""
+        return self._done
+
     def wait(self) -> None:
         if self._done:
             return

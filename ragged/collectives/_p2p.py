@@ -20,28 +20,23 @@ hands them to :meth:`Channel.exchange`. No staging where none is needed:
 * objects: pickled; receives are sized from the peers' headers;
 * barrier: headers only.
 
-Several buffers in one call (``output``/``input`` given as sequences: "coalesced") travel under
-one header, as one message per buffer and peer.
+Several buffers in one call (``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced``)
+travel under one header per peer, as one message per buffer and peer.
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
-from collections.abc import Sequence
 
 import torch
 
 from ragged._errors import RaggedValueError
 from ragged.collectives._header import Call
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gather_object", "barrier", "as_list"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gather_object", "barrier"]
 
 _DIRECT_BYTES = 1 << 20
-
-
-def as_list(x) -> list[torch.Tensor]:
-    return list(x) if isinstance(x, Sequence) and not isinstance(x, torch.Tensor) else [x]
 
 
 class _Scratch:

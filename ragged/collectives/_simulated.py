@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError
-from ragged.collectives._base import DoneHandle, check_op, poison_on_error, scoped_label
+from ragged.collectives._base import DoneHandle, check_coalesced, check_op, poison_on_error, scoped_label
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.collectives._header import Call, call_difference, identity_of
 
@@ -122,10 +122,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _as_list(x) -> list[torch.Tensor]:
-    return [x] if isinstance(x, torch.Tensor) else list(x)
-
-
 class SimulatedCollectives:
     """:class:`~ragged.collectives.Collectives` for one simulated rank (see :func:`simulate`).
 
@@ -198,13 +194,14 @@ class SimulatedCollectives:
         return DoneHandle() if async_op else None
 
     def all_gather_into(self, output, input, *, async_op=False, label=None):
-        outs, ins = _as_list(output), _as_list(input)
-        m = self.world_size
+        return self._all_gather([output], [input], async_op, label, "all_gather_into")
+
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False, label=None):
+        return self._all_gather(list(outputs), list(inputs), async_op, label, "all_gather_into_coalesced")
+
+    def _all_gather(self, outs, ins, async_op, label, where):
         with poison_on_error(self):
-            for o, i in zip(outs, ins, strict=True):
-                if o.numel() != m * i.numel():
-                    raise RaggedValueError(
-                        f"all_gather_into: output has {o.numel()} elements, needs world_size * {i.numel()} = {m * i.numel()}.")
+            check_coalesced(outs, ins, self.world_size, where, gather=True)
         values = self._exchange(self._shard, self._rank, "all_gather", None, ins[0], [_plain(i).clone() for i in ins],
                                 label, numel=sum(i.numel() for i in ins))
         with torch.no_grad():
@@ -227,14 +224,15 @@ class SimulatedCollectives:
         return acc
 
     def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
-        outs, ins = _as_list(output), _as_list(input)
-        m = self.world_size
+        return self._reduce_scatter([output], [input], op, async_op, label, "reduce_scatter_into")
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False, label=None):
+        return self._reduce_scatter(list(outputs), list(inputs), op, async_op, label, "reduce_scatter_into_coalesced")
+
+    def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):
             check_op(op)
-            for o, i in zip(outs, ins, strict=True):
-                if i.numel() != m * o.numel():
-                    raise RaggedValueError(
-                        f"reduce_scatter_into: input has {i.numel()} elements, needs world_size * {o.numel()} = {m * o.numel()}.")
+            check_coalesced(outs, ins, self.world_size, where, gather=False)
         values = self._exchange(self._shard, self._rank, "reduce_scatter", op, ins[0], [_plain(i).clone() for i in ins],
                                 label, numel=sum(o.numel() for o in outs))
         with torch.no_grad():

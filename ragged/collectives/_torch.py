@@ -32,6 +32,17 @@ would need the input materialised m times, it rejects a stride-0 ``expand``), re
 works under ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not, torch-notes).
 NCCL uses the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (coalesced for
 several buffers, ``AVG`` for mean). ``algorithm=`` forces a path under ``"none"`` / ``"deferred"``.
+
+[Note: coalesced collectives of several buffers]
+``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` move several buffers (the
+buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_plan.py) in ONE
+call: under ``"header"`` one header per peer describes every buffer (op, dtype, each buffer's
+size, identity, label), and the data of every (peer, buffer) pair travels in the same
+batch (see ``_p2p.py``); under ``"none"`` / ``"deferred"`` on gloo one ``batch_isend_irecv``
+or ``all_to_all_single`` per buffer, one ledger entry for the call; on NCCL ("native") the
+per-buffer native ops inside ``torch.distributed._coalescing_manager`` (one NCCL group: one
+launch; written, not run here: no GPU). gloo has no coalescing group, so ``algorithm="native"``
+on gloo issues one native op per buffer.
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
-from ragged.collectives._base import DEFAULT_TIMEOUT, PLAN_CHECKS, check_op, poison_on_error, scoped_label
+from ragged.collectives._base import (DEFAULT_TIMEOUT, PLAN_CHECKS, check_coalesced, check_op, completed,
+                                      poison_on_error, scoped_label)
 from ragged.collectives._channel import channel_for
 from ragged.collectives._header import identity_of
 from ragged.collectives._ledger import Ledger
@@ -86,6 +98,12 @@ class _Work:
             self._finish()
         self._done = True
 
+    def is_completed(self) -> bool:
+        """Every op has finished (the local finaliser, if any, still runs at ``wait()``). The
+        fake process group's works are done on return (its collectives move no data), though
+        they never say so."""
+        return self._done or all(type(w).__name__ == "FakeWork" or completed(w) for w in self._works)
+
 
 class _Guarded:
     """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison] in ``_channel.py``)."""
@@ -98,6 +116,9 @@ class _Guarded:
     def wait(self) -> None:
         with poison_on_error(self._comm):
             self._work.wait()
+
+    def is_completed(self) -> bool:
+        return completed(self._work)
 
 
 def _pg(group):
@@ -141,7 +162,10 @@ class TorchCollectives:
                                        "moves data point to point (see [Note: the data paths of the header protocol]).")
             ag = rs = algorithm
         self.ag_algorithm, self.rs_algorithm = ("p2p", "p2p") if handshake == "header" else (ag, rs)
-        self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
+        # NCCL, and torch's fake process group on a machine with a GPU (one process measuring one rank's
+        # memory at any world size: its collectives move no data, its allocations are the device's)
+        on_gpu = "nccl" in self.backend or (self.backend == "fake" and torch.cuda.is_available())
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
         if not timeout > 0:
@@ -247,15 +271,16 @@ class TorchCollectives:
 
     # ---- collectives ----------------------------------------------------------------------
     def all_gather_into(self, output, input, *, async_op=False, label=None):
+        return self._all_gather([output], [input], async_op, label, "all_gather_into")
+
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False, label=None):
+        """Several buffers in one call (see [Note: coalesced collectives of several buffers])."""
+        return self._all_gather(list(outputs), list(inputs), async_op, label, "all_gather_into_coalesced")
+
+    def _all_gather(self, outs, ins, async_op, label, where):
         with poison_on_error(self):
-            outs, ins = _p2p.as_list(output), _p2p.as_list(input)
             m = self._world
-            if len(outs) != len(ins):
-                raise RaggedValueError(f"all_gather_into: {len(outs)} outputs for {len(ins)} inputs.")
-            for o, i in zip(outs, ins):
-                if o.numel() != m * i.numel():
-                    raise RaggedValueError(
-                        f"all_gather_into: output has {o.numel()} elements, needs world_size * {i.numel()} = {m * i.numel()}.")
+            check_coalesced(outs, ins, m, where, gather=True)
             if self._channels is not None:
                 return self._handle(_p2p.all_gather(self._channels[0], outs, ins, self._call_args(label), self.timeout),
                                     async_op)
@@ -266,7 +291,8 @@ class TorchCollectives:
                 return self._result(_Work([]), async_op)
             algo = self.ag_algorithm
             if algo == "native":
-                return self._result(_Work([self._coalesced(dist.all_gather_into_tensor, outs, ins)], None, self._ledgers), async_op)
+                return self._result(_Work(self._native(dist.all_gather_into_tensor, outs, ins), None, self._ledgers),
+                                    async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
                 w, f = self._gather_one(o, i, algo)
@@ -292,29 +318,31 @@ class TorchCollectives:
         output[self._rank * n : (self._rank + 1) * n].copy_(input)
         return works, None
 
-    def _coalesced(self, fn, outs, ins, **kw):
-        """One native collective per buffer, coalesced into one launch when there are several
-        (torch's coalescing manager records ``all_gather_single`` / ``reduce_scatter_single``)."""
-        if len(outs) == 1:
-            return fn(outs[0], ins[0], group=self.group, async_op=True, **kw)
-        single = {dist.all_gather_into_tensor: getattr(dist, "all_gather_single", fn),
-                  dist.reduce_scatter_tensor: getattr(dist, "reduce_scatter_single", fn)}[fn]
-        with dist._coalescing_manager(group=self.group, async_ops=True) as cm:
+    def _native(self, fn, outs, ins, **kw):
+        """Works of one native collective per buffer: coalesced into one launch on NCCL when
+        there are several (torch's coalescing manager records ``all_gather_single`` /
+        ``reduce_scatter_single``); one op per buffer elsewhere (gloo has no coalescing group)."""
+        if len(outs) == 1 or "nccl" not in self.backend:
+            return [fn(o, i, group=self.group, async_op=True, **kw) for o, i in zip(outs, ins)]
+        single = {dist.all_gather_into_tensor: dist.all_gather_single,
+                  dist.reduce_scatter_tensor: dist.reduce_scatter_single}[fn]
+        with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
             for o, i in zip(outs, ins):
                 single(o, i, group=self.group, **kw)
-        return cm
+        return [cm]
 
     def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
+        return self._reduce_scatter([output], [input], op, async_op, label, "reduce_scatter_into")
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False, label=None):
+        """Several buffers in one call (see [Note: coalesced collectives of several buffers])."""
+        return self._reduce_scatter(list(outputs), list(inputs), op, async_op, label, "reduce_scatter_into_coalesced")
+
+    def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):
             check_op(op)
-            outs, ins = _p2p.as_list(output), _p2p.as_list(input)
             m = self._world
-            if len(outs) != len(ins):
-                raise RaggedValueError(f"reduce_scatter_into: {len(outs)} outputs for {len(ins)} inputs.")
-            for o, i in zip(outs, ins):
-                if i.numel() != m * o.numel():
-                    raise RaggedValueError(
-                        f"reduce_scatter_into: input has {i.numel()} elements, needs world_size * {o.numel()} = {m * o.numel()}.")
+            check_coalesced(outs, ins, m, where, gather=False)
             if self._channels is not None:
                 return self._handle(
                     _p2p.reduce_scatter(self._channels[0], outs, ins, op, self._call_args(label), self.timeout), async_op)
@@ -326,9 +354,9 @@ class TorchCollectives:
             if self.rs_algorithm == "native":
                 nccl = "nccl" in self.backend
                 torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-                w = self._coalesced(dist.reduce_scatter_tensor, outs, ins, op=torch_op)
+                works = self._native(dist.reduce_scatter_tensor, outs, ins, op=torch_op)
                 finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
-                return self._result(_Work([w], finish, self._ledgers), async_op)
+                return self._result(_Work(works, finish, self._ledgers), async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
                 w, f = self._scatter_one(o, i, op)

@@ -20,6 +20,7 @@ from ragged.optim._combine import leaf_labels as leaf_labels
 from ragged.optim._combine import leaf_masks as leaf_masks
 from ragged.optim._combine import masked as masked
 from ragged.optim._combine import multi_transform as multi_transform
+from ragged.optim._muon import MuonMatrix as MuonMatrix
 from ragged.optim._muon import MuonUnit as MuonUnit
 from ragged.optim._muon import ScaleByMuonState as ScaleByMuonState
 from ragged.optim._muon import default_muon_filter as default_muon_filter
@@ -27,13 +28,13 @@ from ragged.optim._muon import muon as muon
 from ragged.optim._muon import muon_load as muon_load
 from ragged.optim._muon import newton_schulz as newton_schulz
 from ragged.optim._muon import scale_by_muon as scale_by_muon
-from ragged.optim._quant8 import Quant8Moments as Quant8Moments
-from ragged.optim._quant8 import ScaleByAdam8bitState as ScaleByAdam8bitState
-from ragged.optim._quant8 import adam8bit_leaf_state as adam8bit_leaf_state
 from ragged.optim._quant8 import adamw_8bit as adamw_8bit
-from ragged.optim._quant8 import dynamic_map as dynamic_map
 from ragged.optim._quant8 import scale_by_adam_8bit as scale_by_adam_8bit
 from ragged.optim._quant8 import state_nbytes as state_nbytes
+from ragged.optim._quant8_codec import dynamic_map as dynamic_map
+from ragged.optim._quant8_state import Quant8Moments as Quant8Moments
+from ragged.optim._quant8_state import ScaleByAdam8bitState as ScaleByAdam8bitState
+from ragged.optim._quant8_state import adam8bit_leaf_state as adam8bit_leaf_state
 from ragged.optim._schedule import constant_schedule as constant_schedule
 from ragged.optim._schedule import cosine_decay_schedule as cosine_decay_schedule
 from ragged.optim._schedule import linear_schedule as linear_schedule

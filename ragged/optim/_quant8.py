@@ -1,314 +1,86 @@
-"""Block-wise 8-bit Adam over the plan's own blocks.
+"""Block-wise 8-bit AdamW over the plan's own blocks: the transforms.
 
-[Note: blocks are the plan's blocks]
-Each quantization block is one block of the layout: an ``r x c`` tile of a leaf planned with
-``spec.Blocks(r, c)`` (tiles over the last two dims; the last tile of a row band is narrower
-when ``c`` does not divide the row, the last band of a 2-D leaf shorter when ``r`` does not
-divide the rows), or a run of ``n`` elements of a leaf planned with ``spec.Elements(n)`` (the
-last run of a leaf may be shorter). The planner never lets a rank boundary cut a block, so each
-rank quantizes whole blocks of its own shard: no communication, and every block sees exactly the
-same values whatever the world size. All arithmetic is element-wise or an exact max, so the
-state is bit-identical on every world size for the same gradients.
+Which elements are quantized and why the state is the same at every world size: [Note: blocks
+are the plan's blocks] (``_quant8_state.py``). The codes: [Note: dynamic quantization maps]
+(``_quant8_codec.py``). The fused C update: [Note: why a C kernel] (``_quant8_kernel.py``).
 
-Which leaves are quantized: floating leaves of at least ``min_size`` elements (default 4096)
-planned with ``Blocks(r, c)`` (``r * c >= 32``) or ``Elements(n)`` (``n >= 32``). Every other
-leaf -- small ones, ``Rows(n)`` leaves, tiny blocks, and ``Replicate()`` leaves -- keeps fp32
-moments (in one compact tensor per buffer). Plans from ``strategy="naive"`` that cut blocks are
-rejected.
+[Note: one update, two kernels]
+Per quantized piece one step decodes both moments, runs Adam in fp32, writes the update (plus
+``weight_decay * p``, times ``-lr``, when :func:`adamw_8bit` fuses the chain), takes each
+block's new absmax and encodes both moments:
 
-[Note: dynamic quantization maps]
-Both moments are stored as 8-bit codes into a 256-entry (255 used for the signed map) table of
-values in [-1, 1], times one fp32 absmax per block, as in dynamic tree quantization (Dettmers,
-"8-bit approximations for parallelism in deep learning", 2016; "8-bit optimizers via block-wise
-quantization", 2022). A code is read as: (sign bit,) then ``e`` zero bits, a 1 bit, and the
-remaining ``f`` bits a linear fraction; it stands for ``10^-e * (0.1 + 0.9 * (k + 1) / 2^f)``.
-So large exponents trade fraction bits for range: values from 1e-6 (signed) or 1e-7 (unsigned)
-up to exactly 1.0 (the absmax element of a block is represented exactly). The all-zero code is
-0. The first moment uses the signed map (7 non-sign bits), the second moment, which is never
-negative, the unsigned one (all 8 bits).
+    m = table_mu[code] * absmax_mu;  m = m * b1 + g * (1 - b1)
+    v = table_nu[code] * absmax_nu;  v = v * b2 + (g * g) * (1 - b2)
+    u = m / (sqrt(v) / sqrt(1 - b2^t) + eps) / (1 - b1^t)        (eps == 0: NaN -> 0)
+    u = u + p * weight_decay;  u = u * -lr                        (adamw_8bit)
+    absmax = max |m| per block;  code = encode(m * (1 / absmax))  (same for v)
+
+``kernel="c"`` runs this as one C pass per band of blocks, ``kernel="torch"`` as torch ops over
+chunks of whole blocks (any device); ``"auto"`` (default) takes C on CPU when it builds. Both
+use only single-rounding float32 ops in this order -- never lerp / addcmul / add(alpha=), whose
+vectorised and scalar-tail paths may differ by an FMA -- and a correctly rounded square root,
+so they agree bit for bit, and the state never depends on where an element sits in the buffer.
+Small and non-block leaves and replicated leaves keep fp32 moments, updated by the same formula
+in torch ops.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, NamedTuple
-
 import torch
-import torch.nn.functional as F
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import LayoutError, RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
+from ragged.optim import _quant8_kernel as ckernel
 from ragged.optim._base import GradientTransformation, Schedule, zero_count
-from ragged.optim._combine import chain
-from ragged.optim._transform import _check_beta, _check_nonneg, add_decayed_weights, scale_by_learning_rate
-from ragged.spec import Blocks, Elements, LayoutPlan
+from ragged.optim._quant8_codec import codec
+from ragged.optim._quant8_state import (
+    Quant8Moments,
+    ScaleByAdam8bitState,
+    adam8bit_leaf_state,
+    chunks,
+    init_moments,
+    shard_layout,
+)
+from ragged.optim._transform import (
+    AddDecayedWeightsState,
+    ScaleByScheduleState,
+    ScaleState,
+    _check_beta,
+    _check_nonneg,
+)
 
-__all__ = [
-    "dynamic_map",
-    "Quant8Moments",
-    "ScaleByAdam8bitState",
-    "scale_by_adam_8bit",
-    "adamw_8bit",
-    "adam8bit_leaf_state",
-    "state_nbytes",
-]
+# adam8bit_leaf_state lives in _quant8_state; tests import it from here too
+__all__ = ["scale_by_adam_8bit", "adamw_8bit", "state_nbytes", "adam8bit_leaf_state"]
 
-MIN_BLOCK = 32
-
-
-def dynamic_map(signed: bool) -> torch.Tensor:
-    """The sorted table of values of the dynamic tree quantization map (see [Note: dynamic
-    quantization maps]); 255 values for ``signed=True``, 256 otherwise.
-
-    Examples:
-        >>> from ragged.optim import dynamic_map
-        >>> m = dynamic_map(signed=True)
-        >>> len(m), m.min().item(), m.max().item(), (m == 0).sum().item()
-        (255, -1.0, 1.0, 1)
-        >>> u = dynamic_map(signed=False)
-        >>> len(u), u.min().item(), u.max().item(), f"{u[1].item():.0e}"
-        (256, 0.0, 1.0, '1e-07')
-    """
-    bits = 7 if signed else 8
-    values = [0.0]
-    for e in range(bits):  # e leading zeros, then the indicator bit, then f fraction bits
-        f = bits - 1 - e
-        for k in range(2**f):
-            v = 10.0 ** (-e) * (0.1 + 0.9 * (k + 1) / 2**f)
-            values.append(v)
-            if signed:
-                values.append(-v)
-    table = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
-    return table
+KERNELS = ("auto", "c", "torch")
 
 
-class Quant8Moments(NamedTuple):
-    """8-bit Adam moments of one DBuffer.
-
-    Attributes:
-        mu_codes: uint8 codes of the first moment of every quantized element (compact, in
-            buffer order).
-        nu_codes: uint8 codes of the second moment.
-        mu_scales: fp32 absmax per quantized block (buffer order; tiles band-major).
-        nu_scales: same for the second moment.
-        mu_fp32: fp32 first moment of the other (non-quantized, non-padding) elements.
-        nu_fp32: fp32 second moment of those.
-        mu_rep: fp32 first moment of the replicated buffer.
-        nu_rep: fp32 second moment of the replicated buffer.
-    """
-
-    mu_codes: torch.Tensor
-    nu_codes: torch.Tensor
-    mu_scales: torch.Tensor
-    nu_scales: torch.Tensor
-    mu_fp32: torch.Tensor
-    nu_fp32: torch.Tensor
-    mu_rep: torch.Tensor
-    nu_rep: torch.Tensor
-
-
-class ScaleByAdam8bitState(NamedTuple):
-    """State of :func:`scale_by_adam_8bit`: step count and one :class:`Quant8Moments` per
-    DBuffer of the params tree (same tree structure, DBuffers replaced)."""
-
-    count: torch.Tensor
-    moments: Any
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _QPiece:
-    path: str
-    local_offset: int
-    numel: int
-    rows: int  # the piece viewed as (rows, cols)
-    cols: int
-    br: int  # block rows / cols
-    bc: int
-    code_offset: int
-    scale_offset: int
-
-    @property
-    def bands(self) -> int:
-        return -(-self.rows // self.br)
-
-    @property
-    def tiles(self) -> int:
-        return -(-self.cols // self.bc)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.bands * self.tiles
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Layout:
-    qpieces: tuple[_QPiece, ...]
-    fp32_pieces: tuple[tuple[str, int, int, int], ...]  # (path, local_offset, numel, compact offset)
-    fp32_mask: torch.Tensor  # bool [S]
-    num_codes: int
-    num_blocks: int
-    num_fp32: int
-
-
-def _block_shape(leaf) -> tuple[int, int] | None:
-    """(block rows, block cols) if ``leaf`` is quantized, else None."""
-    s = leaf.spec
-    if isinstance(s, Elements) and s.n >= MIN_BLOCK:
-        return (1, s.n)
-    if isinstance(s, Blocks) and len(leaf.shape) >= 2 and s.r * s.c >= MIN_BLOCK:
-        return (s.r, s.c)
-    return None
-
-
-def _build_layout(plan: LayoutPlan, rank: int, device, min_size: int) -> _Layout:
-    if plan.split_blocks:
-        raise LayoutError(
-            f"adamw_8bit needs whole blocks on every rank, but this plan (strategy={plan.strategy!r}) "
-            f"cuts {plan.split_blocks} block(s) at rank boundaries. Fix: plan with strategy='dp' "
-            "or 'exact' (the default), which never cuts a block."
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise RaggedValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
+    if kernel == "c" and not ckernel.available():
+        raise RaggedValueError(
+            f"kernel='c': the C kernel of 8-bit Adam does not build here ({ckernel.unavailable_reason()}). "
+            "Fix: kernel='auto' (falls back to torch ops) or kernel='torch'."
         )
-    qpieces, fp32_pieces = [], []
-    mask = torch.zeros(plan.shard_size, dtype=torch.bool)
-    codes = blocks = nfp = 0
-    for piece in plan.local_pieces(rank):
-        leaf = piece.leaf
-        block = _block_shape(leaf) if leaf.numel >= min_size and leaf.dtype.is_floating_point else None
-        if block is None:
-            fp32_pieces.append((leaf.path, piece.local_offset, piece.numel, nfp))
-            mask[piece.local_offset : piece.local_offset + piece.numel] = True
-            nfp += piece.numel
-            continue
-        br, bc = block
-        if br == 1:  # Elements(n): one row of n-element blocks
-            if piece.start % bc:
-                raise LayoutError(f"params{leaf.path}: piece starts at {piece.start}, inside a block of {bc}.")
-            rows, cols = 1, piece.numel
-        else:
-            C = leaf.shape[-1]
-            if piece.start % (br * C):
-                raise LayoutError(
-                    f"params{leaf.path} (shape {leaf.shape}): rank {rank}'s piece starts at row "
-                    f"{piece.start // C}, inside a band of {br} rows."
-                )
-            rows, cols = piece.numel // C, C
-        q = _QPiece(leaf.path, piece.local_offset, piece.numel, rows, cols, br, bc, codes, blocks)
-        qpieces.append(q)
-        codes += piece.numel
-        blocks += q.num_blocks
-    return _Layout(tuple(qpieces), tuple(fp32_pieces), mask.to(device), codes, blocks, nfp)
 
 
-_LAYOUTS: dict = {}
-_CODECS: dict = {}  # (signed, device) -> _Codec (its lookup tables are built once per process)
+def _is_dbuffer(x) -> bool:
+    return isinstance(x, DBuffer)
 
 
-def _layout(dbuf: DBuffer, min_size: int) -> _Layout:
-    key = (dbuf.plan, dbuf.rank, dbuf.data.device, min_size)
-    hit = _LAYOUTS.get(key)
-    if hit is None:
-        if len(_LAYOUTS) > 64:
-            _LAYOUTS.clear()
-        hit = _LAYOUTS[key] = _build_layout(dbuf.plan, dbuf.rank, dbuf.data.device, min_size)
-    return hit
+def _is_moments(x) -> bool:
+    return isinstance(x, Quant8Moments)
 
 
-_KEY_SHIFT = 13  # keep 8 exponent + 10 mantissa bits of |x| as the lookup key
-
-
-class _Codec:
-    """Quantize / dequantize (rows, cols) pieces with per-block absmax.
-
-    [Note: exact nearest-code lookup without a search]
-    The code of a normalised value ``x`` is ``z + sign(x) * n(|x|)``, where ``z`` is the code
-    of 0 and ``n(a)`` counts the positive midpoints between neighbouring table values that are
-    below ``a`` (the map is symmetric, so this is the nearest value). ``n`` is read from two
-    small tables indexed by the top bits of ``a``'s float32 pattern (monotone in ``a``): the
-    count of midpoints below the key's interval, and the one midpoint inside it (the table is
-    built so that no interval holds two; checked here). That is a handful of element-wise
-    integer ops instead of a binary search per element, and, like everything here, exact and
-    independent of where an element sits in the buffer.
-    """
-
-    def __init__(self, signed: bool, device):
-        table = dynamic_map(signed)
-        self.table = table.to(device)
-        self.zero = int((table == 0).nonzero()[0, 0])
-        pos = table[self.zero :].double()  # 0, then the positive values ascending
-        mids = ((pos[:-1] + pos[1:]) / 2).to(torch.float32)  # positive midpoints
-        nkeys = (int(torch.tensor(1.0).view(torch.int32)) >> _KEY_SHIFT) + 1
-        keys = torch.arange(nkeys, dtype=torch.int64)
-        lo = (keys << _KEY_SHIFT).to(torch.int32).view(torch.float32)
-        hi = (((keys + 1) << _KEY_SHIFT) - 1).to(torch.int32).view(torch.float32)
-        base = torch.searchsorted(mids, lo, right=False)  # midpoints < lo
-        inside = torch.searchsorted(mids, hi, right=True) - base  # midpoints in [lo, hi]
-        if int(inside.max()) > 1:
-            raise AssertionError("quantization map too fine for the lookup key; lower _KEY_SHIFT")
-        thr = torch.where(inside > 0, mids[base.clamp(max=len(mids) - 1)], torch.tensor(float("inf")))
-        self.max_key = nkeys - 1
-        self.base = base.to(torch.int32).to(device)
-        self.thr = thr.to(device)
-
-    @staticmethod
-    def _pad(x: torch.Tensor, q: _QPiece) -> torch.Tensor:
-        pr, pc = q.bands * q.br - q.rows, q.tiles * q.bc - q.cols
-        return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
-
-    def _codes(self, normed: torch.Tensor) -> torch.Tensor:
-        a = normed.abs()
-        key = (a.view(torch.int32) >> _KEY_SHIFT).clamp_(max=self.max_key).reshape(-1)
-        n = self.base.index_select(0, key).view(a.shape)
-        n += a > self.thr.index_select(0, key).view(a.shape)
-        if self.zero:
-            n = torch.where(normed < 0, self.zero - n, n + self.zero)
-        return n.to(torch.uint8)
-
-    def encode(self, x: torch.Tensor, q: _QPiece) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (rows, cols) fp32 -> (uint8 codes (rows*cols,), fp32 absmax (num_blocks,))."""
-        xp = self._pad(x, q).view(q.bands, q.br, q.tiles, q.bc)
-        absmax = xp.abs().amax(dim=(1, 3))
-        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        codes = self._codes(xp / safe[:, None, :, None])
-        if xp.data_ptr() != x.data_ptr():  # padded: cut back to the piece
-            codes = codes.view(q.bands * q.br, q.tiles * q.bc)[: q.rows, : q.cols]
-        return codes.reshape(-1), absmax.reshape(-1)
-
-    def decode(self, codes: torch.Tensor, absmax: torch.Tensor, q: _QPiece) -> torch.Tensor:
-        values = self.table.index_select(0, codes.to(torch.int32)).view(q.rows, q.cols)
-        if q.rows % q.br == 0 and q.cols % q.bc == 0:
-            values.view(q.bands, q.br, q.tiles, q.bc).mul_(absmax.view(q.bands, 1, q.tiles, 1))
-            return values
-        scale = absmax.view(q.bands, 1, q.tiles, 1).expand(q.bands, q.br, q.tiles, q.bc)
-        scale = scale.reshape(q.bands * q.br, q.tiles * q.bc)[: q.rows, : q.cols]
-        return values.mul_(scale)
-
-
-_CHUNK = 1 << 18  # elements quantized at a time: bounds the fp32 / int temporaries of one update
-
-
-def _chunks(q: _QPiece, limit: int = _CHUNK):
-    """``q`` cut into sub-pieces of whole blocks, about ``limit`` elements each.
-
-    Every block is quantized on its own, so the cut changes no code and no scale; it only
-    bounds the temporaries (decoded moments, lookup keys) to one chunk instead of one leaf.
-    """
-    if q.numel <= limit:
-        yield q
-        return
-    if q.rows == 1:  # Elements(n): one row of n-element blocks
-        step = max(1, limit // q.bc)
-        for t0 in range(0, q.tiles, step):
-            c0, c1 = t0 * q.bc, min(q.cols, (t0 + step) * q.bc)
-            yield dataclasses.replace(q, local_offset=q.local_offset + c0, numel=c1 - c0, cols=c1 - c0,
-                                      code_offset=q.code_offset + c0, scale_offset=q.scale_offset + t0)
-        return
-    step = max(1, limit // (q.br * q.cols))
-    for b0 in range(0, q.bands, step):
-        r0, r1 = b0 * q.br, min(q.rows, (b0 + step) * q.br)
-        n0, n = r0 * q.cols, (r1 - r0) * q.cols
-        yield dataclasses.replace(q, local_offset=q.local_offset + n0, numel=n, rows=r1 - r0,
-                                  code_offset=q.code_offset + n0, scale_offset=q.scale_offset + b0 * q.tiles)
+def _check_dbuffers(tree, what: str) -> None:
+    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
+        if not isinstance(leaf, DBuffer):
+            raise RaggedTypeError(
+                f"adamw_8bit works on DBuffers (rg.shard output); {what} has a "
+                f"{type(leaf).__name__} leaf. Fix: pass the DBuffer(s), or use rg.optim.adamw."
+            )
 
 
 def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
@@ -322,42 +94,166 @@ def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
         data[pos:].zero_()
 
 
-def _moments_init(dbuf: DBuffer, min_size: int) -> Quant8Moments:
-    lay = _layout(dbuf, min_size)
-    dev = dbuf.data.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    zero_rep = torch.zeros(dbuf.replicated.shape, **f32)
-    return Quant8Moments(
-        mu_codes=torch.full((lay.num_codes,), _ZERO_SIGNED, dtype=torch.uint8, device=dev),
-        nu_codes=torch.zeros(lay.num_codes, dtype=torch.uint8, device=dev),
-        mu_scales=torch.zeros(lay.num_blocks, **f32),
-        nu_scales=torch.zeros(lay.num_blocks, **f32),
-        mu_fp32=torch.zeros(lay.num_fp32, **f32),
-        nu_fp32=torch.zeros(lay.num_fp32, **f32),
-        mu_rep=zero_rep,
-        nu_rep=zero_rep.clone(),
+class _Hyper:
+    """The scalars of one step; ``c_args``: as the C kernel takes them (float32, as torch rounds scalars)."""
+
+    def __init__(self, b1, b2, eps, count, decay, lr):
+        t = count.to(torch.float64)
+        self.b1, self.b2, self.eps, self.decay, self.lr = b1, b2, eps, decay, lr
+        self.bc1 = (1.0 - b1**t).to(torch.float32)
+        self.bc2 = torch.sqrt(1.0 - b2**t).to(torch.float32)
+        if isinstance(lr, torch.Tensor):
+            self.lr = lr.to(torch.float32)
+        self.c_args = self._c_args() if count.device.type == "cpu" else None
+
+    def _c_args(self):
+        flags = (1 if self.decay is not None else 0) | (2 if self.lr is not None else 0) | (4 if self.eps == 0 else 0)
+        return (self.b1, 1.0 - self.b1, self.b2, 1.0 - self.b2, self.eps, float(self.bc1), float(self.bc2),
+                self.decay or 0.0, float(self.lr) if self.lr is not None else 0.0, flags)
+
+
+def _adam(m, v, g, p, h: _Hyper, *, fresh: bool):
+    """The formula of [Note: one update, two kernels] on fp32 tensors (``m``, ``v`` updated in
+    place when ``fresh``); returns ``(m, v, u)``."""
+    m = m.mul_(h.b1) if fresh else m * h.b1
+    m.add_(g * (1.0 - h.b1))
+    v = v.mul_(h.b2) if fresh else v * h.b2
+    v.add_((g * g).mul_(1.0 - h.b2))
+    u = torch.sqrt(v.double()).to(torch.float32).div_(h.bc2).add_(h.eps)  # float64 root: correctly rounded
+    torch.div(m, u, out=u).div_(h.bc1)
+    if h.eps == 0:
+        u = torch.where(torch.isnan(u), torch.zeros_like(u), u)
+    if h.decay is not None:
+        u.add_(p * h.decay)
+    if h.lr is not None:
+        u.mul_(h.lr)
+    return m, v, u
+
+
+def _torch_piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv) -> None:
+    """One quantized piece in torch ops, chunk by chunk (see [Note: one update, two kernels]).
+    The tensors are the piece's own slices (elements, codes, scales)."""
+    for c in chunks(q):
+        e0, c0, s0 = c.local_offset - q.local_offset, c.code_offset - q.code_offset, c.scale_offset - q.scale_offset
+        el, co, sc = slice(e0, e0 + c.numel), slice(c0, c0 + c.numel), slice(s0, s0 + c.num_blocks)
+        shape, block = (c.rows, c.cols), (c.br, c.bc)
+        m = cm.decode_blocks(codes_in[0][co], scales_in[0][sc], shape, block)
+        v = cv.decode_blocks(codes_in[1][co], scales_in[1][sc], shape, block)
+        m, v, u = _adam(m, v, g[el].view(shape), None if p is None else p[el].view(shape), h, fresh=True)
+        out[el] = u.reshape(-1)
+        codes_out[0][co], scales_out[0][sc] = cm.encode_blocks(m, block)
+        codes_out[1][co], scales_out[1][sc] = cv.encode_blocks(v, block)
+
+
+def _c_piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv, work) -> None:
+    view = lambda pair, lo, n: tuple(t[lo : lo + n] for t in pair)  # noqa: E731
+    at = slice(q.local_offset, q.local_offset + q.numel)
+    ckernel.adam8_piece(
+        g[at], out[at], None if p is None else p[at],
+        view(codes_in, q.code_offset, q.numel), view(scales_in, q.scale_offset, q.num_blocks),
+        view(codes_out, q.code_offset, q.numel), view(scales_out, q.scale_offset, q.num_blocks),
+        rows=q.rows, cols=q.cols, block=(q.br, q.bc), hyper=h.c_args, tables=(cm, cv), work=work,
     )
 
 
-_ZERO_SIGNED = int((dynamic_map(True) == 0).nonzero()[0, 0])
+def _use_c(kernel: str, *tensors) -> bool:
+    if kernel == "torch":
+        return False
+    ok = all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+    return ok and (kernel == "c" or ckernel.available())
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
+def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *, min_size, donate, kernel):
+    """One DBuffer's step: ``(update DBuffer, new moments)``."""
+    lay = shard_layout(g, min_size)
+    dev = g.data.device
+    cm, cv = codec(True, dev), codec(False, dev)
+    gdata = g.data.to(torch.float32)
+    in_place = donate and gdata is g.data and not g.data.requires_grad
+    pdata = p.data.detach().to(torch.float32) if h.decay is not None else None
+    if in_place:  # the update overwrites the gradient piece by piece, after reading it
+        out = gdata
+        _zero_padding(out, g)
+        codes_out, scales_out = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
+    else:
+        out = torch.empty(g.data.shape, dtype=torch.float32, device=dev)  # every element is written below
+        _zero_padding(out, g)
+        codes_out = (torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes))
+        scales_out = (torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales))
+    codes_in, scales_in = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
+    use_c = lay.qpieces and _use_c(kernel, gdata, out, pdata, *codes_in, *scales_in, *codes_out, *scales_out)
+    work = None
+    for q in lay.qpieces:
+        if use_c:
+            need = ckernel.workspace_numel(q.br, q.bc)
+            if work is None or work.numel() < need:
+                work = torch.empty(need, dtype=torch.float32)
+            _c_piece(q, gdata, pdata, out, codes_in, scales_in, codes_out, scales_out, h, cm, cv, work)
+        else:
+            sub = slice(q.local_offset, q.local_offset + q.numel)
+            _torch_piece(q, gdata[sub], None if pdata is None else pdata[sub], out[sub],
+                         tuple(t[q.code_offset : q.code_offset + q.numel] for t in codes_in),
+                         tuple(t[q.scale_offset : q.scale_offset + q.num_blocks] for t in scales_in),
+                         tuple(t[q.code_offset : q.code_offset + q.numel] for t in codes_out),
+                         tuple(t[q.scale_offset : q.scale_offset + q.num_blocks] for t in scales_out), h, cm, cv)
+    mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
+    if lay.num_fp32:
+        idx = lay.fp32_index
+        pf = None if pdata is None else pdata.index_select(0, idx)
+        mu_fp32, nu_fp32, u = _adam(mom.mu_fp32, mom.nu_fp32, gdata.index_select(0, idx), pf, h, fresh=in_place)
+        out.index_copy_(0, idx, u)
+    prep = None if h.decay is None else p.replicated.detach().to(torch.float32)
+    mu_rep, nu_rep, u_rep = _adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), prep, h, fresh=in_place)
+    new = Quant8Moments(*codes_out, *scales_out, mu_fp32, nu_fp32, mu_rep, nu_rep)
+    wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
+    return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
 
 
-def _is_moments(x) -> bool:
-    return isinstance(x, Quant8Moments)
+def _check_state(flat_g, flat_m, min_size) -> None:
+    if len(flat_m) != len(flat_g):
+        raise RaggedValueError(f"the 8-bit Adam state holds {len(flat_m)} buffers but the updates hold {len(flat_g)}.")
+    for g, m in zip(flat_g, flat_m):
+        lay = shard_layout(g, min_size)
+        if m.mu_codes.numel() != lay.num_codes or m.mu_fp32.numel() != lay.num_fp32:
+            raise RaggedValueError(
+                f"adamw_8bit: the updates (DBuffer of rank {g.rank}, {g.plan!r}) do not match the 8-bit "
+                f"state ({m.mu_codes.numel()} codes / {m.mu_fp32.numel()} fp32 moments, expected "
+                f"{lay.num_codes} / {lay.num_fp32}). Fix: call opt.init on the DBuffer(s) whose "
+                "gradients you pass to opt.update."
+            )
+
+
+def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, lr, min_size, donate, kernel):
+    """The step over every DBuffer of ``updates``: ``(new updates, new ScaleByAdam8bitState)``."""
+    _check_dbuffers(updates, "updates")
+    flat_g, treedef = pytree.flatten(updates, is_leaf=_is_dbuffer)
+    flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)
+    _check_state(flat_g, flat_m, min_size)
+    flat_p = pytree.leaves(params, is_leaf=_is_dbuffer) if decay is not None else [None] * len(flat_g)
+    count = state.count + 1
+    h = _Hyper(b1, b2, eps, count, decay, lr)
+    results = [_step_buffer(g, m, p, h, min_size=min_size, donate=donate, kernel=kernel)
+               for g, m, p in zip(flat_g, flat_m, flat_p)]
+    new_updates = pytree.unflatten(treedef, [r[0] for r in results])
+    moments = pytree.unflatten(pytree.structure(state.moments, is_leaf=_is_moments), [r[1] for r in results])
+    return new_updates, ScaleByAdam8bitState(count=count, moments=moments)
+
+
+def _init(params, min_size):
+    _check_dbuffers(params, "params")
+    moments = pytree.map(lambda d: init_moments(d, min_size), params, is_leaf=_is_dbuffer)
+    return ScaleByAdam8bitState(count=zero_count(params), moments=moments)
 
 
 def scale_by_adam_8bit(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096, donate: bool = False
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096, donate: bool = False,
+    kernel: str = "auto",
 ) -> GradientTransformation:
     """Adam's rescaling with block-wise 8-bit moments (see [Note: blocks are the plan's blocks]).
 
-    Each step dequantizes a block's moments, updates them in fp32 exactly as
-    :func:`ragged.optim.scale_by_adam` does, computes the update from the fp32 values, then
-    re-quantizes them with the block's new absmax.
+    Each step dequantizes a block's moments, updates them in fp32, computes the update from the
+    fp32 values, then re-quantizes them with the block's new absmax (the formula: [Note: one
+    update, two kernels]).
 
     Args:
         b1, b2, eps: Adam's hyperparameters.
@@ -367,107 +263,22 @@ def scale_by_adam_8bit(
             :func:`ragged.optim.scale_by_adam` does): no shard-sized allocation per step, but
             the caller must not read the old state or the gradients afterwards. Results are
             bit-identical to ``donate=False``.
+        kernel: ``"auto"`` (the C kernel on CPU when it builds, else torch ops), ``"c"`` or
+            ``"torch"``; all give bit-identical results.
 
     The params must be a DBuffer or a pytree of DBuffers.
     """
     _check_beta("b1", b1)
     _check_beta("b2", b2)
     _check_nonneg("eps", eps)
-    def codec(signed, device):
-        key = (signed, device)
-        if key not in _CODECS:
-            _CODECS[key] = _Codec(signed, device)
-        return _CODECS[key]
-
-    def check(tree, what):
-        for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
-            if not isinstance(leaf, DBuffer):
-                raise RaggedTypeError(
-                    f"adamw_8bit works on DBuffers (rg.shard output); {what} has a "
-                    f"{type(leaf).__name__} leaf. Fix: pass the DBuffer(s), or use rg.optim.adamw."
-                )
-
-    def init(params):
-        check(params, "params")
-        moments = pytree.map(lambda d: _moments_init(d, min_size), params, is_leaf=_is_dbuffer)
-        return ScaleByAdam8bitState(count=zero_count(params), moments=moments)
+    _check_kernel(kernel)
 
     def update(updates, state, params=None):
         del params
-        check(updates, "updates")
-        count = state.count + 1
-        t = count.to(torch.float64)
-        bc1 = (1.0 - b1**t).to(torch.float32)
-        bc2_sqrt = torch.sqrt(1.0 - b2**t).to(torch.float32)
+        return _step(updates, state, None, b1=b1, b2=b2, eps=eps, decay=None, lr=None, min_size=min_size,
+                     donate=donate, kernel=kernel)
 
-        def adam(m, v, g, *, fresh=False):
-            # [Note: no fused ops here] only single-rounding ops (mul, add, sqrt, div), never
-            # lerp / addcmul / add(alpha=): their vectorised and scalar-tail paths may differ by
-            # an FMA, and the state must not depend on where an element sits in the buffer.
-            # ``fresh``: m and v are temporaries (dequantized), so update them in place.
-            m = m.mul_(b1) if fresh else m * b1
-            m.add_(g * (1.0 - b1))
-            v = v.mul_(b2) if fresh else v * b2
-            gg = g * g
-            v.add_(gg.mul_(1.0 - b2))
-            u = torch.sqrt(v, out=gg).div_(bc2_sqrt).add_(eps)
-            torch.div(m, u, out=u).div_(bc1)
-            if eps == 0:
-                u.nan_to_num_(nan=0.0)
-            return m, v, u
-
-        def one(g: DBuffer, mom: Quant8Moments):
-            lay = _layout(g, min_size)
-            dev = g.data.device
-            cm, cv = codec(True, dev), codec(False, dev)
-            gdata = g.data.to(torch.float32)
-            in_place = donate and gdata is g.data and not gdata.requires_grad
-            if in_place:  # the update overwrites the gradient piece by piece, after reading it
-                out = gdata
-                _zero_padding(out, g)
-                mu_codes, nu_codes, mu_scales, nu_scales = mom.mu_codes, mom.nu_codes, mom.mu_scales, mom.nu_scales
-            else:
-                out = torch.zeros(g.data.shape, dtype=torch.float32, device=dev)
-                mu_codes, nu_codes = torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes)
-                mu_scales, nu_scales = torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales)
-            for q in (sub for piece in lay.qpieces for sub in _chunks(piece)):
-                cs, ce = q.code_offset, q.code_offset + q.numel
-                ss, se = q.scale_offset, q.scale_offset + q.num_blocks
-                gq = gdata[q.local_offset : q.local_offset + q.numel].view(q.rows, q.cols)
-                m = cm.decode(mom.mu_codes[cs:ce], mom.mu_scales[ss:se], q)
-                v = cv.decode(mom.nu_codes[cs:ce], mom.nu_scales[ss:se], q)
-                m, v, u = adam(m, v, gq, fresh=True)
-                out[q.local_offset : q.local_offset + q.numel] = u.reshape(-1)
-                mu_codes[cs:ce], mu_scales[ss:se] = cm.encode(m, q)
-                nu_codes[cs:ce], nu_scales[ss:se] = cv.encode(v, q)
-            mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
-            if lay.num_fp32:
-                mu_fp32, nu_fp32, u = adam(mom.mu_fp32, mom.nu_fp32, gdata[lay.fp32_mask], fresh=in_place)
-                out.masked_scatter_(lay.fp32_mask, u)
-            mu_rep, nu_rep, u_rep = adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), fresh=in_place)
-            new = Quant8Moments(mu_codes, nu_codes, mu_scales, nu_scales, mu_fp32, nu_fp32, mu_rep, nu_rep)
-            wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
-            return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
-
-        flat_g, treedef = pytree.flatten(updates, is_leaf=_is_dbuffer)
-        flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)
-        for g, m in zip(flat_g, flat_m):
-            lay = _layout(g, min_size)
-            if m.mu_codes.numel() != lay.num_codes or m.mu_fp32.numel() != lay.num_fp32:
-                raise RaggedValueError(
-                    f"adamw_8bit: the updates (DBuffer of rank {g.rank}, {g.plan!r}) do not match the 8-bit "
-                    f"state ({m.mu_codes.numel()} codes / {m.mu_fp32.numel()} fp32 moments, expected "
-                    f"{lay.num_codes} / {lay.num_fp32}). Fix: call opt.init on the DBuffer(s) whose "
-                    "gradients you pass to opt.update."
-                )
-        if len(flat_m) != len(flat_g):
-            raise RaggedValueError(f"the 8-bit Adam state holds {len(flat_m)} buffers but the updates hold {len(flat_g)}.")
-        results = [one(g, m) for g, m in zip(flat_g, flat_m)]
-        new_updates = pytree.unflatten(treedef, [r[0] for r in results])
-        moments = pytree.unflatten(pytree.structure(state.moments, is_leaf=_is_moments), [r[1] for r in results])
-        return new_updates, ScaleByAdam8bitState(count=count, moments=moments)
-
-    return GradientTransformation(init, update)
+    return GradientTransformation(lambda params: _init(params, min_size), update)
 
 
 def adamw_8bit(
@@ -479,12 +290,15 @@ def adamw_8bit(
     *,
     min_size: int = 4096,
     donate: bool = False,
+    kernel: str = "auto",
 ) -> GradientTransformation:
     """AdamW with block-wise 8-bit moments over the plan's blocks (same contract as
     :func:`ragged.optim.adamw`).
 
-    ``donate=True`` updates the state in place and writes the update into the gradient buffer
-    (see :func:`scale_by_adam_8bit`); results are bit-identical.
+    ``chain(scale_by_adam_8bit, add_decayed_weights, scale_by_learning_rate)`` fused into one
+    pass per block (same state, bit-identical results). ``donate=True`` updates the state in
+    place and writes the update into the gradient buffer (see :func:`scale_by_adam_8bit`);
+    results are bit-identical. ``kernel``: see :func:`scale_by_adam_8bit`.
 
     About 2 bytes of state per parameter plus 8 bytes per block (e.g. +0.008 B/param for
     ``Blocks(32, 32)``), and fp32 moments for small or non-block leaves (see
@@ -504,39 +318,31 @@ def adamw_8bit(
         >>> state[0].moments.mu_codes.dtype, state[0].moments.mu_scales.numel()  # 2 x 4 tiles
         (torch.uint8, 8)
     """
-    return chain(
-        scale_by_adam_8bit(b1=b1, b2=b2, eps=eps, min_size=min_size, donate=donate),
-        add_decayed_weights(weight_decay, donate=donate),
-        scale_by_learning_rate(learning_rate, donate=donate),
-    )
+    _check_beta("b1", b1)
+    _check_beta("b2", b2)
+    _check_nonneg("eps", eps)
+    _check_nonneg("weight_decay", weight_decay)
+    _check_nonneg("learning_rate", learning_rate)
+    _check_kernel(kernel)
+    scheduled = callable(learning_rate)
 
+    def init(params):
+        lr_state = ScaleByScheduleState(count=zero_count(params)) if scheduled else ScaleState()
+        return (_init(params, min_size), AddDecayedWeightsState(), lr_state)
 
-def adam8bit_leaf_state(moments: Quant8Moments, dbuf: DBuffer, *, min_size: int = 4096) -> dict[str, dict]:
-    """This rank's part of the 8-bit Adam state, per leaf path.
+    def update(updates, state, params=None):
+        adam, decay_state, lr_state = state
+        if weight_decay and params is None:
+            raise RaggedValueError("adamw_8bit with weight_decay needs the params: call opt.update(grads, opt_state, params).")
+        if weight_decay:
+            _check_dbuffers(params, "params")
+        lr = -1.0 * learning_rate(lr_state.count) if scheduled else -learning_rate
+        updates, adam = _step(updates, adam, params, b1=b1, b2=b2, eps=eps, decay=weight_decay or None, lr=lr,
+                              min_size=min_size, donate=donate, kernel=kernel)
+        new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
+        return updates, (adam, decay_state, new_lr_state)
 
-    Returns ``{path: {"mu_codes", "nu_codes", "mu_scales", "nu_scales"}}`` for quantized leaves
-    and ``{path: {"mu", "nu"}}`` for fp32 ones. Concatenating one leaf's entries over ranks in
-    rank order gives the whole leaf's state (codes in element order, scales band-major), which
-    is what the world-size-independence tests compare.
-    """
-    lay = _layout(dbuf, min_size)
-    out: dict[str, dict] = {}
-    for q in lay.qpieces:
-        cs, ss = q.code_offset, q.scale_offset
-        out[q.path] = {
-            "mu_codes": moments.mu_codes[cs : cs + q.numel],
-            "nu_codes": moments.nu_codes[cs : cs + q.numel],
-            "mu_scales": moments.mu_scales[ss : ss + q.num_blocks],
-            "nu_scales": moments.nu_scales[ss : ss + q.num_blocks],
-        }
-    for path, _, n, c in lay.fp32_pieces:
-        out[path] = {"mu": moments.mu_fp32[c : c + n], "nu": moments.nu_fp32[c : c + n]}
-    for leaf in dbuf.plan.replicated:
-        out[leaf.path] = {
-            "mu": moments.mu_rep[leaf.offset : leaf.stop],
-            "nu": moments.nu_rep[leaf.offset : leaf.stop],
-        }
-    return out
+    return GradientTransformation(init, update)
 
 
 def state_nbytes(state) -> int:

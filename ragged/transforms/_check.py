@@ -240,12 +240,16 @@ def _explain(calls) -> str:
     )
 
 
-def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False) -> None:
+def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False,
+                summary=None, explain=None) -> None:
     """Makes every rank of ``comm`` agree on ``operation`` over ``plans`` before it communicates.
 
     See [Note: plan check before collectives]. ``operation`` names the call and anything else
     that decides the bytes moved (e.g. ``"gather:torch.bfloat16"``); ``every_call=True`` agrees
-    even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step).
+    even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step). Plans of
+    another layout type (anything with ``fingerprint()``, e.g. ``spec.MeshPlan``) bring their own
+    ``summary(plan)`` (what each rank sends when they differ) and ``explain(calls)`` (the message
+    from every rank's ``(operation, fingerprints, summaries)``).
 
     Raises:
         PlanMismatchError: on every rank, if any rank holds other plans or calls another operation.
@@ -261,11 +265,11 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
         if scope is not None:
             comm.scope = None
         try:
-            calls = comm.all_gather_object((operation, fps, [_summary(p) for p in plans]))
+            calls = comm.all_gather_object((operation, fps, [(summary or _summary)(p) for p in plans]))
         finally:
             if scope is not None:
                 comm.scope = scope
-        raise raised_on_every_rank(PlanMismatchError(_explain(calls)))
+        raise raised_on_every_rank(PlanMismatchError((explain or _explain)(calls)))
     if first_use:
         for fp in fps:
             memo[fp] = True

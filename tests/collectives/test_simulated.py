@@ -185,9 +185,9 @@ def test_coalesced_buffers():
 
     def fn(c):
         outs = [torch.empty(3 * m, dtype=torch.float64), torch.empty(4 * m, dtype=torch.float64)]
-        c.all_gather_into(outs, [xs[c.rank], ys[c.rank]])
+        c.all_gather_into_coalesced(outs, [xs[c.rank], ys[c.rank]])
         rs = [torch.empty(3, dtype=torch.float64), torch.empty(4, dtype=torch.float64)]
-        c.reduce_scatter_into(rs, [torch.cat(xs), torch.cat(ys)])
+        c.reduce_scatter_into_coalesced(rs, [torch.cat(xs), torch.cat(ys)])
         return outs, rs
 
     for r, (outs, rs) in enumerate(rg.collectives.simulate(m, fn)):

@@ -224,12 +224,12 @@ def _coalesced(handshake, algorithm):
     g = torch.Generator().manual_seed(5)
     xs = [[torch.randn(n, generator=g, dtype=torch.float64) for n in (3, 0, 7)] for _ in range(m)]
     outs = [torch.empty(m * x.numel(), dtype=torch.float64) for x in xs[r]]
-    c.all_gather_into(outs, xs[r], async_op=True).wait()
+    c.all_gather_into_coalesced(outs, xs[r], async_op=True).wait()
     for b, o in enumerate(outs):
         torch.testing.assert_close(o, torch.cat([xs[j][b] for j in range(m)]), rtol=0, atol=0)
     full = [[torch.randn(m * n, generator=g, dtype=torch.float64) for n in (2, 0, 5)] for _ in range(m)]
     rs = [torch.empty(n, dtype=torch.float64) for n in (2, 0, 5)]
-    c.reduce_scatter_into(rs, full[r], op="mean")
+    c.reduce_scatter_into_coalesced(rs, full[r], op="mean")
     for b, o in enumerate(rs):
         want = sum(full[j][b] for j in range(m)) / m
         n = o.numel()

@@ -1,4 +1,4 @@
-"""Block-wise 8-bit Adam: world-size independence, quantization maps, numerics vs fp32 AdamW."""
+"""Block-wise 8-bit Adam: world-size independence, quantization maps, the two kernels, numerics vs fp32 AdamW."""
 
 import math
 
@@ -7,7 +7,8 @@ import torch
 
 import ragged as rg
 from ragged import spec
-from ragged.optim._quant8 import _Codec, _QPiece
+from ragged.optim import _quant8_kernel
+from ragged.optim._quant8_codec import codec
 
 from tests.optim._cases import gather_all, padding_mask, shard_all
 
@@ -41,9 +42,12 @@ def _grads(params, step, scale=1.0):
     return rg.pytree.map(lambda p: scale * torch.randn(p.shape, generator=g, dtype=p.dtype), params)
 
 
-def _run(world_size, steps=4, opt=None):
-    params = _params()
-    plan = rg.make_plan(params, SPECS, world_size=world_size)
+needs_c = pytest.mark.skipif(not _quant8_kernel.available(), reason=f"no C kernel: {_quant8_kernel.unavailable_reason()}")
+
+
+def _run(world_size, steps=4, opt=None, params=None, specs=SPECS):
+    params = params if params is not None else _params()
+    plan = rg.make_plan(params, specs, world_size=world_size)
     opt = opt or rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)
     shards = shard_all(plan, params)
     states = [opt.init(s) for s in shards]
@@ -69,8 +73,15 @@ def _leaf_states(plan, shards, states):
     return out
 
 
+def _assert_same_state(a, b, what):
+    assert a.keys() == b.keys()
+    for path, parts in a.items():
+        for k, v in parts.items():
+            assert torch.equal(b[path][k], v), (what, path, k)
+
+
 def test_state_bit_identical_across_world_sizes():
-    runs = {m: _run(m) for m in (1, 2, 4)}
+    runs = {m: _run(m) for m in (1, 2, 3, 4)}
     # the big leaves really are split across ranks at m=4
     plan4 = runs[4][0]
     assert any(len(plan4.owners(plan4.leaf(p))) > 1 for p in QUANTIZED)
@@ -79,7 +90,7 @@ def test_state_bit_identical_across_world_sizes():
     for path in QUANTIZED:
         assert ref_state[path]["mu_codes"].dtype == torch.uint8
         assert ref_state[path]["nu_scales"].numel() > 1
-    for m in (2, 4):
+    for m in (2, 3, 4):
         state = _leaf_states(*runs[m])
         assert state.keys() == ref_state.keys()
         for path, parts in ref_state.items():
@@ -101,25 +112,53 @@ def test_padding_stays_zero_and_blocks_counted():
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_codec_roundtrip_error_bound(signed):
-    codec = _Codec(signed, torch.device("cpu"))
+    c = codec(signed, "cpu")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(70, 100, generator=g) * torch.logspace(-4, 0, 100)
     if not signed:
         x = x.abs()
-    q = _QPiece("x", 0, x.numel(), 70, 100, 32, 32, 0, 0)
-    codes, absmax = codec.encode(x, q)
-    y = codec.decode(codes, absmax, q)
+    codes, absmax = c.encode_blocks(x, (32, 32))
+    y = c.decode_blocks(codes, absmax, x.shape, (32, 32))
     assert absmax.numel() == 3 * 4
     # the absmax of each block is exact, and the map's relative step is at most 0.9/2 of a decade
-    # slot: |y - x| <= 0.5 * gap between neighbouring table values around x
-    table = codec.table.double()
-    xs = (x.double() / absmax.double().view(3, 1, 4, 1).expand(3, 32, 4, 32).reshape(96, 128)[:70, :100])
+    # slot: |y - x| <= 0.5 * gap between neighbouring table values around x, plus the rounding of
+    # the normalisation (x times 1 / absmax) and of the decode (table value times absmax)
+    table = rg.optim.dynamic_map(signed).double()
+    scale = absmax.view(3, 1, 4, 1).expand(3, 32, 4, 32).reshape(96, 128)[:70, :100]
+    xs = x.double() / scale.double()
     idx = torch.searchsorted(table, xs.clamp(-1, 1)).clamp(1, len(table) - 1)
     gap = (table[idx] - table[idx - 1]).float()
-    scale = absmax.view(3, 1, 4, 1).expand(3, 32, 4, 32).reshape(96, 128)[:70, :100]
-    assert torch.all((y - x).abs() <= 0.5 * gap * scale * (1 + 1e-5) + 1e-12)
+    eps = torch.finfo(torch.float32).eps
+    assert torch.all((y - x).abs() <= 0.5 * gap * scale + 4 * eps * (x.abs() + scale * gap) + 1e-12)
     # max element of each block round-trips exactly
     assert torch.equal(y.abs().amax(), x.abs().amax())
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_encode_is_nearest_code(signed):
+    """The table lookup of the encoder picks the nearest map value, checked against a brute-force
+    search on random values across the map's whole range, on the map's values, and at and next
+    to every midpoint (the midpoints are float32: within one ulp of one either neighbour may
+    win; exactly on it, the smaller magnitude)."""
+    c = codec(signed, "cpu")
+    values = rg.optim.dynamic_map(signed)
+    mids = ((values[:-1].double() + values[1:].double()) / 2).float()
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.rand(20000, generator=g) * torch.logspace(-9, 0, 20000)
+    exact = torch.cat([rand, -rand, values, torch.tensor([0.0, -0.0, 1.0, 1e-30, 1e-45])])
+    x = torch.cat([exact, near]).clamp(-1, 1)
+    if not signed:
+        x = x.abs()
+    got = values[c.encode(x, torch.ones(())).long()].double()
+    best = (values.double()[None, :] - x.double()[:, None]).abs().min(dim=1).values
+    err = (got - x.double()).abs() - best
+    assert torch.all(err[: len(exact)] == 0)  # a nearest value
+    ulp = (torch.nextafter(x.abs(), torch.tensor(2.0)) - x.abs()).double()
+    assert torch.all(err <= ulp)
+    on_mid = values[c.encode(mids, torch.ones(())).long()]
+    assert torch.equal(on_mid, torch.where(mids >= 0, values[:-1], values[1:]))  # the neighbour nearer to zero
+    assert c.encode(torch.zeros(3), torch.ones(())).tolist() == [c.zero] * 3
 
 
 def test_numerics_close_to_fp32_adamw():
@@ -211,11 +250,56 @@ def test_donate_is_bit_identical_and_reuses_buffers(world_size):
 
 @pytest.mark.parametrize("limit", [1, 700, 5000, 1 << 30])
 def test_chunked_quantization_changes_nothing(limit, monkeypatch):
-    from ragged.optim import _quant8
+    from ragged.optim import _quant8_state
 
-    reference = _leaf_states(*_run(2))
-    monkeypatch.setattr(_quant8._chunks, "__defaults__", (limit,))
-    chunked = _leaf_states(*_run(2))
-    for path, parts in reference.items():
-        for k, v in parts.items():
-            assert torch.equal(chunked[path][k], v), (limit, path, k)
+    make = lambda: rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, kernel="torch")  # noqa: E731
+    reference = _leaf_states(*_run(2, opt=make()))
+    monkeypatch.setattr(_quant8_state.chunks, "__defaults__", (limit,))
+    chunked = _leaf_states(*_run(2, opt=make()))
+    _assert_same_state(reference, chunked, limit)
+
+
+def _big_params():
+    """Leaves longer than the C kernel's strip (several strips per band, edge tiles, a long
+    Elements run with a short last block) next to the usual ones."""
+    g = torch.Generator().manual_seed(2)
+    out = _params()
+    out["wide"] = torch.randn(70, 2100, generator=g)  # Blocks(32, 32): 3 bands, strips of 1024 columns
+    out["long"] = torch.randn(70_000, generator=g)  # Elements(256): strips of 32768
+    return out
+
+
+BIG_SPECS = dict(SPECS, wide=spec.Blocks(32, 32), long=spec.Elements(256))
+
+
+@needs_c
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("donate", [False, True])
+def test_c_and_torch_kernels_bit_identical(world_size, donate):
+    runs = {}
+    for kernel in ("c", "torch"):
+        opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, donate=donate, kernel=kernel)
+        runs[kernel] = _run(world_size, steps=3, opt=opt, params=_big_params(), specs=BIG_SPECS)
+    _assert_same_state(_leaf_states(*runs["torch"]), _leaf_states(*runs["c"]), "c vs torch")
+    for a, b in zip(runs["c"][1], runs["torch"][1]):
+        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_fused_adamw_8bit_equals_the_chain(kernel):
+    """adamw_8bit fuses weight decay and the learning rate into the 8-bit pass: same state
+    structure and bit-identical updates as the chain it replaces (here with a schedule)."""
+    lr = rg.optim.linear_schedule(1e-2, 1e-3, 4)
+    fused = rg.optim.adamw_8bit(lr, weight_decay=0.1, min_size=1000, kernel=kernel)
+    chain = rg.optim.chain(rg.optim.scale_by_adam_8bit(min_size=1000, kernel=kernel),
+                           rg.optim.add_decayed_weights(0.1), rg.optim.scale_by_learning_rate(lr))
+    (plan, shards_f, states_f), (_, shards_c, states_c) = _run(2, opt=fused), _run(2, opt=chain)
+    assert rg.pytree.structure(states_f) == rg.pytree.structure(states_c)
+    _assert_same_state(_leaf_states(plan, shards_c, states_c), _leaf_states(plan, shards_f, states_f), kernel)
+    for a, b in zip(shards_f, shards_c):
+        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+
+
+def test_rejects_unknown_kernel():
+    with pytest.raises(rg.RaggedValueError, match="kernel must be one of"):
+        rg.optim.adamw_8bit(1e-3, kernel="cuda")

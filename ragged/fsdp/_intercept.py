@@ -1,0 +1,245 @@
+"""Thin adapters between torch and the step's runtime (``_runtime.Run``): the function mode
+that sees every read of a unit, the markers, the saved-tensor hooks, backward under the mode,
+and the binding of a module's parameter attributes to the step's leaves.
+
+[Note: backward under the mode]
+Python code that autograd runs in backward (recomputation, custom ``Function.backward``) must
+gather what it reads, so the engine runs with the function mode active. The engine snapshots
+the mode stack when it is called, and ``torch.autograd.backward`` / ``Tensor.backward``
+dispatch to an active ``TorchFunctionMode``, which runs them with the mode popped (that code
+would then read released storage: a segfault, seen with ``torch.utils.checkpoint``). Entering a
+mode from a hook inside backward does not help either (measured: the snapshot wins). So the step
+calls the engine through ``torch.autograd.graph._engine_run_backward`` (what
+``torch.autograd.backward`` itself calls after that dispatch) under the mode, and the mode
+handles a nested ``backward`` call (a reentrant checkpoint's) the same way. This private call
+stays until torch offers a public way to run backward with a mode active.
+
+[Note: binding a module]
+With ``make_step(..., module=model)`` every parameter attribute of ``model`` (a tied parameter
+under each of its names) is the step's leaf for the whole micro-batch, forward and backward, and
+is restored afterwards (also on error). So ``loss_fn`` may call ``model(...)`` directly, and
+recomputation inside the model (``torch.utils.checkpoint`` in a module's forward, Hugging Face
+``gradient_checkpointing_enable()``), which runs after ``functional_call`` has returned, reads the
+leaves too. Without it, backward reading a parameter (``nn.Parameter`` requiring grad) that is
+not one of the step's leaves raises :class:`~ragged.RaggedValueError` naming that fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import threading
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ragged._errors import RaggedValueError
+from ragged.fsdp._records import UnitState, storage_key
+
+__all__ = ["UseMode", "Marker", "saved_tensor_hooks", "backward", "module_slots", "bind"]
+
+_METADATA = frozenset(
+    {"size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage", "data_ptr", "__len__",
+     "element_size", "__hash__", "__repr__", "__format__", "ndimension", "nelement", "requires_grad_",
+     "register_hook", "register_post_accumulate_grad_hook"}
+)
+# properties that read metadata only (``.T``, ``.mT``, ``.data`` ... make views: they do gather)
+_METADATA_PROPERTIES = frozenset(
+    {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout", "is_cuda",
+     "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested", "names", "_base", "_version", "output_nr",
+     "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "name"}
+)
+_BACKWARDS = (torch.autograd.backward, torch.Tensor.backward)
+
+FOREIGN_PARAMETER_MSG = (
+    "backward read a parameter that is not one of the step's leaves ({shape}, an nn.Parameter requiring grad): "
+    "recomputation inside the model (torch.utils.checkpoint in a module's forward, or Hugging Face "
+    "gradient_checkpointing_enable()) runs after torch.func.functional_call has restored the module's own "
+    "tensors, so it would recompute with them. Fix: rg.fsdp.make_step(..., module=model) binds the module's "
+    "parameters to the step's leaves through backward."
+)
+
+
+def _reads_data(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) not in _METADATA_PROPERTIES
+    return name not in _METADATA
+
+
+def _in_place(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "") or ""
+    return name.endswith("_") and not name.endswith("__") or name.startswith("__i") or "out" in kwargs
+
+
+class Marker(torch.autograd.Function):
+    """Identity on a leaf; its backward tells the runtime that entry ``entry`` is done (see
+    [Note: markers and tags] in ``_runtime.py``)."""
+
+    @staticmethod
+    def forward(ctx, run, entry, leaf):
+        ctx.run, ctx.entry, ctx.leaf_id = run, entry, id(leaf)
+        return leaf.view_as(leaf)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.run.marker_fired(ctx.entry, ctx.leaf_id)
+        return None, None, grad
+
+
+class UseMode(TorchFunctionMode):
+    """Sends every torch call that reads a unit's storage to :meth:`Run.use`."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            return backward(self.run, *_backward_args(func, args, kwargs))
+        run = self.run
+        if run.busy or not _reads_data(func):
+            return func(*args, **kwargs)
+        key_to_unit, units, touched = run.key_to_unit, run.units, None
+        for a in itertools.chain(args, kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                i = key_to_unit.get(storage_key(a))
+                if i is not None:
+                    touched = (touched or []) + [i]
+                elif isinstance(a, torch.nn.Parameter) and a.requires_grad:
+                    if run.phase == "backward":
+                        raise RaggedValueError(FOREIGN_PARAMETER_MSG.format(shape=f"shape {tuple(a.shape)}"))
+                    run.foreign_read(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        i = key_to_unit.get(storage_key(b))
+                        if i is not None:
+                            touched = (touched or []) + [i]
+        if touched is None:
+            return func(*args, **kwargs)
+        run.protect = set(touched)
+        try:
+            for i in touched:
+                if i != run.active or units[i].state is not UnitState.READY or run.phase == "forward" and (
+                        run.cursor < 0 or run.schedule.forward[run.cursor] != i):
+                    run.use(i)
+            if run.marker_entry is not None and torch.is_grad_enabled() and not _in_place(func, kwargs):
+                args, kwargs = _mark(run, args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            run.call_done()
+
+
+def _mark(run, args, kwargs):
+    """Wraps the first leaf argument of the call in a :class:`Marker` (none: the entry has none)."""
+    leaf_of, entry = run.leaf_of, run.marker_entry
+    run.marker_entry = None
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and id(a) in leaf_of:
+            return args[:k] + (Marker.apply(run, entry, a),) + args[k + 1:], kwargs
+    for name, a in kwargs.items():
+        if isinstance(a, torch.Tensor) and id(a) in leaf_of:
+            return args, {**kwargs, name: Marker.apply(run, entry, a)}
+    return args, kwargs
+
+
+def saved_tensor_hooks(run):
+    """``saved_tensors_hooks`` packing tensors as :meth:`Run.saved` says (see the runtime's notes)."""
+    return torch.autograd.graph.saved_tensors_hooks(run.saved, run.restored)
+
+
+_BACKWARD_SIGNATURE = inspect.signature(torch.autograd.backward)
+
+
+def _backward_args(func, args, kwargs):
+    if func is torch.Tensor.backward:
+        bound = inspect.signature(torch.Tensor.backward).bind(*args, **kwargs)
+        p = bound.arguments
+        return (p["self"],), (p.get("gradient"),), p.get("retain_graph"), p.get("create_graph", False), p.get("inputs")
+    p = _BACKWARD_SIGNATURE.bind(*args, **kwargs).arguments
+    tensors = p["tensors"]
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = p.get("grad_tensors")
+    grads = (grads,) if grads is None or isinstance(grads, torch.Tensor) else tuple(grads)
+    return tensors, grads, p.get("retain_graph"), p.get("create_graph", False), p.get("inputs")
+
+
+def backward(run, tensors, grads=(None,), retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward(tensors, grads, ...)`` with the engine running under the mode
+    (see [Note: backward under the mode])."""
+    if len(grads) != len(tensors):
+        grads = tuple(grads) + (None,) * (len(tensors) - len(grads))
+    made = []
+    for t, g in zip(tensors, grads):
+        if g is None:
+            if t.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            g = torch.ones_like(t, memory_format=torch.preserve_format)
+        made.append(g)
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    with UseMode(run):
+        torch.autograd.graph._engine_run_backward(
+            tuple(tensors), tuple(made), create_graph if retain_graph is None else retain_graph, create_graph, inputs,
+            allow_unreachable=True, accumulate_grad=True,
+        )
+
+
+# ---- module binding -----------------------------------------------------------------------------
+
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BOUND_LOCK = threading.Lock()
+
+
+def module_slots(module: torch.nn.Module, units) -> tuple:
+    """``(submodule, attribute, path)`` for every parameter attribute of ``module``, a tied
+    parameter under each of its names (``path``: the name ``make_units`` gave it)."""
+    if not isinstance(module, torch.nn.Module):
+        raise RaggedValueError(f"make_step(module=...) must be an nn.Module, got {type(module).__name__}.")
+    path_of = {id(p): name for name, p in module.named_parameters()}
+    known = {p for u in units for p in u.paths}
+    slots = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():
+            if p is None:
+                continue
+            path = path_of.get(id(p))
+            if path not in known:
+                full = f"{prefix}.{attr}" if prefix else attr
+                raise RaggedValueError(
+                    f"make_step(module=...): the module's parameter {full!r} (shape {tuple(p.shape)}) is not in the "
+                    f"units (their parameters are {sorted(known)[:3]}...). Fix: pass the module make_units was given."
+                )
+            slots.append((sub, attr, path))
+    missing = known - {path for _, _, path in slots}
+    if missing:
+        raise RaggedValueError(f"make_step(module=...): the units have parameters the module lacks: {sorted(missing)[:3]}.")
+    return tuple(slots)
+
+
+@contextlib.contextmanager
+def bind(module, slots, leaves: dict):
+    """Every slot's attribute is its leaf in ``leaves`` ({path: tensor}) inside the block."""
+    if module is None:
+        yield
+        return
+    with _BOUND_LOCK:
+        if module in _BOUND:
+            raise RaggedValueError(
+                "make_step(module=...): this module is bound by another step call right now (simulated ranks are "
+                "threads of one process). Fix: give every rank its own copy of the module (copy.deepcopy)."
+            )
+        _BOUND[module] = True
+    saved = [(sub, attr, sub._parameters[attr]) for sub, attr, _ in slots]
+    try:
+        for sub, attr, path in slots:
+            sub._parameters[attr] = leaves[path]
+        yield
+    finally:
+        for sub, attr, p in saved:
+            sub._parameters[attr] = p
+        with _BOUND_LOCK:
+            _BOUND.pop(module, None)

@@ -1,0 +1,113 @@
+"""Pure per-unit layout of the FSDP step, computed once in ``make_step``: the mixed-precision
+policy and, for every unit, what its gathered buffer and its gradient buffer look like.
+
+Nothing here touches a tensor's data or communicates: :class:`UnitLayout` is frozen and
+hashable, like the plans it is derived from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ragged._dbuffer import segments
+from ragged._errors import RaggedTypeError
+from ragged.fsdp._units import Units
+from ragged.transforms._shard import replicated_size
+
+__all__ = ["MixedPrecision", "UnitLayout", "unit_layouts"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MixedPrecision:
+    """The step's mixed-precision policy (FSDP2's ``MixedPrecisionPolicy``).
+
+    Attributes:
+        compute_dtype: dtype the parameters are gathered and computed in (only the S-element
+            shard is cast, before the all-gather). ``None``: each plan's (master) dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in. ``None``: each plan's (master)
+            dtype, so bf16 gradients are reduced in fp32 when the master shard is fp32; pass
+            ``reduce_dtype=compute_dtype`` for FSDP2's default (half the bytes, bf16 sums).
+            The gradient shard is in the plan's dtype either way.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import fsdp
+        >>> fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """
+
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    replace = dataclasses.replace
+
+    def __post_init__(self):
+        for name in ("compute_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise RaggedTypeError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UnitLayout:
+    """What the step allocates for one unit (derived from its plan and the policy).
+
+    Attributes:
+        index: the unit's position in ``units``.
+        name: the unit's name.
+        dtype: compute dtype of the gathered buffer and of the gradient buffer.
+        reduce_dtype: dtype of the reduce-scatter (``None``: the plan's dtype).
+        numel: elements of the gathered buffer (``world_size * shard_size``).
+        nbytes: bytes of the gathered buffer.
+        leaves: ``(path, offset, stop, shape)`` of every sharded leaf, by offset.
+        replicated: the same for every ``spec.Replicate()`` leaf (offsets into the replicated buffer).
+        gaps: ``(start, stop)`` padding ranges of the gathered buffer (zero in the gradient buffer).
+        replicated_numel: elements of the replicated buffer.
+    """
+
+    index: int
+    name: str
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype | None
+    numel: int
+    nbytes: int
+    leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]
+    replicated: tuple[tuple[str, int, int, tuple[int, ...]], ...]
+    gaps: tuple[tuple[int, int], ...]
+    replicated_numel: int
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.leaves) + len(self.replicated)
+
+
+def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]:
+    """One :class:`UnitLayout` per unit, in unit order.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import fsdp
+        >>> units = fsdp.make_units({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, world_size=2)
+        >>> (layout,) = fsdp._layout.unit_layouts(units, fsdp.MixedPrecision(compute_dtype=torch.bfloat16))
+        >>> layout.numel, layout.nbytes, [path for path, *_ in layout.leaves]
+        (16, 32, ["['b']", "['w']"])
+    """
+    out = []
+    for index, u in enumerate(units):
+        plan = u.plan
+        dtype = policy.compute_dtype or plan.dtype
+        leaves = tuple((u.paths[l.index], l.offset, l.stop, l.shape) for l in sorted(plan.leaves, key=lambda l: l.offset))
+        replicated = tuple((u.paths[l.index], l.offset, l.stop, l.shape) for l in plan.replicated)
+        gaps, pos = [], 0
+        for leaf, n in segments(plan.leaves, plan.buffer_numel):
+            if leaf is None:
+                gaps.append((pos, pos + n))
+            pos += n
+        out.append(UnitLayout(
+            index=index, name=u.name, dtype=dtype, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
+            nbytes=plan.buffer_numel * torch.empty((), dtype=dtype).element_size(), leaves=leaves,
+            replicated=replicated, gaps=tuple(gaps), replicated_numel=replicated_size(plan),
+        ))
+    return tuple(out)

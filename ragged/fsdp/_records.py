@@ -1,0 +1,68 @@
+"""Per-unit records of the step's runtime: one :class:`UnitRecord` per unit and call holds the
+unit's gathered buffer, its leaves, its state and its gradient buffers (no parallel lists)."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["UnitRecord", "UnitState", "storage_key"]
+
+
+def storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class UnitState(enum.Enum):
+    FREE = "free"  # storage released
+    PENDING = "pending"  # an all-gather is writing it
+    READY = "ready"  # holds the gathered parameters (or zeros served after a deviation)
+
+
+class UnitRecord:
+    """One unit's buffers and state for one call.
+
+    Attributes:
+        flat: the gathered buffer (``layout.numel`` elements, storage released when ``FREE``);
+            every sharded leaf is a view of it.
+        rflat: a copy of the shard's replicated buffer (``spec.Replicate()`` leaves are views of it).
+        leaves: ``{path: leaf tensor}``; ``spans``: ``(leaf, start, stop, replicated)`` per leaf.
+        state: a :class:`UnitState`; ``handle`` / ``source``: the all-gather in flight.
+        block: the pool block whose memory ``flat`` holds while gathered (``None`` when ``FREE``,
+            or when storage is resized instead: see [Note: reusing unit buffers] in ``_pool.py``).
+        scheduled: alive according to the program; ``served``: holding zeros after a deviation.
+        grad, rgrad: the flat gradient buffer and its replicated part (``written``: per leaf,
+            whether its gradient is in), over pool blocks ``grad_block`` / ``rgrad_block``;
+            ``held``: leaf gradients kept for now (see ``Run._unhold``).
+        reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``,
+            over ``late_block`` / ``rlate_block``).
+        used: per leaf, whether it got a gradient in any micro-batch of this call.
+        grads_started: reduce-scatters issued before its first gradient (the memory hint).
+    """
+
+    __slots__ = ("layout", "flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled", "served",
+                 "block", "grad", "rgrad", "written", "held", "reduced", "late", "rlate", "used", "grads_started",
+                 "grad_block", "rgrad_block", "late_block", "rlate_block")
+
+    def __init__(self, layout, shard, device):
+        self.layout = layout
+        self.flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+        self.rflat = shard.replicated.detach().to(layout.dtype, copy=True)
+        self.leaves, self.spans = {}, []
+        for replicated, table, buf in ((False, layout.leaves, self.flat), (True, layout.replicated, self.rflat)):
+            for path, start, stop, shape in table:
+                t = buf[start:stop].view(shape).requires_grad_()
+                self.leaves[path] = t
+                self.spans.append((t, start, stop, replicated))
+        self.flat.untyped_storage().resize_(0)
+        self.state, self.handle, self.source = UnitState.FREE, None, None
+        self.scheduled = self.served = False  # alive per the program / zeros served locally
+        self.grad = self.rgrad = self.late = self.rlate = self.written = self.block = None
+        self.grad_block = self.rgrad_block = self.late_block = self.rlate_block = None
+        self.held: list = []
+        self.reduced, self.grads_started = False, None
+        self.used = [False] * len(self.spans)

@@ -1,0 +1,204 @@
+"""Real models through ``rg.fsdp.make_step`` on 2 gloo ranks, float64, against single-process
+``torch.optim.AdamW`` on the whole batch (computed in each worker): Hugging Face Llama (tied and
+untied) and Mixtral (fused experts), a ModuleList-expert MoE whose experts are idle on some
+ranks (every expert its own unit, and one unit per layer), activation checkpointing inside the
+model (Hugging Face ``gradient_checkpointing_enable`` with both ``use_reentrant`` values, and
+``torch.utils.checkpoint`` in a module's forward), and the misuse cases, which raise a ragged
+error on every rank before any parameter changes. No case may end in a gloo abort or timeout:
+the harness would report it as ``WorkerTimeout``."""
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import fsdp
+from tests.distributed._harness import comm, workers_fixture
+from tests.fsdp._cases import (cross_entropy, hf_model, lm_batches, logits_of, max_diff, moe_batches, tiny_moe,
+                               train_reference, train_sharded)
+
+pytestmark = pytest.mark.distributed
+
+workers2 = workers_fixture(2)
+_MODELS = {"tiny_moe": tiny_moe, "hf": hf_model}
+
+
+def _compare(builder, kwargs, batches_fn, train_kw, ref_kwargs=None):
+    make = lambda kw: _MODELS[builder](**kw)  # noqa: E731
+    batches = batches_fn()
+    params, metrics = train_sharded(comm(), make(kwargs), batches, **train_kw)
+    ref = train_reference(make(kwargs if ref_kwargs is None else ref_kwargs), batches)
+    init = dict(make(kwargs).named_parameters())
+    diff, where = max_diff(params, ref)
+    return dict(diff=diff, where=where, moved=max_diff(params, init)[0], metrics=[
+        {k: v for k, v in m.items() if k != "trace"} for m in metrics], unchanged=[
+        k for k in init if torch.equal(params[k], init[k].detach())])
+
+
+CASES = {
+    "llama-untied-functional_call": ("hf", dict(kind="llama"), lm_batches, dict(module=False)),
+    "llama-tied-module": ("hf", dict(kind="llama", tied=True), lm_batches, dict(module=True)),
+    "mixtral-fused-experts": ("hf", dict(kind="mixtral"), lm_batches, dict(module=False)),
+    "llama-hf-checkpointing-nonreentrant": ("hf", dict(kind="llama", checkpointing=False), lm_batches,
+                                            dict(module=True), dict(kind="llama")),
+    "llama-tied-hf-checkpointing-reentrant": ("hf", dict(kind="llama", tied=True, checkpointing=True), lm_batches,
+                                              dict(module=True), dict(kind="llama", tied=True)),
+    "moduleList-moe-expert-units": ("tiny_moe", {}, moe_batches, dict(module=True)),
+    "moduleList-moe-layer-units": ("tiny_moe", {}, moe_batches, dict(module=False, groups=["layers.0", "layers.1"])),
+    "moduleList-moe-checkpoint-in-forward": ("tiny_moe", dict(checkpoint=True), moe_batches, dict(module=True),
+                                             {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_adamw(workers2, name):
+    for r, out in enumerate(workers2.run(_compare, *CASES[name])):
+        assert out["diff"] <= 1e-10, f"rank {r}: {out['where']} differs by {out['diff']}"
+        assert out["moved"] > 1e-3
+        assert all(m["schedule_reruns"] == 0 for m in out["metrics"][1:]), out["metrics"]
+        if name.startswith("moduleList"):
+            # expert 3 of every layer gets no token on any rank: torch.optim skips it, so does the step
+            idle = {k for k in out["unchanged"] if ".experts.3." in k}
+            assert idle and idle == set(out["unchanged"]), out["unchanged"]
+            assert all(m["unused_leaves"] == 4 for m in out["metrics"])
+
+
+def _recompute_counts(checkpoint):
+    model = tiny_moe(checkpoint=checkpoint)
+    _, metrics = train_sharded(comm(), model, moe_batches(steps=2), module=True)
+    attempts = sum(1 + m["schedule_reruns"] for m in metrics)
+    return [layer.calls for layer in model.layers], attempts, metrics[-1]["saved_activation_bytes"]
+
+
+def test_checkpointing_in_the_model_really_recomputes(workers2):
+    for (plain_calls, plain_runs, plain_bytes), (ckpt_calls, ckpt_runs, ckpt_bytes) in zip(
+            workers2.run(_recompute_counts, False), workers2.run(_recompute_counts, True)):
+        assert plain_calls == [plain_runs] * 2  # one forward per run of the step
+        assert ckpt_calls == [2 * ckpt_runs] * 2  # and one recomputation in every backward
+        assert ckpt_bytes < 0.5 * plain_bytes, (ckpt_bytes, plain_bytes)
+
+
+def _misuse(case):
+    """Returns (error type, message, whether every shard is unchanged)."""
+    c = comm()
+    model = tiny_moe(checkpoint=case == "checkpoint-without-module") if case != "hf" else hf_model(
+        "llama", checkpointing=False)
+    units = fsdp.make_units(model, world_size=c.world_size)
+    opt = rg.optim.adamw(1e-2, weight_decay=0.1)
+    # from a module, fsdp.init leaves placeholders that raise on any value read; from its
+    # state_dict the module keeps its own (stale) weights
+    state = fsdp.init(units, model.state_dict() if case == "module-call" else model, opt, c)
+    before = {k: v.data.clone() for k, v in state.shards.items()}
+    if case in ("module-call", "module-call-released"):  # bypasses the params the step passes
+        loss = lambda params, batch: cross_entropy(logits_of(model, batch[0]), batch[1])  # noqa: E731
+    else:  # functional_call, while recomputation inside the model reads module attributes
+        loss = lambda params, batch: cross_entropy(logits_of(model, batch[0], params), batch[1])  # noqa: E731
+    step = fsdp.make_step(units, loss, opt, c)
+    batch = (moe_batches if case != "hf" else lm_batches)(steps=1)[0]
+    try:
+        step(state, tuple(t[2 * c.rank: 2 * c.rank + 2] for t in batch))
+    except rg.RaggedError as e:
+        return type(e).__name__, str(e), all(torch.equal(state.shards[k].data, before[k]) for k in before)
+    return None, "", False
+
+
+@pytest.mark.parametrize("case", ["module-call", "module-call-released", "checkpoint-without-module", "hf"])
+def test_misuse_is_refused_on_every_rank_before_any_change(workers2, case):
+    fix = "torch.func.functional_call(model, params" if case == "module-call-released" else "make_step(..., module=model)"
+    for kind, msg, unchanged in workers2.run(_misuse, case):
+        assert kind is not None and unchanged, msg
+        assert fix in msg, msg
+
+
+def _tiny_moe_step(loss=None):
+    """``(comm, model, units, step, state, batches)`` for the tiny MoE on this rank (SGD); ``loss``
+    defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches."""
+    c, model = comm(), tiny_moe()
+    units = fsdp.make_units(model, world_size=c.world_size)
+    opt = rg.optim.sgd(0.1)
+    state = fsdp.init(units, model, opt, c)
+    loss = loss or (lambda p, b: cross_entropy(logits_of(model, b[0], p), b[1]))
+    batches = lambda k: [tuple(t[2 * c.rank: 2 * c.rank + 2] for t in b) for b in moe_batches(k)]  # noqa: E731
+    return c, model, units, fsdp.make_step(units, loss, opt, c), state, batches
+
+
+def _divergent():
+    """Rank 1's loss reads, after the head, another unit on every call: no schedule covers it."""
+    calls = [0]
+
+    def loss(params, batch):
+        out = cross_entropy(logits_of(model, batch[0], params), batch[1])
+        if c.rank == 1:
+            calls[0] += 1
+            out = out + 0 * params[units[calls[0]].paths[0]].sum()
+        return out
+
+    c, model, units, step, state, batches = _tiny_moe_step(loss)
+    try:
+        for batch in batches(2):  # the first call learns; the second cannot
+            state, _ = step(state, batch)
+    except rg.PlanMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_data_dependent_collectives_raise_plan_mismatch_on_every_rank(workers2):
+    msgs = workers2.run(_divergent)
+    assert all(m is not None and "rank 1: unit " in m and "read in forward after entry" in m for m in msgs), msgs
+
+
+def _one_rank_fails():
+    def loss(params, batch):
+        out = cross_entropy(logits_of(model, batch[0], params), batch[1])
+        if c.rank == 0:
+            raise ValueError("bad batch on rank 0")
+        return out
+
+    c, model, units, step, state, batches = _tiny_moe_step(loss)
+    try:
+        step(state, batches(1)[0])
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_loss_failing_on_one_rank_raises_on_every_rank(workers2):
+    (kind0, msg0), (kind1, msg1) = workers2.run(_one_rank_fails)
+    assert (kind0, msg0) == ("ValueError", "bad batch on rank 0")
+    assert kind1 == "RaggedError" and "rank 0: ValueError: bad batch on rank 0" in msg1
+
+
+def _digest_diverged():
+    """The previous call's collectives are folded into the next call's agreement."""
+    c, _, _, step, state, batches = _tiny_moe_step()
+    (batch,) = batches(1)
+    state, _ = step(state, batch)
+    if c.rank == 1:
+        step.value_and_grad.memo.digest = "as if rank 1 had issued other collectives"
+    try:
+        step(state, batch)
+    except rg.PlanMismatchError as e:
+        return str(e)
+    return None
+
+
+def test_diverged_collectives_are_reported_at_the_next_call(workers2):
+    assert all(m is not None and "fsdp_step" in m for m in workers2.run(_digest_diverged))
+
+
+def _value_and_grad_vs_func_grad():
+    c = comm()
+    model = hf_model("llama", tied=True)
+    units = fsdp.make_units(model, world_size=c.world_size)
+    tokens, targets = lm_batches(steps=1)[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    loss_fn = lambda p, b: cross_entropy(logits_of(model, b[0], p), b[1])  # noqa: E731
+    f = fsdp.value_and_grad(units, loss_fn, c, micro_batches=2)
+    loss, grads = f(fsdp.shard(units, params, c), (tokens[2 * c.rank: 2 * c.rank + 2], targets[2 * c.rank: 2 * c.rank + 2]))
+    full = fsdp.gather(units, grads, c)
+    want = torch.func.grad(loss_fn)(params, (tokens, targets))
+    return abs(loss - loss_fn(params, (tokens, targets)).item()), max_diff(full, want)
+
+
+def test_value_and_grad_equals_func_grad_of_the_unsharded_loss(workers2):
+    for loss_err, (diff, where) in workers2.run(_value_and_grad_vs_func_grad):
+        assert loss_err < 1e-12 and diff < 1e-12, (loss_err, where, diff)

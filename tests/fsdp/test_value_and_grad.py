@@ -1,0 +1,236 @@
+"""``rg.fsdp.value_and_grad`` and the step's layers on the simulated backend: gradients equal
+``torch.func.grad`` of the unsharded loss, collectives identical on every rank whatever the
+routing, ``torch.optim`` semantics for parameters no rank used, the mixed-precision policy, the
+donation guard and the module binding."""
+
+import copy
+import re
+
+import pytest
+import torch
+
+import ragged as rg
+from ragged import fsdp
+from ragged.examples.data import rank_slice
+from tests.fsdp._cases import (Case, cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
+                               train_sharded)
+
+
+def _params(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"layers": [{"w": torch.randn(5, 4, generator=g, dtype=torch.float64),
+                        "b": torch.randn(5, generator=g, dtype=torch.float64)},
+                       {"w": torch.randn(1, 5, generator=g, dtype=torch.float64),
+                        "b": torch.randn(1, generator=g, dtype=torch.float64)}]}
+
+
+def _loss(p, batch):
+    x, y = batch
+    h = torch.tanh(x @ p["layers"][0]["w"].T + p["layers"][0]["b"])
+    return ((h @ p["layers"][1]["w"].T + p["layers"][1]["b"] - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("world_size,micro_batches,replicate", [(2, 1, False), (3, 2, True)], ids=["w2", "w3-accum2-rep"])
+def test_value_and_grad_equals_func_grad_of_the_unsharded_loss(world_size, micro_batches, replicate):
+    params = _params()
+    g = torch.Generator().manual_seed(4)
+    batch = (torch.randn(12, 4, generator=g, dtype=torch.float64), torch.randn(12, 1, generator=g, dtype=torch.float64))
+    specs = (lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None) if replicate else None
+    units = fsdp.make_units(params, world_size=world_size, groups=lambda path: path[:13], specs=specs)
+
+    def run(comm):
+        f = fsdp.value_and_grad(units, _loss, comm, micro_batches=micro_batches)
+        loss, grads = f(fsdp.shard(units, params, comm), rank_slice(batch, comm.rank, world_size))
+        return loss, fsdp.gather(units, grads, comm)
+
+    want = torch.func.grad(_loss)(params, batch)
+    for loss, got in rg.collectives.simulate(world_size, run):
+        assert abs(loss - _loss(params, batch).item()) < 1e-12
+        for i in range(2):
+            for n in ("w", "b"):
+                torch.testing.assert_close(got["layers"][i][n], want["layers"][i][n], rtol=1e-12, atol=1e-14)
+
+
+def test_collectives_are_the_same_on_every_rank_whatever_the_routing():
+    """Experts as separate units: rank 0's tokens use experts 0 and 1, rank 1's 1 and 2. Every rank
+    issues the same collectives (digests equal) and the result is torch's."""
+    template = tiny_moe()
+    batches = moe_batches()
+
+    def run(comm):
+        model = copy.deepcopy(template)
+        units = fsdp.make_units(model, world_size=comm.world_size)
+        opt = rg.optim.adamw(1e-2)
+        state = fsdp.init(units, model, opt, comm)
+        step = fsdp.make_step(units, lambda p, b: cross_entropy(logits_of(model, b[0]), b[1]), opt, comm, module=model)
+        digests = []
+        for batch in batches:
+            state, _ = step(state, rank_slice(batch, comm.rank, comm.world_size))
+            digests.append(step.value_and_grad.memo.digest)
+        return digests, fsdp.gather(units, state.shards, comm)
+
+    (d0, p0), (d1, p1) = rg.collectives.simulate(2, run)
+    assert d0 == d1 and len(set(d0)) >= 2
+    ref = train_reference(copy.deepcopy(template), batches, weight_decay=0.0)
+    assert max_diff(p0, ref)[0] < 1e-10
+
+
+def test_parameters_no_rank_used_are_left_untouched_like_torch_optim():
+    """AdamW with weight decay: expert 3 never gets a token; torch skips it (no decay, no moment
+    decay); ``skip_unused=False`` decays it as if its gradient were zero."""
+    template = tiny_moe()
+    batches = moe_batches()
+    ref = train_reference(copy.deepcopy(template), batches)
+    for skip in (True, False):
+        (got, metrics), _ = rg.collectives.simulate(
+            2, lambda c: train_sharded(c, copy.deepcopy(template), batches, skip_unused=skip))
+        idle = [k for k in ref if ".experts.3." in k]
+        assert idle and all(m["unused_leaves"] == len(idle) for m in metrics)
+        idle_diff = max(max_diff({k: got[k]}, {k: ref[k]})[0] for k in idle)
+        if skip:
+            assert idle_diff == 0.0 and max_diff(got, ref)[0] < 1e-10
+        else:
+            assert idle_diff > 1e-4
+
+
+def test_momentum_state_of_unused_leaves_is_kept_like_torch_sgd():
+    """SGD momentum over steps that use all leaves, then only layer 0's weight, then all again:
+    torch keeps the skipped leaves' momentum buffers through the middle step, so does the step."""
+    params = _params()
+    units = fsdp.make_units(params, world_size=2, groups=lambda path: path[:13])
+    x = torch.randn(4, 4, dtype=torch.float64)
+    flags = (True, False, True)
+
+    def loss(p, batch):
+        xb, use_all = batch
+        if use_all:
+            return _loss(p, (xb, torch.zeros(xb.shape[0], 1, dtype=xb.dtype)))
+        return (xb @ p["layers"][0]["w"].T).square().mean()
+
+    def run(comm):
+        opt = rg.optim.sgd(0.1, momentum=0.9)
+        state = fsdp.init(units, params, opt, comm)
+        step = fsdp.make_step(units, loss, opt, comm)
+        unused = []
+        for flag in flags:
+            state, m = step(state, (x[2 * comm.rank:][:2], flag))
+            unused.append(m["unused_leaves"])
+        return unused, fsdp.gather(units, state.shards, comm)
+
+    ref = {k: [{n: t.clone().requires_grad_() for n, t in layer.items()} for layer in v] for k, v in params.items()}
+    leaves = [t for layer in ref["layers"] for t in layer.values()]
+    torch_opt = torch.optim.SGD(leaves, lr=0.1, momentum=0.9)
+    for flag in flags:
+        torch_opt.zero_grad()  # set_to_none: leaves the loss does not read get no .grad and are skipped
+        loss(ref, (x, flag)).backward()
+        torch_opt.step()
+    for unused, got in rg.collectives.simulate(2, run):
+        assert unused == [0, 3, 0]  # layer 0's bias and all of layer 1 in the middle step
+        for i in range(2):
+            for n in ("w", "b"):
+                torch.testing.assert_close(got["layers"][i][n], ref["layers"][i][n].detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_mixed_precision_policy_equals_the_keyword_arguments():
+    kw = dict(dtype=torch.float32, steps=2, lr=0.5, optimizer="sgd")
+    policy = fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    case = Case(**kw)
+    model = case.model()
+    units = fsdp.make_units(model, world_size=2)
+
+    def run(comm, **step_kw):
+        from ragged.examples.gpt import loss_fn
+        opt = case.make_optimizer()
+        state = fsdp.init(units, model.state_dict(), opt, comm)  # the shared model stays whole
+        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, **step_kw)
+        for s in range(case.steps):
+            state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
+        return step.compute_dtype, fsdp.gather(units, state.shards, comm)
+
+    (dt_a, a), _ = rg.collectives.simulate(2, run, policy=policy)
+    (dt_b, b), _ = rg.collectives.simulate(2, run, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert dt_a == dt_b == torch.bfloat16 and max_diff(a, b)[0] == 0.0
+    with pytest.raises(ValueError, match="either policy= or compute_dtype="):
+        rg.collectives.simulate(2, lambda c: fsdp.make_step(units, _loss, rg.optim.sgd(0.1), c, policy=policy,
+                                                            compute_dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="MixedPrecision.compute_dtype must be a floating torch.dtype"):
+        fsdp.MixedPrecision(compute_dtype=torch.int32)
+
+
+def test_a_donated_state_is_refused():
+    params = _params()
+    units = fsdp.make_units(params, world_size=2, groups=lambda path: path[:13])
+    x = torch.randn(4, 4, dtype=torch.float64)
+    batch = lambda c: (x[2 * c.rank:][:2], torch.zeros(2, 1, dtype=torch.float64))  # noqa: E731
+
+    def run(comm, donate):
+        opt = rg.optim.adamw(0.1, donate=donate)
+        state = fsdp.init(units, params, opt, comm)
+        step = fsdp.make_step(units, _loss, opt, comm, donate=donate)
+        new, _ = step(state, batch(comm))
+        new, _ = step(new, batch(comm))  # the state a call returned is fine
+        msgs = []
+        for read in (lambda: step(state, batch(comm)), lambda: fsdp.gather(units, state.shards, comm)):
+            try:
+                read()
+            except rg.RaggedValueError as e:
+                msgs.append(str(e))
+        return msgs
+
+    for msgs in rg.collectives.simulate(2, run, donate=True):
+        assert len(msgs) == 2 and all(re.search(r"donated to a previous step call .* Fix: pass", m)
+                                      for m in msgs), msgs
+    assert rg.collectives.simulate(2, run, donate=False) == [[], []]
+
+
+def test_a_loss_reading_module_attributes_besides_params_is_refused():
+    """functional_call for the model, plus a penalty on the module's own head weight: that part of
+    the gradient would land on the module, not the step."""
+    template = tiny_moe()
+
+    def run(comm):
+        model = copy.deepcopy(template)
+        units = fsdp.make_units(model, world_size=comm.world_size)
+        opt = rg.optim.sgd(0.1)
+        state = fsdp.init(units, model.state_dict(), opt, comm)  # the module keeps its own weights
+        before = {k: v.data.clone() for k, v in state.shards.items()}
+
+        def loss(p, b):
+            return cross_entropy(logits_of(model, b[0], p), b[1]) + 1e-3 * model.head.weight.square().sum()
+
+        try:
+            fsdp.make_step(units, loss, opt, comm)(state, rank_slice(moe_batches(1)[0], comm.rank, comm.world_size))
+        except rg.RaggedValueError as e:
+            return str(e), all(torch.equal(state.shards[k].data, before[k]) for k in before)
+        return None, False
+
+    for msg, unchanged in rg.collectives.simulate(2, run):
+        assert unchanged and msg and "rank 0: shape (16, 8)" in msg and "make_step(..., module=model)" in msg
+
+
+def test_module_binding_is_restored_after_the_step_also_on_error():
+    template = tiny_moe()
+
+    def run(comm):
+        model = copy.deepcopy(template)
+        units = fsdp.make_units(model, world_size=comm.world_size)
+        opt = rg.optim.sgd(0.1)
+        state = fsdp.init(units, model, opt, comm)  # the module's parameters become placeholders
+        own = {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)}
+        calls = []
+
+        def loss(p, b):
+            calls.append(len(calls))
+            if len(calls) > 1:
+                raise ValueError("second call fails")
+            return cross_entropy(logits_of(model, b[0]), b[1])
+
+        step = fsdp.make_step(units, loss, opt, comm, module=model)
+        batch = rank_slice(moe_batches(1)[0], comm.rank, comm.world_size)
+        state, _ = step(state, batch)
+        restored = {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)} == own
+        with pytest.raises(ValueError, match="second call fails"):
+            step(state, batch)
+        return restored and {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)} == own
+
+    assert rg.collectives.simulate(2, run) == [True, True]

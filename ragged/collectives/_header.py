@@ -200,25 +200,6 @@ def unpack(h: "Header", into) -> None:
             pos += n
 
 
-def encode_poison(seq: int, world: int, reason: str) -> bytearray:
-    buf = bytearray(NBYTES)
-    text = _text(reason)
-    _FIELDS.pack_into(buf, 0, _MAGIC, POISON, seq, 0, 0, 0, 0, world, 0, 0, 0, 0, 0, 0, 0, len(text), 0)
-    buf[_FIELDS.size : _FIELDS.size + len(text)] = text
-    return buf
-
-
-def decode(buf, with_payload: bool = True) -> Header:
-    f = _FIELDS.unpack_from(buf, 0)
-    if f[0] != _MAGIC:
-        return Header(0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"not a ragged header (magic {f[0]:#x})")
-    n = max(0, min(f[15], _TEXT_BYTES))
-    text = bytes(buf[_FIELDS.size : _FIELDS.size + n]).decode("utf-8", "replace")
-    (_, kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, _, np_) = f
-    payload = bytes(buf[_PAYLOAD : _PAYLOAD + max(0, min(np_, INLINE_BYTES))]) if with_payload else b""
-    return Header(kind, seq, op, red, dt, numel, world, ident, st, sc, sl, et, ec, el, text, payload)
-
-
 def header_of(call: Call, seq: int, world: int, sends, expects) -> Header:
     """:func:`decode` of :func:`encode` (this rank's side of a comparison)."""
     return decode(encode(call, seq, world, sends, expects)[1])
@@ -278,6 +259,8 @@ def mismatch(mine: Header, theirs: Header) -> str | None:
     for a, b in ((mine, theirs), (theirs, mine)):
         if b.expect_total >= 0 and (a.send_total, a.send_count, a.send_layout) != (b.expect_total, b.expect_count,
                                                                                   b.expect_layout):
+            if (a.send_total, a.send_count) == (b.expect_total, b.expect_count):
+                return f"the split of the {a.send_total} bytes sent into {a.send_count} messages (buffers of one call)"
             return f"the bytes sent ({a.send_total} in {a.send_count} messages) vs expected ({b.expect_total} in {b.expect_count})"
         if b.expect_total < 0 and a.send_count > 1:
             return "a variable-size message split in parts"

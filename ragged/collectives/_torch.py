@@ -480,8 +480,9 @@ class TorchCollectives:
         led = self._ledgers[index]
         if led is not None:
             identity, text = self._call_args(label)
-            led.record(op, reduce, tensors[0].dtype, sum(t.numel() for t in tensors) if numel is None else numel,
-                       identity, text)
+            if numel is None:  # a coalesced call records each buffer's size: one split must not pass for another
+                numel = "+".join(str(t.numel()) for t in tensors) if len(tensors) > 1 else tensors[0].numel()
+            led.record(op, reduce, tensors[0].dtype, numel, identity, text)
 
 
 def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | None = None,

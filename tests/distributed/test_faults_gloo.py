@@ -105,6 +105,13 @@ def _mismatch(kind):
             return rg.gather(d, comm, dtype=torch.bfloat16 if odd else None)
         if kind == "plan":  # both plans agreed, then one rank alone gathers the other
             return rg.gather(d_other if odd else d, comm)
+        if kind == "buffers":  # one coalesced call, the same bytes, split into buffers another way
+            n = plan.shard_size
+            sizes = (n - 3, 3) if odd else (3, n - 3)
+            outs = [torch.empty(m * k) for k in sizes]
+            h = comm.all_gather_into_coalesced(outs, list(torch.split(d.data, sizes)), async_op=True)
+            assert not h.is_completed()  # never done before its headers are checked
+            return h.wait()
         if kind == "label":  # same plan and op, another unit (as the fsdp step would label it)
             out = torch.empty(plan.buffer_numel)
             return comm.all_gather_into(out, d.data, label=f"gather unit {'layers.4' if odd else 'layers.3'} forward")
@@ -113,7 +120,7 @@ def _mismatch(kind):
     return _outcome(body) + (t0,)
 
 
-@pytest.mark.parametrize("kind", ["other_collective", "skipped_call", "op", "dtype", "plan", "label"])
+@pytest.mark.parametrize("kind", ["other_collective", "skipped_call", "op", "dtype", "plan", "buffers", "label"])
 def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
     res = workers.run(_mismatch, kind)
     m = len(res)
@@ -128,6 +135,7 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
         "op": ("reduce_scatter:mean", "reduce_scatter:sum"),
         "dtype": ("x float32", "x bfloat16"),
         "plan": ("on plan ",),
+        "buffers": ("the split of the", "called all_gather"),
         "label": ("gather unit layers.3 forward", "gather unit layers.4 forward"),
     }[kind]
     for text in want:
@@ -407,3 +415,22 @@ def test_deferred_poison_reaches_a_peer_blocked_in_a_native_collective(workers2)
     assert odd_err == "ok"
     assert err == "CollectiveError" and "bad batch" in msg, (err, msg)
     assert t - t0 < PROMPT
+
+
+def _deferred_coalesced_split():
+    """A coalesced call whose buffers split the same elements differently on one rank (on a
+    group of one rank each, so the data moves nowhere): its ledger digest differs."""
+    m, r = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([j]) for j in range(m)]
+    comm = rg.collectives.from_torch(groups[r], handshake="deferred", algorithm="native")
+    x = torch.arange(6.0)
+    sizes = (2, 4) if r == m - 1 else (4, 2)
+    outs = [torch.empty(k) for k in sizes]
+    comm.all_gather_into_coalesced(outs, list(torch.split(x, sizes)))
+    comm.reduce_scatter_into_coalesced(outs, list(torch.split(x, sizes)))
+    return comm.ledger_digest()
+
+
+def test_deferred_ledger_records_each_buffer_of_a_coalesced_call(workers):
+    digests = workers.run(_deferred_coalesced_split)
+    assert len(set(digests[:-1])) == 1 and digests[-1] != digests[0], digests

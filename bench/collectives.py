@@ -35,7 +35,7 @@ reference's time in the same iteration), which cancels the slow load drifts of a
 machine, with a bootstrap 95% confidence interval of that median; and the min.
 
 The per-call agreement (issue 16): ``rg.gather`` / ``rg.reduce_scatter`` run on the default
-comm (``handshake="header"``: every call sends its peers a 512-byte header and agrees before
+comm (``handshake="header"``: every call sends each peer a 4 KiB header and agrees before
 the data moves) and on ``handshake="none"`` (the pre-agreement default: no per-call check,
 ``plan_check="first_use"`` only), side by side in every iteration. The table "cost of the
 per-call agreement" gives, per W and block, the paired ratio header / none with its 95% CI

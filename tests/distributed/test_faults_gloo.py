@@ -143,6 +143,34 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
     assert f"rank {m - 1}" in first and "rank 0" in odd
 
 
+def _skipped_checkpoint(verb, path):
+    """One rank skips ``save`` / ``load`` and goes on with a gather; the others are in the call."""
+    comm, r, m, odd, params, plan, d = _setup()
+    state = {"params": d, "step": 7}
+    if verb == "load":
+        rg.checkpoint.save(path, state, comm)
+    t0 = time.time()
+
+    def body():
+        if odd:
+            return rg.gather(d, comm)
+        if verb == "save":
+            return rg.checkpoint.save(path + "-new", state, comm)
+        return rg.checkpoint.load(path, state, comm)
+
+    return _outcome(body) + (t0,)
+
+
+@pytest.mark.parametrize("verb", ["save", "load"])
+def test_rank_that_skips_save_or_load_makes_every_rank_raise(workers, tmp_path, verb):
+    path = str(tmp_path / f"ckpt-{len(workers.run(dist.get_world_size))}")
+    res = workers.run(_skipped_checkpoint, verb, path)
+    for r, (err, msg, t, t0) in enumerate(res):
+        assert err in ("PlanMismatchError", "CheckpointError", "CollectiveError"), (r, err, msg)
+        assert t - t0 < PROMPT, (r, t - t0, msg)
+    assert not os.path.exists(path + "-new")
+
+
 # ---- a lone failure before the collective ---------------------------------------------------
 def _lone_failure(kind):
     comm, r, m, odd, params, plan, d = _setup()

@@ -64,12 +64,18 @@ def _loop(comm, plan, params, n=50):
     return "finished"
 
 
+def _report(what, delays):
+    """One line per scenario (``pytest -s`` shows them; README quotes them): the slowest rank."""
+    print(f"\nfault latency: {what}: slowest rank raised {max(delays) * 1e3:.0f} ms after the fault")
+
+
 def _check_all_raised(outcomes, t_fault, allowed=("PlanMismatchError", "CollectiveError", "RuntimeError",
                                                   "LayoutError", "RaggedValueError")):
     for r, (kind, msg, t) in outcomes.items():
         assert kind != "ok", f"rank {r} returned a result after the fault: {msg}"
         assert kind in allowed, f"rank {r} raised {kind}: {msg}"
         assert t - t_fault < PROMPT, f"rank {r} raised {t - t_fault:.1f} s after the fault: {msg}"
+    return [t - t_fault for _, _, t in outcomes.values()]
 
 
 # ---- mismatches (every rank raises PlanMismatchError naming both sides) ---------------------
@@ -128,6 +134,7 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
         assert err == "PlanMismatchError", (r, err, msg)
         assert t - t0 < PROMPT
         assert "differs between ranks" in msg and f"rank {r} called" in msg, msg
+    _report(f"mismatch {kind} W={m}", [t - t0 for _, _, t, t0 in res])
     first, odd = res[0][1], res[-1][1]
     want = {
         "other_collective": ("called all_gather", "called reduce_scatter"),
@@ -169,6 +176,7 @@ def test_rank_that_skips_save_or_load_makes_every_rank_raise(workers, tmp_path, 
         assert err in ("PlanMismatchError", "CheckpointError", "CollectiveError"), (r, err, msg)
         assert t - t0 < PROMPT, (r, t - t0, msg)
     assert not os.path.exists(path + "-new")
+    _report(f"skipped {verb} W={len(res)}", [t - t0 for _, _, t, t0 in res])
 
 
 # ---- a lone failure before the collective ---------------------------------------------------
@@ -210,6 +218,7 @@ def test_lone_failure_makes_every_peer_raise_promptly(workers, kind):
         assert msg.startswith(f"rank {m - 1} failed: {odd_err}: "), msg
         assert odd_msg[:40] in msg
         assert t - t0 < PROMPT
+    _report(f"lone failure {kind} W={m}", [t - t0 for _, _, t, t0 in res[:-1]])
 
 
 # ---- a rank that stops calling collectives --------------------------------------------------
@@ -328,7 +337,7 @@ def test_rank_that_exits_or_dies_in_a_loop(tmp_path, m, op, how):
     path = str(tmp_path / "fault")
     got = _spawn(m, _collective_loop, op, how, 5, path)
     assert sorted(got) == list(range(m - 1)), got
-    _check_all_raised(got, _fault_time(path))
+    _report(f"{op} loop, one rank {how}s, W={m}", _check_all_raised(got, _fault_time(path)))
 
 
 class _Die(torch.autograd.Function):
@@ -385,7 +394,7 @@ def test_kill_during_fsdp_step(tmp_path, m, phase):
     path = str(tmp_path / "fault")
     got = _spawn(m, _fsdp_step_kill, phase, path)
     assert sorted(got) == list(range(m - 1)), got
-    _check_all_raised(got, _fault_time(path))
+    _report(f"fsdp step, one rank killed in {phase}, W={m}", _check_all_raised(got, _fault_time(path)))
 
 
 # ---- handshake="deferred" (NCCL's mode), exercised on gloo with calls of equal sizes ---------

@@ -57,7 +57,7 @@ PLAN_CHECKS = ("every_call", "first_use")
 DEFAULT_TIMEOUT = 300.0
 
 __all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "completed", "check_op",
-           "check_coalesced", "CallScope", "poison_on_error", "DEFAULT_TIMEOUT", "scoped_label"]
+           "check_coalesced", "CallScope", "poison_on_error", "DEFAULT_TIMEOUT", "scoped_label", "BufferOps"]
 
 
 class CallScope(NamedTuple):
@@ -159,6 +159,25 @@ def check_coalesced(outputs, inputs, world_size: int, where: str, *, gather: boo
                 f"{where}: an {name} has {big.numel()} elements, needs world_size * {small.numel()} = "
                 f"{world_size * small.numel()}."
             )
+
+
+class BufferOps:
+    """The all-gather and reduce-scatter verbs of the bundled backends, single-tensor and
+    coalesced, as one call of the backend's ``_all_gather(outs, ins, async_op, label, where)`` /
+    ``_reduce_scatter(outs, ins, op, async_op, label, where)`` over lists of buffers: a
+    single-tensor op is the one-buffer case, so both forms carry the same checks."""
+
+    def all_gather_into(self, output, input, *, async_op=False, label=None):
+        return self._all_gather([output], [input], async_op, label, "all_gather_into")
+
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False, label=None):
+        return self._all_gather(list(outputs), list(inputs), async_op, label, "all_gather_into_coalesced")
+
+    def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
+        return self._reduce_scatter([output], [input], op, async_op, label, "reduce_scatter_into")
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False, label=None):
+        return self._reduce_scatter(list(outputs), list(inputs), op, async_op, label, "reduce_scatter_into_coalesced")
 
 
 @runtime_checkable

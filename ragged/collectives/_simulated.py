@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError
-from ragged.collectives._base import DoneHandle, check_coalesced, check_op, poison_on_error, scoped_label
+from ragged.collectives._base import BufferOps, DoneHandle, check_coalesced, check_op, poison_on_error, scoped_label
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.collectives._header import Call, call_difference, identity_of
 
@@ -122,7 +122,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class SimulatedCollectives:
+class SimulatedCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` for one simulated rank (see :func:`simulate`).
 
     Async ops complete immediately; their handle's ``wait()`` does nothing.
@@ -193,12 +193,6 @@ class SimulatedCollectives:
     def _done(async_op):
         return DoneHandle() if async_op else None
 
-    def all_gather_into(self, output, input, *, async_op=False, label=None):
-        return self._all_gather([output], [input], async_op, label, "all_gather_into")
-
-    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False, label=None):
-        return self._all_gather(list(outputs), list(inputs), async_op, label, "all_gather_into_coalesced")
-
     def _all_gather(self, outs, ins, async_op, label, where):
         with poison_on_error(self):
             check_coalesced(outs, ins, self.world_size, where, gather=True)
@@ -222,12 +216,6 @@ class SimulatedCollectives:
             if op == "mean":
                 acc.div_(len(values))
         return acc
-
-    def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
-        return self._reduce_scatter([output], [input], op, async_op, label, "reduce_scatter_into")
-
-    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False, label=None):
-        return self._reduce_scatter(list(outputs), list(inputs), op, async_op, label, "reduce_scatter_into_coalesced")
 
     def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
-from ragged.collectives._base import (DEFAULT_TIMEOUT, PLAN_CHECKS, check_coalesced, check_op, completed,
+from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, completed,
                                       poison_on_error, scoped_label)
 from ragged.collectives._channel import channel_for
 from ragged.collectives._header import identity_of
@@ -125,7 +125,7 @@ def _pg(group):
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
-class TorchCollectives:
+class TorchCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` over ``torch.distributed`` process groups.
 
     Build one with :func:`from_torch`. See [Note: handshake modes].
@@ -271,13 +271,6 @@ class TorchCollectives:
             raise CollectiveError(f"this comm no longer runs collectives: it was poisoned ({self._failed}).")
 
     # ---- collectives ----------------------------------------------------------------------
-    def all_gather_into(self, output, input, *, async_op=False, label=None):
-        return self._all_gather([output], [input], async_op, label, "all_gather_into")
-
-    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False, label=None):
-        """Several buffers in one call (see [Note: coalesced collectives of several buffers])."""
-        return self._all_gather(list(outputs), list(inputs), async_op, label, "all_gather_into_coalesced")
-
     def _all_gather(self, outs, ins, async_op, label, where):
         with poison_on_error(self):
             m = self._world
@@ -331,13 +324,6 @@ class TorchCollectives:
             for o, i in zip(outs, ins):
                 single(o, i, group=self.group, **kw)
         return [cm]
-
-    def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
-        return self._reduce_scatter([output], [input], op, async_op, label, "reduce_scatter_into")
-
-    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False, label=None):
-        """Several buffers in one call (see [Note: coalesced collectives of several buffers])."""
-        return self._reduce_scatter(list(outputs), list(inputs), op, async_op, label, "reduce_scatter_into_coalesced")
 
     def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):

@@ -221,6 +221,55 @@ def test_lone_failure_makes_every_peer_raise_promptly(workers, kind):
     _report(f"lone failure {kind} W={m}", [t - t0 for _, _, t, t0 in res[:-1]])
 
 
+def _fsdp_step_raises(phase):
+    """One rank's loss raises (a Python error in its forward or backward) in the second step."""
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM, rank_slice
+    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+
+    comm = _fresh_comm()
+    r, m = comm.rank, comm.world_size
+    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, ffn_dim=48, max_seq_len=16))
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    units = fsdp.make_units(model, world_size=m)
+    opt = rg.optim.adamw(1e-2)
+    state = fsdp.init(units, model, opt, comm)
+    local = copy.deepcopy(model)
+    armed = {"on": False}
+
+    def bad(grad):
+        raise RuntimeError("bad batch in backward")
+
+    def hook(mod, args, out):
+        if not armed["on"]:
+            return out
+        if phase == "forward":
+            raise RuntimeError("bad batch in forward")
+        out.register_hook(bad)
+        return out
+
+    if r == m - 1:
+        local.blocks[1].register_forward_hook(hook)
+    step = fsdp.make_step(units, loss_fn(local), opt, comm)
+    task = SyntheticLM(64, 16, seed=1)
+    state, _ = step(state, rank_slice(task.batch(0, 8), r, m))
+    armed["on"] = True
+    t0 = time.time()
+    return _outcome(step, state, rank_slice(task.batch(1, 8), r, m)) + (t0,)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_error_inside_fsdp_step_makes_every_peer_raise(workers, phase):
+    res = workers.run(_fsdp_step_raises, phase)
+    m = len(res)
+    assert res[-1][0] == "RuntimeError" and f"bad batch in {phase}" in res[-1][1], res[-1]
+    for r, (err, msg, t, t0) in enumerate(res[:-1]):
+        # the step's own verdict round ("loss_fn failed on another rank", RaggedError) or the poison
+        assert err in ("RaggedError", "CollectiveError") and f"bad batch in {phase}" in msg, (r, err, msg)
+        assert t - t0 < PROMPT
+    _report(f"error inside the fsdp step ({phase}) W={m}", [t - t0 for _, _, t, t0 in res[:-1]])
+
+
 # ---- a rank that stops calling collectives --------------------------------------------------
 def _sleeper(timeout, sleep):
     comm, r, m, _, params, plan, d = _setup(timeout=timeout)

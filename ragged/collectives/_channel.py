@@ -208,7 +208,19 @@ class Channel:
             if self.failure is None:
                 for j, posted in self._posted.items():
                     while len(posted) < _AHEAD:
-                        self._post_header_recv(j)
+                        try:
+                            self._post_header_recv(j)
+                        except RuntimeError as e:
+                            if not _lost_connection(e):
+                                raise
+                            # that peer is gone (e.g. it exited after the call that just completed):
+                            # that call stands, the next one raises
+                            said = self._reason_of(j)
+                            self.fail(f"rank {self.rank} lost {self.who(j)} after collective #{self.seq - 1} of "
+                                      f"{self.name}: " + (f"that rank failed: {said}" if said else
+                                      f"{str(e).splitlines()[0][:160]}. That rank probably died or exited (see its log)."),
+                                      peer=j)
+                            return
 
     def _send(self, j: int, message: torch.Tensor, timeout: float):
         self._sent.append((self.pg.send([message], j, _HEADER_TAG), message))
@@ -282,6 +294,7 @@ class Channel:
                     self._posted[j] = []
                     self._next[j] = 0
             self.repost()
+            self.check_usable()  # a peer lost while re-posting
             out_parts = {j: _parts(sends[j]) for j in self.peers(1)}
             in_parts = None if recvs is None else {j: _parts(recvs[j]) for j in self.peers(1)}
             recv_works: dict[int, list] = {}

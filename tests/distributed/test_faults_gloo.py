@@ -386,7 +386,8 @@ def test_rank_that_exits_or_dies_in_a_loop(tmp_path, m, op, how):
     path = str(tmp_path / "fault")
     got = _spawn(m, _collective_loop, op, how, 5, path)
     assert sorted(got) == list(range(m - 1)), got
-    _report(f"{op} loop, one rank {how}s, W={m}", _check_all_raised(got, _fault_time(path)))
+    # ragged's error, never gloo's raw one (a peer lost between two calls fails the next call)
+    _report(f"{op} loop, one rank {how}s, W={m}", _check_all_raised(got, _fault_time(path), allowed=("CollectiveError",)))
 
 
 class _Die(torch.autograd.Function):

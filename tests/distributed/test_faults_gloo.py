@@ -78,6 +78,28 @@ def _check_all_raised(outcomes, t_fault, allowed=("PlanMismatchError", "Collecti
     return [t - t_fault for _, _, t in outcomes.values()]
 
 
+def _tiny_training(comm, layers):
+    """``(units, opt, state, local, task)``: a tiny GPT sharded for ``rg.fsdp``, its local copy
+    (hooks go there) and a synthetic task."""
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM
+    from ragged.examples.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, ffn_dim=48, max_seq_len=16))
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    units = fsdp.make_units(model, world_size=comm.world_size)
+    opt = rg.optim.adamw(1e-2)
+    state = fsdp.init(units, model, opt, comm)
+    return units, opt, state, copy.deepcopy(model), SyntheticLM(64, 16, seed=1)
+
+
+def _step_of(units, local, opt, comm):
+    from ragged import fsdp
+    from ragged.examples.gpt import loss_fn
+
+    return fsdp.make_step(units, loss_fn(local), opt, comm)
+
+
 # ---- mismatches (every rank raises PlanMismatchError naming both sides) ---------------------
 def _setup(**kw):
     """A fresh comm, this rank, the world size, whether this is the odd (last) rank, params, plan, shard."""
@@ -223,18 +245,11 @@ def test_lone_failure_makes_every_peer_raise_promptly(workers, kind):
 
 def _fsdp_step_raises(phase):
     """One rank's loss raises (a Python error in its forward or backward) in the second step."""
-    from ragged import fsdp
-    from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+    from ragged.examples.data import rank_slice
 
     comm = _fresh_comm()
     r, m = comm.rank, comm.world_size
-    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, ffn_dim=48, max_seq_len=16))
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    units = fsdp.make_units(model, world_size=m)
-    opt = rg.optim.adamw(1e-2)
-    state = fsdp.init(units, model, opt, comm)
-    local = copy.deepcopy(model)
+    units, opt, state, local, task = _tiny_training(comm, layers=2)
     armed = {"on": False}
 
     def bad(grad):
@@ -250,8 +265,7 @@ def _fsdp_step_raises(phase):
 
     if r == m - 1:
         local.blocks[1].register_forward_hook(hook)
-    step = fsdp.make_step(units, loss_fn(local), opt, comm)
-    task = SyntheticLM(64, 16, seed=1)
+    step = _step_of(units, local, opt, comm)
     state, _ = step(state, rank_slice(task.batch(0, 8), r, m))
     armed["on"] = True
     t0 = time.time()
@@ -411,22 +425,14 @@ class _Die(torch.autograd.Function):
 
 
 def _fsdp_step_kill(rank, m, phase, path):
-    from ragged import fsdp
-    from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+    from ragged.examples.data import rank_slice
 
     comm = rg.collectives.from_torch()
-    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, ffn_dim=48, max_seq_len=16))
-    model.reset_parameters(torch.Generator().manual_seed(0))
-    units = fsdp.make_units(model, world_size=m)
-    opt = rg.optim.adamw(1e-2)
-    state = fsdp.init(units, model, opt, comm)
-    local = copy.deepcopy(model)
+    units, opt, state, local, task = _tiny_training(comm, layers=3)
     armed = {"on": False}
     if rank == m - 1:  # the victim dies in its third step, inside block 1
         local.blocks[1].register_forward_hook(lambda mod, args, out: _Die.apply(out, path, phase) if armed["on"] else out)
-    step = fsdp.make_step(units, loss_fn(local), opt, comm)
-    task = SyntheticLM(64, 16, seed=1)
+    step = _step_of(units, local, opt, comm)
 
     def train():
         nonlocal state

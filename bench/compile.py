@@ -1,0 +1,201 @@
+"""torch.compile and the training step: ragged, unsharded and FSDP2, each eager and compiled, in one run.
+
+Six methods train the same model (``bench/step.py``'s ``CONFIGS``) on the same batches from the
+same weights, in the same processes (``bench/_launch.py``; methods from ``bench/_methods.py``):
+
+* ``ragged`` / ``ragged+compile``: ``rg.fsdp.make_step(..., module=model)``, eager / with the
+  model compiled;
+* ``local`` / ``local+compile``: the unsharded model on every rank, no communication;
+* ``fsdp2`` / ``fsdp2+compile``: ``fully_shard`` on every block and the root.
+
+``--compile block`` (default) compiles every block, ``torch.compile(block)`` put back in its
+list, before sharding (torchtitan's ``apply_compile``); ``--compile whole`` compiles the whole
+model (``model.compile()``; FSDP2: after ``fully_shard``). Compilation happens in the warm-up
+steps (``--warmup``, at least 2: ragged's first call may rerun with the learnt schedule), which
+are not timed; their time is shown as the compile time.
+
+Each repeat runs one step of every method on the same batch, the order alternating between
+repeats. Reported: median step time (max over ranks) with a bootstrap 95% interval, and the
+paired ratios, each the median over repeats of the ratio in that repeat: the speedup from
+compile of every method (eager / compiled), and **ragged's speedup over the unsharded
+model's** (Done-when of issue 17: >= 0.9 on the dense model at W=2), and ragged / FSDP2 with
+both compiled. The losses of eager and compiled agree to float rounding (printed).
+
+Usage (CPU, gloo)::
+
+    flock /tmp/ragged-bench.lock python3 bench/compile.py --model dense --world 2
+    flock /tmp/ragged-bench.lock python3 bench/compile.py --model dense --world 2 --compile whole
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.step import CONFIGS, model_config  # noqa: E402
+
+METHODS = ("ragged", "ragged+compile", "local", "local+compile", "fsdp2", "fsdp2+compile")
+
+
+def _bench(rank, world, backend, opts):
+    import ragged as rg
+    from ragged.examples.data import SyntheticLM, rank_slice
+
+    from bench._launch import device_for
+    from bench._measure import Timer
+    from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
+
+    device = device_for(backend, rank)
+    cfg = model_config(opts["cfg"])
+    comm = rg.collectives.from_torch()
+    kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"])
+    how = opts["compile"]
+    make = {
+        "ragged": lambda: RaggedMethod(cfg, comm=comm, bind_module=True, **kw),
+        "ragged+compile": lambda: RaggedMethod(cfg, comm=comm, compile=how, **kw),
+        "local": lambda: LocalMethod(cfg, **kw),
+        "local+compile": lambda: LocalMethod(cfg, compile=how, **kw),
+        "fsdp2": lambda: FSDP2Method(cfg, **kw),
+        "fsdp2+compile": lambda: FSDP2Method(cfg, compile=how, **kw),
+    }
+    names = [n for n in METHODS if n.split("+")[0] in opts["methods"]]
+    methods = {n: make[n]() for n in names}
+    task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
+
+    def batch(step):
+        x, y = rank_slice(task.batch(step, opts["batch"] * world), rank, world)
+        return x.to(device), y.to(device)
+
+    timer = Timer(device)
+    times, losses, warm = {n: [] for n in names}, {n: [] for n in names}, {n: 0.0 for n in names}
+    for r in range(opts["warmup"] + opts["repeats"]):
+        b = batch(r)
+        for name in names if r % 2 == 0 else names[::-1]:
+            dt, loss = timer(lambda: methods[name].step(b))
+            losses[name].append(loss)
+            if r >= opts["warmup"]:
+                times[name].append(dt)
+            else:
+                warm[name] += dt
+        if rank == 0 and opts["verbose"]:
+            print(f"  repeat {r}{' (warm-up)' if r < opts['warmup'] else ''}: "
+                  + ", ".join(f"{n} {(times[n][-1] if r >= opts['warmup'] else warm[n]) * 1e3:,.0f} ms" for n in names),
+                  flush=True)
+    reruns = methods["ragged+compile"].metrics.get("schedule_reruns") if "ragged+compile" in methods else None
+    return dict(times=times, losses=losses, warm=warm, reruns=reruns)
+
+
+def _median_ci(xs, level=0.95, resamples=2000):
+    from bench.collectives import _median_ci as ci
+
+    return ci(xs, level, resamples)
+
+
+def paired(times, a, b):
+    """Per repeat ``a / b`` (both ran in the same repeat, back to back)."""
+    return [x / y for x, y in zip(times[a], times[b])]
+
+
+def summarize(results) -> dict:
+    r0 = results[0]
+    times, out = r0["times"], {"methods": {}, "ratios": {}}
+    for name, t in times.items():
+        lo, hi = _median_ci(t)
+        out["methods"][name] = dict(median_ms=statistics.median(t) * 1e3, ci_ms=(lo * 1e3, hi * 1e3),
+                                    warmup_s=max(res["warm"][name] for res in results))
+    for base in ("ragged", "local", "fsdp2"):
+        if base in times and base + "+compile" in times:
+            out["ratios"][f"{base} speedup from compile"] = paired(times, base, base + "+compile")
+    if "ragged" in times and "local" in times:
+        rs, ls = out["ratios"]["ragged speedup from compile"], out["ratios"]["local speedup from compile"]
+        out["ratios"]["ragged speedup / local speedup"] = [x / y for x, y in zip(rs, ls)]
+    if "fsdp2" in times:
+        out["ratios"]["ragged+compile / fsdp2+compile"] = paired(times, "ragged+compile", "fsdp2+compile")
+        out["ratios"]["ragged / fsdp2"] = paired(times, "ragged", "fsdp2")
+    if "local" in times:
+        out["ratios"]["ragged+compile / local+compile"] = paired(times, "ragged+compile", "local+compile")
+    out["loss_diff"] = {base: max(abs(x - y) for x, y in zip(r0["losses"][base], r0["losses"][base + "+compile"]))
+                        for base in ("ragged", "local", "fsdp2") if base in times}
+    out["reruns"] = r0["reruns"]
+    return out
+
+
+def render(summary, title):
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    t = Table(title=title, title_justify="left")
+    for col in ("method", "step ms median [95% CI]", "warm-up s (compile)"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for name, m in summary["methods"].items():
+        t.add_row(name, f"{m['median_ms']:,.0f} [{m['ci_ms'][0]:,.0f}, {m['ci_ms'][1]:,.0f}]", f"{m['warmup_s']:.1f}")
+    console.print(t)
+    r = Table(title="paired ratios (median over repeats of the ratio in each repeat) [95% CI]", title_justify="left")
+    r.add_column("ratio")
+    r.add_column("value", justify="right")
+    for name, xs in summary["ratios"].items():
+        lo, hi = _median_ci(xs)
+        r.add_row(name, f"{statistics.median(xs):.3f}x [{lo:.3f}, {hi:.3f}]")
+    console.print(r)
+    console.print("losses, eager vs compiled, max |diff| over all steps: "
+                  + ", ".join(f"{k} {v:.2e}" for k, v in summary["loss_diff"].items())
+                  + f"; ragged+compile schedule reruns in its last call: {summary['reruns']}")
+
+
+def markdown(summary, title) -> str:
+    lines = [title, "", "| method | step ms median [95% CI] |", "|---|---|"]
+    for name, m in summary["methods"].items():
+        lines.append(f"| {name} | {m['median_ms']:,.0f} [{m['ci_ms'][0]:,.0f}, {m['ci_ms'][1]:,.0f}] |")
+    lines += ["", "| paired ratio | median [95% CI] |", "|---|---|"]
+    for name, xs in summary["ratios"].items():
+        lo, hi = _median_ci(xs)
+        lines.append(f"| {name} | {statistics.median(xs):.3f}x [{lo:.3f}, {hi:.3f}] |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="dense")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--compile", choices=("block", "whole"), default="block")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--policy", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--methods", nargs="+", choices=("ragged", "local", "fsdp2"), default=["ragged", "local", "fsdp2"])
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("-q", "--quiet", dest="verbose", action="store_false")
+    args = ap.parse_args(argv)
+    if args.warmup < 2:
+        ap.error("--warmup must be at least 2 (compilation and ragged's schedule learning happen there)")
+    from bench._launch import launch, pick_backend
+
+    opts = dict(cfg=CONFIGS[args.model], compile=args.compile, repeats=args.repeats, warmup=args.warmup,
+                batch=args.batch, policy=args.policy, lr=args.lr, methods=args.methods, verbose=args.verbose)
+    backend = pick_backend(args.world, args.backend)
+    print(f"== {args.model}, compile {args.compile}, {args.world} ranks ({backend}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs) ==", flush=True)
+    t0 = time.perf_counter()
+    results = launch(args.world, _bench, opts, backend=args.backend, threads=args.threads)
+    summary = summarize(results)
+    title = (f"{args.model}, W={args.world}, {args.policy}, compile {args.compile}: one training step, "
+             f"{args.repeats} alternating repeats after {args.warmup} warm-up ({time.perf_counter() - t0:.0f} s in all)")
+    render(summary, title)
+    if args.markdown:
+        print(markdown(summary, title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

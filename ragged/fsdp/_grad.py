@@ -324,7 +324,9 @@ def value_and_grad(
         max_inflight_reduce: reduce-scatters in flight before the oldest is waited.
         module: bind this module's parameter attributes to the step's leaves through forward and
             backward (see [Note: binding a module] in ``_intercept.py``): ``loss_fn`` may then call
-            ``module(...)``, and recomputation inside it works. One module object per rank.
+            ``module(...)``, and recomputation inside it works; its compiled modules are gathered
+            at their boundary (see [Note: compiled regions] in ``_compiled.py``). One module
+            object per rank.
         trace: record ``(event, unit, phase)`` tuples in the step's metrics.
 
     Returns:

@@ -59,7 +59,8 @@ COMPILED_OUTSIDE_REGION_MSG = (
     "this, before any parameter changes). Fix: pass the model to rg.fsdp.make_step(..., module=model) (or "
     "value_and_grad(..., module=model)) and compile modules of it (model.compile(), block.compile() for each "
     "block, or torch.compile(block) put back into the model): each compiled module is then a region whose units "
-    "are gathered at its boundary. A compiled function that is not a module's forward cannot run inside the step."
+    "are gathered at its boundary. Compile the model or its blocks, not loss_fn, the step or another function "
+    "that runs inside it; compiled autograd is not supported either."
 )
 
 FOREIGN_PARAMETER_MSG = (
@@ -232,8 +233,11 @@ def module_slots(module: torch.nn.Module, units) -> tuple:
     parameter under each of its names (``path``: the name ``make_units`` gave it)."""
     if not isinstance(module, torch.nn.Module):
         raise RaggedValueError(f"make_step(module=...) must be an nn.Module, got {type(module).__name__}.")
-    path_of = {id(p): name for name, p in module.named_parameters()}
     known = {p for u in units for p in u.paths}
+    inner = getattr(module, "_orig_mod", None)  # torch.compile(model) of the model make_units was given
+    if isinstance(inner, torch.nn.Module) and not known & {name for name, _ in module.named_parameters()}:
+        module = inner
+    path_of = {id(p): name for name, p in module.named_parameters()}
     slots = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for attr, p in sub._parameters.items():

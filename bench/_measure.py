@@ -1,6 +1,11 @@
 """What the step benchmark measures, and how (all in the benchmark process, nothing in ragged).
 
-* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks.
+* Step time: ``barrier``; ``perf_counter`` around the step (CUDA: synchronize); the max over ranks
+  (:class:`Timer`). Every benchmark times through this module: :func:`interleaved` runs the
+  compared methods once per repeat, alternating their order, warm-up excluded (:func:`wall` on
+  one process, ``Timer(device).seconds`` across ranks); :func:`paired` and :func:`median_ci` give
+  the paired ratio (median over repeats of a / b in the same repeat: steadier on a shared
+  machine than a ratio of medians) and its seeded bootstrap confidence interval.
 * Allocated tensor bytes (CPU has no allocator statistics in torch 2.13): the bytes of the
   tensors the method keeps between steps (:func:`storage_bytes`, unique storages: parameter
   shards, optimizer state, gradients), plus the largest rise of allocated bytes during one
@@ -15,6 +20,9 @@
   freed -- state, caches and buffers it keeps outside its state included -- and the peak of a
   window is absolute, not a rise. On CUDA: ``torch.cuda.memory_allocated`` /
   ``max_memory_allocated`` / ``max_memory_reserved`` (the caching allocator's reserve).
+* CPU time and minor page faults of the rank's process during each step (:func:`process_work`,
+  ``getrusage``: every thread, gloo's included): the work behind the wall time, steadier than
+  it on a loaded machine; minor faults count first touches of freshly mapped memory.
 * RSS: ``/proc/self/status`` VmHWM after resetting it (``/proc/self/clear_refs`` 5) right
   before the step, minus VmRSS before the step: how much resident memory the step adds.
   Both methods live in one process, so absolute RSS is not split between them.
@@ -32,13 +40,16 @@ import bisect
 import collections
 import contextlib
 import functools
+import random
 import re
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes"]
+__all__ = ["storage_bytes", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels", "Timer", "LiveBytes",
+           "wall", "interleaved", "paired", "median_ci", "process_work"]
 
 
 def storage_bytes(tensors) -> int:
@@ -77,6 +88,16 @@ def _status() -> dict[str, int]:
 def rss() -> dict[str, int]:
     """``{"VmHWM": bytes, "VmRSS": bytes}`` of this process (empty off Linux)."""
     return _status()
+
+
+def process_work() -> tuple[float, int]:
+    """``(CPU seconds, minor page faults)`` this process has used so far, every thread included
+    (gloo's and autograd's): the work a step does, which a loaded machine's time-slicing does
+    not inflate the way it inflates wall time. Minor faults count first touches of fresh pages."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
 def reset_peak_rss() -> bool:
@@ -162,6 +183,7 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn):
+        """``(seconds, fn())``."""
         dist.barrier()
         if self.cuda:
             torch.cuda.synchronize()
@@ -172,6 +194,82 @@ class Timer:
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt), out
+
+    def seconds(self, fn) -> float:
+        return self(fn)[0]
+
+
+def wall(fn) -> float:
+    """Seconds one call of ``fn()`` takes on this process."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, repeats: int, *, warmup: int = 1, timer=wall) -> dict[str, list[float]]:
+    """Times every function of ``fns`` once per repeat, in the given order on even repeats and
+    reversed on odd ones, after ``warmup`` untimed rounds. ``timer(fn) -> seconds`` (default
+    :func:`wall`; ``Timer(device).seconds`` across ranks). A function that returns a generator is
+    timed per phase: each ``yield phase`` closes one segment, kept as ``f"{name} {phase}"``.
+
+    Returns:
+        ``{name: [seconds of each timed repeat]}``.
+
+    Examples:
+        >>> from bench._measure import interleaved
+        >>> def two_phases():
+        ...     yield "forward"
+        ...     yield "backward"
+        >>> sorted(interleaved({"a": lambda: None, "b": two_phases}, 3))
+        ['a', 'b backward', 'b forward']
+        >>> len(interleaved({"a": lambda: None}, 3)["a"])
+        3
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {}
+    keys: dict[str, list[str]] = {name: [] for name in names}  # per method, its keys in order
+    for r in range(warmup + repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            phases = {}
+
+            def run(name=name):
+                out = fns[name]()
+                if hasattr(out, "__next__"):
+                    t0 = time.perf_counter()
+                    for phase in out:
+                        t1 = time.perf_counter()
+                        phases[f"{name} {phase}"] = t1 - t0
+                        t0 = t1
+
+            dt = timer(run)
+            if r >= warmup:
+                for key, value in (phases or {name: dt}).items():
+                    if key not in times:
+                        keys[name].append(key)
+                    times.setdefault(key, []).append(value)
+    return {key: times[key] for name in names for key in keys[name]}
+
+
+def paired(ta, tb) -> float:
+    """Median over repeats of ``ta[i] / tb[i]`` (both timed in the same repeat)."""
+    return statistics.median(x / y for x, y in zip(ta, tb))
+
+
+def median_ci(xs, level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap confidence interval of the median of ``xs`` (seeded: the same data give the same
+    interval; a single value gives itself).
+
+    Examples:
+        >>> from bench._measure import median_ci
+        >>> median_ci([1.0, 1.0, 1.0])
+        (1.0, 1.0)
+    """
+    rnd = random.Random(0)
+    xs = list(xs)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
 
 
 _FQN = re.compile(r" \(.*\)$|\s*for .*$")
@@ -192,26 +290,30 @@ def profile_step(fn, *, device: torch.device):
     """Runs ``fn()`` once under torch's profiler.
 
     Returns:
-        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where)``: the largest rise of allocated CPU bytes
-        during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
+        ``(peak_rise_bytes, ranges_ms, copies_ms, peak_where, reserved_rise_bytes)``: the largest rise of
+        allocated CPU bytes during the call (CUDA: of ``max_memory_allocated`` over the start); the *exclusive*
         host time of every labelled range (``FSDP::...`` / ``ragged::...`` / optimizer step,
         summed by label with the module fqn stripped; time in nested labelled ranges is
         subtracted); and the host time of copy / reduction ops, keyed ``"op @ label"`` by the
         innermost labelled range they run in; and where the memory peak was reached (CPU: the
-        innermost labelled ranges and op running at that moment).
+        innermost labelled ranges and op running at that moment); CUDA only (else ``None``): how
+        much the caching allocator's reserve rose during the call, from a reserve emptied of cached
+        blocks first (``empty_cache``), so a method is not credited with blocks another one freed.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    peak_where = ""
+    peak_where, reserved = "", None
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
     else:
         kevents = prof.profiler.kineto_results.events()
         events = sorted((e.start_ns(), e.nbytes()) for e in kevents if e.name() == "[memory]")
@@ -249,7 +351,7 @@ def profile_step(fn, *, device: torch.device):
                 p = p.cpu_parent
             if where is not None:
                 copies[f"{e.name} @ {where}"] += e.cpu_time_total / 1e3
-    return peak, dict(ranges), dict(copies), peak_where
+    return peak, dict(ranges), dict(copies), peak_where, reserved
 
 
 def _site(chain: tuple) -> str:

@@ -98,7 +98,7 @@ class RaggedMethod:
     name = "ragged"
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
-                 keep_module=False, groups=None, compile=None, bind_module=False):
+                 keep_module=False, groups=None, max_buffers=1, compile=None, bind_module=False):
         import ragged as rg
         from ragged import fsdp
         from ragged.optim import GradientTransformation
@@ -106,7 +106,8 @@ class RaggedMethod:
 
         compute, reduce = dtypes(policy)
         model = compile_model(cfg, _model(cfg, seed, device), compile)
-        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups)
+        self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups,
+                                     max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
             lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=donate)
 

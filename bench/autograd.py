@@ -22,13 +22,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import ragged as rg  # noqa: E402
+from bench._measure import interleaved  # noqa: E402
 from bench.collectives import block_params  # noqa: E402
 
 
@@ -53,22 +53,23 @@ def measure(hidden: int, chunks: int, repeats: int) -> dict:
             "rg.gather (split_with_sizes views)": lambda: rg.gather(d, comm),
             "slice + view per leaf": lambda: slice_views(plan, rg.gather_start(d, comm).buffer),
         }
-        times = {name: ([], []) for name in ways}
         grads = {}
-        for _ in range(repeats):
-            for name, fn in ways.items():
-                t0 = time.perf_counter()
-                full = fn()
+
+        def timed(name):
+            def run():  # two phases for bench._measure.interleaved
+                full = ways[name]()
                 loss = sum((full[k] * weights[k]).sum() for k in weights)
-                t1 = time.perf_counter()
+                yield "forward"
                 loss.backward()
-                times[name][0].append(t1 - t0)
-                times[name][1].append(time.perf_counter() - t1)
+                yield "backward"
                 grads[name] = d.data.grad.clone()
                 d.data.grad = None
+            return run
+
+        t = interleaved({name: timed(name) for name in ways}, repeats, warmup=0)
         a, b = grads.values()
         assert torch.equal(a, b), "both ways must give the same gradient"
-        return times
+        return {name: (t[f"{name} forward"], t[f"{name} backward"]) for name in ways}
 
     times = rg.collectives.simulate(1, run)[0]
     return {"leaves": len(params), "numel": plan.buffer_numel, "times": times}

@@ -29,7 +29,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,14 +50,6 @@ def _params(mparams: float):
     }
 
 
-def _timed(fn, comm):
-    import torch.distributed as dist
-
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t
 
 
 def _worker(rank, m, backend, mparams, iters, root):
@@ -67,7 +58,10 @@ def _worker(rank, m, backend, mparams, iters, root):
 
     import ragged as rg
 
+    from bench._measure import Timer
+
     comm = rg.collectives.from_torch()
+    timer = Timer(comm.device)  # the steps run in a fixed order: save before the loads
     params = _params(mparams)
     plan = rg.make_plan(params, world_size=m)
     local = rg.shard(plan, params, comm)
@@ -125,7 +119,7 @@ def _worker(rank, m, backend, mparams, iters, root):
             ("gather + torch.save (rank 0)", gather_save),
             ("torch.load + shard (every rank)", load_shard),
         ]:
-            times.setdefault(name, []).append(_timed(fn, comm))
+            times.setdefault(name, []).append(timer.seconds(fn))  # max over ranks
         if rank == 0:
             sizes["ragged"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             sizes["torch.save"] = os.path.getsize(full_file)

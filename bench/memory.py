@@ -180,7 +180,7 @@ def _mib(n) -> str:
 
 COLUMNS = ("model", "AC", "W", "ragged peak MiB", "fsdp2 peak MiB", "ragged / fsdp2", "ragged state + rise",
            "fsdp2 state + rise", "rest / largest block MiB, ragged", "same, fsdp2", "saved activations MiB",
-           "ragged peak at", "fsdp2 peak at")
+           "peak reserved MiB, ragged / fsdp2 (CUDA)", "ragged peak at", "fsdp2 peak at")
 
 
 def row(model: str, checkpoint: bool, cell: dict, units: str = "default") -> list[str]:
@@ -191,7 +191,14 @@ def row(model: str, checkpoint: bool, cell: dict, units: str = "default") -> lis
             f"{sa['peak'] / sb['peak']:.2f}x", f"{_mib(sa['start'])} + {_mib(sa['peak'] - sa['start'])}",
             f"{_mib(sb['start'])} + {_mib(sb['peak'] - sb['start'])}",
             " / ".join(_mib(x) for x in ub["ragged"]), " / ".join(_mib(x) for x in ub["fsdp2"]),
-            _mib(a["saved_activation_bytes"]), sa["where"], sb["where"]]
+            _mib(a["saved_activation_bytes"]), _reserved(sa, sb), sa["where"], sb["where"]]
+
+
+def _reserved(sa, sb) -> str:
+    """The caching allocator's peak reserve of each method's process (CUDA only)."""
+    if sa.get("reserved_peak") is None or sb.get("reserved_peak") is None:
+        return "-"
+    return f"{_mib(sa['reserved_peak'])} / {_mib(sb['reserved_peak'])} ({sa['reserved_peak'] / sb['reserved_peak']:.2f}x)"
 
 
 def render(rows, console=None):
@@ -209,10 +216,11 @@ def render(rows, console=None):
 
 
 def markdown(rows) -> str:
-    keep = COLUMNS[:11]
-    lines = ["| " + " | ".join(keep) + " |", "|" + "---|" * len(keep)]
+    cuda = any(r[11] != "-" for r in rows)
+    keep = [k for k in range(12) if k < 11 or cuda]  # the reserve column only where it was measured
+    lines = ["| " + " | ".join(COLUMNS[k] for k in keep) + " |", "|" + "---|" * len(keep)]
     for r in rows:
-        lines.append("| " + " | ".join(r[: len(keep)]) + " |")
+        lines.append("| " + " | ".join(r[k] for k in keep) + " |")
     return "\n".join(lines)
 
 

@@ -26,16 +26,21 @@ Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--it
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
 
-import torch
-from rich.console import Console
-from rich.table import Table
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ragged as rg
-from ragged import spec
-from ragged._dbuffer import DBuffer
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import ragged as rg  # noqa: E402
+from ragged import spec  # noqa: E402
+from ragged._dbuffer import DBuffer  # noqa: E402
+
+from bench._measure import Timer, interleaved, paired  # noqa: E402
 
 
 def specs_for(params):
@@ -179,15 +184,7 @@ def section_step(console, iters, hidden):
         "rg.optim.adamw_8bit (donate=True, kernel='torch')": ours(
             lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=True, kernel="torch"), True),
     }
-    times = {k: [] for k in methods}
-    for _ in range(2):  # warm-up (state allocation)
-        for fn in methods.values():
-            fn()
-    for _ in range(iters):
-        for k, fn in methods.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved(methods, iters, warmup=2)  # warm-up: state allocation
     from ragged.optim import _quant8_kernel
 
     kernel = "C kernel built" if _quant8_kernel.available() else f"no C kernel: {_quant8_kernel.unavailable_reason()}"
@@ -201,21 +198,12 @@ def section_step(console, iters, hidden):
     base = statistics.median(ref)
     for k, ts in times.items():
         t = statistics.median(ts)
-        paired = statistics.median(a / b for a, b in zip(ts, ref))
-        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x", f"{paired:.2f}x")
+        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x", f"{paired(ts, ref):.2f}x")
     console.print(table)
 
 
-def _muon_worker(rank, m, port, iters, size, out_q):
-    import datetime
-    import os
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=m,
-                            timeout=datetime.timedelta(seconds=120))
+def _muon_worker(rank, m, backend, iters, size):
+    """One rank of ``section_muon_gloo`` (started by ``bench/_launch.py``)."""
     comm = rg.collectives.from_torch()
     g = torch.Generator().manual_seed(0)
     params = {f"w{i}": torch.randn(size * (1 + i % 3) // 2, size, generator=g) for i in range(12)}
@@ -245,40 +233,15 @@ def _muon_worker(rank, m, port, iters, size, out_q):
 
     methods = {"muon, owners, 1 wave (no overlap)": muon_step(1), "muon, owners, 4 waves (overlap)": muon_step(4),
                "muon, owners, 8 waves (overlap)": muon_step(8), "replicated NS (all-gather, NS everywhere)": replicated_ns()}
-    times = {k: [] for k in methods}
-    for fn in methods.values():
-        fn()
-    for _ in range(iters):
-        for k, fn in methods.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            t = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[k].append(float(t))
+    times = interleaved(methods, iters, timer=Timer(comm.device).seconds)  # max over ranks
     load = rg.optim.muon_load(plan)
-    if rank == 0:
-        out_q.put((times, load["flops"], len(load["units"]), plan.numel))
-    dist.barrier()
-    dist.destroy_process_group()
+    return times, load["flops"], len(load["units"]), plan.numel
 
 
 def section_muon_gloo(console, m, iters, size):
-    import socket
+    from bench._launch import launch
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_muon_worker, args=(r, m, port, iters, size, q)) for r in range(m)]
-    for p in procs:
-        p.start()
-    times, flops, units, numel = q.get(timeout=900)
-    for p in procs:
-        p.join()
+    times, flops, units, numel = launch(m, _muon_worker, iters, size, backend="gloo", timeout=900)[0]
     table = Table(title=f"Muon direction on {m} gloo ranks: {units} matrices, {numel / 1e6:.1f}M params, 1 thread/rank "
                         f"(max over ranks, median of {iters}); NS GFLOP per rank {[round(f / 1e9, 1) for f in flops]}")
     table.add_column("method")

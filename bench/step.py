@@ -27,6 +27,7 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model dense --world 2 --policy bf16
     python3 bench/step.py --model 120m --world 2 --repeats 3 --no-local --no-donate
     python3 bench/step.py --model hf-llama --world 2 --repeats 5   # HF LlamaForCausalLM, the sizes of "dense"
+    python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 15   # max_buffers="auto" vs 1
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 """
@@ -34,7 +35,6 @@ On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -79,7 +79,8 @@ def _bench(rank, world, backend, opts):
     from ragged.examples.data import SyntheticLM, rank_slice
 
     from bench._launch import device_for
-    from bench._measure import CommCounter, Timer, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
+    from bench._measure import (CommCounter, Timer, process_work, profile_step, ragged_labels, reset_peak_rss, rss,
+                                storage_bytes)
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)
@@ -107,6 +108,8 @@ def _bench(rank, world, backend, opts):
     ac = opts.get("checkpoint", False)
     methods = {"ragged": RaggedMethod(cfg, comm=comm, checkpoint=ac, **rkw, **kw),
                "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
+    if opts.get("auto_buffers"):  # the same ragged step on units planned with max_buffers="auto"
+        methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
@@ -118,6 +121,7 @@ def _bench(rank, world, backend, opts):
     timer = Timer(device)
     names = list(methods)
     times = {n: [] for n in names}
+    work = {n: [] for n in names}  # (CPU seconds, minor page faults) of this rank's process per step
     rss_rise = {n: [] for n in names}
     losses = {n: [] for n in names}
     comm_bytes = {}
@@ -130,12 +134,15 @@ def _bench(rank, world, backend, opts):
             counter.active = name
             before = rss()
             reset_peak_rss()
+            used = process_work()
             dt, loss = timer(lambda: m.step(b))
+            used = [x - y for x, y in zip(process_work(), used)]
             after = rss()
             counter.active = None
             losses[name].append(loss)
             if r >= opts["warmup"]:
                 times[name].append(dt)
+                work[name].append(used)
                 if before and after:
                     rss_rise[name].append(after["VmHWM"] - before["VmRSS"])
         for name in names:
@@ -152,16 +159,24 @@ def _bench(rank, world, backend, opts):
         state = storage_bytes(m.state_tensors())
         torch.distributed.barrier()
         with ragged_labels():
-            peak, ranges, copies, where = profile_step(lambda: m.step(b), device=device)
+            peak, ranges, copies, where, reserved = profile_step(lambda: m.step(b), device=device)
         prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies, peak_where=where,
-                          opt_bytes=m.optimizer_state_bytes())
+                          opt_bytes=m.optimizer_state_bytes(), reserved_rise_bytes=reserved)
     extra = {}
     if "ragged" in methods:
         units = methods["ragged"].units
         extra["ragged_padding"] = sum(u.plan.padding for u in units)
         extra["numel"] = sum(u.plan.numel for u in units)
         extra["num_gathers"] = methods["ragged"].metrics.get("num_gathers")
-    return dict(times=times, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+    if "ragged-auto" in methods:
+        units = methods["ragged-auto"].units
+        extra["auto_padding"] = sum(u.plan.padding for u in units)
+        extra["auto_buffers"] = [u.plan.num_buffers for u in units]
+    return dict(times=times, work=work, rss_rise=rss_rise, losses=losses, comm=comm_bytes, prof=prof, extra=extra)
+
+
+def _fmt_work(x, scale):
+    return "-" if x is None else f"{x * scale:,.0f}"
 
 
 def _fmt_mib(n):
@@ -197,20 +212,53 @@ def summarize(model: str, world: int, results, opts) -> dict:
         state = max(res["prof"][name]["state_bytes"] for res in results)
         opt_bytes = max(res["prof"][name]["opt_bytes"] for res in results)
         rise = [max(res["rss_rise"][name]) for res in results if res["rss_rise"][name]]
+        reserved = [res["prof"][name]["state_bytes"] + res["prof"][name]["reserved_rise_bytes"] for res in results
+                    if res["prof"][name].get("reserved_rise_bytes") is not None]
+        cpu = [statistics.median(w[0] for w in res["work"][name]) for res in results if res.get("work")]
+        faults = [statistics.median(w[1] for w in res["work"][name]) for res in results if res.get("work")]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
+            cpu_s=max(cpu) if cpu else None, page_faults=max(faults) if faults else None,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
+            reserved_peak_bytes=max(reserved) if reserved else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
             ranges=r0["prof"][name]["ranges"], peak_where=r0["prof"][name].get("peak_where", ""), copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
     return out
 
 
+def _ci(summary, a, b) -> str:
+    """Bootstrap 95% CI of the paired median ratio a/b (seeded: the same numbers every time)."""
+    from bench._measure import median_ci
+
+    ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
+    ratios = [x / y for x, y in zip(ta, tb)]
+    if len(ratios) < 3:
+        return ""
+    lo, hi = median_ci(ratios)
+    return f"[95% CI {lo:.3f}-{hi:.3f}]"
+
+
+def ratios_text(summary) -> str:
+    """The step-time ratios a reader wants: ragged / FSDP2 paired (with its bootstrap CI) and, with
+    the unsharded method, ragged / local on medians and paired."""
+    ms = summary["methods"]
+    text = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
+            f"{paired_ratio(summary):.3f}x {_ci(summary, 'ragged', 'fsdp2')}")
+    if "local" in ms:
+        text += (f"; ragged / unsharded: {ms['ragged']['median_s'] / ms['local']['median_s']:.3f}x on medians, "
+                 f"{paired_ratio(summary, 'ragged', 'local'):.3f}x paired {_ci(summary, 'ragged', 'local')}")
+        if ms["ragged"].get("cpu_s") and ms["local"].get("cpu_s"):
+            text += f", CPU time {ms['ragged']['cpu_s'] / ms['local']['cpu_s']:.3f}x"
+    return text
+
+
 def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
     """Median over repeats of a's time / b's time in the same repeat (both ran back to back,
     so slow phases of a shared machine hit both): steadier than the ratio of medians."""
-    ta, tb = summary["methods"][a]["times"], summary["methods"][b]["times"]
-    return statistics.median(x / y for x, y in zip(ta, tb))
+    from bench._measure import paired
+
+    return paired(summary["methods"][a]["times"], summary["methods"][b]["times"])
 
 
 def render(summary, console=None):
@@ -221,8 +269,10 @@ def render(summary, console=None):
     ms = summary["methods"]
     t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
-    for col in ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
-                "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms"):
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
+    cols = ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
+            "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms", "CPU ms/step", "page faults/step")
+    for col in cols + (("peak reserved MiB/rank",) if reserved else ()):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
         c = m["comm"]
@@ -230,7 +280,9 @@ def render(summary, console=None):
                   f"{m['tokens_per_s']:,.0f}", _fmt_mib(m["peak_bytes"]),
                   f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
-                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}")
+                  _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}",
+                  _fmt_work(m.get("cpu_s"), 1e3), _fmt_work(m.get("page_faults"), 1),
+                  *((_fmt_mib(m["reserved_peak_bytes"]) if m.get("reserved_peak_bytes") is not None else "-",) if reserved else ()))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -242,13 +294,20 @@ def render(summary, console=None):
                   ratio(a["rss_rise_bytes"] or 0, b["rss_rise_bytes"] or 0),
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
-                  ratio(a["copies_ms"], b["copies_ms"]))
+                  ratio(a["copies_ms"], b["copies_ms"]), ratio(a.get("cpu_s") or 0, b.get("cpu_s") or 0),
+                  ratio(a.get("page_faults") or 0, b.get("page_faults") or 0),
+                  *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-        t.caption = (f"paired step-time ratio (median over repeats of ragged/fsdp2 in the same repeat): "
-                     f"{paired_ratio(summary):.2f}x\n"
+        t.caption = (f"{ratios_text(summary)}\n"
                      f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
+        if "ragged-auto" in ms:
+            t.caption += (f"\npaired step-time ratio ragged-auto/ragged (units planned with max_buffers='auto': buffers "
+                          f"per unit {summary['extra'].get('auto_buffers')}, padding "
+                          f"{summary['extra'].get('auto_padding', 0):,}): {paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x"
+                          f" {_ci(summary, 'ragged-auto', 'ragged')}; ragged-auto/fsdp2: "
+                          f"{paired_ratio(summary, 'ragged-auto', 'fsdp2'):.2f}x")
     console.print(t)
     for name, m in ms.items():
         if m.get("peak_where"):
@@ -271,18 +330,22 @@ def render(summary, console=None):
 def markdown(summary) -> str:
     """The step table as GitHub markdown (for the README)."""
     ms = summary["methods"]
+    reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
     head = ("| method | step ms median (min-max) | tokens/s | peak alloc MiB/rank (state + step rise) | "
-            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |")
+            "optim state MiB | RSS rise MiB | all-gather MiB | reduce-scatter MiB | copies ms |"
+            + (" peak reserved MiB/rank |" if reserved else ""))
     lines = [f"{summary['model']}, W={summary['world']}, {summary['policy']}, {summary['optim']}, "
-             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * 9]
+             f"{len(next(iter(ms.values()))['times'])} repeats:", "", head, "|" + "---|" * (9 + reserved)]
     for name, m in ms.items():
         c = m["comm"]
         rss_mib = _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-"
+        res = m.get("reserved_peak_bytes")
         lines.append(
             f"| {name} | {m['median_s'] * 1e3:,.0f} ({m['min_s'] * 1e3:,.0f}-{m['max_s'] * 1e3:,.0f}) | "
             f"{m['tokens_per_s']:,.0f} | {_fmt_mib(m['peak_bytes'])} ({_fmt_mib(m['state_bytes'])} + "
             f"{_fmt_mib(m['peak_bytes'] - m['state_bytes'])}) | {_fmt_mib(m['opt_bytes'])} | {rss_mib} | "
-            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |")
+            f"{_fmt_mib(c.get('all_gather', 0))} | {_fmt_mib(c.get('reduce_scatter', 0))} | {m['copies_ms']:,.0f} |"
+            + ((f" {_fmt_mib(res)} |" if res is not None else " - |") if reserved else ""))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
 
@@ -295,8 +358,12 @@ def markdown(summary) -> str:
             f"{r(a['rss_rise_bytes'] or 0, b['rss_rise_bytes'] or 0)} | "
             f"{r(a['comm'].get('all_gather', 0), b['comm'].get('all_gather', 0))} | "
             f"{r(a['comm'].get('reduce_scatter', 0), b['comm'].get('reduce_scatter', 0))} | "
-            f"{r(a['copies_ms'], b['copies_ms'])} |")
-        lines.append(f"\nPaired step-time ratio (median of per-repeat ragged/fsdp2): **{paired_ratio(summary):.2f}x**.")
+            f"{r(a['copies_ms'], b['copies_ms'])} |"
+            + (f" {r(a.get('reserved_peak_bytes') or 0, b.get('reserved_peak_bytes') or 0)} |" if reserved else ""))
+        lines.append(f"\n{ratios_text(summary)}")
+        if "ragged-auto" in ms:
+            lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
+                         f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")
     return "\n".join(lines)
 
 
@@ -321,6 +388,9 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute every block in backward, in both: ragged through examples.gpt.loss_fn(checkpoint=True), "
                          "FSDP2 through torch.distributed._composable.checkpoint on every block")
+    ap.add_argument("--auto-buffers", action="store_true",
+                    help="also time ragged with units planned by make_units(max_buffers='auto') (method ragged-auto), "
+                         "paired against the single-buffer ragged in the same repeats")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",
@@ -347,7 +417,7 @@ def main(argv=None) -> int:
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
                 keep_module=args.keep_module,
-                checkpoint=args.activation_checkpointing)
+                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

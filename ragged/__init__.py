@@ -18,6 +18,7 @@ from ragged._dbuffer import unflatten as unflatten
 from ragged.transforms import gather as gather
 from ragged.transforms import gather_start as gather_start
 from ragged.transforms import gather_wait as gather_wait
+from ragged.transforms import global_norm as global_norm
 from ragged.transforms import owned_plan as owned_plan
 from ragged.transforms import redistribute as redistribute
 from ragged.transforms import reduce_scatter as reduce_scatter

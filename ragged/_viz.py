@@ -10,7 +10,8 @@ where ``repr`` shows the picture, and under ``print(...)``.
 ``visualize`` draws each rank's S elements as ``width`` cells. A cell covers
 ``S / width`` elements and takes the colour of the leaf holding most of them (padding when
 padding dominates), so a leaf smaller than a cell may not show; ``details=True`` lists every
-rank's exact ragged pieces.
+rank's exact ragged pieces. A plan with several buffers draws each rank's piece of every buffer
+(cells in proportion to ``S_b``, at least one each) separated by ``│``.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def plan_summary(plan, *, max_leaves: int = 24):
         f"world_size m={plan.world_size}  shard_size S={S}  dtype={str(plan.dtype).replace('torch.', '')}  "
         f"align={plan.align}  strategy={plan.strategy}\n"
     )
+    if plan.num_buffers > 1:
+        head.append(f"{plan.num_buffers} buffers, S_b = {' + '.join(str(b) for _, b in plan.buffers)}\n")
     head.append(
         f"{len(plan.leaves)} sharded leaves ({_fmt(plan.numel)} elements), {len(plan.replicated)} replicated "
         f"({_fmt(plan.replicated_numel)})  padding {_fmt(plan.padding)} = "
@@ -137,20 +140,24 @@ def plan_summary(plan, *, max_leaves: int = 24):
     if plan.split_blocks:
         head.append(f"\n{plan.split_blocks} granules split across ranks (naive layout)", style="bold red")
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-    for col, justify in (("leaf", "left"), ("shape", "left"), ("offset", "right"), ("numel", "right"),
-                         ("granule", "right"), ("ranks", "left")):
+    many = plan.num_buffers > 1
+    for col, justify in (("leaf", "left"), ("shape", "left"), *((("buffer", "right"),) if many else ()),
+                         ("offset", "right"), ("numel", "right"), ("granule", "right"), ("ranks", "left")):
         table.add_column(col, justify=justify)
     shown = plan.leaves[:max_leaves]
     for i, leaf in enumerate(shown):
         owners = plan.owners(leaf)
         ranks = "-" if not owners else (str(owners[0]) if len(owners) == 1 else f"{owners[0]}-{owners[-1]}")
-        table.add_row(Text(leaf.path, style=PALETTE[i % len(PALETTE)]), str(tuple(leaf.shape)), str(leaf.offset),
-                      str(leaf.numel), str(leaf.granule), ranks)
+        buffer = (str(plan.buffer_index(leaf.offset)),) if many else ()
+        table.add_row(Text(leaf.path, style=PALETTE[i % len(PALETTE)]), str(tuple(leaf.shape)), *buffer,
+                      str(leaf.offset), str(leaf.numel), str(leaf.granule), ranks)
+    blank = ("",) if many else ()
     if len(plan.leaves) > max_leaves:
         rest = plan.leaves[max_leaves:]
-        table.add_row(f"... {len(rest)} more", "", "", str(sum(l.numel for l in rest)), "", "")
+        table.add_row(f"... {len(rest)} more", "", *blank, "", str(sum(l.numel for l in rest)), "", "")
     for leaf in plan.replicated[: max(0, max_leaves - len(shown))]:
-        table.add_row(Text(leaf.path, style="italic"), str(tuple(leaf.shape)), "replicated", str(leaf.numel), "-", "all")
+        table.add_row(Text(leaf.path, style="italic"), str(tuple(leaf.shape)), *blank, "replicated", str(leaf.numel),
+                      "-", "all")
     return Group(head, table)
 
 
@@ -162,12 +169,30 @@ def _bar(plan, rank: int, width: int, colour_of: dict):
     text = Text()
     if S == 0:
         return text
-    # For each cell, the (leaf index, overlap) with the largest overlap.
-    cells = [(-1, 0)] * width
-    bounds = [(c * S) // width for c in range(width + 1)]
+    spans, base = [], 0  # (first local element, elements, cells) per buffer
+    for i, (_, size) in enumerate(plan.buffers):
+        spans.append((base, size, max(1, round(width * size / S))))
+        base += size
+    for b, (lo_b, size, cells_b) in enumerate(spans):
+        if b:
+            text.append("│", style="bold")
+        for idx in _cells(pieces, lo_b, size, cells_b, colour_of):
+            if idx < 0:
+                text.append("·", style=_PAD_STYLE)
+            else:
+                text.append("█", style=PALETTE[idx % len(PALETTE)])
+    return text
+
+
+def _cells(pieces, start: int, size: int, width: int, colour_of: dict) -> list[int]:
+    """For each of ``width`` cells over local elements ``[start, start + size)``: the colour
+    index of the leaf with the largest overlap, or -1 where padding dominates."""
+    cells = [-1] * width
+    bounds = [start + (c * size) // width for c in range(width + 1)]
     j = 0
     for c in range(width):
         lo, hi = bounds[c], bounds[c + 1]
+        hi = max(hi, lo + 1)  # more cells than elements: a cell shows the element it starts at
         best, best_n, covered = -1, 0, 0
         while j < len(pieces) and pieces[j].local_offset + pieces[j].numel <= lo:
             j += 1
@@ -181,13 +206,8 @@ def _bar(plan, rank: int, width: int, colour_of: dict):
             k += 1
         if hi - lo - covered > best_n:
             best = -1
-        cells[c] = (best, best_n)
-    for idx, _ in cells:
-        if idx < 0:
-            text.append("·", style=_PAD_STYLE)
-        else:
-            text.append("█", style=PALETTE[idx % len(PALETTE)])
-    return text
+        cells[c] = best
+    return cells
 
 
 def rank_table(plan, ranks=None, *, max_pieces: int = 8):
@@ -303,4 +323,6 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
     if details:
         parts.append(rank_table(plan))
     title = f"m={plan.world_size} S={S} {str(plan.dtype).replace('torch.', '')} {plan.strategy}"
+    if plan.num_buffers > 1:
+        title += f" {plan.num_buffers} buffers"
     return Rendering(Panel(Group(*parts), title=title, expand=False))

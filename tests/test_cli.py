@@ -31,7 +31,7 @@ def test_plan_prints_a_table_per_unit_kind_and_the_whole_model(capsys):
 
 
 def test_coarse_granules_are_explained_with_numbers(capsys):
-    code, out = run(capsys, "--model", "gpt-oss-120b", "-m", "1024", "-g", "rows:128")
+    code, out = run(capsys, "--model", "gpt-oss-120b", "-m", "1024", "-g", "rows:128", "--max-buffers", "1")
     assert code == 0
     assert "warning: moe_layer at m=1024 with rows:128" in out
     assert "longer than 2*S" in out and "multiple of the lcm of their granules" in out
@@ -55,15 +55,26 @@ def _warnings(out):
 def test_suggested_fixes_are_verified_to_help(capsys):
     # DeepSeek-V3's dense layers at rows:1: 2 layers per unit plan to the same 81.15% at m=1024
     # (both layers force the same multiple), so that is no fix and is not offered there.
-    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "256", "1024", "-g", "rows:16")
+    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "256", "1024", "-g", "rows:16", "--max-buffers", "1")
     assert code == 0
     found = _warnings(out)
     assert len(found) >= 3 and any(fixes for _, fixes, _ in found) and any(r for _, _, r in found)
     for padding, fixes, reductions in found:
         assert all(f <= 3.0 for f in fixes) and all(r < 0.9 * padding for r in reductions), (padding, fixes, reductions)
-    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "1024", "-g", "rows:1")
+    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "1024", "-g", "rows:1", "--max-buffers", "1")
     dense = out[out.index("warning: dense_layer"):].split("warning:")[1]
     assert "layers per unit" not in dense and "would fix it (<= 3%): shard group" in dense
+
+
+def test_plan_shows_the_buffers_chosen_and_explains_each(capsys):
+    code, out = run(capsys, "--model", "gpt-oss-120b", "-m", "1024", "-g", "rows:128")  # --max-buffers auto (default)
+    assert code == 0 and "max buffers auto" in out and "buffers" in out
+    assert "warning: moe_layer at m=1024 with rows:128: padding 22.45%" in out
+    assert "why: buffer 0 (9 leaves, S_b=524288): 1 leaves longer than 2*S_b force S_b to a multiple of 524288" in out
+    code, out = run(capsys, "--model", "deepseek-v3-671b", "-m", "256")
+    assert "warning: dense_layer" not in out  # 0.19% with 3 buffers (35.86% with one)
+    assert "must be 'auto' or a positive int" in refused(capsys, "plan", "--model", "gpt-oss-120b", "-m", "8",
+                                                          "--max-buffers", "0")
 
 
 def test_blocks_fall_back_where_tiles_cannot_apply(capsys):

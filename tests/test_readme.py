@@ -215,3 +215,81 @@ def test_a_wrong_flag_is_caught():
 
     with pytest.raises(UsageError):
         check_command(["NPROC=3", "bash", "scripts/main.sh"])
+
+
+# ---- the package map and the glossary match the code -------------------------------------------
+def _section(title: str) -> str:
+    start = README.index(f"### {title}\n")
+    return README[start : README.index("\n#", start + 4)]
+
+
+def _map_rows():
+    """``{"ragged/spec": "its text", ...}`` from the package map table."""
+    rows = {}
+    for line in _section("Package map").splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| `") and len(cells) >= 2:
+            for where in re.findall(r"`([^`]+)`", cells[0]):
+                rows[where] = cells[1]
+    return rows
+
+
+def test_package_map_names_every_package_and_module():
+    """Every package and module of ragged/ is in the map, in its package's row, and every file the
+    map names exists (a new module, or a moved one, must update the map)."""
+    import fnmatch
+
+    rows = _map_rows()
+    for where in rows:
+        assert os.path.exists(os.path.join(ROOT, where)), f"the package map names {where}, which does not exist"
+    package_dir = os.path.join(ROOT, "ragged")
+    for entry in sorted(os.listdir(package_dir)):
+        path = os.path.join(package_dir, entry)
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "__init__.py")):
+            assert f"ragged/{entry}" in rows, f"ragged/{entry} is not in the package map"
+            named = re.findall(r"`([\w*]+\.py)`", rows[f"ragged/{entry}"])
+            for module in sorted(os.listdir(path)):
+                if module.endswith(".py") and module != "__init__.py":
+                    assert any(fnmatch.fnmatch(module, n) for n in named), (
+                        f"ragged/{entry}/{module} is not named in the package map's ragged/{entry} row")
+            for n in named:
+                assert any(fnmatch.fnmatch(m, n) for m in os.listdir(path)), f"ragged/{entry} has no {n}"
+        elif entry.endswith(".py") and entry not in ("__init__.py", "__main__.py"):
+            text = " ".join(f"{k} {v}" for k, v in rows.items())
+            assert f"ragged/{entry}" in text or f"`{entry}`" in text, f"ragged/{entry} is not in the package map"
+
+
+def _resolve(dotted: str):
+    import ragged
+
+    parts = dotted.split(".")
+    if parts[0] in ("rg", "ragged"):
+        obj, rest = ragged, parts[1:]
+        while rest and isinstance(obj, type(ragged)) and not hasattr(obj, rest[0]):
+            obj = importlib.import_module(f"{obj.__name__}.{rest[0]}")  # a private module named in full
+            rest = rest[1:]
+    else:  # Type.attribute: the type is public in ragged, ragged.spec, fsdp or parallel
+        homes = [ragged, ragged.spec, ragged.fsdp, ragged.parallel]
+        obj = next((getattr(h, parts[0]) for h in homes if hasattr(h, parts[0])), None)
+        assert obj is not None, f"the glossary names {dotted}: no public type {parts[0]}"
+        rest = parts[1:]
+    for name in rest:
+        fields = {f.name for f in getattr(obj, "__dataclass_fields__", {}).values()}
+        assert hasattr(obj, name) or name in fields, f"the glossary names {dotted}: {obj!r} has no {name!r}"
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def test_glossary_names_exist():
+    """Every name the glossary gives a word (new and old) is real: public names resolve, and the
+    renamed ones still exist."""
+    names = set()
+    for line in _section("Glossary").splitlines()[4:]:
+        for cell in line.split(" | ")[2:]:
+            for code in re.findall(r"`([^`]+)`", cell):
+                head = re.split(r"[(\[ ]", code, maxsplit=1)[0]
+                if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", head):
+                    names.add(head)
+    assert len(names) > 30, names
+    for name in sorted(names):
+        _resolve(name)

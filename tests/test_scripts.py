@@ -83,3 +83,21 @@ def test_main_sh_refuses_a_bad_value_before_training():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("python -m ragged train: error: argument --steps: must be >= 1, "
                                                      "got 0 (see python -m ragged train --help)")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_starts_every_piece(tmp_path):
+    """scripts/gpu_check.sh --dry-run on the CPU: the CUDA tests are collected (and skip), the step
+    bench, the memory harness and the report each start and finish, and the report is written."""
+    import json
+
+    out = tmp_path / "gpu"
+    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["cuda-tests", "step-fp32", "memory"]
+    assert all(s["rc"] == 0 for s in summary["stages"])
+    assert summary["cuda_tests"]["tests"] >= 5 and summary["step"] and summary["memory"]
+    md = (out / "summary.md").read_text()
+    assert "## Training step" in md and "fake process group" in md

@@ -70,6 +70,18 @@ def test_plans_display_themselves_in_jupyter():
     assert set(bundle) == {"text/plain", "text/html"} and "shard_size S=12" in bundle["text/plain"]
 
 
+def test_multi_buffer_plan_draws_each_buffer():
+    plan = rg.make_plan({"a": torch.empty(8, 3), "b": torch.empty(4, 5)}, world_size=2, align=1, max_buffers=2)
+    console = Console(record=True, width=100, file=io.StringIO())
+    console.print(rg.visualize(plan, width=22))
+    console.print(plan)
+    text = console.export_text()
+    assert "2 buffers" in text and "S_b = 12 + 10" in text
+    rank_lines = [line for line in text.splitlines() if "rank " in line and "/22" in line]
+    assert len(rank_lines) == 2 and all("█│█" in line for line in rank_lines)  # one separator between buffers
+    assert "buffer" in text
+
+
 def test_a_terminal_repl_shows_the_picture_not_the_object():
     plan = rg.make_plan({"a": torch.empty(3, 4), "b": torch.empty(5, 4)}, world_size=3, align=1)
     view = rg.visualize(plan, width=12)

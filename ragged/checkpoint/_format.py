@@ -131,7 +131,7 @@ def describe_plan(plan) -> dict[str, Any]:
                 "offset": leaf.offset,
                 "numel": leaf.numel,
                 "granule": leaf.granule,
-                "spec": repr(leaf.spec),
+                "spec": repr(leaf.granularity),
             }
             for leaf in plan.leaves
         ],

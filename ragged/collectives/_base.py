@@ -11,6 +11,12 @@ A ``Collectives`` value is one rank's view of a 1-D shard group (FSDP) or of a 2
 ``all_gather_into``, ``reduce_scatter_into``, ``all_reduce`` and ``all_to_all`` run within it.
 ``all_reduce_replicas`` runs across the replica group (a no-op when ``num_replicas == 1``),
 and ``all_gather_object`` spans every rank of the mesh (used to compare plans).
+
+Optional: ``all_gather_into_coalesced(outputs, inputs, *, async_op)`` and
+``reduce_scatter_into_coalesced(outputs, inputs, *, op, async_op)`` do what the single-tensor
+ops do for each (output, input) pair, in one launch (both bundled backends have them; the
+transforms fall back to one call per buffer for a backend without them). They move the buffers
+of a multi-buffer plan (see ``transforms.all_gather_flat``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ REDUCE_OPS = ("sum", "mean", "max")
 # backend; absent means "every_call", the safe choice): see [Note: plan check before collectives] in ragged/transforms/_check.py
 PLAN_CHECKS = ("every_call", "first_use")
 
-__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "check_op"]
+__all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "DoneHandle", "completed", "check_op", "check_coalesced"]
 
 
 @runtime_checkable
@@ -43,11 +49,33 @@ class DoneHandle:
     def wait(self) -> None:
         return None
 
+    def is_completed(self) -> bool:
+        return True
+
+
+def completed(handle) -> bool:
+    """Whether an async op's handle says it has finished (``wait()`` would not block); a
+    handle without ``is_completed`` counts as not finished."""
+    probe = getattr(handle, "is_completed", None)
+    return bool(probe()) if probe is not None else False
+
 
 def check_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise RaggedValueError(f"op must be one of {REDUCE_OPS}, got {op!r}.")
     return op
+
+
+def check_coalesced(outputs, inputs, world_size: int, where: str, *, gather: bool) -> None:
+    """Sizes of a coalesced op's (output, input) pairs: ``world_size`` times the input (all-gather)
+    or the output (reduce-scatter)."""
+    for out, inp in zip(outputs, inputs, strict=True):
+        big, small, name = (out, inp, "output") if gather else (inp, out, "input")
+        if big.numel() != world_size * small.numel():
+            raise RaggedValueError(
+                f"{where}: an {name} has {big.numel()} elements, needs world_size * {small.numel()} = "
+                f"{world_size * small.numel()}."
+            )
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ragged._errors import RaggedError, RaggedValueError
-from ragged.collectives._base import DoneHandle, check_op
+from ragged.collectives._base import DoneHandle, check_coalesced, check_op
 
 __all__ = ["SimulatedCollectives", "simulate"]
 
@@ -114,6 +114,29 @@ class SimulatedCollectives:
         with torch.no_grad():
             for j, v in enumerate(values):
                 output[j * n : (j + 1) * n].copy_(v.reshape(-1))
+        return self._done(async_op)
+
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
+        m = self.world_size
+        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
+        values = self._shard.exchange(self._rank, "all_gather_coalesced", [_plain(i).clone() for i in inputs])
+        with torch.no_grad():
+            for b, (out, inp) in enumerate(zip(outputs, inputs)):
+                n = inp.numel()
+                for j, v in enumerate(values):
+                    out[j * n : (j + 1) * n].copy_(v[b].reshape(-1))
+        return self._done(async_op)
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
+        check_op(op)
+        m = self.world_size
+        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
+        values = self._shard.exchange(self._rank, f"reduce_scatter_coalesced_{op}", [_plain(i).clone() for i in inputs])
+        with torch.no_grad():
+            for b, out in enumerate(outputs):
+                n = out.numel()
+                chunks = [v[b].reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
+                out.copy_(self._reduce(chunks, op, out).view_as(out))
         return self._done(async_op)
 
     def _reduce(self, values, op, like):

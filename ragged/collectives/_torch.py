@@ -20,6 +20,16 @@ same result are:
 NCCL (and any other backend) uses the native ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``. ``algorithm=`` on :func:`from_torch` overrides the choice (the
 benchmark uses it to compare paths).
+
+[Note: coalesced collectives of several buffers]
+``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` move several buffers (the
+buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_plan.py) in ONE
+launch: on gloo ("p2p" and "all_to_all") one ``batch_isend_irecv`` over every (peer, buffer)
+pair, received straight into the outputs (all-gather) or into a rank-major scratch that one
+local sum per buffer reduces (reduce-scatter); on NCCL ("native") the per-buffer native ops
+inside ``torch.distributed._coalescing_manager`` (one NCCL group: one launch; written, not run
+here: no GPU). gloo has no coalescing group, so ``algorithm="native"`` on gloo issues one
+native op per buffer.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import PLAN_CHECKS, check_op
+from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op, completed
 from ragged._errors import RaggedValueError
 
 __all__ = ["TorchCollectives", "from_torch"]
@@ -58,6 +68,12 @@ class _Work:
         if self._finish is not None:
             self._finish()
         self._done = True
+
+    def is_completed(self) -> bool:
+        """Every op has finished (the local finaliser, if any, still runs at ``wait()``). The
+        fake process group's works are done on return (its collectives move no data), though
+        they never say so."""
+        return self._done or all(type(w).__name__ == "FakeWork" or completed(w) for w in self._works)
 
 
 def _result(work: _Work, async_op: bool):
@@ -119,7 +135,10 @@ class TorchCollectives:
                 raise RaggedValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
             ag = rs = algorithm
         self.ag_algorithm, self.rs_algorithm = ag, rs
-        self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
+        # NCCL, and torch's fake process group on a machine with a GPU (one process measuring one rank's
+        # memory at any world size: its collectives move no data, its allocations are the device's)
+        on_gpu = "nccl" in self.backend or (self.backend == "fake" and torch.cuda.is_available())
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self._scratch = _Scratch()
         if plan_check is None:  # like torch's own per-call collective checks: a debug mode
             plan_check = "every_call" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else "first_use"
@@ -231,6 +250,95 @@ class TorchCollectives:
                     torch.sum(chunks, 0, out=output)
                 if op == "mean":
                     output.div_(m)
+            self._scratch.give(recv)
+
+        return _result(_Work(works, finish), async_op)
+
+    # ---- several buffers in one launch (see [Note: coalesced collectives of several buffers]) ----
+    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
+        m = self._world
+        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
+        if m == 1:
+            for out, inp in zip(outputs, inputs):
+                out.copy_(inp)
+            return _result(_Work([]), async_op)
+        if self.ag_algorithm == "native":
+            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
+                return _result(_Work([self.all_gather_into(o, i, async_op=True) for o, i in zip(outputs, inputs)]),
+                               async_op)
+            with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
+                for out, inp in zip(outputs, inputs):
+                    dist.all_gather_single(out, inp, group=self.group)
+            return _result(_Work([cm]), async_op)
+        ops = []
+        for j in range(m):
+            if j == self._rank:
+                continue
+            peer = self._peer(j)
+            for out, inp in zip(outputs, inputs):
+                n = inp.numel()
+                ops.append(dist.P2POp(dist.isend, inp, peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, out[j * n : (j + 1) * n], peer, self.group))
+        works = dist.batch_isend_irecv(ops)
+        for out, inp in zip(outputs, inputs):
+            n = inp.numel()
+            out[self._rank * n : (self._rank + 1) * n].copy_(inp)
+        return _result(_Work(works), async_op)
+
+    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
+        check_op(op)
+        m = self._world
+        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
+        if m == 1:
+            for out, inp in zip(outputs, inputs):
+                out.copy_(inp)
+            return _result(_Work([]), async_op)
+        if self.rs_algorithm == "native":
+            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
+                works = [self.reduce_scatter_into(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
+                return _result(_Work(works), async_op)
+            avg = op == "mean" and "nccl" in self.backend
+            torch_op = dist.ReduceOp.AVG if avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+            with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
+                for out, inp in zip(outputs, inputs):
+                    dist.reduce_scatter_single(out, inp, op=torch_op, group=self.group)
+
+            def finish_native():
+                if op == "mean" and not avg:
+                    for out in outputs:
+                        out.div_(m)
+
+            return _result(_Work([cm], finish_native), async_op)
+        sizes = [out.numel() for out in outputs]
+        total = sum(sizes)
+        recv = self._scratch.take(m * total, inputs[0].dtype, inputs[0].device)
+        chunks = recv.view(m, total)
+        bases = [sum(sizes[:b]) for b in range(len(sizes))]
+        ops = []
+        for j in range(m):
+            if j == self._rank:
+                continue
+            peer = self._peer(j)
+            for inp, base, n in zip(inputs, bases, sizes):
+                ops.append(dist.P2POp(dist.isend, inp[j * n : (j + 1) * n], peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, chunks[j, base : base + n], peer, self.group))
+        works = dist.batch_isend_irecv(ops)
+        for inp, base, n in zip(inputs, bases, sizes):
+            chunks[self._rank, base : base + n].copy_(inp[self._rank * n : (self._rank + 1) * n])
+
+        def finish():
+            for out, base, n in zip(outputs, bases, sizes):
+                part = chunks[:, base : base + n]
+                if op == "max":
+                    torch.amax(part, dim=0, out=out)
+                elif m <= 3:  # see reduce_scatter_into
+                    torch.add(part[0], part[1], out=out)
+                    for j in range(2, m):
+                        out.add_(part[j])
+                else:
+                    torch.sum(part, 0, out=out)
+                if op == "mean":
+                    out.div_(m)
             self._scratch.give(recv)
 
         return _result(_Work(works, finish), async_op)

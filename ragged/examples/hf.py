@@ -102,7 +102,8 @@ def train(args) -> dict:
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples.train import _DTYPES, _optimizer, _specs_for
+    from ragged.examples._train_args import DTYPES
+    from ragged.examples.train import _optimizer, _specs_for
 
     if args.activation_checkpointing:
         raise SystemExit("--activation-checkpointing is not supported with --hf (HF gradient checkpointing inside "
@@ -118,8 +119,8 @@ def train(args) -> dict:
     opt = _optimizer(args, comm)
     state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
     step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
-                          compute_dtype=_DTYPES[args.compute_dtype],
-                          reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                          compute_dtype=DTYPES[args.compute_dtype],
+                          reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
                           donate=not args.no_donate)
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)

@@ -33,7 +33,7 @@ from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
 from ragged.fsdp._runtime import Run
-from ragged.fsdp._schedule import Schedule, program
+from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans
 
@@ -82,14 +82,14 @@ def split_batch(batch, k: int):
 
 
 class _Memo:
-    """What a :class:`ValueAndGrad` carries between calls: the agreed schedule, the digest of the
+    """What a :class:`ValueAndGrad` carries between calls: the agreed collective schedule, the digest of the
     last call's collectives and a local memory hint (which units keep leaf gradients). A cache:
     with any value of it the results are the same, up to the order of floating-point sums (a
     gradient that arrives late is reduce-scattered on its own and added); ranks agree on the
     first two every call."""
 
     def __init__(self, num_units: int):
-        self.schedule, self.digest, self.lazy = Schedule.initial(num_units), "", frozenset()
+        self.schedule, self.digest, self.lazy = CollectiveSchedule.initial(num_units), "", frozenset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,9 +114,9 @@ class ValueAndGrad:
         result = self.compute(shards, batch)
         return result.loss, result.grads
 
-    def compute(self, shards: dict[str, DBuffer], batch, *, data_axes=()) -> GradResult:
+    def compute(self, shards: dict[str, DBuffer], batch, *, data_groups=()) -> GradResult:
         """Loss, gradients and what the step needs besides (see [Note: one agreement at the start
-        of a call, one at the end]); ``data_axes`` as in :func:`make_step` (only the loss and the
+        of a call, one at the end]); ``data_groups`` as in :func:`make_step` (only the loss and the
         agreement span them here; the step reduces the gradients over them)."""
         missing = [u.name for u in self.units if u.name not in shards]
         if missing:
@@ -127,7 +127,7 @@ class ValueAndGrad:
         micro = split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
         memo, policy = self.memo, self.policy
         token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{self.micro_batches}:"
-                 f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_axes]}:"
+                 f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
                  f"{memo.schedule.fingerprint()}:{memo.digest}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         rng = _rng_state(self.comm.device)
@@ -135,7 +135,7 @@ class ValueAndGrad:
             run, losses, failure = self._attempt(shards, micro)
             memo.digest, memo.lazy = run.digest.hexdigest(), frozenset(run.lazy)
             try:
-                verdict = _agree(run, losses, failure, self.comm, data_axes)
+                verdict = _agree(run, losses, failure, self.comm, data_groups)
                 seen = []
                 if verdict["exchange"]:
                     seen = self.comm.all_gather_object(
@@ -248,7 +248,7 @@ def _describe(failure) -> str:
 _HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the mesh; the first four over data axes too
 
 
-def _agree(run, losses, failure, comm, data_axes) -> dict:
+def _agree(run, losses, failure, comm, data_groups) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
     obs = run.observation()
     used = [float(x) for u in run.units for x in u.used]
@@ -264,9 +264,9 @@ def _agree(run, losses, failure, comm, data_axes) -> dict:
     if comm.num_replicas > 1:
         comm.all_reduce_replicas(v, op="sum")
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
-    if data_axes:
+    if data_groups:
         paths = [p for lay in run.layouts for p, *_ in lay.leaves + lay.replicated]
-        for axis_comm, is_replicated in data_axes:
+        for axis_comm, is_replicated in data_groups:
             w = v.clone()
             axis_comm.all_reduce(w, op="sum")
             v[: h - 1] = w[: h - 1]

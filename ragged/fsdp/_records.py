@@ -32,16 +32,21 @@ class UnitRecord:
         rflat: a copy of the shard's replicated buffer (``spec.Replicate()`` leaves are views of it).
         leaves: ``{path: leaf tensor}``; ``spans``: ``(leaf, start, stop, replicated)`` per leaf.
         state: a :class:`UnitState`; ``handle`` / ``source``: the all-gather in flight.
+        block: the pool block whose memory ``flat`` holds while gathered (``None`` when ``FREE``,
+            or when storage is resized instead: see [Note: reusing unit buffers] in ``_pool.py``).
         scheduled: alive according to the program; ``served``: holding zeros after a deviation.
         grad, rgrad: the flat gradient buffer and its replicated part (``written``: per leaf,
-            whether its gradient is in); ``held``: leaf gradients kept until the reduce-scatter.
-        reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``).
+            whether its gradient is in), over pool blocks ``grad_block`` / ``rgrad_block``;
+            ``held``: leaf gradients kept for now (see ``Run._unhold``).
+        reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``,
+            over ``late_block`` / ``rlate_block``).
         used: per leaf, whether it got a gradient in any micro-batch of this call.
         grads_started: reduce-scatters issued before its first gradient (the memory hint).
     """
 
     __slots__ = ("layout", "flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled", "served",
-                 "grad", "rgrad", "written", "held", "reduced", "late", "rlate", "used", "grads_started")
+                 "block", "grad", "rgrad", "written", "held", "reduced", "late", "rlate", "used", "grads_started",
+                 "grad_block", "rgrad_block", "late_block", "rlate_block")
 
     def __init__(self, layout, shard, device):
         self.layout = layout
@@ -56,7 +61,8 @@ class UnitRecord:
         self.flat.untyped_storage().resize_(0)
         self.state, self.handle, self.source = UnitState.FREE, None, None
         self.scheduled = self.served = False  # alive per the program / zeros served locally
-        self.grad = self.rgrad = self.late = self.rlate = self.written = None
+        self.grad = self.rgrad = self.late = self.rlate = self.written = self.block = None
+        self.grad_block = self.rgrad_block = self.late_block = self.rlate_block = None
         self.held: list = []
         self.reduced, self.grads_started = False, None
         self.used = [False] * len(self.spans)

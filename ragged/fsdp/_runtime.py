@@ -23,6 +23,42 @@ the region's first entry, while it recomputes that region. Tags cover entries wi
 once shown; anything that still arrives too early is exact through the late path and teaches the
 schedule (``_schedule.py``).
 
+[Note: the marker argument on CUDA]
+The argument above is about one ready queue. torch's engine (``torch/csrc/autograd/engine.cpp``,
+``engine.h``) keeps one per device: ``ready_queue(cpu_ready_queue, input_buffer.device())``
+sends a node to the CPU queue of the graph task (popped by the thread that called backward)
+or to its CUDA device's queue (popped by that device's one worker thread, shared by every graph
+task); every queue pops ready nodes by reentrant depth, then by decreasing ``sequence_nr``
+(``CompareNodeTaskTime``), and a node goes to the queue of the device its incoming gradients are on. So
+when every node of the backward pass is on one device (the model, its loss and the leaves on
+one GPU, the usual case) there is one queue and one thread, and the argument holds as on the
+CPU: the markers, the gradient hooks and the unpacks all run on the device thread, in the same
+order. It fails when nodes sit on several devices (a loss computed on the CPU from GPU logits,
+two GPUs in one process): two threads pop two queues concurrently, so a marker may run while a
+node created later still waits in the other queue, and the runtime's callbacks could interleave.
+The runtime does not trust it then: every callback from inside the engine checks that it runs
+on the one thread that made the first callback of this backward pass, and a callback from
+another thread raises :data:`ENGINE_THREADS_MSG` before changing anything (every rank then raises
+it at the end-of-call agreement, before any parameter changes). Events themselves are host-side
+and cheap: on CUDA the kernels of the nodes before a marker are only queued when it fires, so
+what an event frees is ordered by the stream events of [Note: streams and lifetimes] in
+``_device.py``, not by the host.
+
+[Note: when a flat gradient buffer is freed]
+A unit's flat gradient buffer (from the pool, see [Note: reusing unit buffers] in ``_pool.py``)
+is taken when its first gradient arrives and given back when its reduce-scatter, which reads
+it, is waited. That happens at the latest when ``max_inflight_reduce`` are in flight and another
+starts (the bound: the host waits, on CUDA the compute stream), and as soon as the handle says
+the collective is done otherwise: finished reduce-scatters are waited before a unit takes a new
+buffer and at every backward event, so with a fast network one buffer fills while none is in
+flight. Results do not depend on when (each unit's parts are accumulated in issue order); the
+memory does, within that bound. A unit whose gradients arrive at both ends of backward (the
+head and the embedding in one unit) holds autograd's leaf gradients instead of a buffer in
+between (the learnt ``lazy`` hint: a held head gradient is smaller than the unit), and copies
+them into its buffer at the event before the segment that makes its last ones, after waiting
+for the reduce-scatters in flight: at the end of backward only its buffer and the last
+gradients are alive (``Run._unhold``).
+
 [Note: the runtime's own torch calls]
 Backward runs with the function mode active (see [Note: backward under the mode] in
 ``_intercept.py``), so the runtime's own copies and collectives would be seen as reads;
@@ -33,15 +69,31 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 
 import torch
 
+from ragged._errors import RaggedError
+from ragged.collectives._base import completed
+from ragged.fsdp._device import COMPUTE, GATHER, REDUCE, streams_for
+from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._schedule import Observation
-from ragged.transforms import reduce_scatter_wait
+from ragged.transforms import all_gather_flat, reduce_scatter_wait
 from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
-__all__ = ["Run"]
+__all__ = ["Run", "ENGINE_THREADS_MSG"]
+
+ENGINE_THREADS_MSG = (
+    "rg.fsdp: autograd ran this backward pass on more than one thread (its nodes are on several devices, e.g. a "
+    "loss computed on the CPU from GPU outputs, or two GPUs in one process), so the order the step relies on to "
+    "free and reduce-scatter units during backward does not hold (see [Note: the marker argument on CUDA] in "
+    "ragged/fsdp/_runtime.py). Every rank raises this, before any parameter changes. Fix: keep the model, its "
+    "loss and the batch on the step's device (comm.device)."
+)
+
+
+_thread_id = threading.get_ident  # (a test replaces it)
 
 
 class Run:
@@ -51,6 +103,8 @@ class Run:
         self.layouts, self.comm, self.shards = layouts, comm, shards
         self.schedule, self.program, self.lazy = schedule, program, set(lazy)
         self.max_inflight, self.trace = max_inflight_reduce, ([] if trace else None)
+        self.streams = streams_for(comm.device)
+        self.pool = Pool(comm.device, self.streams)
         self.units = [UnitRecord(lay, shards[lay.name], comm.device) for lay in layouts]
         self.key_to_unit = {storage_key(u.flat): i for i, u in enumerate(self.units)}
         self.leaf_of = {id(t): (i, j) for i, u in enumerate(self.units) for j, (t, *_) in enumerate(u.spans)}
@@ -60,6 +114,11 @@ class Run:
         self.entries_of = collections.defaultdict(list)
         for c, i in enumerate(schedule.forward):
             self.entries_of[i].append(c)
+        # units whose last gradients arrive in segment e - 1 (their reduce-scatter is at event e - 1)
+        self.completing = collections.defaultdict(list)
+        for i, e in enumerate(schedule.reduce_at):
+            if e >= 0:
+                self.completing[e + 1].append(i)
         self.digest = hashlib.blake2b(digest_size=8)
         self.grads, self.rep_grads = {}, {}
         self.rs_pending: collections.deque = collections.deque()
@@ -73,6 +132,8 @@ class Run:
         self.deferred: set[int] = set()
         self.armed: dict[int, int] = {}
         self.foreign: dict[int, tuple] = {}  # nn.Parameters requiring grad that forward read and the step does not own
+        self.engine_thread = None
+        self.streams.begin_call()
         self.reset()
 
     def reset(self):
@@ -80,6 +141,7 @@ class Run:
         self.phase, self.cursor, self.event, self.active = "forward", -1, len(self.schedule.forward) + 1, None
         self.marker_entry, self.pending_prefetch = None, []
         self.saved_peak, self.saved_bytes = max(self.saved_peak, self.saved_bytes), 0
+        self.hold = set(self.lazy)  # units that keep autograd's leaf gradients for now (see _reduce)
         for u in self.units:
             u.reduced, u.grads_started, u.held = False, None, []
 
@@ -93,6 +155,14 @@ class Run:
         into the digest the next call agrees on, and the one place to hand it to the wire."""
         self.digest.update(label.encode())
 
+    def in_engine(self):
+        """A callback from inside the autograd engine: see [Note: the marker argument on CUDA]."""
+        t = _thread_id()
+        if self.engine_thread is None:
+            self.engine_thread = t
+        elif t != self.engine_thread:
+            raise RaggedError(ENGINE_THREADS_MSG)
+
     def foreign_read(self, p: torch.Tensor):
         if id(p) not in self.foreign:
             self.foreign[id(p)] = (p, p.grad)
@@ -105,20 +175,52 @@ class Run:
         return Observation(used=frozenset(self.used_entries), inserts=tuple(self.inserts), needs=frozenset(self.needs),
                            missing=tuple(self.missing), late=tuple(self.late_seen))
 
+    # ---- gathered storage (see [Note: reusing unit buffers] in _pool.py) -----------------------
+    def _materialize(self, i: int):
+        """Unit ``i``'s storage gets memory on the gather stream (inside ``streams.on(GATHER)``)."""
+        u, nbytes = self.units[i], self.layouts[i].nbytes
+        if CAN_SWAP:
+            u.block = self.pool.take(nbytes, GATHER)
+            attach(u.flat.untyped_storage(), u.block)
+        else:
+            u.flat.untyped_storage().resize_(nbytes)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _dematerialize(self, i: int):
+        """Unit ``i``'s storage is released once the gather stream is past every read so far."""
+        u, streams = self.units[i], self.streams
+        if u.block is not None:
+            streams.access(COMPUTE, u.block.key)  # the last read of this unit's parameters was queued before
+        fence = streams.record(COMPUTE)
+        if u.block is not None:
+            detach(u.flat.untyped_storage(), u.block)
+            self.pool.give(u.block, (fence,))
+            u.block = None
+        else:
+            streams.wait(GATHER, fence)
+            u.flat.untyped_storage().resize_(0)
+        self.live_bytes -= self.layouts[i].nbytes
+
     # ---- parameters: the one all-gather call site ----------------------------------------------
     def _gather_unit_start(self, i: int, label: str):
         """Issues unit ``i``'s all-gather (every rank issues it at the same point of the program)."""
-        u = self.units[i]
+        u, streams = self.units[i], self.streams
         if u.state is UnitState.PENDING:
             self._wait(i)
-        if u.state is UnitState.FREE:
-            u.flat.untyped_storage().resize_(self.layouts[i].nbytes)
-            self.live_bytes += self.layouts[i].nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        data = self.shards[self.layouts[i].name].data
-        u.source = data if data.dtype == u.flat.dtype else data.to(u.flat.dtype)
-        self._issued(label)
-        u.handle = self.comm.all_gather_into(u.flat, u.source, async_op=True)
+        if u.state is UnitState.READY:  # zeros served after a deviation: compute may still read them
+            streams.wait(GATHER, streams.record(COMPUTE))
+        with streams.on(GATHER):
+            if u.state is UnitState.FREE:
+                self._materialize(i)
+            shard = self.shards[self.layouts[i].name]
+            u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
+            self._issued(label)
+            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True)
+            streams.access(GATHER, ("shard", i))
+            if u.block is not None:
+                streams.access(GATHER, u.block.key, write=True)
+            u.handle = streams.issued(GATHER, work)
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
         self.num_gathers += 1
         self._log("gather_start", i)
@@ -126,7 +228,9 @@ class Run:
     def _wait(self, i: int):
         u = self.units[i]
         if u.state is UnitState.PENDING:
-            u.handle.wait()
+            self.streams.done(COMPUTE, u.handle)
+            if u.block is not None:
+                self.streams.access(COMPUTE, u.block.key)
             u.handle = u.source = None
             u.state = UnitState.READY
             self._log("gather_done", i)
@@ -136,9 +240,8 @@ class Run:
         if u.state is UnitState.FREE:
             return
         self._wait(i)
-        u.flat.untyped_storage().resize_(0)
+        self._dematerialize(i)
         u.state, u.served = UnitState.FREE, False
-        self.live_bytes -= self.layouts[i].nbytes
         if self.active == i:
             self.active = None
         self._log("free", i)
@@ -154,15 +257,21 @@ class Run:
         """A deviation: the schedule has unit ``i`` freed here. Communicating now would pair with
         another collective on the peers, so this rank computes on zeros and reports it."""
         self.deviations.append(what)
-        u = self.units[i]
+        u, streams = self.units[i], self.streams
         self._wait(i)
-        if u.state is UnitState.FREE:
-            u.flat.untyped_storage().resize_(self.layouts[i].nbytes)
-            self.live_bytes += self.layouts[i].nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        with torch.no_grad():
-            u.flat.zero_()
+        if u.state is UnitState.READY:
+            streams.wait(GATHER, streams.record(COMPUTE))
+        with streams.on(GATHER):
+            if u.state is UnitState.FREE:
+                self._materialize(i)
+            with torch.no_grad():
+                u.flat.zero_()
+            if u.block is not None:
+                streams.access(GATHER, u.block.key, write=True)
+            done = streams.record(GATHER)
+        streams.wait(COMPUTE, done)
         u.state, u.served = UnitState.READY, True
+        self.pool.settle()
 
     # ---- forward -----------------------------------------------------------------------------
     def _enter(self, c: int):
@@ -187,6 +296,7 @@ class Run:
                     if nxt is not None:
                         for c in range(self.cursor + 1, nxt + 1):
                             self._enter(c)
+                        self.pool.settle()
                     elif u.state is UnitState.FREE:
                         self.inserts.append((self.cursor + 1, i))
                         self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in forward after entry "
@@ -194,6 +304,7 @@ class Run:
                 if self.cursor >= 0 and fwd[self.cursor] == i:
                     self.used_entries.add(self.cursor)
             else:
+                self.in_engine()
                 self._prefetch_pending()
                 if tag is not None:
                     self.reached(tag + 2)
@@ -216,6 +327,7 @@ class Run:
             for c in range(self.cursor + 1, len(self.schedule.forward)):
                 self._enter(c)
             self.marker_entry = None
+            self.pool.settle()
         finally:
             self.busy -= 1
 
@@ -228,6 +340,7 @@ class Run:
                 if not self.units[i].scheduled:
                     self._release(i)
             self.deferred = set()
+            self.pool.settle()
 
     # ---- saved tensors -----------------------------------------------------------------------
     def saved(self, t: torch.Tensor):
@@ -246,6 +359,7 @@ class Run:
         if len(packed) == 2:
             tag, t = packed
             if self.phase == "backward" and tag is not None and self.event > tag + 2:
+                self.in_engine()
                 self.busy += 1
                 try:
                     self.reached(tag + 2)
@@ -262,6 +376,7 @@ class Run:
     # ---- backward events -----------------------------------------------------------------------
     def begin_backward(self):
         self.phase = "backward"
+        self.engine_thread = None
         self.busy += 1
         try:
             self.reached(len(self.schedule.forward))
@@ -276,11 +391,13 @@ class Run:
 
     def marker_fired(self, entry: int, leaf_id: int):
         """The marker of ``entry`` ran: event ``entry`` holds once that leaf's gradient is in."""
+        self.in_engine()
         self.armed[leaf_id] = min(entry, self.armed.get(leaf_id, entry))
 
     def reached(self, e: int):
         """Processes events down to ``e`` (each proven: see [Note: markers and tags])."""
         self._prefetch_pending()
+        self._finish_completed()
         while self.event > max(e, 0):
             self.event -= 1
             reduces, frees, gathers = self.program.backward[self.event]
@@ -288,8 +405,12 @@ class Run:
                 self._reduce(i, f"reduce-scatter {self.layouts[i].name} backward event {self.event}")
             for i in frees:
                 self._plan_free(i)
+            for i in self.completing.get(self.event, ()):
+                if i in self.hold:
+                    self._unhold(i)
             for i in gathers:
                 self._gather_unit_start(i, f"gather {self.layouts[i].name} backward event {self.event}")
+        self.pool.settle()
 
     def end_backward(self):
         """After the engine (or instead of it, when the loss failed): every remaining action."""
@@ -303,6 +424,7 @@ class Run:
                 self._plan_free(i)
             self.armed = {}
             self.active = None
+            self.pool.settle()
         finally:
             self.busy -= 1
 
@@ -314,6 +436,8 @@ class Run:
 
     def grad_ready(self, i: int, j: int, t: torch.Tensor):
         """Leaf ``j`` of unit ``i`` has its gradient for this micro-batch."""
+        if self.phase == "backward":
+            self.in_engine()
         self.busy += 1
         try:
             if t.grad is not None:
@@ -325,8 +449,8 @@ class Run:
                 else:
                     if u.grads_started is None:
                         u.grads_started = self.num_reduces
-                    if i in self.lazy:
-                        u.held.append((j, t))  # keep autograd's tensor until the reduce-scatter
+                    if i in self.hold:
+                        u.held.append((j, t))  # keep autograd's tensor for now (see _reduce)
                     else:
                         self._copy_grad(i, j, t)
             entry = self.armed.pop(id(t), None)
@@ -338,28 +462,36 @@ class Run:
     def _buffers(self, i: int, late: bool):
         """The unit's flat gradient buffer (laid out like the gathered one) and its replicated part.
 
-        The normal buffer is ``empty`` with zeroed padding (each leaf's first gradient is copied
-        in, a second one added; leaves without one are zeroed at the reduce-scatter); the late
-        buffer is zeros."""
+        The normal buffer is uninitialised memory with zeroed padding (each leaf's first gradient
+        is copied in, a second one added; leaves without one are zeroed at the reduce-scatter);
+        the late buffer is zeros. Both are written on compute."""
         u, lay = self.units[i], self.layouts[i]
         g = u.late if late else u.grad
         if g is None:
+            self._finish_completed()  # their buffers first
+            block = self.pool.take(lay.nbytes, COMPUTE)
+            g = block.tensor(lay.dtype, lay.numel)
+            self.streams.access(COMPUTE, block.key, write=True)
             if late:
-                g = u.late = torch.zeros(lay.numel, dtype=lay.dtype, device=self.comm.device)
+                u.late, u.late_block = g, block
+                g.zero_()
             else:
-                g = u.grad = torch.empty(lay.numel, dtype=lay.dtype, device=self.comm.device)
+                u.grad, u.grad_block = g, block
                 for lo, hi in lay.gaps:
                     g[lo:hi].zero_()
                 u.written = [False] * len(u.spans)
-                self.grad_live += g.numel() * g.element_size()
+                self.grad_live += lay.nbytes
                 self.grad_peak = max(self.grad_peak, self.grad_live)
         r = u.rlate if late else u.rgrad
         if r is None:
-            r = torch.zeros(lay.replicated_numel, dtype=lay.dtype, device=self.comm.device)
+            rblock = self.pool.take(lay.replicated_numel * g.element_size(), COMPUTE) if lay.replicated_numel else None
+            r = rblock.tensor(lay.dtype, lay.replicated_numel).zero_() if rblock else g.new_zeros(0)
+            if rblock is not None:
+                self.streams.access(COMPUTE, rblock.key, write=True)
             if late:
-                u.rlate = r
+                u.rlate, u.rlate_block = r, rblock
             else:
-                u.rgrad = r
+                u.rgrad, u.rgrad_block = r, rblock
         return g, r
 
     def _copy_grad(self, i: int, j: int, t: torch.Tensor, late: bool = False):
@@ -375,13 +507,29 @@ class Run:
                 u.written[j] = True
         t.grad = None
 
+    def _unhold(self, i: int):
+        """Unit ``i`` held autograd's leaf gradients (e.g. the head's, next to the embedding in one
+        unit) and its last ones arrive in the next segment: its buffer now, after the reduce-scatters
+        in flight (their buffers go first), so that the held gradients are gone before the last ones
+        are made."""
+        self.hold.discard(i)
+        u = self.units[i]
+        if u.held:
+            self._finish_inflight()
+            self.pool.settle()
+            for j, t in u.held:
+                self._copy_grad(i, j, t)
+            u.held = []
+
     def _reduce(self, i: int, label: str):
         u = self.units[i]
         for j, t in u.held:
             self._copy_grad(i, j, t)
         u.held = []
+        self.hold.discard(i)
         # a unit whose gradients arrive around other units' reduce-scatters (embedding and head in
-        # one unit) keeps autograd's leaf gradients until its turn next time (a hint: memory only)
+        # one unit) keeps autograd's leaf gradients until just before its last ones next time (a
+        # hint: memory only; see _unhold)
         if u.grads_started is not None and self.num_reduces > u.grads_started:
             self.lazy.add(i)
         elif u.grads_started is not None:
@@ -391,48 +539,92 @@ class Run:
             for (_, start, stop, replicated), written in zip(u.spans, u.written):
                 if not (written or replicated):
                     g[start:stop].zero_()
-        u.grad = u.rgrad = u.written = None
+        blocks = (u.grad_block, u.rgrad_block)
+        u.grad = u.rgrad = u.written = u.grad_block = u.rgrad_block = None
         u.reduced = True
         self.num_reduces += 1
-        pending = self._reduce_scatter_unit_start(i, g, r, label)
-        self.rs_pending.append((i, pending, g.numel() * g.element_size()))
+        pending, kept = self._reduce_scatter_unit_start(i, g, r, blocks, label)
+        if kept is None:  # given back at the start (see _reduce_scatter_unit_start)
+            self.grad_live -= self.layouts[i].nbytes
+        self.rs_pending.append((i, pending, kept, self.layouts[i].nbytes if kept is not None else 0))
         self._log("reduce_start", i)
         while len(self.rs_pending) > self.max_inflight:
             self.finish_oldest_reduce()
 
-    def _reduce_scatter_unit_start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, label: str):
-        """Issues unit ``i``'s reduce-scatter of ``grad`` (and all-reduce of ``replicated``)."""
-        plan = self.shards[self.layouts[i].name].plan
+    def _reduce_scatter_unit_start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, blocks, label: str):
+        """Issues unit ``i``'s reduce-scatter of ``grad`` (and all-reduce of ``replicated``) on the
+        reduce stream, after every copy into them (see [Note: streams and lifetimes] in
+        ``_device.py``). Returns the pending reduce-scatter and the gradient block it still reads
+        (``None``: a buffer only read by a cast to the reduce dtype is given back at once, as is
+        the replicated part, which is always copied)."""
+        plan, streams = self.shards[self.layouts[i].name].plan, self.streams
         rep = replicated if plan.replicated else None
+        for b in blocks:
+            if b is not None:
+                streams.access(COMPUTE, b.key, write=True)
+        ready = streams.record(COMPUTE)
         self._issued(label)
-        return _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
-                                     agreed=True)
+        with streams.on(REDUCE):
+            streams.wait(REDUCE, ready)
+            for b in blocks:
+                if b is not None:
+                    streams.access(REDUCE, b.key)
+            pending = _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
+                                            agreed=True)
+            read = streams.record(REDUCE)  # after the casts: the copies are all the collectives read
+            for h in pending.handles:
+                streams.issued(REDUCE, h)
+        gblock, rblock = blocks
+        if rblock is not None:
+            self.pool.give(rblock, (read,))
+        if pending.source.data_ptr() != grad.data_ptr():  # cast: the collective reads the copy
+            self.pool.give(gblock, (read,))
+            gblock = None
+        return pending, gblock
 
     def finish_oldest_reduce(self):
-        i, pending, nbytes = self.rs_pending.popleft()
-        reduced = reduce_scatter_wait(pending)
-        name = self.layouts[i].name
-        for acc, part in ((self.grads, reduced.data), (self.rep_grads, reduced.replicated)):
-            if name in acc:
-                acc[name].add_(part)
-            else:
-                acc[name] = part
-        if nbytes:
-            self.grad_live -= nbytes
+        i, pending, block, counted = self.rs_pending.popleft()
+        streams = self.streams
+        with streams.on(REDUCE):
+            reduced = reduce_scatter_wait(pending)
+            name = self.layouts[i].name
+            for acc, part in ((self.grads, reduced.data), (self.rep_grads, reduced.replicated)):
+                if name in acc:
+                    acc[name].add_(part)
+                else:
+                    acc[name] = part
+            done = streams.record(REDUCE)
+        del pending, reduced
+        if block is not None:
+            self.pool.give(block, (done,))
+        self.grad_live -= counted
         self._log("reduce_done", i)
 
-    def finish_reduces(self):
+    def _finish_inflight(self):
         while self.rs_pending:
             self.finish_oldest_reduce()
+
+    def _finish_completed(self):
+        """Finishes the oldest reduce-scatters that are already done (see [Note: when a flat
+        gradient buffer is freed])."""
+        while self.rs_pending and all(completed(h) for h in self.rs_pending[0][1].handles):
+            self.finish_oldest_reduce()
+
+    def finish_reduces(self):
+        """End of the call's reduce-scatters: compute is then past every side stream."""
+        self._finish_inflight()
+        self.pool.settle()
+        self.streams.end_call()
 
     def reduce_late(self, units):
         """One more reduce-scatter of the late buffers of ``units`` (every rank, same order)."""
         for i in units:
             u = self.units[i]
             g, r = self._buffers(i, late=True)
-            u.late = u.rlate = None
+            blocks = (u.late_block, u.rlate_block)
+            u.late = u.rlate = u.late_block = u.rlate_block = None
             label = f"reduce-scatter {self.layouts[i].name} late gradients"
-            self.rs_pending.append((i, self._reduce_scatter_unit_start(i, g, r, label), 0))
+            self.rs_pending.append((i, *self._reduce_scatter_unit_start(i, g, r, blocks, label), 0))
         self.finish_reduces()
 
     def close(self):
@@ -441,17 +633,30 @@ class Run:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        streams = self.streams
+        while self.rs_pending:  # only after a failure: not waited on the host (peers may never issue theirs)
+            _, pending, block, _ = self.rs_pending.popleft()
+            with streams.on(REDUCE):
+                for h in pending.handles:
+                    streams.issued(REDUCE, h)
+                done = streams.record(REDUCE)
+            if block is not None:
+                self.pool.give(block, (done,))
         for i, u in enumerate(self.units):
-            if u.state is UnitState.PENDING:
-                self._wait(i)
-            u.flat.untyped_storage().resize_(0)
-            u.state = UnitState.FREE
+            if u.state is not UnitState.FREE:
+                self._release(i)
             # a leaf that outlives the call (kept by the loss or a traceback) must not point into
             # released storage: printing it would read freed memory
             for t, *_ in u.spans:
                 t.data = t.data.new_empty((0,))
+            for blk in (u.grad_block, u.rgrad_block, u.late_block, u.rlate_block):
+                if blk is not None:
+                    self.pool.give(blk, (streams.record(COMPUTE),))
             u.grad = u.rgrad = u.late = u.rlate = u.source = u.handle = None
+            u.grad_block = u.rgrad_block = u.late_block = u.rlate_block = None
             u.held = []
+        self.pool.settle()
+        self.streams.end_call()
         self.units = []
         self.params_tree, self.foreign = None, {}
         self.key_to_unit, self.leaf_of = {}, {}

@@ -1,6 +1,7 @@
-"""The step's collective schedule, as pure values: :class:`Schedule` (what every rank agreed on),
-:class:`Observation` (what one rank saw in one call), and :class:`Program`, the exact sequence
-of gathers, frees and reduce-scatters a schedule implies.
+"""The step's collective schedule, as pure values: :class:`CollectiveSchedule` (what every rank
+agreed on; a *learning-rate* schedule is ``optim.Schedule``), :class:`Observation` (what one rank
+saw in one call), and :class:`Program`, the exact sequence of gathers, frees and reduce-scatters
+a collective schedule implies.
 
 [Note: a collective order that does not depend on data]
 Ranks pair their collectives by issue order (gloo tags, NCCL streams), and gloo aborts the
@@ -33,7 +34,7 @@ communicating (*deviation*), and a gradient that arrives after its unit's reduce
 reentrant checkpoint recomputes in backward) goes to a *late* buffer that one more reduce-scatter
 sends after backward. Ranks agree on both at the end of the call (see ``_grad.py``); then every
 rank gathers every rank's :class:`Observation` and computes the same new schedule with
-:meth:`Schedule.observe`. Late gradients are exact as they are; a call that deviated is rerun
+:meth:`CollectiveSchedule.observe`. Late gradients are exact as they are; a call that deviated is rerun
 with the new schedule from the unchanged state, and a rerun that deviates again raises
 :class:`~ragged.PlanMismatchError`. The first schedule lists the units' order twice (so a unit
 reused after the others, the usual head, needs no rerun); the first call keeps the entries some
@@ -46,12 +47,12 @@ import dataclasses
 import functools
 import hashlib
 
-__all__ = ["Schedule", "Observation", "Program", "program"]
+__all__ = ["CollectiveSchedule", "Observation", "Program", "program"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Observation:
-    """What one rank saw during one call (every micro-batch), for :meth:`Schedule.observe`.
+    """What one rank saw during one call (every micro-batch), for :meth:`CollectiveSchedule.observe`.
 
     Attributes:
         used: forward entries this rank read.
@@ -74,7 +75,7 @@ class Observation:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
+class CollectiveSchedule:
     """The collective schedule every rank follows (see [Note: a collective order that does not
     depend on data]).
 
@@ -85,7 +86,7 @@ class Schedule:
         learning: whether the next call should keep only the entries some rank used.
 
     Examples:
-        >>> s = Schedule.initial(2)
+        >>> s = CollectiveSchedule.initial(2)
         >>> s.forward, s.reduce_at
         ((0, 1, 0, 1), (0, 1))
         >>> s = s.observe([Observation(used=frozenset({0, 1, 2}))])   # unit 0 is read again at the end
@@ -101,9 +102,10 @@ class Schedule:
     learning: bool = True
 
     @staticmethod
-    def initial(num_units: int) -> Schedule:
+    def initial(num_units: int) -> CollectiveSchedule:
         order = tuple(range(num_units))
-        return Schedule(forward=order + order, needs=tuple(frozenset({u}) for u in order + order), reduce_at=order)
+        return CollectiveSchedule(forward=order + order, needs=tuple(frozenset({u}) for u in order + order),
+                                  reduce_at=order)
 
     def fingerprint(self) -> str:
         text = repr((self.forward, tuple(tuple(sorted(n)) for n in self.needs), self.reduce_at, self.learning))
@@ -112,7 +114,7 @@ class Schedule:
     def first_entry(self, unit: int) -> int:
         return self.forward.index(unit)
 
-    def observe(self, observations) -> Schedule:
+    def observe(self, observations) -> CollectiveSchedule:
         """The schedule for the next call, from every rank's :class:`Observation` (pure: every
         rank computes the same value from the same list)."""
         n_units, old = len(self.reduce_at), self.forward
@@ -159,12 +161,12 @@ class Schedule:
         for o in observations:
             for u, s in o.late:
                 reduce_at[u] = -1 if s < 0 or reduce_at[u] < 0 else min(reduce_at[u], segment(s))
-        return Schedule(forward=forward, needs=needs, reduce_at=tuple(reduce_at), learning=False)
+        return CollectiveSchedule(forward=forward, needs=needs, reduce_at=tuple(reduce_at), learning=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Program:
-    """The actions a :class:`Schedule` implies (see :func:`program`).
+    """The actions a :class:`CollectiveSchedule` implies (see :func:`program`).
 
     Attributes:
         forward: per entry ``c``, ``(frees, gathers)`` on entering it.
@@ -184,15 +186,15 @@ class Program:
 
 
 @functools.lru_cache(maxsize=64)
-def program(schedule: Schedule, *, reshard: bool, prefetch: bool) -> Program:
+def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool) -> Program:
     """The per-entry and per-event actions of ``schedule`` (pure, cached).
 
     The alive set is simulated here, so what is gathered and freed depends on the schedule
     only, never on what this rank's data touched.
 
     Examples:
-        >>> p = program(Schedule(forward=(0, 1, 0), needs=tuple(frozenset({u}) for u in (0, 1, 0)), reduce_at=(0, 1)),
-        ...             reshard=True, prefetch=True)
+        >>> s = CollectiveSchedule(forward=(0, 1, 0), needs=tuple(frozenset({u}) for u in (0, 1, 0)), reduce_at=(0, 1))
+        >>> p = program(s, reshard=True, prefetch=True)
         >>> p.forward                  # entry 1 keeps unit 0 alive: it is prefetched for entry 2
         (((), (0, 1)), ((), ()), ((1,), ()))
         >>> p.backward[1]              # event 1: unit 1's reduce-scatter, keep unit 0 for segment 0

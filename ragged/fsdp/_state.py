@@ -1,5 +1,7 @@
 """What a training step threads and how it is made and read: :class:`TrainState`, :func:`init`,
-:func:`shard`, :func:`gather` and the whole-model :func:`global_norm` over ``{unit name: DBuffer}``.
+and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.reduce_scatter`` /
+``rg.global_norm`` of ``units`` over ``{unit name: DBuffer}``, see [Note: one verb, any layout] in
+``ragged/transforms/_layouts.py``).
 
 [Note: what fsdp.init accepts]
 ``params`` is the model's full parameters, equal on every rank, as
@@ -30,10 +32,12 @@ from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._materialize import default_init, materialize_buffers, materialize_unit
 from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
+from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
+from ragged.transforms._layouts import LayoutOps, register_layout
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
-__all__ = ["TrainState", "shard", "gather", "init", "global_norm", "unit_trees"]
+__all__ = ["TrainState", "init", "unit_trees"]
 
 
 class TrainState(NamedTuple):
@@ -44,9 +48,9 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def shard(units: Units, params, comm) -> dict[str, DBuffer]:
-    """This rank's shard of every unit (``params``: the full tree or the module, same on
-    every rank).
+def _shard(units: Units, params, comm) -> dict[str, DBuffer]:
+    """``rg.shard(units, params, comm)``: this rank's shard of every unit (``params``: the full
+    tree or the module, same on every rank; see [Note: what fsdp.init accepts]).
 
     Examples:
         >>> import torch, ragged as rg
@@ -54,7 +58,7 @@ def shard(units: Units, params, comm) -> dict[str, DBuffer]:
         >>> params = {"a": torch.arange(6.0).view(3, 2), "b": torch.ones(4)}
         >>> units = fsdp.make_units(params, world_size=2, groups=lambda p: p)
         >>> def fn(comm):
-        ...     return {k: v.data.tolist() for k, v in fsdp.shard(units, params, comm).items()}
+        ...     return {k: v.data.tolist() for k, v in rg.shard(units, params, comm).items()}
         >>> rg.collectives.simulate(2, fn)[1]["['a']"]
         [4.0, 5.0, 0.0, 0.0]
     """
@@ -121,36 +125,49 @@ def unit_trees(units: Units, params, *, meta: bool = False) -> dict[str, dict[st
     return {u.name: {p: got[p] for p in u.paths} for u in units}
 
 
-def gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | None = None):
-    """The full parameter tree (e.g. ``{name: tensor}`` for a module), not differentiable;
-    each unit's leaves are views of that unit's gathered buffer."""
+def _gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype | None = None):
+    """``rg.gather(units, shards, comm, dtype)``: the full parameter tree (e.g. ``{name:
+    tensor}`` for a module), not differentiable; each unit's leaves are views of that unit's
+    gathered buffer."""
     check_not_donated(shards, "fsdp.gather")
     with torch.no_grad():
         return units.merge({u.name: transforms.gather(shards[u.name], comm, dtype=dtype) for u in units})
 
 
-def global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_axes=()) -> torch.Tensor:
-    """The L2 norm of a whole model's gradients ``{unit name: DBuffer}``, equal on every rank.
+def _reduce_scatter(units: Units, grads, comm, op: str = "mean", dtype: torch.dtype | None = None):
+    """``rg.reduce_scatter(units, grads, comm, op, dtype)``: ``{unit name: DBuffer}`` of the
+    reduced gradients of the whole model (``grads``: a tree like the params)."""
+    trees = units.split(grads)
+    return {u.name: transforms.reduce_scatter(u.plan, trees[u.name], comm, op, dtype) for u in units}
 
-    Without ``data_axes`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
-    ``data_axes`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
-    axis hold other parameters (their experts) as well as copies of the replicated ones (router,
-    norms): each element is weighted by 1 / (its number of copies over the data axes), and the
-    weighted sums are all-reduced over ``comm`` and over every data axis, so every element counts
+
+def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(), data_axes=None) -> torch.Tensor:
+    """``rg.global_norm(units, grads, comm, data_groups=...)``: the L2 norm of a whole model's
+    gradients ``{unit name: DBuffer}``, equal on every rank.
+
+    Without ``data_groups`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
+    ``data_groups`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
+    group hold other parameters (their experts) as well as copies of the replicated ones (router,
+    norms): each element is weighted by 1 / (its number of copies over the data groups), and the
+    weighted sums are all-reduced over ``comm`` and over every data group, so every element counts
     once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    fsdp.global_norm(units, g, comm, data_axes=data_axes))``.
+    rg.global_norm(units, g, comm, data_groups=data_groups))``. ``data_axes=`` is the old name of
+    ``data_groups=``.
     """
-    data_axes = tuple(data_axes)
+    groups = data_groups_option(data_groups, data_axes, "global_norm")
     sharded = replicated = 0.0
     for u in units:
         d = grads[u.name]
         weights: dict[int, float] = {}
-        for axis_comm, is_replicated in data_axes:
-            for i in picked_leaves(u, is_replicated):
-                weights[i] = weights.get(i, 1.0) / axis_comm.world_size
+        for group in groups:
+            for i in picked_leaves(u, group.is_replicated):
+                weights[i] = weights.get(i, 1.0) / group.comm.world_size
         s, r = weighted_square_sums(u.plan, d.data, d.replicated, d.rank, weights)
         sharded, replicated = sharded + s, replicated + r
-    return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [c for c, _ in data_axes]))
+    return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [g.comm for g in groups]))
+
+
+register_layout(Units, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))
 
 
 def _barrier(comm) -> None:
@@ -232,7 +249,7 @@ def init(
                                f"{'init_fn' if init_fn is not None else 'device'}, or build the model under "
                                "torch.device('meta').")
     if not meta:
-        shards = shard(units, params, comm)
+        shards = _shard(units, params, comm)
         buffers = {}
     else:
         unit_trees(units, module, meta=True)  # the same checks, before any communication

@@ -62,15 +62,15 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedValueError
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._state import TrainState
-from ragged.fsdp._units import Units, picked_leaves
+from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
+from ragged.fsdp._units import Units
 from ragged.fsdp._donate import check_not_donated, donate
 from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
-from ragged.transforms._reduce_scatter import all_reduce_leaves
 
 __all__ = ["make_step", "Step"]
 
@@ -90,8 +90,10 @@ class Step:
     value_and_grad: ValueAndGrad
     optimizer: Any
     donate: bool = False
-    data_axes: tuple = ()
+    data_groups: tuple = ()
     skip_unused: bool = True
+
+    data_axes = property(lambda self: self.data_groups, doc="Deprecated name of ``data_groups``.")
 
     units = property(lambda self: self.value_and_grad.units)
     loss_fn = property(lambda self: self.value_and_grad.loss_fn)
@@ -105,10 +107,10 @@ class Step:
     def __call__(self, state: TrainState, batch):
         shards, opt_state = state
         check_not_donated(state, "step(state, batch)")
-        result = self.value_and_grad.compute(shards, batch, data_axes=self.data_axes)
+        result = self.value_and_grad.compute(shards, batch, data_groups=self.data_groups)
         grads = result.grads
         for u in self.units:
-            _reduce_data_axes(u, grads[u.name], self.data_axes)
+            reduce_over_data_groups(u, grads[u.name], self.data_groups)
         frozen = freeze_unused(self.units, result.unused, shards, opt_state) if self.skip_unused and result.unused else None
         updates, new_opt_state = self.optimizer.update(grads, opt_state, shards)
         if frozen is not None:
@@ -134,13 +136,14 @@ def make_step(
     max_inflight_reduce: int = 1,
     donate: bool = False,
     trace: bool = False,
-    data_axes: Sequence[tuple[Any, Callable[[str], bool]]] = (),
+    data_groups: Sequence[tuple[Any, Callable[[str], bool]]] = (),
     module: torch.nn.Module | None = None,
     skip_unused: bool = True,
+    data_axes: Sequence[tuple[Any, Callable[[str], bool]]] | None = None,
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
 
-    The step is :func:`ragged.fsdp.value_and_grad`, the reduction over ``data_axes``,
+    The step is :func:`ragged.fsdp.value_and_grad`, the reduction over ``data_groups``,
     ``optimizer.update`` and :func:`ragged.optim.apply_updates`. See [Note: how a unit is
     gathered, used and released without module hooks].
 
@@ -172,15 +175,15 @@ def make_step(
             ``rg.optim.adamw(..., donate=True)``, whose update reuses the gradient buffers (which
             the step owns) and the moments.
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
-        data_axes: other mesh axes that split the batch (e.g. expert parallelism), as
-            ``(comm, is_replicated)`` pairs: after the reduce-scatter over ``comm`` (the FSDP
-            axis), the gradients of the parameters with ``is_replicated(path)`` (paths as in
-            ``units``) are all-reduced over that axis's ``comm``, and every gradient is divided by
-            its size (the loss is a mean over all data-parallel ranks). See [Note: data axes] in
-            ``ragged/parallel/_transforms.py``; ``rg.parallel.step_data_axes(mplan, mcomm,
-            ("ep",))`` builds them from a mesh plan. Global-norm clipping must then see the whole
-            mesh: ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-            rg.fsdp.global_norm(units, g, comm, data_axes=data_axes))`` (its default norm spans
+        data_groups: the other data axes (e.g. expert parallelism), as :class:`DataGroup`
+            ``(comm, is_replicated)`` pairs (see ``_data.py``): after the reduce-scatter over
+            ``comm`` (the FSDP axis), the gradients of the parameters with ``is_replicated(path)``
+            (paths as in ``units``) are all-reduced over that group's ``comm``, and every gradient
+            is divided by its size (the loss is a mean over all data-parallel ranks). See [Note:
+            data axes] in ``ragged/parallel/_transforms.py``; ``rg.parallel.data_groups(mplan,
+            mcomm, ("ep",))`` builds them from a mesh plan. Global-norm clipping must then see the
+            whole mesh: ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
+            rg.global_norm(units, g, comm, data_groups=data_groups))`` (its default norm spans
             ``comm`` only, so EP ranks would clip by different factors).
         module: the model ``loss_fn`` runs: its parameter attributes are the step's leaves for
             the whole step (restored afterwards), so ``loss_fn`` may call ``module(...)`` and
@@ -192,6 +195,7 @@ def make_step(
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
             gradient] in ``_unused.py``). ``False``: it is updated as if its gradient were zero.
+        data_axes: the old name of ``data_groups``.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -232,20 +236,9 @@ def make_step(
         policy = MixedPrecision(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     elif compute_dtype is not None or reduce_dtype is not None:
         raise RaggedValueError("make_step: pass either policy= or compute_dtype= / reduce_dtype=, not both.")
-    data_axes = tuple((c, pred) for c, pred in data_axes)
-    for c, pred in data_axes:
-        if not callable(pred) or not hasattr(c, "all_reduce"):
-            raise RaggedTypeError("make_step: data_axes entries are (comm, is_replicated(path) -> bool) pairs, got "
-                                  f"({type(c).__name__}, {type(pred).__name__}).")
+    data_groups = data_groups_option(data_groups, data_axes, "make_step")
     grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
                           module=module, trace=trace)
-    return Step(value_and_grad=grad, optimizer=optimizer, donate=donate, data_axes=data_axes, skip_unused=skip_unused)
+    return Step(value_and_grad=grad, optimizer=optimizer, donate=donate, data_groups=data_groups, skip_unused=skip_unused)
 
-
-def _reduce_data_axes(unit, grad, data_axes) -> None:
-    """See ``make_step(data_axes=...)``: in place on this unit's gradient shard and replicated part."""
-    for axis_comm, is_replicated in data_axes:
-        all_reduce_leaves(axis_comm, grad.data, grad.replicated, unit.plan, grad.rank, picked_leaves(unit, is_replicated))
-        grad.data.div_(axis_comm.world_size)
-        grad.replicated.div_(axis_comm.world_size)

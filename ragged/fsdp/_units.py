@@ -122,16 +122,17 @@ class Units:
         from rich.table import Table
 
         table = Table(title=f"{len(self.units)} FSDP units over {self.world_size} ranks")
-        for col in ("unit", "leaves", "params", "shard S", "padding", "overhead", "dtype"):
+        for col in ("unit", "leaves", "params", "shard S", "buffers", "padding", "overhead", "dtype"):
             table.add_column(col, justify="left" if col == "unit" else "right")
         for u in self.units:
             p = u.plan
-            table.add_row(u.name, str(len(u.paths)), f"{p.numel:,}", f"{p.shard_size:,}", f"{p.padding:,}",
-                          f"{p.overhead:.2%}", str(p.dtype).replace("torch.", ""))
+            table.add_row(u.name, str(len(u.paths)), f"{p.numel:,}", f"{p.shard_size:,}", str(p.num_buffers),
+                          f"{p.padding:,}", f"{p.overhead:.2%}", str(p.dtype).replace("torch.", ""))
         total = sum(u.plan.numel for u in self.units)
         pad = sum(u.plan.padding for u in self.units)
         table.add_row("total", str(self.num_leaves), f"{total:,}",
-                      f"{sum(u.plan.shard_size for u in self.units):,}", f"{pad:,}", f"{pad / total:.2%}", "")
+                      f"{sum(u.plan.shard_size for u in self.units):,}",
+                      str(sum(u.plan.num_buffers for u in self.units)), f"{pad:,}", f"{pad / total:.2%}", "")
         return table
 
 
@@ -165,6 +166,7 @@ def make_units(
     dtype: torch.dtype | None = None,
     strategy: str = "dp",
     align: int | None = None,
+    max_buffers: int | str = 1,
 ) -> Units:
     """Splits a model into FSDP units and plans each one.
 
@@ -179,7 +181,8 @@ def make_units(
         specs: granularities, as a dict ``{name: spec}`` (missing names: ``Rows(1)``) or a
             function ``(name, tensor) -> spec``.
         dtype: master buffer dtype of every unit (default: the parameters' dtype).
-        strategy, align: passed to :func:`ragged.make_plan`.
+        strategy, align, max_buffers: passed to :func:`ragged.make_plan` (``max_buffers``: a
+            unit may be planned into several buffers, all gathered in one coalesced launch).
 
     Returns:
         :class:`Units`, in the order each unit's first parameter appears.
@@ -241,7 +244,8 @@ def make_units(
             if unknown:
                 raise RaggedValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
             unit_specs = {paths[i]: specs.get(paths[i]) for i in idx}
-        plan = make_plan(tree, unit_specs, world_size=world_size, dtype=dtype, strategy=strategy, align=align)
+        plan = make_plan(tree, unit_specs, world_size=world_size, dtype=dtype, strategy=strategy, align=align,
+                         max_buffers=max_buffers)
         # plan tree order is key-sorted; keep paths/indices in that order
         sorted_idx = sorted(idx, key=lambda i: paths[i])
         units.append(Unit(name=unit_name, paths=tuple(paths[i] for i in sorted_idx),

@@ -10,8 +10,8 @@
    ``a x b`` matrix, ``a <= b``), so the busiest rank exceeds the least busy by at most one
    matrix's cost (:func:`muon_load` reports it).
 3. The matrices move to their owners by uneven ``all_to_all`` of contiguous slices (no index
-   tensors: each (matrix, rank) piece is one slice). This is the owned RaggedShard (one
-   non-zero unit per matrix), like :func:`ragged.owned_plan` but at matrix rather than leaf
+   tensors: each (matrix, rank) piece is one slice). This is the owned RaggedShard (each matrix
+   whole on one rank), like :func:`ragged.owned_plan` but at matrix rather than leaf
    granularity, so experts of one leaf can live on different ranks. The matrices are split
    into waves; all waves' forward exchanges are issued asynchronously up front, and each wave's
    result is sent back asynchronously as soon as its Newton-Schulz is done, so communication
@@ -44,15 +44,8 @@ from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_l
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = [
-    "ScaleByMuonState",
-    "newton_schulz",
-    "scale_by_muon",
-    "muon",
-    "muon_load",
-    "MuonUnit",
-    "default_muon_filter",
-]
+__all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon", "muon_load", "MuonMatrix", "MuonUnit",
+           "default_muon_filter"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -95,8 +88,8 @@ def default_muon_filter(leaf: LeafLayout) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MuonUnit:
-    """One Muon matrix: ``rows x cols`` elements at global buffer offset ``start``.
+class MuonMatrix:
+    """One Muon matrix: ``rows x cols`` elements at global buffer offset ``start``, on rank ``owner``.
 
     ``matrix`` is the expert index inside a 3-D leaf (0 for a 2-D leaf).
     """
@@ -118,12 +111,15 @@ class MuonUnit:
         return self.start + self.numel
 
 
+MuonUnit = MuonMatrix  # deprecated name (a *unit* is an FSDP unit)
+
+
 def _ns_cost(rows: int, cols: int, steps: int) -> float:
     a, b = min(rows, cols), max(rows, cols)
     return float(steps * (4 * a * a * b + 2 * a**3))
 
 
-def _units(plans, muon_filter, ns_steps: int) -> list[tuple[MuonUnit, ...]]:
+def _matrices(plans, muon_filter, ns_steps: int) -> list[tuple[MuonMatrix, ...]]:
     """The Muon matrices of every plan, with owners chosen jointly over all plans (LPT)."""
     plans = list(plans)
     m = plans[0].world_size if plans else 1
@@ -150,14 +146,14 @@ def _units(plans, muon_filter, ns_steps: int) -> list[tuple[MuonUnit, ...]]:
         r = min(range(m), key=lambda k: (load[k], k))
         owner[(item[0], item[3])] = r
         load[r] += item[6]
-    out: list[list[MuonUnit]] = [[] for _ in plans]
+    out: list[list[MuonMatrix]] = [[] for _ in plans]
     for i, path, e, start, rows, cols, cost in sorted(raw, key=lambda u: (u[0], u[3])):
-        out[i].append(MuonUnit(path, e, start, rows, cols, owner[(i, start)], cost))
+        out[i].append(MuonMatrix(path, e, start, rows, cols, owner[(i, start)], cost))
     return [tuple(u) for u in out]
 
 
 def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> dict[str, Any]:
-    """Newton-Schulz work per rank: ``{"units", "flops", "matrices"}``.
+    """Newton-Schulz work per rank: ``{"assignments", "flops", "matrices"}``.
 
     Args:
         plans: one :class:`~ragged.spec.LayoutPlan`, or a sequence of them (e.g. one per FSDP
@@ -166,25 +162,25 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
         muon_filter: which leaves are Muon matrices.
         ns_steps: Newton-Schulz iterations (scales the cost).
 
-    ``flops[r]`` is rank r's Newton-Schulz cost; ``max(flops) - min(flops)`` is at most the
-    largest single matrix's cost (list scheduling guarantee).
+    ``assignments``: every :class:`MuonMatrix` (with its owner; old key ``"units"``); ``flops[r]``:
+    rank r's cost, ``max(flops) - min(flops)`` is at most the largest matrix's (list scheduling).
 
     Examples:
         >>> import torch, ragged as rg
         >>> params = {"w1": torch.empty(64, 64), "w2": torch.empty(64, 64), "e": torch.empty(4, 32, 64)}
         >>> load = rg.optim.muon_load(rg.make_plan(params, world_size=2))
-        >>> load["matrices"], len(load["units"])
+        >>> load["matrices"], len(load["assignments"])
         ([3, 3], 6)
     """
     plans = [plans] if isinstance(plans, LayoutPlan) else list(plans)
-    units = [u for group in _units(plans, muon_filter, ns_steps) for u in group]
+    assignments = [x for group in _matrices(plans, muon_filter, ns_steps) for x in group]
     m = plans[0].world_size
     flops = [0.0] * m
     count = [0] * m
-    for u in units:
-        flops[u.owner] += u.cost
-        count[u.owner] += 1
-    return {"units": units, "flops": flops, "matrices": count}
+    for x in assignments:
+        flops[x.owner] += x.cost
+        count[x.owner] += 1
+    return {"assignments": assignments, "flops": flops, "matrices": count, "units": assignments}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,18 +192,18 @@ class _Wave:
     send_splits: tuple[int, ...]
     recv_spans: tuple[tuple[int, int, int], ...]  # (offset in recv, offset in owned buffer, length)
     recv_splits: tuple[int, ...]
-    owned: tuple[tuple[MuonUnit, int], ...]  # (unit, offset in the owned buffer)
+    owned: tuple[tuple[MuonMatrix, int], ...]  # (matrix, offset in the owned buffer)
     owned_numel: int
 
 
-def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: int) -> tuple[_Wave, ...]:
-    S, m = plan.shard_size, plan.world_size
-    n = max(1, min(num_waves, len(units)))
-    # contiguous groups of units in buffer order, balanced by element count
-    total = sum(u.numel for u in units) or 1
-    groups: list[list[MuonUnit]] = [[] for _ in range(n)]
+def _waves(plan: LayoutPlan, rank: int, matrices: tuple[MuonMatrix, ...], num_waves: int) -> tuple[_Wave, ...]:
+    m = plan.world_size
+    n = max(1, min(num_waves, len(matrices)))
+    # contiguous groups of matrices in buffer order, balanced by element count
+    total = sum(u.numel for u in matrices) or 1
+    groups: list[list[MuonMatrix]] = [[] for _ in range(n)]
     acc = 0
-    for u in units:
+    for u in matrices:
         groups[min(n - 1, int(acc * n / total))].append(u)
         acc += u.numel
     waves = []
@@ -221,28 +217,30 @@ def _waves(plan: LayoutPlan, rank: int, units: tuple[MuonUnit, ...], num_waves: 
                 off += u.numel
         owned_off = {u.start: o for u, o in owned}
         send_spans, send_splits, recv_spans, recv_splits = [], [], [], []
-        lo_me, hi_me = rank * S, (rank + 1) * S
+        mine = plan.shard_ranges(rank)  # one global range per buffer (a matrix lies in one buffer)
         recv_at = 0
         for j in range(m):
             k = 0
-            for u in group:  # what I hold of units owned by j
+            for u in group:  # what I hold of matrices owned by j
                 if u.owner != j:
                     continue
-                lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
-                if lo < hi:
-                    send_spans.append((lo - lo_me, hi - lo))
-                    k += hi - lo
+                for lo_me, hi_me, local in mine:
+                    lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
+                    if lo < hi:
+                        send_spans.append((local + lo - lo_me, hi - lo))
+                        k += hi - lo
             send_splits.append(k)
             k = 0
-            lo_j, hi_j = j * S, (j + 1) * S
-            for u in group:  # what j holds of units I own
+            theirs = plan.shard_ranges(j)
+            for u in group:  # what j holds of matrices I own
                 if u.owner != rank:
                     continue
-                lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
-                if lo < hi:
-                    recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
-                    recv_at += hi - lo
-                    k += hi - lo
+                for lo_j, hi_j, _ in theirs:
+                    lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
+                    if lo < hi:
+                        recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
+                        recv_at += hi - lo
+                        k += hi - lo
             recv_splits.append(k)
         waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)
@@ -313,10 +311,10 @@ def scale_by_muon(
                     )
                 if comm is not None and comm.rank != d.rank:
                     raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
-            units = _units([d.plan for d in bufs], muon_filter, ns_steps)
+            matrices = _matrices([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()
-            cache[key] = [_waves(d.plan, d.rank, u, num_waves) for d, u in zip(bufs, units)]
+            cache[key] = [_waves(d.plan, d.rank, x, num_waves) for d, x in zip(bufs, matrices)]
         if comm is not None and comm.world_size > 1:
             from ragged.transforms._check import check_plans
 

@@ -149,7 +149,7 @@ def quantized_block(leaf, min_size: int) -> tuple[int, int] | None:
     """
     if leaf.numel < min_size or not leaf.dtype.is_floating_point:
         return None
-    s = leaf.spec
+    s = leaf.granularity
     if isinstance(s, Elements) and s.n >= MIN_BLOCK:
         return (1, s.n)
     if isinstance(s, Blocks) and len(leaf.shape) >= 2 and s.r * s.c >= MIN_BLOCK:

@@ -28,6 +28,15 @@ def _as_float(count) -> torch.Tensor:
     return torch.tensor(float(count), dtype=torch.float64)
 
 
+def _along(count, steps: int, empty: float, curve) -> torch.Tensor:
+    """``curve(clamp(count / steps, 0, 1))`` in float64; ``empty`` at every count when ``steps``
+    is 0 (a schedule of no steps)."""
+    c = _as_float(count)
+    if steps == 0:
+        return torch.full_like(c, empty)
+    return curve(torch.clamp(c / steps, 0.0, 1.0))
+
+
 def _check_steps(name: str, steps) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise RaggedValueError(f"{name} must be a non-negative int, got {steps!r}.")
@@ -71,11 +80,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
     _check_steps("transition_steps", transition_steps)
 
     def schedule(count):
-        c = _as_float(count)
-        if transition_steps == 0:
-            return torch.full_like(c, end_value)
-        frac = torch.clamp(c / transition_steps, 0.0, 1.0)
-        return init_value + (end_value - init_value) * frac
+        return _along(count, transition_steps, end_value, lambda frac: init_value + (end_value - init_value) * frac)
 
     return schedule
 
@@ -92,13 +97,12 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     _check_values(init_value=init_value, alpha=alpha)
     _check_steps("decay_steps", decay_steps)
 
-    def schedule(count):
-        c = _as_float(count)
-        if decay_steps == 0:
-            return torch.full_like(c, init_value)
-        frac = torch.clamp(c / decay_steps, 0.0, 1.0)
+    def curve(frac):
         cosine = 0.5 * (1.0 + torch.cos(math.pi * frac))
         return init_value * ((1.0 - alpha) * cosine + alpha)
+
+    def schedule(count):
+        return _along(count, decay_steps, init_value, curve)
 
     return schedule
 

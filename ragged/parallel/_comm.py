@@ -30,8 +30,6 @@ class MeshComm:
         axes: ``axis name -> Collectives`` of this rank's group along that axis.
         world: a Collectives over every rank of the mesh (rank = row-major mesh rank), or None.
         device_mesh: the torch ``DeviceMesh`` it was built from (for DTensor export), or None.
-        checked_plans: fingerprints of mesh plans the mesh agreed on (used when
-            ``world.plan_check == "first_use"``; see [Note: mesh plan check]).
     """
 
     mesh: Mesh
@@ -39,7 +37,6 @@ class MeshComm:
     axes: Mapping[str, Any]
     world: Any = None
     device_mesh: Any = None
-    checked_plans: set = dataclasses.field(default_factory=set, repr=False)
 
     def __getitem__(self, axis: str):
         try:

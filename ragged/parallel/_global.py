@@ -1,7 +1,7 @@
 """Conversion between a mesh layout (FSDP x TP/EP) and a global ragged layout (checkpoints).
 
 [Note: checkpoints of a mesh run are global]
-A rank of an FSDP x TP run holds FSDP pieces of TP-local tensors: strided sets of global
+A rank of an FSDP x TP run holds FSDP pieces of parts: strided sets of global
 elements (see [Note: strided placements]). ``to_global`` moves every element to its place
 in a plain :class:`~ragged.LayoutPlan` of the *global* shapes over every rank of the mesh
 (``global_plan``), with one all-to-all over the whole mesh (each element is sent once, by the
@@ -9,7 +9,7 @@ rank at coordinate 0 of every axis the leaf is replicated on). The result is an 
 DBuffer: ``rg.checkpoint.save`` writes it as one 1-D tensor per leaf, so the checkpoint is
 independent of the mesh and loads on any world size or mesh (``rg.checkpoint.load`` into a
 plain plan, or into ``global_plan`` and then ``from_global`` onto another mesh).
-``from_global`` is the inverse: each rank requests the global positions of its local elements
+``from_global`` is the inverse: each rank requests the global positions of its own elements
 from their owners (all-to-all of positions, then of values). Both run on any pytree of
 DBuffers (params, optimizer moments); other leaves pass through unchanged. Cost: besides the
 all-to-all of the values, an int64 position per element is built and exchanged (about 4x the
@@ -28,9 +28,10 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._pytree import pytree
 from ragged.spec._granularity import Replicate, Rows
-from ragged.spec._mesh import MeshPlan
+from ragged.spec._mesh_plan import MeshPlan
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._planning import make_plan
+from ragged.parallel._parts import part_index
 from ragged.parallel._transforms import check_mesh_plan
 from ragged.transforms._shard import replicated_size
 from ragged._errors import RaggedValueError
@@ -81,7 +82,7 @@ def _local_map(mplan: MeshPlan, gplan: LayoutPlan, coords: tuple, canonical_only
             continue
         if ml.index in rep and canonical_only and fsdp_rank != 0:
             continue
-        gidx = ml.local_index(coords)
+        gidx = part_index(ml, coords)
         off = gleaf[ml.index].offset
         if ml.index in rep:
             l = rep[ml.index]
@@ -101,11 +102,13 @@ def _exchange_counts(world, counts: torch.Tensor) -> torch.Tensor:
     return recv
 
 
-def _sorted_by_owner(positions: torch.Tensor, S: int, W: int):
-    owner = torch.div(positions, S, rounding_mode="floor")
+def _sorted_by_owner(positions: torch.Tensor, plan: LayoutPlan, W: int):
+    """(order by owner, per-owner counts, offsets in the owners' shards) of global ``positions``
+    of ``plan`` (any number of buffers: ``plan.locate``)."""
+    owner, local = plan.locate(positions)
     order = torch.argsort(owner, stable=True)
     counts = torch.bincount(owner, minlength=W) if positions.numel() else torch.zeros(W, dtype=torch.int64)
-    return order, counts
+    return order, counts, local
 
 
 def _check(mplan, mcomm, where):
@@ -135,7 +138,7 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
         >>> w = torch.arange(24.0).view(4, 6)
         >>> mp = spec.make_mesh_plan({"w": w}, spec.Shard(1), mesh=mesh)
         >>> def fn(mc):
-        ...     g = parallel.to_global(mp, parallel.shard(mp, {"w": w}, mc), mc)
+        ...     g = parallel.to_global(mp, rg.shard(mp, {"w": w}, mc), mc)
         ...     return g.data.tolist()
         >>> parallel.simulate_mesh(mesh, fn)[1]   # global rows 2-3 (S = 12 elements per rank)
         [12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 21.0, 22.0, 23.0]
@@ -148,11 +151,10 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     if gplan.world_size != W:
         raise RaggedValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
     src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
-    order, counts = _sorted_by_owner(dst, Sg, W)
-    src, dst = src[order], dst[order]
+    order, counts, local = _sorted_by_owner(dst, gplan, W)
+    src, send_pos = src[order], local[order]
     recv_counts = _exchange_counts(world, counts)
     n_in = int(recv_counts.sum())
-    send_pos = dst - torch.div(dst, Sg, rounding_mode="floor") * Sg
     recv_pos = torch.empty(n_in, dtype=torch.int64)
     world.all_to_all(recv_pos, send_pos, recv_counts.tolist(), counts.tolist())
 
@@ -186,7 +188,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
         >>> w = torch.randn(4, 6)
         >>> mp = spec.make_mesh_plan({"w": w}, spec.Shard(1), mesh=mesh)
         >>> def fn(mc):
-        ...     d = parallel.shard(mp, {"w": w}, mc)
+        ...     d = rg.shard(mp, {"w": w}, mc)
         ...     return torch.equal(parallel.from_global(mp, parallel.to_global(mp, d, mc), mc).data, d.data)
         >>> parallel.simulate_mesh(mesh, fn)
         [True, True, True, True]
@@ -212,13 +214,12 @@ def from_global(mplan: MeshPlan, tree, mcomm):
             )
         if gplan not in cache:
             _check_same_leaves(mplan, gplan)
-            Sg = gplan.shard_size
             dst, need = _local_map(mplan, gplan, _coords_key(mcomm.coords), False)
-            order, counts = _sorted_by_owner(need, Sg, W)
-            dst, need = dst[order], need[order]
+            order, counts, local = _sorted_by_owner(need, gplan, W)
+            dst, local = dst[order], local[order]
             recv_counts = _exchange_counts(world, counts)
             req = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-            world.all_to_all(req, need - torch.div(need, Sg, rounding_mode="floor") * Sg, recv_counts.tolist(), counts.tolist())
+            world.all_to_all(req, local, recv_counts.tolist(), counts.tolist())
             cache[gplan] = (dst, counts, recv_counts, req)
         dst, counts, recv_counts, req = cache[gplan]
         src = d.data.detach()

@@ -1,12 +1,14 @@
-"""FSDP over one axis of an N-D mesh: shard / gather / reduce_scatter of TP/EP-local tensors,
-reassembly of global tensors, and export to DTensor.
+"""FSDP over one axis of an N-D mesh: the :class:`~ragged.spec.MeshPlan` layout of the verbs
+(``rg.shard`` / ``rg.gather`` / ``rg.reduce_scatter`` / ``rg.global_norm`` of a mesh plan, see
+[Note: one verb, any layout]) over the parts, the step's data groups, reassembly of global
+tensors, and export to DTensor.
 
 [Note: data axes]
 The FSDP axis always splits the batch: ``reduce_scatter`` sums over it. Another axis may split
 the batch too: an EP axis usually does (each EP rank routes its own tokens; experts see tokens
 of every EP rank through the all-to-all, so an expert's gradient is already complete, but a
 parameter *replicated* on the EP axis, such as the router, holds only its own tokens' part).
-``reduce_scatter(..., data_axes=("ep",))`` therefore all-reduces, over each data axis, exactly
+``rg.reduce_scatter(mplan, ..., data_axes=("ep",))`` therefore all-reduces, over each data axis, exactly
 the leaves replicated on it (one extra all-reduce of just those elements), and ``"mean"``
 divides every leaf by ``fsdp size x prod(data axis sizes)``. TP axes are not data axes: with
 ``copy_to`` / ``reduce_from`` (see [Note: f and g]) gradients of TP-replicated leaves are
@@ -17,27 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import optree
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._pytree import pytree
-from ragged.spec._mesh import MeshLeaf, MeshPlan, local_part
-from ragged.transforms import gather as _gather
-from ragged.transforms import reduce_scatter as _reduce_scatter
-from ragged.transforms import shard as _shard
-from ragged.transforms._reduce_scatter import all_reduce_leaves
 from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.fsdp._data import DataGroup
+from ragged.parallel._parts import check_mplan, parts
+from ragged.spec._mesh_plan import MeshPlan
+from ragged.transforms._gather import gather as gather_plan
+from ragged.transforms._check import check_plans
+from ragged.transforms._layouts import LayoutOps, register_layout
+from ragged.transforms._reduce_scatter import all_reduce_leaves, reduce_square_sums, weighted_square_sums
+from ragged.transforms._reduce_scatter import reduce_scatter as reduce_scatter_plan
+from ragged.transforms._shard import shard as shard_plan
 
-__all__ = ["local_params", "shard", "gather", "reduce_scatter", "full_params", "to_dtensor", "global_norm",
-           "step_data_axes"]
-
-
-def _check_mplan(mplan, where):
-    if not isinstance(mplan, MeshPlan):
-        raise RaggedTypeError(f"{where}: mplan must be a ragged.spec.MeshPlan (from spec.make_mesh_plan), got {type(mplan).__name__}.")
+__all__ = ["gather", "full_params", "to_dtensor", "data_groups", "step_data_axes", "check_mesh_plan"]
 
 
 def _check_mesh(mplan: MeshPlan, mcomm, where):
@@ -49,73 +48,40 @@ def _check_mesh(mplan: MeshPlan, mcomm, where):
 
 
 # [Note: mesh plan check]
-# ``rg.shard`` / ``rg.gather`` compare the FSDP plan within the FSDP group only. Ranks of one TP
-# group that planned different placements (or shapes) would issue TP collectives of different
-# sizes. So ``shard``, ``reduce_scatter``, ``full_params``, ``to_global`` and ``from_global`` first
-# make the whole mesh (``mcomm.world``) agree on the mesh plan's fingerprint, as the flat
-# transforms do (see [Note: plan check before collectives] in ragged/transforms/_check.py: one
-# all-reduce of two int64s, every call or, with ``world.plan_check == "first_use"``, once per
-# plan), and raise :class:`~ragged.PlanMismatchError` on every rank if any differ, naming what.
+# ``rg.shard`` / ``rg.gather`` of a LayoutPlan compare the FSDP plan within the FSDP group only.
+# Ranks of one TP group that planned different placements (or shapes) would issue TP collectives of
+# different sizes. So ``shard``, ``reduce_scatter``, ``global_norm``, ``full_params``, ``to_global``
+# and ``from_global`` of a mesh plan first make the whole mesh (``mcomm.world``) agree on the mesh
+# plan, with the same agreement the flat transforms use (``check_plans``, see [Note: plan check
+# before collectives] in ragged/transforms/_check.py: one all-reduce of two int64s, every call or,
+# with ``world.plan_check == "first_use"``, once per plan), and raise
+# :class:`~ragged.PlanMismatchError` on every rank if any differ, naming what.
 def check_mesh_plan(mplan: MeshPlan, mcomm) -> None:
     """See [Note: mesh plan check]. A no-op without ``mcomm.world``."""
-    from ragged.transforms._check import ranks_agree
-
     world = getattr(mcomm, "world", None)
-    if world is None:
-        return
-    fp = mplan.fingerprint()
-    if getattr(world, "plan_check", "every_call") == "first_use" and fp in mcomm.checked_plans:
-        return
-    if not ranks_agree(world, fp):
-        summary = (fp, {l.path: (l.shape, l.local_shape, repr(l.granularity), l.shards) for l in mplan.leaves})
-        everything = world.all_gather_object(summary)
-        other_rank, other = next((r, s) for r, s in enumerate(everything) if s[0] != everything[0][0])
-        first = everything[0][1]
-        diffs = [
-            f"{p}: {first.get(p)} vs {other[1].get(p)}" for p in sorted(set(first) | set(other[1]))
-            if first.get(p) != other[1].get(p)
-        ]
-        from ragged._errors import PlanMismatchError
-
-        raise PlanMismatchError(
-            f"ranks hold different mesh plans: rank 0 vs rank {other_rank} differ in "
-            f"{'; '.join(diffs[:3]) or 'mesh, FSDP axis or planning options'} (path: (shape, local shape, "
-            "granularity, shards)). Fix: build the mesh plan identically on every rank."
-        )
-    mcomm.checked_plans.add(fp)
+    if world is not None:
+        check_plans((mplan,), world, "mesh_plan", summary=_mesh_summary, explain=_explain_mesh)
 
 
-def local_params(mplan: MeshPlan, params, coords: Mapping[str, int]):
-    """The TP/EP-local part of every leaf of ``params`` (global tensors) at mesh ``coords``.
-
-    Pure and local (views where possible); the FSDP axis is ignored.
-
-    Examples:
-        >>> import torch
-        >>> from ragged import spec
-        >>> import ragged as rg
-        >>> mp = spec.make_mesh_plan({"w": torch.empty(4, 2)}, spec.Shard(0), mesh=spec.Mesh((1, 2), ("dp", "tp")))
-        >>> rg.parallel.local_params(mp, {"w": torch.arange(8.0).view(4, 2)}, {"tp": 1})["w"].tolist()
-        [[4.0, 5.0], [6.0, 7.0]]
-    """
-    _check_mplan(mplan, "local_params")
-    leaves = mplan.treedef.flatten_up_to(params)
-    out = []
-    for ml, t in zip(mplan.leaves, leaves):
-        if tuple(t.shape) != ml.shape:
-            from ragged._errors import LayoutError
-
-            raise LayoutError(
-                f"params{ml.path} has shape {tuple(t.shape)} but the mesh plan expects the global shape {ml.shape}. "
-                "Fix: pass the global (unsharded) tensors the plan was made from.",
-                path=ml.path, shape=t.shape,
-            )
-        out.append(local_part(t, ml, coords))
-    return optree.tree_unflatten(mplan.treedef, out)
+def _mesh_summary(mplan: MeshPlan) -> dict:
+    return {l.path: (l.shape, l.part_shape, repr(l.granularity), l.shards) for l in mplan.leaves}
 
 
-def shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
-    """This rank's DBuffer: the FSDP shard of its TP/EP-local tensors.
+def _explain_mesh(calls) -> str:
+    """``calls``: per world rank ``(operation, fingerprints, [summary])``; at least two differ."""
+    first = calls[0]
+    other_rank, other = next(((r, c) for r, c in enumerate(calls) if c[1] != first[1]), (len(calls) - 1, calls[-1]))
+    a, b = first[2][0], other[2][0]
+    diffs = [f"{p}: {a.get(p)} vs {b.get(p)}" for p in sorted(set(a) | set(b)) if a.get(p) != b.get(p)]
+    return (
+        f"ranks hold different mesh plans: rank 0 vs rank {other_rank} differ in "
+        f"{'; '.join(diffs[:3]) or 'mesh, FSDP axis or planning options'} (path: (shape, part shape, "
+        "granularity, shards)). Fix: build the mesh plan identically on every rank."
+    )
+
+
+def _shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
+    """``rg.shard(mplan, params, mcomm)``: this rank's DBuffer, the FSDP shard of its parts.
 
     Args:
         mplan: the mesh plan.
@@ -136,32 +102,41 @@ def shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
         >>> w = torch.arange(32.0).view(8, 4)
         >>> mp = spec.make_mesh_plan({"w": w}, spec.Shard(0), mesh=mesh, align=1)
         >>> def fn(mc):  # tp splits the rows in halves, then dp splits each half
-        ...     return parallel.shard(mp, {"w": w}, mc).views()["w"][:, 0].tolist()
+        ...     return rg.shard(mp, {"w": w}, mc).views()["w"][:, 0].tolist()
         >>> parallel.simulate_mesh(mesh, fn)   # ranks (dp, tp) = (0,0) (0,1) (1,0) (1,1)
         [[0.0, 4.0], [16.0, 20.0], [8.0, 12.0], [24.0, 28.0]]
     """
-    _check_mplan(mplan, "shard")
     _check_mesh(mplan, mcomm, "shard")
-    local = local_params(mplan, params, mcomm.coords)
+    part_tree = parts(mplan, params, mcomm.coords)
     check_mesh_plan(mplan, mcomm)
-    return _shard(mplan.plan, local, mcomm[mplan.fsdp_axis])
+    return shard_plan(mplan.plan, part_tree, mcomm[mplan.fsdp_axis])
 
 
-def gather(dbuf: DBuffer, mcomm, dtype: torch.dtype | None = None, *, fsdp_axis: str = "dp"):
-    """The TP/EP-local full tensors: one all-gather over the FSDP axis only.
+def _gather(mplan: MeshPlan, dbuf: DBuffer, mcomm, dtype: torch.dtype | None = None):
+    """``rg.gather(mplan, dbuf, mcomm, dtype)``: this rank's parts, full: one all-gather over the
+    plan's FSDP axis only. Differentiable like ``rg.gather`` (backward: reduce-scatter over the
+    FSDP axis)."""
+    _check_mesh(mplan, mcomm, "gather")
+    return gather_plan(dbuf, mcomm[mplan.fsdp_axis], dtype)
 
-    Differentiable like :func:`ragged.gather` (backward: reduce-scatter over the FSDP axis).
 
-    Args:
-        dbuf: this rank's shard.
-        mcomm: this rank's :class:`MeshComm`.
-        dtype: compute dtype.
-        fsdp_axis: the plan's FSDP axis.
+def gather(*args, fsdp_axis: str | None = None, **kwargs):
+    """``rg.gather``, which takes a mesh plan first: ``parallel.gather(mplan, dbuf, mcomm, dtype)``.
+
+    The old form ``parallel.gather(dbuf, mcomm, dtype=None, *, fsdp_axis="dp")`` still works
+    (deprecated: it cannot see the plan's own FSDP axis, so ``fsdp_axis`` must be repeated).
     """
-    return _gather(dbuf, mcomm[fsdp_axis], dtype)
+    if args and isinstance(args[0], DBuffer):
+        dbuf, mcomm, *rest = args
+        return gather_plan(dbuf, mcomm["dp" if fsdp_axis is None else fsdp_axis], *rest, **kwargs)
+    if fsdp_axis is not None:
+        raise RaggedTypeError("parallel.gather(mplan, dbuf, mcomm): fsdp_axis= is the plan's own (mplan.fsdp_axis).")
+    from ragged.transforms import gather as gather_any
+
+    return gather_any(*args, **kwargs)
 
 
-def reduce_scatter(
+def _reduce_scatter(
     mplan: MeshPlan,
     grads,
     mcomm,
@@ -170,7 +145,8 @@ def reduce_scatter(
     *,
     data_axes: Sequence[str] = (),
 ) -> DBuffer:
-    """This rank's FSDP shard of the reduced TP/EP-local gradients.
+    """``rg.reduce_scatter(mplan, grads, mcomm, op, dtype, data_axes=...)``: this rank's FSDP
+    shard of the reduced gradients of its parts.
 
     One reduce-scatter(sum) over the FSDP axis (:func:`ragged.reduce_scatter`), then, for each
     axis in ``data_axes``, one all-reduce over that axis of the leaves replicated on it (see
@@ -178,7 +154,7 @@ def reduce_scatter(
 
     Args:
         mplan: the mesh plan.
-        grads: a pytree of TP/EP-local gradients (or a flat ``plan.buffer_numel`` tensor when
+        grads: a pytree of the parts' gradients (or a flat ``plan.buffer_numel`` tensor when
             no data axes are given).
         mcomm: this rank's :class:`MeshComm`.
         op: ``"mean"`` (divide by FSDP size x data axis sizes) or ``"sum"``.
@@ -195,13 +171,12 @@ def reduce_scatter(
         >>> params = {"experts": torch.zeros(2, 2), "router": torch.zeros(2)}
         >>> mp = spec.make_mesh_plan(params, {"experts": {"ep": spec.Shard(0)}, "router": None}, mesh=mesh, align=1)
         >>> def fn(mc):  # every rank's gradient is 1 + its rank
-        ...     g = rg.pytree.map(lambda t: torch.full(t.shape, mc.rank + 1.0), parallel.local_params(mp, params, mc.coords))
-        ...     out = parallel.reduce_scatter(mp, g, mc, op="sum", data_axes=("ep",))
-        ...     return {k: v.reshape(-1).tolist() for k, v in parallel.gather(out, mc).items()}
+        ...     g = rg.pytree.map(lambda t: torch.full(t.shape, mc.rank + 1.0), parallel.parts(mp, params, mc.coords))
+        ...     out = rg.reduce_scatter(mp, g, mc, op="sum", data_axes=("ep",))
+        ...     return {k: v.reshape(-1).tolist() for k, v in rg.gather(mp, out, mc).items()}
         >>> parallel.simulate_mesh(mesh, fn)[0]   # experts: summed over dp (1 + 3); router: over dp and ep
         {'experts': [4.0, 4.0], 'router': [10.0, 10.0]}
     """
-    _check_mplan(mplan, "reduce_scatter")
     _check_mesh(mplan, mcomm, "reduce_scatter")
     if op not in ("mean", "sum"):
         raise RaggedValueError(f"reduce_scatter: op must be 'mean' or 'sum', got {op!r}.")
@@ -214,7 +189,7 @@ def reduce_scatter(
             )
     fsdp = mcomm[mplan.fsdp_axis]
     check_mesh_plan(mplan, mcomm)
-    out = _reduce_scatter(mplan.plan, grads, fsdp, op="sum", dtype=dtype)
+    out = reduce_scatter_plan(mplan.plan, grads, fsdp, op="sum", dtype=dtype)
     data, rep = out.data, out.replicated
     n = fsdp.world_size
     for a in data_axes:
@@ -228,18 +203,18 @@ def reduce_scatter(
     return out
 
 
-def global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
-    """The L2 norm of the whole model that ``dbuf`` (this rank's FSDP shard of its TP/EP-local
-    tensors, e.g. gradients from :func:`reduce_scatter`) is part of; equal on every rank.
+def _global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
+    """``rg.global_norm(mplan, dbuf, mcomm)``: the L2 norm of the whole model that ``dbuf`` (this
+    rank's FSDP shard of its parts, e.g. gradients from ``rg.reduce_scatter``) is part of; equal
+    on every rank.
 
     Each element is weighted by 1 / (its number of copies over the non-FSDP axes, i.e. the
     product of the sizes of the axes it is replicated on); the weighted sums are all-reduced over
     the FSDP axis and over every other axis, so each global element counts once. For
     ``rg.optim.clip_by_global_norm(max_norm, comm=mcomm[fsdp_axis], norm=lambda g:
-    parallel.global_norm(mplan, g, mcomm))``.
+    rg.global_norm(mplan, g, mcomm))``.
     """
-    from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
-
+    _check_mesh(mplan, mcomm, "global_norm")
     check_mesh_plan(mplan, mcomm)
     weights = {}
     for ml in mplan.leaves:
@@ -251,9 +226,12 @@ def global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
     return torch.sqrt(reduce_square_sums(sharded, replicated, mcomm[mplan.fsdp_axis], others))
 
 
+register_layout(MeshPlan, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))
+
+
 @dataclasses.dataclass(frozen=True)
 class _ReplicatedOn:
-    """``is_replicated(path)`` for ``rg.fsdp.make_step(data_axes=...)``: whether the mesh leaf
+    """``is_replicated(path)`` for ``rg.fsdp.make_step(data_groups=...)``: whether the mesh leaf
     at ``path`` is replicated on ``axis`` (a frozen value, so the step caches its positions)."""
 
     mplan: MeshPlan
@@ -263,12 +241,13 @@ class _ReplicatedOn:
         return self.axis in self.mplan.leaf(path).replicated_on
 
 
-def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple:
-    """``data_axes`` for :func:`ragged.fsdp.make_step` on units of ``mplan.local_meta()``.
+def data_groups(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple[DataGroup, ...]:
+    """The ``data_groups`` of :func:`ragged.fsdp.make_step` on units of ``mplan.part_meta()``:
+    one :class:`~ragged.fsdp.DataGroup` per data axis named in ``axes``.
 
     The step reduce-scatters over the FSDP axis; for each axis here (e.g. ``"ep"``) it then
-    all-reduces the gradients of the leaves replicated on it, as :func:`reduce_scatter` does
-    with ``data_axes`` (see [Note: data axes]).
+    all-reduces the gradients of the leaves replicated on it, as ``rg.reduce_scatter(mplan, ...,
+    data_axes=axes)`` does (see [Note: data axes]).
 
     Examples:
         >>> from ragged import spec, parallel
@@ -277,7 +256,7 @@ def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple:
         ...                          {"router": None, "experts": {"ep": spec.Shard(0)}},
         ...                          mesh=spec.Mesh((1, 2), ("dp", "ep")))
         >>> def fn(mc):
-        ...     (comm, replicated), = parallel.step_data_axes(mp, mc, ("ep",))
+        ...     (comm, replicated), = parallel.data_groups(mp, mc, ("ep",))
         ...     return comm.world_size, replicated("['router']"), replicated("['experts']")
         >>> parallel.simulate_mesh(mp.mesh, fn)[0]
         (2, True, False)
@@ -285,10 +264,16 @@ def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple:
     for a in axes:
         if a not in mplan.other_axes:
             raise RaggedValueError(
-                f"step_data_axes: {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
+                f"data_groups: {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
                 f"{mplan.fsdp_axis!r} is the step's own comm."
             )
-    return tuple((mcomm[a], _ReplicatedOn(mplan, a)) for a in axes)
+    return tuple(DataGroup(mcomm[a], _ReplicatedOn(mplan, a)) for a in axes)
+
+
+def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple[DataGroup, ...]:
+    """Deprecated name of :func:`data_groups` (a *data axis* is a mesh axis, named by a string;
+    the step takes data groups)."""
+    return data_groups(mplan, mcomm, axes)
 
 
 def _unshard_axis(pieces: list[torch.Tensor], dim: int, groups: int) -> torch.Tensor:
@@ -311,17 +296,18 @@ def full_params(mplan: MeshPlan, dbuf: DBuffer, mcomm):
         >>> params = {"w": torch.randn(8, 6), "b": torch.randn(6)}
         >>> mp = spec.make_mesh_plan(params, {"w": {"tp": spec.Shard(1)}, "b": None}, mesh=mesh)
         >>> def fn(mc):
-        ...     full = rg.parallel.full_params(mp, rg.parallel.shard(mp, params, mc), mc)
+        ...     full = rg.parallel.full_params(mp, rg.shard(mp, params, mc), mc)
         ...     return all(torch.equal(full[k], params[k]) for k in params)
         >>> rg.parallel.simulate_mesh(mesh, fn)
         [True, True, True, True]
     """
-    _check_mplan(mplan, "full_params")
+    check_mplan(mplan, "full_params")
     _check_mesh(mplan, mcomm, "full_params")
     check_mesh_plan(mplan, mcomm)
     with torch.no_grad():
-        local = _gather(dbuf.replace(data=dbuf.data.detach(), replicated=dbuf.replicated.detach()), mcomm[mplan.fsdp_axis])
-        tensors = [t.clone() for t in mplan.treedef.flatten_up_to(local)]
+        full_parts = gather_plan(dbuf.replace(data=dbuf.data.detach(), replicated=dbuf.replicated.detach()),
+                                    mcomm[mplan.fsdp_axis])
+        tensors = [t.clone() for t in mplan.treedef.flatten_up_to(full_parts)]
         for axis in reversed(mplan.other_axes):
             comm = mcomm[axis]
             entries = [(ml, [s for s in ml.shards if s[0] == axis][0]) for ml in mplan.leaves if ml.sharded_on(axis)]
@@ -342,36 +328,36 @@ def full_params(mplan: MeshPlan, dbuf: DBuffer, mcomm):
     return optree.tree_unflatten(mplan.treedef, tensors)
 
 
-def to_dtensor(mplan: MeshPlan, local_tree, device_mesh):
-    """Wraps TP/EP-local tensors as ``DTensor`` s over the non-FSDP sub-mesh, for DTensor-based
-    TP code (``DTensor.from_local(local, device_mesh[tp], [Shard(d)])``).
+def to_dtensor(mplan: MeshPlan, part_tree, device_mesh):
+    """Wraps parts as ``DTensor`` s over the non-FSDP sub-mesh, for DTensor-based TP code
+    (``DTensor.from_local(part, device_mesh[tp], [Shard(d)])``).
 
-    Differentiable: gradients flow back to the local tensors (and from there through
-    :func:`gather` to the FSDP shard).
+    Differentiable: gradients flow back to the parts (and from there through ``rg.gather`` to
+    the FSDP shard).
 
     Args:
         mplan: the mesh plan.
-        local_tree: TP/EP-local tensors, e.g. from :func:`gather`.
+        part_tree: the parts, e.g. from ``rg.gather(mplan, dbuf, mcomm)``.
         device_mesh: the torch ``DeviceMesh`` of the whole mesh (or ``mcomm.device_mesh``).
 
     Returns:
-        A tree like ``local_tree`` of DTensors (global shape = the leaf's shape), or the tensors
+        A tree like ``part_tree`` of DTensors (global shape = the leaf's shape), or the tensors
         themselves when the mesh has only the FSDP axis.
 
     Raises:
         ValueError: a strided ``Shard(dim, groups>1)`` leaf (DTensor has no public placement
-            for it; use the local tensor directly).
+            for it; use the part directly).
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
 
-    _check_mplan(mplan, "to_dtensor")
+    check_mplan(mplan, "to_dtensor")
     others = mplan.other_axes
     if not others:
-        return local_tree
+        return part_tree
     sub = device_mesh[others[0]] if len(others) == 1 else device_mesh[others]
-    leaves = mplan.treedef.flatten_up_to(local_tree)
+    leaves = mplan.treedef.flatten_up_to(part_tree)
     out = []
     for ml, t in zip(mplan.leaves, leaves):
         placements = []
@@ -384,7 +370,7 @@ def to_dtensor(mplan: MeshPlan, local_tree, device_mesh):
             if groups != 1:
                 raise RaggedValueError(
                     f"to_dtensor: {ml.path} is Shard({dim}, groups={groups}) on {a!r}; DTensor has no public strided "
-                    "placement. Fix: use the local tensor for this leaf (e.g. split Q, K, V locally)."
+                    "placement. Fix: use the part itself for this leaf (e.g. split Q, K, V in the part)."
                 )
             placements.append(DShard(dim))
         stride = tuple(math.prod(ml.shape[i + 1 :]) for i in range(len(ml.shape)))

@@ -6,127 +6,55 @@ plans can key caches and be compared across ranks (:meth:`LayoutPlan.fingerprint
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import hashlib
-import math
 from typing import Any
 
 import torch
 
-from ragged.spec._granularity import Granularity
 from ragged._errors import RaggedKeyError, RaggedValueError
+from ragged.spec._leaf import LeafLayout, LocalPiece, ShardRange, piece_shape
 
-__all__ = ["LeafLayout", "LocalPiece", "LayoutPlan"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LeafLayout:
-    """Where one leaf lives.
-
-    Attributes:
-        path: key path string, e.g. ``"['layers'][0]['w']"``.
-        index: position of the leaf in the flattened parameter tree (key-sorted for dicts).
-        shape: full shape of the leaf.
-        dtype: the leaf's own dtype.
-        offset: global element offset in the sharded buffer (``m * S`` elements) or, for a
-            replicated leaf, in the replicated buffer every rank holds.
-        numel: number of elements.
-        granule: smallest piece (elements) a rank boundary may not cut.
-        spec: the granularity the leaf was planned with.
-    """
-
-    path: str
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-    numel: int
-    granule: int
-    spec: Granularity
-
-    replace = dataclasses.replace
-
-    @property
-    def stop(self) -> int:
-        """One past the leaf's last global element."""
-        return self.offset + self.numel
-
-    @property
-    def row_size(self) -> int:
-        """Elements per row (the last dimension; 1 for 0-d and 1-D leaves)."""
-        return self.shape[-1] if len(self.shape) >= 2 else 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LocalPiece:
-    """The part of one leaf that one rank holds.
-
-    Attributes:
-        leaf: the leaf's layout.
-        start: first element of the leaf held (in the leaf's flattened order).
-        stop: one past the last element held.
-        local_offset: where the piece starts inside the rank's shard of S elements.
-    """
-
-    leaf: LeafLayout
-    start: int
-    stop: int
-    local_offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the piece's view: whole leading slices or whole rows when the cut allows,
-        else flat."""
-        return piece_shape(self.leaf.shape, self.start, self.stop)
-
-
-def piece_shape(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
-    """Shape a contiguous piece ``[start, stop)`` of a leaf is viewed with.
-
-    Whole slices along dim 0 keep their trailing shape (``(k, *shape[1:])``); whole rows of
-    the last dimension become ``(k, shape[-1])``; anything else is flat.
-
-    Examples:
-        >>> piece_shape((4, 3, 2), 6, 18), piece_shape((4, 3, 2), 2, 8), piece_shape((4, 3, 2), 1, 4)
-        ((2, 3, 2), (3, 2), (3,))
-    """
-    n = stop - start
-    if len(shape) == 0:
-        return () if n == 1 else (n,)
-    inner = math.prod(shape[1:])
-    if inner > 0 and start % inner == 0 and n % inner == 0:
-        return (n // inner, *shape[1:])
-    if len(shape) >= 2:
-        row = shape[-1]
-        if row > 0 and start % row == 0 and n % row == 0:
-            return (n // row, row)
-    return (n,)
+__all__ = ["LeafLayout", "LocalPiece", "LayoutPlan", "ShardRange", "piece_shape"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LayoutPlan:
-    """A layout of a parameter tree into one flat buffer of ``world_size * shard_size``
-    elements (rank k holds ``[k*S, (k+1)*S)``), plus the replicated leaves.
+    """A layout of a parameter tree into flat buffers sharded over ``world_size`` ranks, plus
+    the replicated leaves.
 
-    Build one with :func:`ragged.make_plan`. Leaves are contiguous, blocks never cross a
-    rank boundary (except under ``strategy="naive"``, which reports ``split_blocks``), and
-    padding sits only between leaves and at the end.
+    [Note: buffers of a plan]
+    A plan has one or more *buffers* (``plan.buffers``, ``((offset_b, S_b), ...)``). Buffer b
+    occupies global elements ``[offset_b, offset_b + m * S_b)`` and rank k owns
+    ``[offset_b + k * S_b, offset_b + (k + 1) * S_b)`` of it; buffers tile the global buffer
+    of ``m * S`` elements in order (``offset_0 = 0``), and ``S = shard_size = sum(S_b)``. A
+    rank's shard (``DBuffer.data``) is its piece of buffer 0, then of buffer 1, ... So a
+    gathered unit is still ONE flat tensor of ``m * S`` elements in which every leaf is a
+    contiguous range (``leaf.offset`` is global), but rank k's part of it is several ranges:
+    :meth:`shard_ranges` says which, and :meth:`locate` / :meth:`global_position` convert
+    between global positions and (rank, local offset). A single-buffer plan (the default,
+    ``make_plan(max_buffers=1)``) has ``buffers == ((0, S),)`` and rank k owns ``[kS, (k+1)S)``.
+
+    Build one with :func:`ragged.make_plan`. Leaves are contiguous, each inside one buffer,
+    granules never cross a rank boundary of their buffer (except under ``strategy="naive"``,
+    which reports ``split_blocks``), and padding sits only between leaves and at the end of
+    each buffer.
 
     Attributes:
-        leaves: sharded leaves in buffer order.
+        leaves: sharded leaves in buffer order (global offset order).
         replicated: leaves kept whole on every rank (``spec.Replicate()``), with offsets into
             the replicated buffer.
         world_size: m, the number of ranks in the shard group.
-        shard_size: S, elements per rank.
-        dtype: the buffer's dtype (one buffer has one dtype).
+        shard_size: S, elements per rank (the sum of the buffers' ``S_b``).
+        dtype: the buffers' dtype (one dtype per plan).
         align: offset alignment in elements.
         strategy: the strategy that produced the plan.
         split_blocks: how many (leaf, boundary) pairs cut a granule (0 except for "naive").
         treedef: the parameter tree's structure, to rebuild trees from leaves.
+        buffers: ``((offset_b, S_b), ...)``, see [Note: buffers of a plan]; default (and
+            whenever one buffer is given) ``((0, shard_size),)``.
     """
 
     leaves: tuple[LeafLayout, ...]
@@ -138,8 +66,28 @@ class LayoutPlan:
     strategy: str
     split_blocks: int = 0
     treedef: Any = dataclasses.field(repr=False)
+    buffers: tuple[tuple[int, int], ...] = ()
 
     replace = dataclasses.replace
+
+    def __post_init__(self):
+        buffers = tuple((int(o), int(s)) for o, s in self.buffers)
+        if len(buffers) <= 1:  # one buffer is the whole shard (also after replace(shard_size=...))
+            buffers = ((0, self.shard_size),)
+        else:
+            pos = 0
+            for b, (offset, size) in enumerate(buffers):
+                if offset != pos or size < 1:
+                    raise RaggedValueError(
+                        f"LayoutPlan.buffers must tile the global buffer in order with positive sizes: buffer {b} is "
+                        f"(offset {offset}, S_b {size}) but should start at {pos}. Buffers: {buffers}."
+                    )
+                pos += self.world_size * size
+            if sum(size for _, size in buffers) != self.shard_size:
+                raise RaggedValueError(
+                    f"LayoutPlan: shard_size {self.shard_size} is not the sum of the buffers' sizes {buffers}."
+                )
+        object.__setattr__(self, "buffers", buffers)
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -170,9 +118,107 @@ class LayoutPlan:
     def num_leaves(self) -> int:
         return len(self.leaves) + len(self.replicated)
 
+    @property
+    def num_buffers(self) -> int:
+        """How many buffers the plan has (one collective launch each, coalesced)."""
+        return len(self.buffers)
+
+    # ---- where elements live: the one vocabulary for multi-buffer plans ---------------------
+    def buffer_index(self, offset: int) -> int:
+        """The buffer holding global element ``offset``.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> from ragged import spec
+            >>> plan = rg.make_plan({"a": torch.empty(8, 3), "b": torch.empty(4, 5)}, world_size=2, align=1,
+            ...                     max_buffers=2)
+            >>> plan.buffers, [plan.buffer_index(l.offset) for l in plan.leaves]
+            (((0, 12), (24, 10)), [0, 1])
+        """
+        return _buffer_starts(self.buffers)[1](offset)
+
+    def shard_ranges(self, rank: int) -> tuple[ShardRange, ...]:
+        """The global ranges ``rank`` owns, one per buffer, and where each sits in its shard.
+
+        Rank k's shard is ``cat([global[r.start:r.stop] for r in plan.shard_ranges(k)])``.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> plan = rg.make_plan({"a": torch.empty(8, 3), "b": torch.empty(4, 5)}, world_size=2, align=1,
+            ...                     max_buffers=2)
+            >>> [tuple(r) for r in plan.shard_ranges(1)]
+            [(12, 24, 0), (34, 44, 12)]
+        """
+        if not 0 <= rank < self.world_size:
+            raise RaggedValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
+        out, local = [], 0
+        for offset, size in self.buffers:
+            lo = offset + rank * size
+            out.append(ShardRange(lo, lo + size, local))
+            local += size
+        return tuple(out)
+
+    def locate(self, positions):
+        """Owner rank and offset in that rank's shard of global buffer positions.
+
+        Args:
+            positions: an int, or an integer tensor of global positions in ``[0, m * S)``.
+
+        Returns:
+            ``(rank, local_offset)``: two ints, or two int64 tensors like ``positions``.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> plan = rg.make_plan({"a": torch.empty(8, 3), "b": torch.empty(4, 5)}, world_size=2, align=1,
+            ...                     max_buffers=2)
+            >>> plan.locate(13), [t.tolist() for t in plan.locate(torch.tensor([0, 13, 24, 43]))]
+            ((1, 1), [[0, 1, 0, 1], [0, 1, 12, 21]])
+        """
+        starts, _, sizes, bases = _buffer_starts(self.buffers)
+        if isinstance(positions, torch.Tensor):
+            pos = positions.to(torch.int64)
+            if len(self.buffers) == 1:
+                S = max(self.shard_size, 1)
+                rank = torch.div(pos, S, rounding_mode="floor")
+                return rank, pos - rank * S
+            b = torch.searchsorted(torch.tensor(starts, dtype=torch.int64, device=pos.device), pos, right=True) - 1
+            start = torch.tensor(starts, dtype=torch.int64, device=pos.device)[b]
+            size = torch.tensor(sizes, dtype=torch.int64, device=pos.device)[b]
+            base = torch.tensor(bases, dtype=torch.int64, device=pos.device)[b]
+            rel = pos - start
+            rank = torch.div(rel, size, rounding_mode="floor")
+            return rank, base + rel - rank * size
+        b = bisect.bisect_right(starts, positions) - 1
+        rank, within = divmod(positions - starts[b], sizes[b])
+        return rank, bases[b] + within
+
+    def global_position(self, rank: int, local_offsets):
+        """Inverse of :meth:`locate`: the global positions of ``rank``'s local offsets (an int or
+        an integer tensor).
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> plan = rg.make_plan({"a": torch.empty(8, 3), "b": torch.empty(4, 5)}, world_size=2, align=1,
+            ...                     max_buffers=2)
+            >>> plan.global_position(1, 1), plan.global_position(1, torch.tensor([0, 12, 21])).tolist()
+            (13, [12, 34, 43])
+        """
+        starts, _, sizes, bases = _buffer_starts(self.buffers)
+        if isinstance(local_offsets, torch.Tensor):
+            loc = local_offsets.to(torch.int64)
+            if len(self.buffers) == 1:
+                return loc + rank * self.shard_size
+            bases_t = torch.tensor(bases, dtype=torch.int64, device=loc.device)
+            b = torch.searchsorted(bases_t, loc, right=True) - 1
+            starts_t = torch.tensor(starts, dtype=torch.int64, device=loc.device)[b]
+            sizes_t = torch.tensor(sizes, dtype=torch.int64, device=loc.device)[b]
+            return starts_t + rank * sizes_t + loc - bases_t[b]
+        b = bisect.bisect_right(bases, local_offsets) - 1
+        return starts[b] + rank * sizes[b] + local_offsets - bases[b]
+
     # ---- per-rank queries ----------------------------------------------------------------
     def local_pieces(self, rank: int) -> tuple[LocalPiece, ...]:
-        """The pieces of sharded leaves that ``rank`` holds, in buffer order.
+        """The pieces of sharded leaves that ``rank`` holds, in shard (= buffer) order.
 
         Examples:
             >>> import torch, ragged as rg
@@ -180,16 +226,23 @@ class LayoutPlan:
             >>> [(p.start, p.stop, p.shape) for p in plan.local_pieces(1)]
             [(12, 24, (3, 4))]
         """
-        if not 0 <= rank < self.world_size:
-            raise RaggedValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
-        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        ranges = self.shard_ranges(rank)
+        offsets = _leaf_offsets(self.leaves)
         pieces = []
-        for leaf in self.leaves:
-            start, stop = max(leaf.offset, lo), min(leaf.stop, hi)
-            if start < stop:
-                pieces.append(
-                    LocalPiece(leaf=leaf, start=start - leaf.offset, stop=stop - leaf.offset, local_offset=start - lo)
-                )
+        for lo, hi, local in ranges:
+            # leaves are in offset order: only the last non-empty leaf starting before lo can reach into it
+            i = max(bisect.bisect_left(offsets, lo) - 1, 0)
+            while i > 0 and self.leaves[i].numel == 0:
+                i -= 1
+            for leaf in self.leaves[i:]:
+                if leaf.offset >= hi:
+                    break
+                start, stop = max(leaf.offset, lo), min(leaf.stop, hi)
+                if start < stop:
+                    pieces.append(
+                        LocalPiece(leaf=leaf, start=start - leaf.offset, stop=stop - leaf.offset,
+                                   local_offset=local + start - lo)
+                    )
         return tuple(pieces)
 
     def occupancy(self) -> tuple[int, ...]:
@@ -200,27 +253,31 @@ class LayoutPlan:
             >>> rg.make_plan({"w": torch.empty(7, 4)}, world_size=3, align=1).occupancy()
             (12, 12, 4)
         """
-        S = self.shard_size
+        starts, find, sizes, _ = _buffer_starts(self.buffers)
         occ = [0] * self.world_size
         for leaf in self.leaves:
             if not leaf.numel:
                 continue
-            first, last = leaf.offset // S, (leaf.stop - 1) // S
+            b = find(leaf.offset)
+            S, base = sizes[b], starts[b]
+            first, last = (leaf.offset - base) // S, (leaf.stop - 1 - base) // S
             if first == last:
                 occ[first] += leaf.numel
                 continue
-            occ[first] += (first + 1) * S - leaf.offset
+            occ[first] += base + (first + 1) * S - leaf.offset
             for r in range(first + 1, last):
                 occ[r] += S
-            occ[last] += leaf.stop - last * S
+            occ[last] += leaf.stop - base - last * S
         return tuple(occ)
 
     def owners(self, leaf: LeafLayout) -> tuple[int, ...]:
         """Ranks holding at least one element of ``leaf``."""
         if leaf.numel == 0:
             return ()
-        S = self.shard_size
-        return tuple(range(leaf.offset // S, (leaf.stop - 1) // S + 1))
+        starts, find, sizes, _ = _buffer_starts(self.buffers)
+        b = find(leaf.offset)
+        S, base = sizes[b], starts[b]
+        return tuple(range((leaf.offset - base) // S, (leaf.stop - 1 - base) // S + 1))
 
     def leaf(self, path: str) -> LeafLayout:
         """The layout of the leaf at key path ``path`` (sharded or replicated)."""
@@ -234,18 +291,19 @@ class LayoutPlan:
 
         (``hash()`` of strings is salted per process, so it cannot serve across ranks.)
         """
-        text = repr(
-            (
-                self.world_size,
-                self.shard_size,
-                str(self.dtype),
-                self.align,
-                self.strategy,
-                [(l.path, l.index, l.shape, str(l.dtype), l.offset, l.granule, repr(l.spec)) for l in self.leaves],
-                [(l.path, l.index, l.shape, str(l.dtype), l.offset, repr(l.spec)) for l in self.replicated],
-                str(self.treedef),
-            )
+        fields = (
+            self.world_size,
+            self.shard_size,
+            str(self.dtype),
+            self.align,
+            self.strategy,
+            [(l.path, l.index, l.shape, str(l.dtype), l.offset, l.granule, repr(l.granularity)) for l in self.leaves],
+            [(l.path, l.index, l.shape, str(l.dtype), l.offset, repr(l.granularity)) for l in self.replicated],
+            str(self.treedef),
         )
+        if len(self.buffers) > 1:  # single-buffer fingerprints stay what they were
+            fields = (*fields, self.buffers)
+        text = repr(fields)
         return hashlib.sha256(text.encode()).hexdigest()
 
     # ---- display -------------------------------------------------------------------------
@@ -253,7 +311,8 @@ class LayoutPlan:
         return (
             f"LayoutPlan(world_size={self.world_size}, shard_size={self.shard_size}, "
             f"leaves={len(self.leaves)}, replicated={len(self.replicated)}, dtype={self.dtype}, "
-            f"padding={self.padding} ({self.overhead:.2%}), strategy={self.strategy!r})"
+            f"padding={self.padding} ({self.overhead:.2%}), strategy={self.strategy!r}"
+            + (f", buffers={len(self.buffers)})" if len(self.buffers) > 1 else ")")
         )
 
     def __rich__(self):
@@ -268,3 +327,33 @@ class LayoutPlan:
         from ragged._viz import plan_summary
 
         return Panel(plan_summary(self), expand=False)._repr_mimebundle_(include, exclude, **kwargs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _buffer_starts(buffers: tuple[tuple[int, int], ...]):
+    """``(starts, find, sizes, local bases)`` of a plan's buffers; ``find(offset)`` is the buffer
+    index of a global offset (cached per buffers tuple: cheap to hash, shared by equal plans)."""
+    starts = tuple(o for o, _ in buffers)
+    sizes = tuple(max(s, 1) for _, s in buffers)
+    bases, acc = [], 0
+    for _, s in buffers:
+        bases.append(acc)
+        acc += s
+    if len(starts) == 1:
+        find = _first_buffer
+    else:
+        find = functools.partial(_bisect_buffer, starts)
+    return starts, find, sizes, tuple(bases)
+
+
+def _first_buffer(offset: int) -> int:
+    return 0
+
+
+def _bisect_buffer(starts, offset: int) -> int:
+    return max(bisect.bisect_right(starts, offset) - 1, 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _leaf_offsets(leaves: tuple) -> list[int]:
+    return [leaf.offset for leaf in leaves]

@@ -26,9 +26,10 @@ import optree
 import torch
 
 from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
-from ragged._pytree import key_mismatch, keystr
-from ragged.spec import _search
+from ragged._pytree import keystr
+from ragged.spec import _buffers, _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
+from ragged.spec._spec_tree import broadcast_specs
 from ragged.spec._plan import LayoutPlan, LeafLayout
 
 __all__ = ["make_plan", "STRATEGIES", "ORDERS"]
@@ -53,7 +54,7 @@ def _leaf_shape_dtype(path: str, leaf):
 
 def _spec_leaves(specs, params, treedef, n: int) -> list:
     """One granularity per params leaf. Fast paths for the common cases (one spec for all
-    leaves; a full spec tree); prefixes and every error go through `_broadcast_specs`."""
+    leaves; a full spec tree); prefixes and every error go through :func:`broadcast_specs`."""
     if specs is None:
         return [_DEFAULT] * n
     if isinstance(specs, GRANULARITY_TYPES):
@@ -62,33 +63,18 @@ def _spec_leaves(specs, params, treedef, n: int) -> list:
         flat = treedef.flatten_up_to(specs)
     except ValueError:
         flat = None
-    if flat is not None and all(s is None or isinstance(s, GRANULARITY_TYPES) for s in flat):
-        return [_DEFAULT if s is None else s for s in flat]
-    return treedef.flatten_up_to(_broadcast_specs(specs, params))
+    if flat is None or not all(s is None or isinstance(s, GRANULARITY_TYPES) for s in flat):
+        flat = broadcast_specs(specs, params, treedef, check_leaf=_check_granularity, none_means="Rows(1)")
+    return [_DEFAULT if s is None else s for s in flat]
 
 
-def _broadcast_specs(specs, params):
-    if specs is None:
-        return None
-    specs = optree.tree_map(lambda s: _DEFAULT if s is None else s, specs, none_is_leaf=True, namespace="ragged")
-    for accessor, s in zip(*optree.tree_flatten_with_accessor(specs, namespace="ragged")[:2]):
-        if not isinstance(s, GRANULARITY_TYPES):
-            raise RaggedTypeError(
-                f"specs{keystr(accessor)} is {s!r} of type {type(s).__name__}, not a granularity. "
-                "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
-                "spec.Replicate() or None (= Rows(1))."
-            )
-    try:
-        return optree.tree_broadcast_prefix(specs, params, namespace="ragged")
-    except ValueError:
-        errors = optree.prefix_errors(specs, params, namespace="ragged")
-        if errors:
-            said = key_mismatch(specs, params, prefix_name="specs", full_name="params") or errors[0]("specs")
-            raise RaggedValueError(
-                f"{str(said).rstrip('.')}.\nFix: give specs the structure of params, or a prefix of it (one spec stands for "
-                "a whole subtree, e.g. {'layers': spec.Rows(1)}); None leaves mean Rows(1)."
-            ) from None
-        raise
+def _check_granularity(path: str, s) -> None:
+    if s is not None and not isinstance(s, GRANULARITY_TYPES):
+        raise RaggedTypeError(
+            f"specs{path} is {s!r} of type {type(s).__name__}, not a granularity. "
+            "Each spec leaf must be spec.Elements(n), spec.Rows(n), spec.Blocks(r, c), "
+            "spec.Replicate() or None (= Rows(1))."
+        )
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,6 +138,14 @@ def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_
     return S, tuple(_search.place(sizes, granules, align, S)), 0
 
 
+@functools.lru_cache(maxsize=16384)
+def _solve_range(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, start: int,
+                 limit: int, scalar: int = 8) -> int | None:
+    """The least feasible S in ``[start, limit]`` for this order (smaller S known infeasible),
+    or ``None``; the multi-buffer search's solve (cached like :func:`_solve`)."""
+    return _search.min_shard_size(sizes, granules, align, world_size, limit=limit, start=start, scalar=scalar)
+
+
 _BUILTIN_NODES = (dict, list, tuple, type(None))
 
 
@@ -191,8 +185,9 @@ def make_plan(
     strategy: str = "dp",
     order: str | Sequence[str] | None = None,
     dtype: torch.dtype | None = None,
+    max_buffers: int | str = 1,
 ) -> LayoutPlan:
-    """Plans where every leaf of ``params`` lives in one flat buffer sharded over ``world_size``.
+    """Plans where every leaf of ``params`` lives in flat buffers sharded over ``world_size``.
 
     Pure: touches no tensor data and communicates nothing, so meta tensors plan a 671B-parameter
     model with no memory.
@@ -211,7 +206,13 @@ def make_plan(
             ``"size"``, ``"search"`` (try all three, keep the smallest S), or a sequence of
             key paths. Default: ``"search"`` for ``"dp"``, ``"tree"`` otherwise.
         dtype: the buffer dtype. Default: the leaves' dtype; leaves of different dtypes need an
-            explicit ``dtype`` (one buffer has one dtype; shard() casts into it).
+            explicit ``dtype`` (one plan has one dtype; shard() casts into it).
+        max_buffers: ``1`` (default): one buffer, today's plans bit for bit. An int ``K``: up
+            to K buffers, the partition with the least padding (never more than one buffer,
+            one buffer per granule, or one per leaf when within K). ``"auto"``: up to 8 buffers
+            chosen by the cost model of [Note: the buffer cost model] (``_buffers.py``): an
+            extra buffer must save 1 MiB of gathered padding, and padding never exceeds those
+            baselines'. Every leaf lies in one buffer; see ``plan.buffers``.
 
     Returns:
         A frozen, hashable :class:`LayoutPlan`.
@@ -228,6 +229,12 @@ def make_plan(
         >>> plan = rg.make_plan(params, {"w": spec.Rows(1), "b": None}, world_size=4)
         >>> plan.shard_size, plan.padding, [l.path for l in plan.leaves]
         (12, 4, ["['b']", "['w']"])
+        >>> params = {"a": torch.empty(8, 3, device="meta"), "b": torch.empty(4, 5, device="meta")}
+        >>> rg.make_plan(params, world_size=2, align=1).padding    # one buffer: S = 23
+        2
+        >>> two = rg.make_plan(params, world_size=2, align=1, max_buffers="auto")
+        >>> two.buffers, two.shard_size, two.padding               # rows of 3 and rows of 5 apart
+        (((0, 12), (24, 10)), 22, 0)
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
@@ -235,6 +242,12 @@ def make_plan(
         raise RaggedValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
         raise RaggedValueError(f"align must be a positive int (elements) or None, got {align!r}.")
+    max_buffers = _buffers.check_max_buffers(max_buffers)
+    if strategy == "naive" and max_buffers != 1:
+        raise RaggedValueError(
+            f"strategy='naive' is plain concatenation into one buffer (a baseline); max_buffers={max_buffers!r} "
+            "needs strategy='dp' or 'exact'."
+        )
 
     leaves, treedef = optree.tree_flatten(params, namespace="ragged")
     if not leaves:
@@ -249,7 +262,8 @@ def make_plan(
         shapes_dtypes.append(sd)
     spec_leaves = _spec_leaves(specs, params, treedef, len(leaves))
     order_key = order if order is None or isinstance(order, str) else tuple(order)
-    memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype)
+    memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype,
+                max_buffers)
     try:
         cached = _PLAN_MEMO.get(memo_key)
     except TypeError:  # an unhashable spec or order: plan without the memo
@@ -288,23 +302,42 @@ def make_plan(
 
     if order is None and strategy == "dp":
         order = "search"
-    best = None
-    for candidate in _order_indices(order, sharded, world_size):
-        sizes = tuple(sharded[i][1] for i in candidate)
-        granules = tuple(sharded[i][2] for i in candidate)
-        # Later orders only need to beat the best S so far (strictly, so ties keep the first).
-        limit = None if best is None or strategy == "naive" else best[0] - align_elems
-        if limit is not None and limit < align_elems:
-            break
-        solved = _solve(sizes, granules, align_elems, world_size, strategy, limit)
-        if solved is None:
-            continue
-        S, offsets, split = solved
-        if best is None or S < best[0]:
-            best = (S, offsets, split, candidate)
-    if best is None:  # only replicated leaves
-        best = (align_elems, (), 0, [])
-    S, offsets, split, chosen = best
+    candidates = _order_indices(order, sharded, world_size)
+    buffers = ()
+    if max_buffers == 1 or len(sharded) < 2:
+        best = None
+        for candidate in candidates:
+            sizes = tuple(sharded[i][1] for i in candidate)
+            granules = tuple(sharded[i][2] for i in candidate)
+            # Later orders only need to beat the best S so far (strictly, so ties keep the first).
+            limit = None if best is None or strategy == "naive" else best[0] - align_elems
+            if limit is not None and limit < align_elems:
+                break
+            solved = _solve(sizes, granules, align_elems, world_size, strategy, limit)
+            if solved is None:
+                continue
+            S, offsets, split = solved
+            if best is None or S < best[0]:
+                best = (S, offsets, split, candidate)
+        if best is None:  # only replicated leaves
+            best = (align_elems, (), 0, [])
+        S, offsets, split, chosen = best
+    else:
+        def solve(sizes, granules, start, limit, scalar=8):
+            return _solve_range(sizes, granules, align_elems, world_size, start, limit, scalar)
+
+        parts = _buffers.partition(
+            [(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align_elems, max_buffers=max_buffers,
+            itemsize=itemsize, orders=candidates, solve=solve,
+            place=lambda sizes, granules, S: tuple(_search.place(sizes, granules, align_elems, S)),
+        )
+        chosen, offsets, start, buffers = [], [], 0, []
+        for S_b, members, local in parts:
+            chosen.extend(members)
+            offsets.extend(start + o for o in local)
+            buffers.append((start, S_b))
+            start += world_size * S_b
+        S, split, buffers = sum(b for _, b in buffers), 0, tuple(buffers)
 
     def layout(entry, offset):
         path, numel, granule, index = entry
@@ -316,7 +349,7 @@ def make_plan(
             offset=offset,
             numel=numel,
             granule=granule,
-            spec=spec_leaves[index],
+            granularity=spec_leaves[index],
         )
 
     rep_layouts, rep_offset = [], 0
@@ -333,9 +366,51 @@ def make_plan(
         strategy=strategy,
         split_blocks=split,
         treedef=treedef,
+        buffers=buffers,
     )
     if memo_key is not None:
         if len(_PLAN_MEMO) >= _PLAN_MEMO_MAX:
             _PLAN_MEMO.pop(next(iter(_PLAN_MEMO)))
         _PLAN_MEMO[memo_key] = plan
     return plan
+
+
+def with_buffers(plan: LayoutPlan, groups: Sequence[Sequence[str]] | None = None) -> LayoutPlan:
+    """``plan``'s leaves laid out in the given buffers (one per group of key paths, in order;
+    inside a buffer, the leaves keep ``plan``'s order and take the exact least S for it).
+
+    For tests of code that consumes plans: a multi-buffer plan whatever the padding says
+    (``make_plan`` only splits when that pads less). Default ``groups``: one buffer per granule.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged.spec._planning import with_buffers
+        >>> plan = rg.make_plan({"a": torch.empty(4, 2), "b": torch.empty(3, 3)}, world_size=2, align=1)
+        >>> with_buffers(plan).buffers
+        ((0, 4), (8, 6))
+    """
+    by_path = {leaf.path: leaf for leaf in plan.leaves}
+    if groups is None:
+        by_granule: dict[int, list[str]] = {}
+        for leaf in plan.leaves:
+            by_granule.setdefault(leaf.granule, []).append(leaf.path)
+        groups = list(by_granule.values())
+    listed = [p for g in groups for p in g]
+    if sorted(listed) != sorted(by_path) or any(not g for g in groups):
+        raise RaggedValueError(
+            f"with_buffers: groups must be non-empty and list every sharded leaf exactly once; got {groups}, "
+            f"leaves are {list(by_path)}."
+        )
+    position = {leaf.path: i for i, leaf in enumerate(plan.leaves)}
+    leaves, buffers, start, m, align = [], [], 0, plan.world_size, plan.align
+    for group in groups:
+        members = sorted(group, key=position.get)
+        sizes = tuple(by_path[p].numel for p in members)
+        granules = tuple(by_path[p].granule for p in members)
+        S = _search.min_shard_size(sizes, granules, align, m)
+        for p, off in zip(members, _search.place(sizes, granules, align, S)):
+            leaves.append(by_path[p].replace(offset=start + off))
+        buffers.append((start, S))
+        start += m * S
+    return plan.replace(leaves=tuple(leaves), shard_size=sum(s for _, s in buffers), buffers=tuple(buffers),
+                        split_blocks=0)

@@ -27,6 +27,7 @@ feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search fin
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 
 import numpy as np
@@ -121,12 +122,8 @@ def greedy_ends(sizes, granules, align: int, shard_sizes, *, world_size: int | N
         int64 array of ends (aligned), ``_INFEASIBLE`` where no placement exists.
     """
     S_all = np.asarray(shard_sizes, dtype=np.int64)
-    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
-    granules = np.asarray(granules, dtype=np.int64).reshape(-1)
+    sizes, granules, prefix, suffix = _arrays(sizes, granules, align)
     n = sizes.size
-    aligned = -(-sizes // align) * align
-    prefix = np.concatenate([[0], np.cumsum(aligned)])
-    suffix = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])
     ends = np.full(S_all.shape, _INFEASIBLE, dtype=np.int64)
     S, idx = S_all, np.arange(S_all.size)
     p = np.zeros_like(S)
@@ -153,6 +150,47 @@ def greedy_ends(sizes, granules, align: int, shard_sizes, *, world_size: int | N
     return ends
 
 
+def _arrays(sizes, granules, align: int):
+    """int64 arrays of sizes, granules, aligned prefix sums and raw suffix sums (cached for
+    tuples: the multi-buffer search solves one order of one buffer many times)."""
+    if isinstance(sizes, tuple) and isinstance(granules, tuple):
+        return _arrays_cached(sizes, granules, align)
+    return _arrays_of(sizes, granules, align)
+
+
+def _arrays_of(sizes, granules, align: int):
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    granules = np.asarray(granules, dtype=np.int64).reshape(-1)
+    aligned = -(-sizes // align) * align
+    prefix = np.concatenate([[0], np.cumsum(aligned)])
+    suffix = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])
+    return sizes, granules, prefix, suffix
+
+
+_arrays_cached = functools.lru_cache(maxsize=64)(_arrays_of)
+
+
+@functools.lru_cache(maxsize=64)
+def _prepared(sizes: tuple, granules: tuple, align: int, world_size: int):
+    """What :func:`min_shard_size` derives from one order before scanning (cached)."""
+    sizes_l = [int(e) for e in sizes]
+    granules_l = [int(g) for g in granules]
+    total = sum(sizes_l)
+    atomic = max((e for e, g in zip(sizes_l, granules_l) if e <= g), default=0)
+    prefix = [0]
+    for e in sizes_l:
+        prefix.append(prefix[-1] + -(-e // align) * align)
+    suffix = [0] * (len(sizes_l) + 1)
+    for k in range(len(sizes_l) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + sizes_l[k]
+    counts: dict[tuple[int, int], int] = {}
+    for e, g in zip(sizes_l, granules_l):
+        counts[(e, g)] = counts.get((e, g), 0) + 1
+    kinds = tuple((e, g, c) for (e, g), c in counts.items())
+    return sizes_l, granules_l, total, atomic, prefix, suffix, kinds, upper_bound(sizes_l, granules_l, align, world_size)
+
+
+@functools.lru_cache(maxsize=65536)
 def _release_threshold(e: int, g: int, align: int) -> int:
     """Smallest S at which a tensor of ``e`` elements and granule ``g`` may cross only one
     boundary (``e <= S + floor(S / L) * L``); below it, S must be a multiple of ``g``."""
@@ -205,19 +243,132 @@ def order_free_lower_bound(sizes, granules, align: int, world_size: int) -> int:
     granule its forced tensors require (see the module note). When a plan reaches it, no
     order and no planner can do better.
     """
-    total = sum(int(e) for e in sizes)
-    atomic = max((int(e) for e, g in zip(sizes, granules) if int(e) <= int(g)), default=0)
+    counts: dict[tuple[int, int], int] = {}
+    for e, g in zip(sizes, granules):
+        key = (int(e), int(g))
+        counts[key] = counts.get(key, 0) + 1
+    return kinds_lower_bound(tuple((e, g, c) for (e, g), c in counts.items()), align, world_size)
+
+
+def kinds_lower_bound(kinds: tuple[tuple[int, int, int], ...], align: int, world_size: int) -> int:
+    """:func:`order_free_lower_bound` of tensors given as ``(numel, granule, count)`` kinds
+    (what the multi-buffer search evaluates: O(kinds), not O(tensors)): the first candidate
+    of :func:`_candidate_intervals` that :class:`OrderFree` accepts."""
+    total = sum(e * c for e, _, c in kinds)
+    atomic = max((e for e, g, _ in kinds if e <= g), default=0)
     lo = max(-(-total // world_size), atomic, 1)
     lo = -(-lo // align) * align
-    hi = upper_bound(sizes, granules, align, world_size)
-    for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
+    slack = sum((e + _lcm(g, align) + align) * c for e, g, c in kinds)
+    hi = max(max((e for e, _, _ in kinds), default=0), -(-slack // world_size), align)
+    hi = -(-hi // align) * align
+    check = OrderFree(kinds, align, world_size, lo)
+    for a, b, step in _candidate_intervals([e for e, _, _ in kinds], [g for _, g, _ in kinds], align, lo, hi):
+        for S in check.candidates(a, b, step):
+            if S.size:
+                return int(S[0])
+    return hi  # the upper bound is feasible, hence accepted
+
+
+class OrderFree:
+    """Necessary conditions on S that hold for every order (they never reject a feasible S;
+    they spare the greedy of :func:`min_shard_size` and tighten :func:`kinds_lower_bound`).
+
+    [Note: pieces are multiples of G]
+    Every piece a rank holds of tensor t is the whole tensor (``e``), a head cut at a granule
+    boundary (a multiple of ``g``), a whole shard (``S``, only when ``S % g == 0``) or the tail
+    after the last cut (``e - k*g``): all multiples of ``G_t = gcd(e, g)``. Pick any G: a rank
+    that holds pieces only of tensors whose ``G_t`` is a multiple of G holds at most
+    ``f = floor(S / G) * G`` elements, and the other tensors (``e`` elements each) touch at most
+    ``k = sum(ceil(e / S) + 1)`` ranks, so ``(m - k) * f + k * S >= total``. E.g. 514 DeepSeek-V3
+    expert matrices of 16 granules over 256 ranks need 33 granules per rank, not 32.2.
+
+    [Note: tensors that cross one boundary]
+    At a candidate S with ``S % g != 0``, a tensor with ``e > S`` crosses exactly one boundary
+    B (two would need ``S % g == 0``), starting at ``B - j*L`` (``L = lcm(g, align)``) with
+    ``max(L, e - S) <= j*L <= S``. So such tensors sit on distinct boundaries (at most
+    ``m - 1`` of them), and two of them on *adjacent* boundaries B, B + S (t1 ends before t2
+    starts) need ``floor(S/L1)*L1 - ceil(max(L2, e2 - S)/L2)*L2 >= e1 - S``. When no pair of
+    their kinds can be adjacent, n of them need n pairwise non-adjacent boundaries out of
+    ``m - 1``: ``n <= m // 2``. E.g. 514 expert matrices of 16 granules over 1024 ranks at S
+    between 8 and 9 granules: each needs two ranks of its own, 1028 > 1024.
+    """
+
+    _MAX_G = 8
+
+    def __init__(self, kinds, align: int, world_size: int, lo: int):
+        """``kinds``: ``(numel, granule, count)`` of every tensor; ``lo``: the smallest S that
+        will be asked about."""
+        self.align, self.m = align, world_size
+        self.total = sum(e * c for e, _, c in kinds)
+        self.crossing = tuple((e, g, c) for e, g, c in kinds if e > lo and e > g)
+        by_G: dict[int, int] = {}
+        for e, g, c in kinds:
+            if e:
+                G = math.gcd(e, g)
+                by_G[G] = by_G.get(G, 0) + e * c
+        # the G values that carry the most elements (a G dividing align constrains nothing)
+        top = sorted(by_G, key=lambda G: -by_G[G])[: self._MAX_G]
+        Gs = list(dict.fromkeys([*top, *(math.gcd(a, b) for i, a in enumerate(top) for b in top[i + 1 :])]))
+        Gs = [G for G in Gs if G > 1 and align % G][: 2 * self._MAX_G]
+        self.pieces = []
+        for G in Gs:
+            others = tuple((e, c) for e, g, c in kinds if e and math.gcd(e, g) % G)
+            self.pieces.append((G, others))
+
+    def __bool__(self) -> bool:
+        return bool(self.crossing or self.pieces)
+
+    def candidates(self, a: int, b: int, step: int):
+        """Yields arrays of the accepted multiples of ``step`` in ``[a, b)``, ascending, in
+        growing chunks."""
         start = -(-a // step) * step
-        if start < b:
-            return start
-    return hi  # pragma: no cover (the last interval always holds hi)
+        chunk = 16
+        while start < b:
+            S = np.arange(start, min(start + chunk * step, b), step, dtype=np.int64)
+            start += chunk * step
+            chunk = min(chunk * 4, 1 << 16)
+            yield S[self.accepts(S)] if self else S
+
+    def accepts(self, S: np.ndarray) -> np.ndarray:
+        S = np.asarray(S, dtype=np.int64)
+        ok = np.ones(S.shape, dtype=bool)
+        m = self.m
+        for G, others in self.pieces:
+            k = np.zeros(S.shape, dtype=np.int64)
+            for e, c in others:
+                k += c * (-(-e // S) + 1)
+            k = np.minimum(k, m)
+            ok &= (m - k) * ((S // G) * G) + k * S >= self.total
+        if self.crossing:
+            ok &= self._crossings(S)
+        return ok
+
+    def _crossings(self, S: np.ndarray) -> np.ndarray:
+        kinds, align, m = self.crossing, self.align, self.m
+        cross, n = [], np.zeros(S.shape, dtype=np.int64)
+        for e, g, c in kinds:
+            one = (e > S) & (S % g != 0)
+            cross.append(one)
+            n = n + c * one
+        ok = n <= m - 1
+        busy = n > m // 2
+        if not busy.any():
+            return ok
+        adjacent = np.zeros(S.shape, dtype=bool)
+        for a, (e1, g1, c1) in enumerate(kinds):
+            L1 = _lcm(g1, align)
+            room = (S // L1) * L1 - (e1 - S)  # the most t1 can leave before B + S
+            for b, (e2, g2, _) in enumerate(kinds):
+                if a == b and c1 < 2:
+                    continue
+                L2 = _lcm(g2, align)
+                need = -(-np.maximum(L2, e2 - S) // L2) * L2
+                adjacent |= cross[a] & cross[b] & (room >= need)
+        return ok & ~(busy & ~adjacent)
 
 
-def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int | None = None) -> int | None:
+def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int | None = None,
+                   start: int | None = None, scalar: int = 8) -> int | None:
     """The smallest S (multiple of ``align``) for which the order has a valid placement.
 
     Candidates ascend from the lower bound ``max(ceil(total / m), largest uncuttable
@@ -228,42 +379,40 @@ def min_shard_size(sizes, granules, align: int, world_size: int, *, limit: int |
     Args:
         limit: when given, look only at ``S <= limit`` and return ``None`` if none is
             feasible (used to try further orders against the best S so far).
+        start: when given, look only at ``S >= start`` (the caller knows smaller S are
+            infeasible for this order, e.g. from an earlier call with ``limit=start - align``).
+        scalar: how many candidates to try one by one in plain Python before vectorising
+            (fast when one of the first is feasible; a resumed scan, whose first candidates
+            are unlikely to be, passes 0).
     """
-    total = sum(int(e) for e in sizes)
+    sizes, granules = tuple(int(e) for e in sizes), tuple(int(g) for g in granules)
+    sizes_l, granules_l, total, atomic, prefix, suffix, kinds, hi = _prepared(sizes, granules, align, world_size)
     # A tensor no longer than its granule can never be cut, so it must fit in one shard.
-    atomic = max((int(e) for e, g in zip(sizes, granules) if int(e) <= int(g)), default=0)
-    lo = max(-(-total // world_size), atomic, 1)
+    lo = max(-(-total // world_size), atomic, 1, start or 1)
     lo = -(-lo // align) * align
-    hi = upper_bound(sizes, granules, align, world_size)
     if limit is not None:
         hi = min(hi, limit)
-    sizes_l = [int(e) for e in sizes]
-    granules_l = [int(g) for g in granules]
-    prefix = [0]
-    for e in sizes_l:
-        prefix.append(prefix[-1] + -(-e // align) * align)
-    suffix = [0] * (len(sizes_l) + 1)
-    for k in range(len(sizes_l) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + sizes_l[k]
+        if hi < lo:
+            return None
+    check = OrderFree(kinds, align, world_size, lo)
+    scalar_left = scalar
     for a, b, step in _candidate_intervals(sizes, granules, align, lo, hi):
-        start = -(-a // step) * step
-        # The first few candidates one by one in plain Python (usually one of them is feasible).
-        for _ in range(8):
-            if start >= b:
-                break
-            end = greedy_end_scalar(sizes_l, granules_l, align, start, world_size, prefix, suffix)
-            if end is not None and end <= start * world_size:
-                return start
-            start += step
-        chunk = 16
-        while start < b:
-            S = np.arange(start, min(start + chunk * step, b), step, dtype=np.int64)
-            ends = greedy_ends(sizes, granules, align, S, world_size=world_size)
-            feasible = np.nonzero(ends <= S * world_size)[0]
-            if feasible.size:
-                return int(S[feasible[0]])
-            start += chunk * step
-            chunk = min(chunk * 4, 4096)
+        for S in check.candidates(a, b, step):
+            # The first few candidates one by one in plain Python (usually one of them is feasible).
+            i = 0
+            while scalar_left and i < S.size:
+                candidate = int(S[i])
+                end = greedy_end_scalar(sizes_l, granules_l, align, candidate, world_size, prefix, suffix)
+                if end is not None and end <= candidate * world_size:
+                    return candidate
+                i += 1
+                scalar_left -= 1
+            for j in range(i, S.size, 4096):
+                part = S[j : j + 4096]
+                ends = greedy_ends(sizes, granules, align, part, world_size=world_size)
+                feasible = np.nonzero(ends <= part * world_size)[0]
+                if feasible.size:
+                    return int(part[feasible[0]])
     if limit is not None:
         return None
     raise AssertionError("unreachable: the upper bound is always feasible")  # pragma: no cover

@@ -5,3 +5,4 @@ when used.
 """
 
 from ragged.testing._asserts import assert_trees_all_close as assert_trees_all_close
+from ragged.spec._planning import with_buffers as with_buffers

@@ -37,6 +37,7 @@ __all__ = [
     "block_specs",
     "spec_trees",
     "plan_inputs",
+    "multi_buffer_inputs",
     "plans",
     "KEYS",
 ]
@@ -173,6 +174,26 @@ def plan_inputs(
     """``(params, specs, world_size)`` ready for :func:`ragged.make_plan`."""
     tree = draw(params if params is not None else param_trees())
     return tree, draw(spec_trees(tree, max_n=max_n, replicate=replicate)), draw(world_sizes)
+
+
+@st.composite
+def multi_buffer_inputs(
+    draw,
+    *,
+    max_leaves: int = 5,
+    dtype: torch.dtype = torch.float64,
+    device: str = "cpu",
+    world_sizes: st.SearchStrategy = world_sizes(min_value=3, max_value=6),
+):
+    """``(params, specs, world_size)`` whose leaves are matrices of several row lengths, long
+    enough to cross rank boundaries: inputs where ``make_plan(..., max_buffers=K)`` often uses
+    more than one buffer (about a quarter of draws with ``align=1``)."""
+    n = draw(st.integers(min_value=2, max_value=max(2, max_leaves)))
+    shapes = [(draw(st.integers(4, 16)), draw(st.integers(1, 7))) for _ in range(n)]
+    seed = draw(st.integers(min_value=0, max_value=2**31 - 1))
+    params = {f"p{i}": _make_leaf(s, dtype, device, seed + i) for i, s in enumerate(shapes)}
+    specs = {k: Rows(draw(st.sampled_from([1, 1, 2]))) for k in params}
+    return params, specs, draw(world_sizes)
 
 
 @st.composite

@@ -157,12 +157,16 @@ def _explain(calls) -> str:
     )
 
 
-def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False) -> None:
+def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False,
+                summary=None, explain=None) -> None:
     """Makes every rank of ``comm`` agree on ``operation`` over ``plans`` before it communicates.
 
     See [Note: plan check before collectives]. ``operation`` names the call and anything else
     that decides the bytes moved (e.g. ``"gather:torch.bfloat16"``); ``every_call=True`` agrees
-    even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step).
+    even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step). Plans of
+    another layout type (anything with ``fingerprint()``, e.g. ``spec.MeshPlan``) bring their own
+    ``summary(plan)`` (what each rank sends when they differ) and ``explain(calls)`` (the message
+    from every rank's ``(operation, fingerprints, summaries)``).
 
     Raises:
         PlanMismatchError: on every rank, if any rank holds other plans or calls another operation.
@@ -173,8 +177,8 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
     if first_use and all(fp in memo for fp in fps):
         return
     if not ranks_agree(comm, operation + "|" + ",".join(fps)):
-        calls = comm.all_gather_object((operation, fps, [_summary(p) for p in plans]))
-        raise PlanMismatchError(_explain(calls))
+        calls = comm.all_gather_object((operation, fps, [(summary or _summary)(p) for p in plans]))
+        raise PlanMismatchError((explain or _explain)(calls))
     if first_use:
         for fp in fps:
             memo[fp] = True
@@ -198,7 +202,7 @@ def flatten_like_plan(plan: LayoutPlan, tree, what: str, *, device=None, allow_d
         raise LayoutError(
             f"{what} does not have the plan's tree structure: missing {missing}, unexpected {extra}"
             + ("" if missing or extra else f" (structure {treedef} vs plan {plan.treedef})")
-            + f". Fix: pass a tree shaped like the params the plan was made from."
+            + ". Fix: pass a tree shaped like the params the plan was made from."
         )
     for layout in plan.leaves + plan.replicated:
         leaf = leaves[layout.index]

@@ -4,12 +4,14 @@
 The S-element shard (cast once to the compute dtype if asked: an S-element cast, never a full
 fp32 copy) is all-gathered into ONE flat buffer of m*S elements; every leaf of the result is a
 view of that buffer (``ragged.unflatten``). There is no copy-in (the shard already is the
-buffer's rank-k chunk) and no copy-out (leaves are contiguous ranges of the buffer).
+buffer's rank-k chunk, or for several buffers its chunks back to back) and no copy-out (leaves
+are contiguous ranges of the buffer). Several buffers move in one coalesced launch
+(:func:`all_gather_flat`, see [Note: one launch per unit, whatever its buffers]).
 
 [Note: gather's backward]
 All-gather transposes to reduce-scatter(sum): ``_GatherStart`` is a new-style
 ``autograd.Function`` (``setup_context``) whose backward reduce-scatters the m*S gradient into
-the S-element shard with ``comm.reduce_scatter_into`` (all_to_all + local sum on gloo, which,
+the S-element shard with :func:`reduce_scatter_flat` (all_to_all + local sum on gloo, which,
 unlike gloo's ``reduce_scatter_single``, also works under ``torch.func.grad``). Replicated
 leaves are returned as views of ``dbuf.replicated``; their backward all-reduces (sums) the
 gradient over the shard group, the transpose of replication.
@@ -33,9 +35,10 @@ import torch
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan
+from ragged.transforms._flat import all_gather_flat, reduce_scatter_flat
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
+__all__ = ["gather", "gather_start", "gather_wait", "GatherPending", "all_gather_flat"]
 
 
 class GatherPending(NamedTuple):
@@ -68,23 +71,23 @@ class _Box:
 
 class _GatherStart(torch.autograd.Function):
     @staticmethod
-    def forward(src, comm, box, out):
+    def forward(src, comm, box, out, plan):
         if out is None:
             out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
-        box.handle = comm.all_gather_into(out, src, async_op=True)
+        box.handle = all_gather_flat(plan, out, src, comm, async_op=True)
         return out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm = inputs[1]
+        ctx.comm, ctx.plan = inputs[1], inputs[4]
 
     @staticmethod
     def backward(ctx, grad):
         comm = ctx.comm
         grad = grad.contiguous()
         out = torch.empty(grad.numel() // comm.world_size, dtype=grad.dtype, device=grad.device)
-        comm.reduce_scatter_into(out, grad, op="sum")
-        return out, None, None, None
+        reduce_scatter_flat(ctx.plan, out, grad, comm, op="sum")
+        return out, None, None, None, None
 
 
 class AllReduceGrad(torch.autograd.Function):
@@ -176,11 +179,11 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
     rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
     box = _Box()
     if torch.is_grad_enabled() and (src.requires_grad or rep.requires_grad):
-        buffer = _GatherStart.apply(src, comm, box, out)
+        buffer = _GatherStart.apply(src, comm, box, out, dbuf.plan)
         if rep.numel():
             rep = AllReduceGrad.apply(rep, comm)
     else:  # nothing to differentiate: skip autograd.Function's per-call overhead (~0.1 ms)
-        buffer = _GatherStart.forward(src, comm, box, out)
+        buffer = _GatherStart.forward(src, comm, box, out, dbuf.plan)
     return GatherPending(buffer=buffer, replicated=rep, handle=box.handle, plan=dbuf.plan, source=src)
 
 

@@ -202,4 +202,4 @@ def owned_plan(plan: LayoutPlan, owners=None, *, world_size: int | None = None) 
         for leaf in sorted(assigned[r], key=lambda l: l.offset):
             leaves.append(leaf.replace(offset=pos, granule=max(leaf.numel, 1)))
             pos += up(leaf.numel)
-    return plan.replace(leaves=tuple(leaves), world_size=m, shard_size=S, strategy="owned", split_blocks=0)
+    return plan.replace(leaves=tuple(leaves), world_size=m, shard_size=S, strategy="owned", split_blocks=0, buffers=())

@@ -5,7 +5,8 @@ this rank's DBuffer of the reduced gradient shard.
 A pytree of gradients is packed ONCE into a flat m*S buffer in the reduce dtype (one
 ``torch.cat(..., out=)`` over leaves and zero gaps: the copy-in, which also casts); a flat
 gradient of ``plan.buffer_numel`` elements (e.g. the gradient of ``gather``'s buffer) is
-reduced as is, with no copy. Then one reduce-scatter(sum) within the shard group; for HSDP one
+reduced as is, with no copy. Then one reduce-scatter(sum) within the shard group (one coalesced
+launch for all of a plan's buffers: ``reduce_scatter_flat``); for HSDP one
 all-reduce(sum) of the S-element result across replicas; ``"mean"`` divides by every
 contributing rank (shard group x replicas). Replicated leaves are packed the same way and
 all-reduced over every rank. The result is cast to ``plan.dtype`` (an S-element cast).
@@ -22,6 +23,7 @@ import torch
 from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan
+from ragged.transforms._flat import reduce_scatter_flat
 from ragged.transforms._shard import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -75,6 +77,9 @@ def weighted_square_sums(plan: LayoutPlan, data: torch.Tensor, replicated: torch
     """``(sum over rank's shard, sum over the replicated buffer)`` of ``weight(leaf) * x**2`` in
     float64, leaf weights by index (default 1). For norms over several mesh axes: a leaf copied
     on an axis of size k gets weight 1/k there, so summing over that axis counts it once."""
+    if not weights:  # every weight 1: padding is zero, so whole buffers (no index tensors)
+        return (torch.sum(torch.square(data.to(torch.float64))),
+                torch.sum(torch.square(replicated.to(torch.float64))))
     groups: dict[float, set[int]] = {}
     for leaf in plan.leaves + plan.replicated:
         groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
@@ -227,7 +232,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    handles = [comm.reduce_scatter_into(out, flat, op="sum", async_op=True)]
+    handles = [reduce_scatter_flat(plan, out, flat, comm, op="sum", async_op=True)]
     if rep.numel():
         handles.append(comm.all_reduce(rep, op="sum", async_op=True))
     return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat, pooled)

@@ -74,21 +74,24 @@ def test_per_shard_state_depends_on_world_size_ragged_blocks_do_not():
 
 
 def test_padding_sweep_matches_planner_and_peer_rules():
-    from bench.padding import chart, sweep
+    from bench.padding import chart, checks, sweep
     from ragged._models import model_units
 
-    rows = sweep(["gpt-oss-120b"], [256], [1])
+    rows = sweep(["gpt-oss-120b"], [256], ["rows:1", "rows:16"])
     units = model_units("gpt-oss-120b")
     numel = sum(t.numel() for u in units for t in u.params.values())
     pad = sum(rg.make_plan(u.params, spec.Rows(1), world_size=256).padding for u in units)
+    auto = sum(rg.make_plan(u.params, spec.Rows(1), world_size=256, max_buffers="auto").padding for u in units)
     fsdp2 = sum(spec.peer_padding(u.params, 256)["fsdp2"].padding for u in units)
-    assert rows[0]["ragged r1"] == pytest.approx(pad / numel)
+    assert rows[0]["one"] == pytest.approx(pad / numel) and rows[0]["auto"] == pytest.approx(auto / numel)
     assert rows[0]["fsdp2"] == pytest.approx(fsdp2 / numel)
-    assert rows[0]["fsdp2"] > 0.5 > 0.01 > rows[0]["ragged r1"]  # 128 experts on 256 ranks: FSDP2 doubles them
+    assert rows[0]["fsdp2"] > 0.5 > 0.01 > rows[0]["one"] >= rows[0]["auto"]  # 128 experts on 256 ranks: FSDP2 doubles them
+    assert rows[1]["auto"] <= min(rows[1]["one"], rows[1]["granule"]) and rows[1]["buffers_max"] > 1
+    assert checks(rows)[0][1]  # auto never above one buffer or one per granule
     from rich.console import Console
 
     console = Console(record=True, width=120)
-    console.print(chart(rows, [1]))
+    console.print(chart(rows))
     text = console.export_text()
     assert "gpt-oss-120b" in text and "█" in text
 
@@ -131,3 +134,31 @@ def test_autograd_bench_both_leaf_views_give_the_same_gradient():
 
     r = measure(hidden=16, chunks=4, repeats=1)
     assert r["leaves"] == 28 and set(r["times"]) == {"rg.gather (split_with_sizes views)", "slice + view per leaf"}
+
+
+def test_measure_interleaves_methods_times_phases_and_pairs():
+    """bench/_measure.py, the one timing helper: the order alternates between repeats, warm-up
+    rounds are not kept, a generator is timed per phase, paired ratios and their CI."""
+    from bench._measure import interleaved, median_ci, paired
+
+    calls = []
+    clock = iter(range(1000))
+
+    def fake_timer(fn):
+        start = next(clock)
+        fn()
+        return next(clock) - start
+
+    def phases():
+        calls.append("c")
+        yield "forward"
+        yield "backward"
+
+    times = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": phases}, 3, warmup=1,
+                        timer=fake_timer)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    assert sorted(times) == ["a", "b", "c backward", "c forward"] and all(len(v) == 3 for v in times.values())
+    assert times["a"] == [1, 1, 1]
+    assert paired([2.0, 4.0, 6.0], [1.0, 2.0, 2.0]) == 2.0
+    lo, hi = median_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert 1.0 <= lo <= 3.0 <= hi <= 5.0 and median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (lo, hi)

@@ -8,6 +8,7 @@ import torch
 
 
 from tests.fsdp._cases import Case, fsdp_run, loss_fn, max_diff, rank_slice, reference_run
+from tests.transforms._cases import plan_through_verbs, units_through_verbs
 from tests.distributed._harness import comm, mesh, workers_2_and_4
 
 pytestmark = pytest.mark.distributed
@@ -111,3 +112,15 @@ def _step_switch(case):
 def test_rank_switching_step_options_raises_on_every_rank(workers):
     msgs = workers.run(_step_switch, Case(steps=2))
     assert all(m is not None and "the operation: fsdp_step" in m for m in msgs), msgs
+
+
+def _layouts_through_verbs():
+    return plan_through_verbs(comm()), units_through_verbs(comm())
+
+
+def test_plan_and_units_through_the_one_verb(workers2):
+    """rg.shard / gather / reduce_scatter / global_norm of a LayoutPlan and of fsdp.Units on gloo
+    equal the per-layout computations (the MeshPlan layout runs on 4 gloo ranks in
+    test_parallel_gloo.py)."""
+    assert workers2.run(_layouts_through_verbs) == [(True, True), (True, True)]
+

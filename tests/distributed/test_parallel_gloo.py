@@ -65,7 +65,7 @@ def _train(kind, steps):
 def _strided_to_dtensor_refused():
     mc = _mcomm((2, 2), mesh_names("tp"))
     mplan = _mplan("tp")
-    local = parallel.gather(parallel.shard(mplan, init_params("tp"), mc), mc)
+    local = rg.gather(mplan, rg.shard(mplan, init_params("tp"), mc), mc)
     try:
         parallel.to_dtensor(mplan, local, mc.device_mesh)
     except ValueError as e:
@@ -84,7 +84,7 @@ def _save(kind, path):
 def _resume_4x1(kind, path):
     mc = _mcomm((4, 1), mesh_names(kind))
     mplan = _mplan(kind, (4, 1))
-    shards = parallel.shard(mplan, init_params(kind), mc)
+    shards = rg.shard(mplan, init_params(kind), mc)
     like = {"params": shards, "opt": rg.optim.adamw(0.0).init(shards)}
     state = rg.checkpoint.load(path, like, mc.world)
     shards, _, _ = mesh_train(kind, mc, mplan, 1, shards=state["params"], opt_state=state["opt"], start=2)
@@ -94,7 +94,7 @@ def _resume_4x1(kind, path):
 def _global_norm(kind):
     mc = _mcomm((2, 2), mesh_names(kind))
     mplan = _mplan(kind)
-    return parallel.global_norm(mplan, parallel.shard(mplan, init_params(kind), mc), mc)
+    return rg.global_norm(mplan, rg.shard(mplan, init_params(kind), mc), mc)
 
 
 def _ep_step(steps, clip=None):
@@ -140,14 +140,14 @@ def test_checkpoint_2x2_loads_on_4x1_and_1x1(workers4, kind, tmp_path):
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["adamw", "clip-sgd"])
 def test_fsdp_make_step_with_expert_parallelism(workers4, clip):
-    """FSDP x EP through rg.fsdp.make_step(data_axes=parallel.step_data_axes(...)) on 4 gloo
+    """FSDP x EP through rg.fsdp.make_step(data_axes=parallel.data_groups(...)) on 4 gloo
     ranks (2x2 DeviceMesh) equals float64 single-process torch.optim.AdamW; with global-norm
     clipping over the whole mesh (rg.fsdp.global_norm), torch's clip_grad_norm_ + SGD."""
     out = workers4.run(_ep_step, STEPS, clip)
     ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", spec.Mesh((2, 2), ("dp", "ep"))),
                                          clip=clip)
     for local, losses, coords, mplan in out:
-        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        _close_trees(local, parallel.parts(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
 
 

@@ -38,6 +38,8 @@ class Case:
     max_inflight_reduce: int = 1
     replicate_vectors: bool = False  # spec.Replicate() for every 1-D parameter (norms, biases)
     activation_checkpointing: bool = False  # examples.gpt.loss_fn(checkpoint=True): blocks recomputed in backward
+    max_buffers: int | str = 1  # make_units(max_buffers=...)
+    split_buffers: bool = False  # every unit one buffer per granule (rg.testing.with_buffers), whatever the padding
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
@@ -62,7 +64,9 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     """Returns (full params after training, list of per-step metrics)."""
     model = case.model()
     specs = (lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None) if case.replicate_vectors else None
-    units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
+    units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
+    if case.split_buffers:
+        units = units.replace(units=tuple(u.replace(plan=rg.testing.with_buffers(u.plan)) for u in units))
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
     loss = loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing)

@@ -1,14 +1,14 @@
-"""The step's schedule as pure values: what ``Schedule.observe`` learns, and the program it
+"""The step's schedule as pure values: what ``CollectiveSchedule.observe`` learns, and the program it
 implies (gathers, frees and reduce-scatters decided by the schedule alone)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ragged.fsdp._schedule import Observation, Schedule, program
+from ragged.fsdp._schedule import CollectiveSchedule, Observation, program
 
 
 def test_initial_schedule_lists_the_units_twice_and_learning_keeps_the_used_entries():
-    s = Schedule.initial(3)
+    s = CollectiveSchedule.initial(3)
     assert s.forward == (0, 1, 2, 0, 1, 2) and s.reduce_at == (0, 1, 2) and s.learning
     # rank 0 used entries 0, 1, 3 (unit 0 again at the end); rank 1 also used unit 2
     learnt = s.observe([Observation(used=frozenset({0, 1, 3}), needs=frozenset({(1, 1), (3, 0)})),
@@ -21,14 +21,14 @@ def test_initial_schedule_lists_the_units_twice_and_learning_keeps_the_used_entr
 
 
 def test_observe_inserts_deviations_maps_needs_and_lowers_reduce_points():
-    s = Schedule(forward=(0, 1, 2, 0), needs=(frozenset(), frozenset({1}), frozenset({2}), frozenset({0})),
+    s = CollectiveSchedule(forward=(0, 1, 2, 0), needs=(frozenset(), frozenset({1}), frozenset({2}), frozenset({0})),
                  reduce_at=(0, 1, 2), learning=False)
     t = s.observe([Observation(inserts=((2, 0),), missing=((3, 1),), late=((2, 1),))])
     assert t.forward == (0, 1, 0, 2, 0)  # unit 0 before old entry 2
     assert t.needs == (frozenset(), frozenset({1}), frozenset({0}), frozenset({2}), frozenset({0, 1}))
     assert t.reduce_at == (0, 1, 1)  # unit 2's gradient came in segment 1
     assert t.observe([Observation(late=((0, -1),))]).reduce_at[0] == -1  # after the last event
-    assert s.fingerprint() != t.fingerprint() and s.fingerprint() == Schedule(**{
+    assert s.fingerprint() != t.fingerprint() and s.fingerprint() == CollectiveSchedule(**{
         f: getattr(s, f) for f in ("forward", "needs", "reduce_at", "learning")}).fingerprint()
 
 
@@ -39,7 +39,7 @@ def schedules(draw):
     forward = forward + tuple(u for u in range(units) if u not in forward)
     needs = tuple(frozenset(draw(st.sets(st.integers(0, units - 1), max_size=2))) for _ in forward)  # any sets
     reduce_at = tuple(draw(st.integers(-1, forward.index(u))) for u in range(units))
-    return Schedule(forward=forward, needs=needs, reduce_at=reduce_at, learning=False)
+    return CollectiveSchedule(forward=forward, needs=needs, reduce_at=reduce_at, learning=False)
 
 
 @settings(max_examples=60, deadline=None)

@@ -112,9 +112,9 @@ def test_prefetch_starts_next_gather_before_compute_and_reduce_overlaps_backward
     # blocks.3's reduce-scatter starts before backward reaches blocks.0
     pos = {(ev, u, ph): i for i, (ev, u, ph) in enumerate(trace)}
     assert pos[("reduce_start", "blocks.3", "backward")] < pos[("compute", "blocks.0", "backward")]
-    # without prefetch every gather is issued right when needed
+    # without prefetch every gather is issued right when needed (a reduce-scatter may be waited in between)
     (_, plain), _ = _sim(2, Case(num_layers=4, steps=2, dtype=torch.float32, prefetch=False), trace=True)
-    t = plain[-1]["trace"]
+    t = [e for e in plain[-1]["trace"] if e[0] != "reduce_done"]
     for i, (ev, u, ph) in enumerate(t):
         if ev == "compute" and i > 0 and t[i - 1][0] == "gather_done":
             assert t[i - 2] == ("gather_start", u, ph)
@@ -419,8 +419,8 @@ def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
     want = torch.sqrt(sum((p.detach() ** 2).sum() for p in model.parameters()))
 
     def fn(comm):
-        shards = fsdp.shard(units, model, comm)
-        return fsdp.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
+        shards = rg.shard(units, model, comm)
+        return rg.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
 
     for mine, theirs in rg.collectives.simulate(2, fn):
         torch.testing.assert_close(mine, want.to(mine.dtype), rtol=1e-12, atol=0)

@@ -30,9 +30,12 @@ def _mean_grads(step, world_size):
     return rg.pytree.map(lambda *xs: sum(xs) / len(xs), *per)
 
 
-def _ours(comm, make_opt):
+def _ours(comm, make_opt, split=None):
+    """``split``: optional ``plan -> plan`` (e.g. ``rg.testing.with_buffers``: a multi-buffer plan)."""
     params = _params()
     plan = rg.make_plan(params, SPECS, world_size=comm.world_size)
+    if split is not None:
+        plan = split(plan)
     local = rg.shard(plan, params, comm)
     opt = make_opt(comm)
     state = opt.init(local)
@@ -69,11 +72,14 @@ CASES = {
                  lambda ps: torch.optim.SGD(ps, lr=0.3), 0.5),
 }
 
-def _adamw8_state(comm):
+def _adamw8_state(comm, split=None):
+    """``split``: optional ``plan -> plan`` (e.g. ``rg.testing.with_buffers``: a multi-buffer plan)."""
     g = torch.Generator().manual_seed(3)
     params = {"w": torch.randn(96, 80, generator=g), "e": torch.randn(2, 64, 40, generator=g), "v": torch.randn(6000, generator=g)}
     specs = {"w": spec.Blocks(32, 32), "e": spec.Blocks(32, 16), "v": spec.Elements(256)}
     plan = rg.make_plan(params, specs, world_size=comm.world_size)
+    if split is not None:
+        plan = split(plan)
     local = rg.shard(plan, params, comm)
     opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)
     state = opt.init(local)

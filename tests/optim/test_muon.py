@@ -33,7 +33,7 @@ def test_load_balanced_within_one_matrix():
     for m in (2, 3, 4, 8):
         plan = rg.make_plan(params, world_size=m)
         load = rg.optim.muon_load(plan)
-        biggest = max(u.cost for u in load["units"])
+        biggest = max(u.cost for u in load["assignments"])
         assert max(load["flops"]) - min(load["flops"]) <= biggest
         assert sum(load["matrices"]) == 13 + 8
 

@@ -183,13 +183,13 @@ def mesh_train(kind, mc, mplan, steps, *, shards=None, opt_state=None, start=0):
     opt = rg.optim.adamw(LR, weight_decay=WD)
     if shards is None:
         full = init_params(kind)
-        shards = parallel.shard(mplan, full, mc)
+        shards = rg.shard(mplan, full, mc)
         opt_state = opt.init(shards)
     data_axes = tuple(a for a in mc.mesh.names if a not in ("dp", "tp"))  # "ep", or an HSDP "rep" axis
     batch = _data_index(mc)
     losses = []
     for step in range(start, start + steps):
-        local = parallel.gather(shards, mc)
+        local = rg.gather(mplan, shards, mc)
         local = rg.pytree.map(lambda t: t.detach().requires_grad_(), local)
         if kind == "tp":
             loss = tp_loss(local, tp_batch(step, batch), mc["tp"])  # mean over the local batch
@@ -204,7 +204,7 @@ def mesh_train(kind, mc, mplan, steps, *, shards=None, opt_state=None, start=0):
             op = "sum"
         loss.backward()
         grads = rg.pytree.map(lambda t: t.grad, local)
-        g = parallel.reduce_scatter(mplan, grads, mc, op=op, data_axes=data_axes)
+        g = rg.reduce_scatter(mplan, grads, mc, op=op, data_axes=data_axes)
         updates, opt_state = opt.update(g, opt_state, shards)
         shards = rg.optim.apply_updates(shards, updates)
         total = loss.detach().reshape(1).clone()
@@ -281,28 +281,28 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, c
 
 def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
     """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
-    the all-to-all dispatch inside the loss, ``parallel.step_data_axes`` for the router's
+    the all-to-all dispatch inside the loss, ``parallel.data_groups`` for the router's
     EP all-reduce; with ``clip``: SGD after ``clip_by_global_norm`` with the mesh-wide norm
     (``rg.fsdp.global_norm`` over the data axes). Returns ``(EP-local params, losses, coords,
     mesh plan)``."""
     from ragged import fsdp
 
     mplan = spec.make_mesh_plan(moe_params(), moe_specs(), mesh=mc.mesh)  # norm: Replicate() on "dp"
-    units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
+    units = fsdp.make_units(mplan.part_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: "experts" if "experts" in p else "rest",
                             specs=lambda path, t: mplan.leaf(path).granularity)
-    axes = parallel.step_data_axes(mplan, mc, data_axes)
+    axes = parallel.data_groups(mplan, mc, data_axes)
     if clip is None:
         opt = rg.optim.adamw(LR, weight_decay=WD)
     else:
-        norm = lambda g: fsdp.global_norm(units, g, mc["dp"], data_axes=axes)  # noqa: E731
+        norm = lambda g: rg.global_norm(units, g, mc["dp"], data_groups=axes)  # noqa: E731
         opt = rg.optim.chain(rg.optim.clip_by_global_norm(clip, comm=mc["dp"], norm=norm), rg.optim.sgd(LR))
-    state = fsdp.init(units, parallel.local_params(mplan, moe_params(), mc.coords), opt, mc["dp"])
+    state = fsdp.init(units, parallel.parts(mplan, moe_params(), mc.coords), opt, mc["dp"])
 
     def loss_fn(params, batch):
         return moe_loss_sum(params, batch, mc["ep"]) / (TOKENS * D)  # this rank's mean
 
-    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_axes=axes)
+    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_groups=axes)
     losses = []
     for s in range(steps):
         state, metrics = step(state, moe_batch(s, _data_index(mc)))

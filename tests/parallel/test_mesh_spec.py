@@ -1,4 +1,4 @@
-"""spec.Shard / Mesh / Placements / make_mesh_plan: values, local shapes, and the errors an
+"""spec.Shard / Mesh / Placements / make_mesh_plan: values, part shapes, and the errors an
 incompatible spec raises (before any tensor or communication is touched)."""
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def test_dicts_placements_and_bare_specs_plan_alike():
     bare = spec.make_mesh_plan(params, {"w": spec.Placements(dp=spec.Rows(2), tp=spec.Shard(0)), "b": spec.Shard(0)}, mesh=MESH)
     assert as_dict == as_obj == bare
     prefix = spec.make_mesh_plan({"layers": [params, params]}, {"layers": spec.Shard(0)}, mesh=MESH)
-    assert all(l.local_shape[0] * 2 == l.shape[0] for l in prefix.leaves)
+    assert all(l.part_shape[0] * 2 == l.shape[0] for l in prefix.leaves)
 
 
-def test_plan_is_make_plan_of_local_shapes():
+def test_plan_is_make_plan_of_part_shapes():
     params = {"up": meta(64, 16), "down": meta(16, 64), "norm": meta(16)}
     specs = {"up": {"dp": spec.Blocks(8, 16), "tp": spec.Shard(0)}, "down": {"tp": spec.Shard(1)}, "norm": None}
     mp = spec.make_mesh_plan(params, specs, mesh=MESH, align=1)
@@ -67,17 +67,17 @@ def test_error_uneven_split_names_path_shape_rule_fix():
                   "specs['layers'][0]['w']", "(9, 4)", "not a multiple of 2", "Rule: Shard(dim) splits a dimension evenly",
                   "Fix:")
     assert err.path == "['layers'][0]['w']" and err.shape == (9, 4)
-    _raises({"qkv": meta(15, 4)}, {"qkv": {"tp": spec.Shard(0, groups=3)}}, "not a multiple of 6", "3 parts x 2 ranks")
+    _raises({"qkv": meta(15, 4)}, {"qkv": {"tp": spec.Shard(0, groups=3)}}, "not a multiple of 6", "3 segments x 2 ranks")
 
 
 def test_error_block_straddles_tp_boundary():
     _raises({"w": meta(64, 48)}, {"w": {"dp": spec.Blocks(64, 16), "tp": spec.Shard(0)}},
-            "local shape (32, 48)", "32 local rows is not a multiple of r = 64", "straddle the 'tp' boundary")
+            "part shape (32, 48)", "32 rows per part is not a multiple of r = 64", "straddle the 'tp' boundary")
     _raises({"w": meta(64, 48)}, {"w": {"dp": spec.Blocks(16, 16), "tp": spec.Shard(1)}},
-            "24 local columns is not a multiple of c = 16")
-    # strided: each of the 3 parts must hold whole tiles (48 rows / 3 parts / 2 ranks = 8 rows per run)
+            "24 columns per part is not a multiple of c = 16")
+    # strided: each of the 3 segments must hold whole tiles (48 rows / 3 segments / 2 ranks = 8 rows per run)
     _raises({"qkv": meta(48, 8)}, {"qkv": {"dp": spec.Blocks(16, 8), "tp": spec.Shard(0, groups=3)}},
-            "8 local rows is not a multiple of r = 16")
+            "8 rows per part is not a multiple of r = 16")
     _raises({"e": meta(4, 6, 8)}, {"e": {"dp": spec.Rows(4), "tp": spec.Shard(1)}},
             "holds 3 rows, not a multiple of n = 4")
     _raises({"v": meta(24)}, {"v": {"dp": spec.Elements(8), "tp": spec.Shard(0)}},
@@ -101,7 +101,7 @@ def test_error_misplaced_and_unknown():
 
 def _bad_shard(mc, mplan):
     try:
-        parallel.shard(mplan, {"w": torch.zeros(4, 4)}, mc)
+        rg.shard(mplan, {"w": torch.zeros(4, 4)}, mc)
     except rg.LayoutError as e:
         return str(e)
 
@@ -134,9 +134,9 @@ def mesh_cases(draw):
 
 
 def _property_body(mc, mplan, params):
-    d = parallel.shard(mplan, params, mc)
-    local = parallel.gather(d, mc)
-    want = parallel.local_params(mplan, params, mc.coords)
+    d = rg.shard(mplan, params, mc)
+    local = rg.gather(mplan, d, mc)
+    want = parallel.parts(mplan, params, mc.coords)
     ok = all(torch.equal(a, b) for a, b in zip(rg.pytree.leaves(local), rg.pytree.leaves(want)))
     full = parallel.full_params(mplan, d, mc)
     ok = ok and all(torch.equal(full[k], params[k]) for k in params)
@@ -155,7 +155,7 @@ def _mismatched(mc):
     shard_dim = 0 if mc.coords["tp"] == 0 else 1  # TP ranks disagree about the placement
     mplan = spec.make_mesh_plan({"w": meta(8, 4)}, {"w": {"tp": spec.Shard(shard_dim)}}, mesh=MESH)
     try:
-        parallel.shard(mplan, {"w": torch.zeros(8, 4)}, mc)
+        rg.shard(mplan, {"w": torch.zeros(8, 4)}, mc)
     except rg.PlanMismatchError as e:
         return str(e)
 
@@ -203,7 +203,7 @@ def test_property_global_tiles_never_straddle_any_boundary(case):
     covered = set()
     for rank in range(mesh.size):
         coords = mesh.coords(rank)
-        index = leaf.local_index(coords)
+        index = parallel.part_index(leaf, coords)
         held = torch.cat([index[p.start : p.stop] for p in mp.plan.local_pieces(coords["dp"]) if p.leaf.index == leaf.index]
                          or [torch.zeros(0, dtype=torch.int64)])
         covered.update(held.tolist())

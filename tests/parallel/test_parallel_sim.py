@@ -54,15 +54,15 @@ def test_training_equals_single_process(kind):
 
 
 def _ep_without_data_axis(mc, mplan):
-    local = parallel.gather(parallel.shard(mplan, init_params("ep"), mc), mc)
+    local = rg.gather(mplan, rg.shard(mplan, init_params("ep"), mc), mc)
     local = rg.pytree.map(lambda t: t.detach().requires_grad_(), local)
     from tests.parallel._cases import D, TOKENS, moe_batch, moe_loss_sum
 
     (moe_loss_sum(local, moe_batch(0, mc.rank), mc["ep"]) / (mc.mesh.size * TOKENS * D)).backward()
     grads = rg.pytree.map(lambda t: t.grad, local)
-    with_ep = parallel.reduce_scatter(mplan, grads, mc, op="sum", data_axes=("ep",))
-    without = parallel.reduce_scatter(mplan, grads, mc, op="sum")
-    return parallel.gather(with_ep, mc), parallel.gather(without, mc)
+    with_ep = rg.reduce_scatter(mplan, grads, mc, op="sum", data_axes=("ep",))
+    without = rg.reduce_scatter(mplan, grads, mc, op="sum")
+    return rg.gather(mplan, with_ep, mc), rg.gather(mplan, without, mc)
 
 
 def test_ep_data_axis_reduction_matters():
@@ -92,13 +92,13 @@ MIXED_SPECS = {
 
 
 def _roundtrip(mc, mplan, params):
-    d = parallel.shard(mplan, params, mc)
-    local = parallel.gather(d, mc)
-    want_local = parallel.local_params(mplan, params, mc.coords)
+    d = rg.shard(mplan, params, mc)
+    local = rg.gather(mplan, d, mc)
+    want_local = parallel.parts(mplan, params, mc.coords)
     for ml, a, b in zip(mplan.leaves, rg.pytree.leaves(local), rg.pytree.leaves(want_local)):
         assert torch.equal(a, b), ml.path
-        # the strided bookkeeping: local element i is global element local_index[i]
-        assert torch.equal(a.reshape(-1), rg.pytree.leaves(params)[ml.index].reshape(-1)[ml.local_index(mc.coords)])
+        # the strided bookkeeping: element i of the part is global element part_index[i]
+        assert torch.equal(a.reshape(-1), rg.pytree.leaves(params)[ml.index].reshape(-1)[parallel.part_index(ml, mc.coords)])
     full = parallel.full_params(mplan, d, mc)
     back = parallel.from_global(mplan, parallel.to_global(mplan, d, mc), mc)
     return full, torch.equal(back.data, d.data) and torch.equal(back.replicated, d.replicated)
@@ -108,15 +108,15 @@ def test_shard_gather_full_params_roundtrip_2x2x2():
     params = _mixed_params()
     mesh = spec.Mesh((2, 2, 2), ("dp", "tp", "ep"))
     mplan = spec.make_mesh_plan(params, MIXED_SPECS, mesh=mesh)
-    assert mplan.leaf("['qkv']").local_shape == (24, 8)
-    assert mplan.leaf("['experts']").local_shape == (2, 8, 4)
+    assert mplan.leaf("['qkv']").part_shape == (24, 8)
+    assert mplan.leaf("['experts']").part_shape == (2, 8, 4)
     for full, same in parallel.simulate_mesh(mesh, _roundtrip, mplan, params):
         _close_trees(full, params, rtol=0, atol=0)
         assert same
 
 
 def _norm(mc, mplan, params):
-    return parallel.global_norm(mplan, parallel.shard(mplan, params, mc), mc)
+    return rg.global_norm(mplan, rg.shard(mplan, params, mc), mc)
 
 
 @pytest.mark.parametrize("case", ["tp", "ep", "mixed_2x2x2"])
@@ -137,9 +137,9 @@ def test_strided_shard_keeps_q_k_v_apart():
     """Shard(0, groups=3) on a fused QKV weight: each TP rank holds its rows of Q, of K and of V."""
     w = torch.arange(12.0).view(12, 1)  # rows: Q = 0..3, K = 4..7, V = 8..11
     mp = spec.make_mesh_plan({"qkv": w}, {"qkv": {"tp": spec.Shard(0, groups=3)}}, mesh=spec.Mesh((1, 2), ("dp", "tp")))
-    local = parallel.local_params(mp, {"qkv": w}, {"dp": 0, "tp": 1})["qkv"].view(-1).tolist()
+    local = parallel.parts(mp, {"qkv": w}, {"dp": 0, "tp": 1})["qkv"].view(-1).tolist()
     assert local == [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
-    assert mp.leaves[0].local_index({"dp": 0, "tp": 1}).tolist() == [2, 3, 6, 7, 10, 11]
+    assert parallel.part_index(mp.leaves[0], {"dp": 0, "tp": 1}).tolist() == [2, 3, 6, 7, 10, 11]
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def _save_after(mc, kind, mplan, steps, path):
 
 
 def _like(mc, kind, mplan):
-    shards = parallel.shard(mplan, init_params(kind), mc)
+    shards = rg.shard(mplan, init_params(kind), mc)
     return {"params": shards, "opt": rg.optim.adamw(0.0).init(shards)}
 
 
@@ -209,11 +209,11 @@ def _tp_with_fsdp_step(mc, mplan):
     from ragged import fsdp
     from tests.parallel._cases import LR, WD, tp_batch, tp_loss, tp_params
 
-    units = fsdp.make_units(mplan.local_meta(), world_size=mc["dp"].world_size,
+    units = fsdp.make_units(mplan.part_meta(), world_size=mc["dp"].world_size,
                             groups=lambda p: p[:13] if "blocks" in p else "rest",
                             specs=lambda path, t: mplan.leaf(path).granularity)
     opt = rg.optim.adamw(LR, weight_decay=WD)
-    state = fsdp.init(units, parallel.local_params(mplan, tp_params(), mc.coords), opt, mc["dp"])
+    state = fsdp.init(units, parallel.parts(mplan, tp_params(), mc.coords), opt, mc["dp"])
     step = fsdp.make_step(units, lambda params, batch: tp_loss(params, batch, mc["tp"]), opt, mc["dp"])
     losses = []
     for s in range(STEPS):
@@ -223,7 +223,7 @@ def _tp_with_fsdp_step(mc, mplan):
 
 
 def test_fsdp_make_step_on_tp_local_units():
-    """rg.fsdp units planned on mplan.local_meta() over mcomm["dp"], with TP collectives inside
+    """rg.fsdp units planned on mplan.part_meta() over mcomm["dp"], with TP collectives inside
     the loss: the overlapped FSDP step composes with TP unchanged."""
     from tests.parallel._cases import tp_params, tp_specs
 
@@ -231,7 +231,7 @@ def test_fsdp_make_step_on_tp_local_units():
     out = parallel.simulate_mesh(mplan.mesh, _tp_with_fsdp_step, mplan)
     ref, _, ref_losses = reference_train("tp", STEPS, n_batches=2)
     for local, losses, coords in out:
-        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        _close_trees(local, parallel.parts(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
 
 
@@ -245,7 +245,7 @@ def test_fsdp_make_step_with_expert_parallelism(data_axes):
     out = parallel.simulate_mesh(mesh, ep_fsdp_step_train, STEPS, data_axes=data_axes)
     ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", mesh))
     for local, losses, coords, mplan in out:
-        want = parallel.local_params(mplan, ref, coords)
+        want = parallel.parts(mplan, ref, coords)
         if data_axes:
             _close_trees(local, want)
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
@@ -263,16 +263,16 @@ def test_fsdp_make_step_with_expert_parallelism_and_clipping():
     out = parallel.simulate_mesh(mesh, ep_fsdp_step_train, STEPS, clip=0.05)
     ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", mesh), clip=0.05)
     for local, losses, coords, mplan in out:
-        _close_trees(local, parallel.local_params(mplan, ref, coords))
+        _close_trees(local, parallel.parts(mplan, ref, coords))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
 
 
 def _mean_vs_sum(mc, mplan):
     g = rg.pytree.map(lambda t: torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(mc.rank)),
-                      mplan.local_meta())
+                      mplan.part_meta())
     g = rg.pytree.map(lambda t: t.to(torch.float64), g)
-    mean = parallel.reduce_scatter(mplan, g, mc, op="mean", data_axes=("ep",))
-    total = parallel.reduce_scatter(mplan, g, mc, op="sum", data_axes=("ep",))
+    mean = rg.reduce_scatter(mplan, g, mc, op="mean", data_axes=("ep",))
+    total = rg.reduce_scatter(mplan, g, mc, op="sum", data_axes=("ep",))
     return mean.data, total.data, mean.replicated, total.replicated
 
 

@@ -47,3 +47,38 @@ def test_spec_tree_must_be_a_prefix():
 def test_blocks_on_1d_leaf_names_path_and_fix():
     with pytest.raises(rg.LayoutError, match=r"params\['b'\] has shape \(4,\).*Elements"):
         rg.make_plan({"b": meta(4)}, {"b": spec.Blocks(2, 2)}, world_size=2)
+
+
+def test_max_buffers_is_validated():
+    params = {"w": meta(4, 4)}
+    for bad in (0, -1, 2.5, True, "many"):
+        with pytest.raises(rg.RaggedValueError, match="max_buffers must be a positive int or 'auto'"):
+            rg.make_plan(params, world_size=2, max_buffers=bad)
+    with pytest.raises(rg.RaggedValueError, match="strategy='naive' is plain concatenation"):
+        rg.make_plan(params, world_size=2, strategy="naive", max_buffers=2)
+
+
+def test_several_buffers_when_row_lengths_disagree():
+    """DeepSeek-V3's dense layer, the case that motivated several buffers: one buffer pads 35.9%
+    at rows:1, m=256 (S a multiple of lcm(7168, 18432, 16384, ...)); "auto" pads 0.19%."""
+    from ragged.models import model_units
+
+    layer = next(u for u in model_units("deepseek-v3-671b") if u.kind == "dense_layer").params
+    one = rg.make_plan(layer, world_size=256)
+    auto = rg.make_plan(layer, world_size=256, max_buffers="auto")
+    assert one.overhead > 0.35 and auto.overhead < 0.003 and 1 < auto.num_buffers <= 8
+    assert len({auto.buffer_index(l.offset) for l in auto.leaves}) == auto.num_buffers
+
+
+def test_plan_buffers_contract():
+    plan = rg.make_plan({"a": meta(8, 3), "b": meta(4, 5)}, world_size=2, align=1, max_buffers="auto")
+    assert plan.buffers == ((0, 12), (24, 10)) and plan.shard_size == 22 and plan.buffer_numel == 44
+    assert [tuple(r) for r in plan.shard_ranges(0)] == [(0, 12, 0), (24, 34, 12)]
+    assert [(p.leaf.path, p.local_offset, p.numel) for p in plan.local_pieces(1)] == [("['a']", 0, 12), ("['b']", 12, 10)]
+    assert plan.owners(plan.leaf("['b']")) == (0, 1) and plan.occupancy() == (22, 22)
+    one = rg.make_plan({"a": meta(8, 3), "b": meta(4, 5)}, world_size=2, align=1)
+    assert one.buffers == ((0, one.shard_size),) and one.num_buffers == 1
+    with pytest.raises(rg.RaggedValueError, match="not the sum of the buffers"):
+        plan.replace(shard_size=23)
+    with pytest.raises(rg.RaggedValueError, match="tile the global buffer"):
+        plan.replace(buffers=((0, 12), (20, 10)))

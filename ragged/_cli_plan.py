@@ -1,0 +1,246 @@
+"""``python -m ragged plan``: its options, each checked as it is parsed (see [Note: bad
+command-line values] in ``_cli.py``), and the run that plans every unit kind and prints the tables
+(why a unit pads, and what would fix it: ``_cli_padding.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import time
+
+from ragged._cli import UsageError, float_at_least, int_at_least
+from ragged._cli_padding import explain_padding
+
+__all__ = ["configure", "parse_granularity", "unit_specs", "run_plan"]
+
+
+# ---- granularities -----------------------------------------------------------------------
+_GRAN_RE = re.compile(r"^(rows|elements|blocks):(-?\d+)(?:x(-?\d+))?$")
+
+
+def parse_granularity(text: str):
+    """``rows:N``, ``elements:N`` or ``blocks:RxC`` -> a granularity.
+
+    Examples:
+        >>> parse_granularity("rows:16"), parse_granularity("blocks:128x128")
+        (Rows(n=16), Blocks(r=128, c=128))
+    """
+    from ragged import spec
+
+    m = _GRAN_RE.match(text.strip().lower())
+    if not m or (m.group(1) == "blocks") != (m.group(3) is not None):
+        raise argparse.ArgumentTypeError(
+            f"granularity {text!r} is not one of rows:N, elements:N, blocks:RxC (e.g. rows:16, blocks:128x128)"
+        )
+    kind, a = m.group(1), int(m.group(2))
+    if kind == "blocks" and min(a, int(m.group(3))) < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
+    if a < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
+    if kind == "rows":
+        return spec.Rows(a)
+    if kind == "elements":
+        return spec.Elements(a)
+    return spec.Blocks(a, int(m.group(3)))
+
+
+def unit_specs(params, granularity):
+    """A spec tree applying ``granularity`` to every leaf of ``params`` where it can apply.
+
+    ``Blocks(r, c)`` only tiles 2-D and higher leaves: 1-D leaves (norms, biases) get
+    ``Rows(1)`` (they are not block-quantized), and stacked matrices whose row count is not a
+    multiple of ``r`` (GPT-OSS experts: 2880 rows, r=128) get whole matrices
+    ``Rows(shape[-2])``, the finest cut that keeps every tile whole.
+
+    Returns:
+        ``(specs, notes)``: the spec tree and a list of human-readable fallbacks taken.
+    """
+    from ragged import spec
+    from ragged._pytree import pytree
+
+    if not isinstance(granularity, spec.Blocks):
+        return granularity, []
+    leaves, treedef = pytree.flatten(params)
+    specs, notes = [], {}
+    for leaf in leaves:
+        shape = tuple(leaf.shape)
+        if len(shape) < 2:
+            specs.append(spec.Rows(1))
+            notes.setdefault("1-D leaves use Rows(1) (not block-tiled)", 0)
+            notes["1-D leaves use Rows(1) (not block-tiled)"] += 1
+        elif len(shape) >= 3 and math.prod(shape[:-2]) > 1 and shape[-2] % granularity.r:
+            specs.append(spec.Rows(shape[-2]))
+            key = f"stacked {shape} has {shape[-2]} rows per matrix, not a multiple of {granularity.r}: whole matrices Rows({shape[-2]})"
+            notes[key] = notes.get(key, 0) + 1
+        else:
+            specs.append(granularity)
+    return pytree.unflatten(treedef, specs), [f"{k} [{n} leaves]" for k, n in notes.items()]
+
+
+# ---- options ---------------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    """Registers the ``plan`` subcommand's options (see [Note: adding a subcommand] in ``_cli.py``)."""
+    from ragged._models import MODELS
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=MODELS, help="a bundled model")
+    src.add_argument("--shapes", metavar="JSON", type=_shapes_file, help="your own shapes file (format: ragged.models docs)")
+    p.add_argument("--world-size", "-m", type=_world_sizes, nargs="+", required=True, metavar="N",
+                   help="shard group size(s) m, e.g. 64 256 1024, or A..B for the powers of two from A to B")
+    p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
+                   help="rows:N | elements:N | blocks:RxC")
+    p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp", help="planner")
+    p.add_argument("--max-buffers", type=_max_buffers, default="auto", metavar="K|auto",
+                   help="buffers per unit: auto (up to 8, README \"Planning\") or an int (1: one buffer per unit)")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype")
+    p.add_argument("--align", type=int_at_least(1), default=None,
+                   help="offset alignment in elements (default: 16 bytes of --dtype)")
+    p.add_argument("--layers-per-unit", type=int_at_least(1), default=1, help="decoder layers per FSDP unit")
+    p.add_argument("--warn-above", type=float_at_least(0.0), default=3.0, metavar="PCT",
+                   help="explain units whose padding exceeds this percentage")
+    p.add_argument("--visualize", action="store_true", help="draw the plan of one unit of each kind")
+    p.add_argument("--width", type=int_at_least(40), default=None, help="console width (default: the terminal's)")
+    p.set_defaults(func=run_plan)
+
+
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def _shapes_file(text: str) -> str:
+    """``--shapes``: an existing file (its content is checked by ``ragged.models``)."""
+    import os
+
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a shapes JSON; format in help(ragged.models))")
+    return text
+
+
+def _world_sizes(text: str) -> list[int]:
+    """``"64"`` -> [64]; ``"8..64"`` -> [8, 16, 32, 64] (powers of two from A to B)."""
+    try:
+        if ".." in text:
+            a, b = (int(x) for x in text.split(".."))
+            if a < 1 or b < a:
+                raise ValueError
+            out, m = [], a
+            while m <= b:
+                out.append(m)
+                m *= 2
+            return out
+        m = int(text)
+        if m < 1:
+            raise ValueError
+        return [m]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B)") from None
+
+
+def _max_buffers(text: str):
+    if text == "auto":
+        return text
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"max buffers {text!r} must be 'auto' or a positive int")
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def run_plan(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from ragged import spec
+    from ragged._models import model_units, unit_numel
+    from ragged._viz import visualize
+
+    console = Console(width=args.width)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    source = args.model or args.shapes
+    try:
+        units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
+    except ValueError as err:  # a malformed --shapes file (JSON or format)
+        raise UsageError(f"--shapes {source}: {err}") from None
+    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
+
+    kinds: dict[str, list] = {}
+    for unit in units:
+        kinds.setdefault(unit.kind, []).append(unit)
+    gname = {spec.Rows: "rows", spec.Elements: "elements"}.get(type(args.granularity), "blocks")
+    gtext = f"blocks:{args.granularity.r}x{args.granularity.c}" if gname == "blocks" else f"{gname}:{args.granularity.n}"
+    console.print(
+        f"[bold]{source}[/]: {len(units)} FSDP units ({', '.join(f'{len(v)} {k}' for k, v in kinds.items())}), "
+        f"{sum(unit_numel(u) for u in units) / 1e9:.2f}B parameters, granularity {gtext}, strategy {args.strategy}, "
+        f"dtype {args.dtype}, max buffers {args.max_buffers}"
+    )
+    totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
+    warnings = []
+    all_notes = set()
+    for kind, members in kinds.items():
+        table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
+                            f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
+                      header_style="bold", title_justify="left")
+        for col in ("m", "S (ragged)", "buffers", "ragged", *spec.PEERS, "planner time"):
+            table.add_column(col, justify="right")
+        for m in args.world_size:
+            t0 = time.perf_counter()
+            plans = []
+            for unit in members:
+                specs, notes = unit_specs(unit.params, args.granularity)
+                all_notes.update(f"{kind}: {n}" for n in notes)
+                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
+                                            max_buffers=1 if args.strategy == "naive" else args.max_buffers))
+            elapsed = time.perf_counter() - t0
+            peers = spec.peer_padding(members[0].params, m)
+            tot = totals[m]
+            tot["time"] += elapsed
+            tot["numel"] += sum(p.numel for p in plans)
+            tot["ragged"] += sum(p.padding for p in plans)
+            for name, pp in peers.items():
+                tot[name] += pp.padding * len(members)
+            worst = max(plans, key=lambda p: p.overhead)
+            style = "bold red" if worst.overhead * 100 > args.warn_above else "green"
+            split = f" ({worst.split_blocks} split)" if worst.split_blocks else ""
+            table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
+                          *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
+            if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
+                specs, _ = unit_specs(members[0].params, args.granularity)
+                lines, fixes, reductions = explain_padding(members[0], worst, specs, granularity=args.granularity,
+                                                           strategy=args.strategy, align=args.align,
+                                                           repeated=len(members), threshold=args.warn_above,
+                                                           max_buffers=args.max_buffers)
+                warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
+        console.print(table)
+        if args.visualize:
+            specs, _ = unit_specs(members[0].params, args.granularity)
+            plan = spec.make_plan(members[0].params, specs, world_size=args.world_size[0], strategy=args.strategy,
+                                  align=args.align, max_buffers=1 if args.strategy == "naive" else args.max_buffers)
+            console.print(visualize(plan, max_ranks=8))
+    summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
+    for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):
+        summary.add_column(col, justify="right")
+    for m, tot in totals.items():
+        n = tot["numel"] or 1
+        summary.add_row(str(m), f"{tot['ragged'] / n:.2%}", *(f"{tot[p] / n:.2%}" for p in spec.PEERS),
+                        f"{tot['time']:.3f} s")
+    console.print(summary)
+    for note in sorted(all_notes):
+        console.print(f"[dim]note: {note}[/]")
+    console.print("[dim]note: fsdp1 and zero3 cut the flat buffer anywhere (rows and blocks split across ranks); "
+                  "fsdp2 pads dim 0 of every tensor to a multiple of m; megatron pads to m x lcm(row sizes).[/]")
+    for kind, m, overhead, lines, fixes, reductions in warnings:
+        console.print(f"[bold yellow]warning:[/] {kind} at m={m} with {gtext}: padding {overhead:.2%}.")
+        for line in lines:
+            console.print(f"  why: {line}")
+        if fixes:
+            console.print(f"  would fix it (<= {args.warn_above:g}%): " + "; ".join(fixes))
+        if reductions:
+            console.print("  would reduce it: " + "; ".join(reductions))
+        if not fixes and not reductions:
+            console.print("  no fix found: smaller shard groups, more layers per unit and rows:1 (if coarser) "
+                          "all plan to about the same padding.")
+    return 0

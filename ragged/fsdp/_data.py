@@ -1,0 +1,64 @@
+"""Data groups: the other groups of ranks that split the batch besides the shard group.
+
+A *data axis* is a mesh axis, named by a string, whose ranks see different data (the FSDP
+axis always is one; an EP axis usually is; see [Note: data axes] in
+``ragged/parallel/_transforms.py``). ``rg.fsdp`` knows no mesh: it takes each extra data axis
+as a :class:`DataGroup`, that axis's ``comm`` and which parameters are replicated over it
+(``parallel.data_groups(mplan, mcomm, ("ep",))`` builds them from a mesh plan). After the
+reduce-scatter over the shard group, the gradients of the replicated parameters are
+all-reduced over each data group and every gradient is divided by its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.fsdp._units import picked_leaves
+from ragged.transforms._reduce_scatter import all_reduce_leaves
+
+__all__ = ["DataGroup", "data_groups_option", "reduce_over_data_groups"]
+
+
+class DataGroup(NamedTuple):
+    """One extra data axis of a step: its ``comm`` and ``is_replicated(path) -> bool`` (the
+    parameters that hold a copy on every rank of it, paths as in the units)."""
+
+    comm: Any
+    is_replicated: Callable[[str], bool]
+
+
+def data_groups_option(data_groups: Sequence, data_axes: Sequence | None, where: str) -> tuple[DataGroup, ...]:
+    """The ``data_groups=`` argument of ``where`` as DataGroups (``data_axes=`` is its old name).
+
+    Raises:
+        RaggedTypeError: an entry that is not a ``(comm, is_replicated)`` pair.
+        RaggedValueError: both names given.
+    """
+    if data_axes is not None:
+        if data_groups:
+            raise RaggedValueError(f"{where}: pass data_groups= (data_axes= is its old name), not both.")
+        data_groups = data_axes
+    out = []
+    for entry in data_groups:
+        try:
+            comm, pred = entry
+        except (TypeError, ValueError):
+            raise RaggedTypeError(f"{where}: data_groups entries are (comm, is_replicated(path) -> bool) pairs, got "
+                                  f"{type(entry).__name__}.") from None
+        if not callable(pred) or not hasattr(comm, "all_reduce"):
+            raise RaggedTypeError(f"{where}: data_groups entries are (comm, is_replicated(path) -> bool) pairs, got "
+                                  f"({type(comm).__name__}, {type(pred).__name__}).")
+        out.append(DataGroup(comm, pred))
+    return tuple(out)
+
+
+def reduce_over_data_groups(unit, grad, data_groups: Sequence[DataGroup]) -> None:
+    """In place on ``unit``'s gradient shard ``grad`` (after its reduce-scatter): the replicated
+    parameters' gradients summed over each data group, then everything divided by its size."""
+    for group in data_groups:
+        all_reduce_leaves(group.comm, grad.data, grad.replicated, unit.plan, grad.rank,
+                          picked_leaves(unit, group.is_replicated))
+        grad.data.div_(group.comm.world_size)
+        grad.replicated.div_(group.comm.world_size)

@@ -1,0 +1,90 @@
+"""Collects what ``scripts/gpu_check.sh`` wrote under OUTDIR into ``summary.json`` and ``summary.md``:
+the machine, each stage's exit status and time, the CUDA tests' outcome, the step tables
+(``bench/step.py --json``) and the memory table (``bench/memory.py --json``).
+
+    python3 scripts/gpu_report.py OUTDIR [--dry-run 0|1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _lines(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _tests(path):
+    """``{tests, failures, errors, skipped}`` and the names of the tests that did not pass, from a JUnit file."""
+    if not os.path.isfile(path):
+        return None
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    bad = [f"{c.get('classname')}.{c.get('name')}" for c in suite.iter("testcase")
+           if c.find("failure") is not None or c.find("error") is not None]
+    return {**counts, "not_passed": bad}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--dry-run", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+
+    from bench.memory import markdown as memory_markdown
+    from bench.memory import row
+    from bench.step import markdown as step_markdown
+
+    out = args.outdir
+    smi = ""
+    if os.path.isfile(os.path.join(out, "nvidia-smi.txt")):
+        with open(os.path.join(out, "nvidia-smi.txt")) as f:
+            smi = f.read()
+    machine = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "dry_run": bool(args.dry_run),
+    }
+    stages = _lines(os.path.join(out, "stages.jsonl"))
+    steps = _lines(os.path.join(out, "step.jsonl"))
+    cells = _lines(os.path.join(out, "memory.jsonl"))
+    tests = _tests(os.path.join(out, "cuda-tests.xml"))
+    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "memory": cells}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+    md = [f"# gpu_check {'(dry run, CPU) ' if args.dry_run else ''}{machine['date_utc']}", "",
+          f"Machine: {machine['gpu'] or 'no GPU'}, torch {machine['torch']} (CUDA {machine['cuda']}), Python "
+          f"{machine['python']}, host `{machine['host']}`.", "", "| stage | exit status | seconds |", "|---|---|---|"]
+    md += [f"| {s['stage']} | {s['rc']} | {s['seconds']} |" for s in stages]
+    if tests is not None:
+        md += ["", f"CUDA tests: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
+                   f"{tests['skipped']} skipped" + (f"; not passed: {', '.join(tests['not_passed'])}" if tests["not_passed"] else "")]
+    for s in steps:
+        md += ["", f"## Training step ({s.get('backend', '?')})", "", step_markdown(s)]
+    if cells:
+        rows = [row(c["model"], c["checkpointing"], c, c.get("units", "default")) for c in cells]
+        md += ["", "## One rank's peak memory, fake process group", "", memory_markdown(rows)]
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"wrote {os.path.join(out, 'summary.json')} and summary.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._measure import median_ci  # noqa: E402
 from bench.step import CONFIGS, model_config  # noqa: E402
 
 METHODS = ("ragged", "ragged+compile", "local", "local+compile", "fsdp2", "fsdp2+compile")
@@ -49,7 +50,7 @@ def _bench(rank, world, backend, opts):
     from ragged.examples.data import SyntheticLM, rank_slice
 
     from bench._launch import device_for
-    from bench._measure import Timer
+    from bench._measure import Timer, interleaved
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)
@@ -69,36 +70,25 @@ def _bench(rank, world, backend, opts):
     methods = {n: make[n]() for n in names}
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
 
-    def batch(step):
-        x, y = rank_slice(task.batch(step, opts["batch"] * world), rank, world)
-        return x.to(device), y.to(device)
-
+    batches = [tuple(t.to(device) for t in rank_slice(task.batch(s, opts["batch"] * world), rank, world))
+               for s in range(opts["warmup"] + opts["repeats"])]
     timer = Timer(device)
-    times, losses, warm = {n: [] for n in names}, {n: [] for n in names}, {n: 0.0 for n in names}
-    for r in range(opts["warmup"] + opts["repeats"]):
-        b = batch(r)
-        for name in names if r % 2 == 0 else names[::-1]:
-            dt, loss = timer(lambda: methods[name].step(b))
-            losses[name].append(loss)
-            if r >= opts["warmup"]:
-                times[name].append(dt)
-            else:
-                warm[name] += dt
-        if rank == 0 and opts["verbose"]:
-            print(f"  repeat {r}{' (warm-up)' if r < opts['warmup'] else ''}: "
-                  + ", ".join(f"{n} {(times[n][-1] if r >= opts['warmup'] else warm[n]) * 1e3:,.0f} ms" for n in names),
-                  flush=True)
+    losses, warm = {n: [] for n in names}, {n: 0.0 for n in names}
+    # a method's k-th step trains on batch k: every method sees the same data in the same order
+    fns = {n: (lambda n=n: losses[n].append(methods[n].step(batches[len(losses[n])]))) for n in names}
+    for r in range(opts["warmup"]):  # compilation and ragged's schedule learning: timed apart, as compile time
+        for n in names if r % 2 == 0 else names[::-1]:
+            warm[n] += timer.seconds(fns[n])
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    times = interleaved(fns, opts["repeats"], warmup=0, timer=timer.seconds)
+    # a frame dynamo compiles in the timed repeats is a recompile (and its time would be in a step)
+    recompiled = torch._dynamo.utils.counters["frames"]["total"] - frames.get("total", 0)
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     reruns = methods["ragged+compile"].metrics.get("schedule_reruns") if "ragged+compile" in methods else None
-    return dict(times=times, losses=losses, warm=warm, reruns=reruns)
+    return dict(times=times, losses=losses, warm=warm, reruns=reruns, recompiled=recompiled, graph_breaks=graph_breaks)
 
 
-def _median_ci(xs, level=0.95, resamples=2000):
-    from bench.collectives import _median_ci as ci
-
-    return ci(xs, level, resamples)
-
-
-def paired(times, a, b):
+def _per_repeat(times, a, b):
     """Per repeat ``a / b`` (both ran in the same repeat, back to back)."""
     return [x / y for x, y in zip(times[a], times[b])]
 
@@ -107,23 +97,25 @@ def summarize(results) -> dict:
     r0 = results[0]
     times, out = r0["times"], {"methods": {}, "ratios": {}}
     for name, t in times.items():
-        lo, hi = _median_ci(t)
+        lo, hi = median_ci(t)
         out["methods"][name] = dict(median_ms=statistics.median(t) * 1e3, ci_ms=(lo * 1e3, hi * 1e3),
                                     warmup_s=max(res["warm"][name] for res in results))
     for base in ("ragged", "local", "fsdp2"):
         if base in times and base + "+compile" in times:
-            out["ratios"][f"{base} speedup from compile"] = paired(times, base, base + "+compile")
+            out["ratios"][f"{base} speedup from compile"] = _per_repeat(times, base, base + "+compile")
     if "ragged" in times and "local" in times:
         rs, ls = out["ratios"]["ragged speedup from compile"], out["ratios"]["local speedup from compile"]
         out["ratios"]["ragged speedup / local speedup"] = [x / y for x, y in zip(rs, ls)]
     if "fsdp2" in times:
-        out["ratios"]["ragged+compile / fsdp2+compile"] = paired(times, "ragged+compile", "fsdp2+compile")
-        out["ratios"]["ragged / fsdp2"] = paired(times, "ragged", "fsdp2")
+        out["ratios"]["ragged+compile / fsdp2+compile"] = _per_repeat(times, "ragged+compile", "fsdp2+compile")
+        out["ratios"]["ragged / fsdp2"] = _per_repeat(times, "ragged", "fsdp2")
     if "local" in times:
-        out["ratios"]["ragged+compile / local+compile"] = paired(times, "ragged+compile", "local+compile")
+        out["ratios"]["ragged+compile / local+compile"] = _per_repeat(times, "ragged+compile", "local+compile")
     out["loss_diff"] = {base: max(abs(x - y) for x, y in zip(r0["losses"][base], r0["losses"][base + "+compile"]))
                         for base in ("ragged", "local", "fsdp2") if base in times}
     out["reruns"] = r0["reruns"]
+    out["recompiled"] = max(res["recompiled"] for res in results)
+    out["graph_breaks"] = max(res["graph_breaks"] for res in results)
     return out
 
 
@@ -142,12 +134,14 @@ def render(summary, title):
     r.add_column("ratio")
     r.add_column("value", justify="right")
     for name, xs in summary["ratios"].items():
-        lo, hi = _median_ci(xs)
+        lo, hi = median_ci(xs)
         r.add_row(name, f"{statistics.median(xs):.3f}x [{lo:.3f}, {hi:.3f}]")
     console.print(r)
     console.print("losses, eager vs compiled, max |diff| over all steps: "
                   + ", ".join(f"{k} {v:.2e}" for k, v in summary["loss_diff"].items())
-                  + f"; ragged+compile schedule reruns in its last call: {summary['reruns']}")
+                  + f"; ragged+compile schedule reruns in its last call: {summary['reruns']}; frames dynamo compiled "
+                  f"during the timed repeats (recompiles): {summary['recompiled']}; graph breaks (all methods, "
+                  f"warm-up included): {summary['graph_breaks']}")
 
 
 def markdown(summary, title) -> str:
@@ -156,7 +150,7 @@ def markdown(summary, title) -> str:
         lines.append(f"| {name} | {m['median_ms']:,.0f} [{m['ci_ms'][0]:,.0f}, {m['ci_ms'][1]:,.0f}] |")
     lines += ["", "| paired ratio | median [95% CI] |", "|---|---|"]
     for name, xs in summary["ratios"].items():
-        lo, hi = _median_ci(xs)
+        lo, hi = median_ci(xs)
         lines.append(f"| {name} | {statistics.median(xs):.3f}x [{lo:.3f}, {hi:.3f}] |")
     return "\n".join(lines)
 

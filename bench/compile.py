@@ -6,7 +6,11 @@ same weights, in the same processes (``bench/_launch.py``; methods from ``bench/
 * ``ragged`` / ``ragged+compile``: ``rg.fsdp.make_step(..., module=model)``, eager / with the
   model compiled;
 * ``local`` / ``local+compile``: the unsharded model on every rank, no communication;
-* ``fsdp2`` / ``fsdp2+compile``: ``fully_shard`` on every block and the root.
+* ``fsdp2`` / ``fsdp2+compile``: ``fully_shard`` on every block and the root;
+* with ``--compile-optimizer``, ``ragged+compile+opt``: ``ragged+compile`` with the optimizer
+  update compiled too (``GradientTransformation(opt.init, torch.compile(opt.update))``: the
+  update is a pure function of the gradient, state and parameter shards, run after backward,
+  outside the runtime; a ``jax.jit``-like path for the part of the step that is not the model).
 
 ``--compile block`` (default) compiles every block, ``torch.compile(block)`` put back in its
 list, before sharding (torchtitan's ``apply_compile``); ``--compile whole`` compiles the whole
@@ -57,16 +61,19 @@ def _bench(rank, world, backend, opts):
     cfg = model_config(opts["cfg"])
     comm = rg.collectives.from_torch()
     kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"])
-    how = opts["compile"]
+    ckw = dict(kw, compile=opts["compile"], compiler=opts["compiler"])
     make = {
         "ragged": lambda: RaggedMethod(cfg, comm=comm, bind_module=True, **kw),
-        "ragged+compile": lambda: RaggedMethod(cfg, comm=comm, compile=how, **kw),
+        "ragged+compile": lambda: RaggedMethod(cfg, comm=comm, **ckw),
         "local": lambda: LocalMethod(cfg, **kw),
-        "local+compile": lambda: LocalMethod(cfg, compile=how, **kw),
+        "local+compile": lambda: LocalMethod(cfg, **ckw),
         "fsdp2": lambda: FSDP2Method(cfg, **kw),
-        "fsdp2+compile": lambda: FSDP2Method(cfg, compile=how, **kw),
+        "fsdp2+compile": lambda: FSDP2Method(cfg, **ckw),
+        "ragged+compile+opt": lambda: RaggedMethod(cfg, comm=comm, optimizer=_compiled_adamw(opts), **ckw),
     }
     names = [n for n in METHODS if n.split("+")[0] in opts["methods"]]
+    if opts["compile_optimizer"]:
+        names.append("ragged+compile+opt")
     methods = {n: make[n]() for n in names}
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
 
@@ -88,6 +95,15 @@ def _bench(rank, world, backend, opts):
     return dict(times=times, losses=losses, warm=warm, reruns=reruns, recompiled=recompiled, graph_breaks=graph_breaks)
 
 
+def _compiled_adamw(opts):
+    """``rg.optim.adamw`` as ``RaggedMethod`` builds it, its update compiled."""
+    import ragged as rg
+    from ragged.optim import GradientTransformation
+
+    opt = rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
+    return GradientTransformation(opt.init, torch.compile(opt.update, backend=opts["compiler"]))
+
+
 def _per_repeat(times, a, b):
     """Per repeat ``a / b`` (both ran in the same repeat, back to back)."""
     return [x / y for x, y in zip(times[a], times[b])]
@@ -106,24 +122,27 @@ def summarize(results) -> dict:
     if "ragged" in times and "local" in times:
         rs, ls = out["ratios"]["ragged speedup from compile"], out["ratios"]["local speedup from compile"]
         out["ratios"]["ragged speedup / local speedup"] = [x / y for x, y in zip(rs, ls)]
-    if "fsdp2" in times:
+    if "ragged+compile+opt" in times:
+        out["ratios"]["ragged+compile+opt / ragged+compile"] = _per_repeat(times, "ragged+compile+opt", "ragged+compile")
+    if "ragged" in times and "fsdp2" in times:
         out["ratios"]["ragged+compile / fsdp2+compile"] = _per_repeat(times, "ragged+compile", "fsdp2+compile")
         out["ratios"]["ragged / fsdp2"] = _per_repeat(times, "ragged", "fsdp2")
-    if "local" in times:
+    if "ragged" in times and "local" in times:
         out["ratios"]["ragged+compile / local+compile"] = _per_repeat(times, "ragged+compile", "local+compile")
-    out["loss_diff"] = {base: max(abs(x - y) for x, y in zip(r0["losses"][base], r0["losses"][base + "+compile"]))
-                        for base in ("ragged", "local", "fsdp2") if base in times}
+    out["loss_diff"] = {name: max(abs(x - y) for x, y in zip(r0["losses"][name.split("+")[0]], r0["losses"][name]))
+                        for name in times if "+" in name}  # each compiled method against its eager one
     out["reruns"] = r0["reruns"]
+    out["losses"] = r0["losses"]
     out["recompiled"] = max(res["recompiled"] for res in results)
     out["graph_breaks"] = max(res["graph_breaks"] for res in results)
     return out
 
 
-def render(summary, title):
+def render(summary, title, console=None):
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = console or Console(width=160)
     t = Table(title=title, title_justify="left")
     for col in ("method", "step ms median [95% CI]", "warm-up s (compile)"):
         t.add_column(col, justify="left" if col == "method" else "right")
@@ -160,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(CONFIGS), default="dense")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--compile", choices=("block", "whole"), default="block")
+    ap.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                    help="dynamo backend (aot_eager: no code generation, for a quick check)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -168,22 +189,24 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", choices=("ragged", "local", "fsdp2"), default=["ragged", "local", "fsdp2"])
     ap.add_argument("--backend", default=None)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--compile-optimizer", action="store_true",
+                    help="also ragged+compile with the optimizer update compiled (ragged+compile+opt)")
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("-q", "--quiet", dest="verbose", action="store_false")
     args = ap.parse_args(argv)
     if args.warmup < 2:
         ap.error("--warmup must be at least 2 (compilation and ragged's schedule learning happen there)")
     from bench._launch import launch, pick_backend
 
-    opts = dict(cfg=CONFIGS[args.model], compile=args.compile, repeats=args.repeats, warmup=args.warmup,
-                batch=args.batch, policy=args.policy, lr=args.lr, methods=args.methods, verbose=args.verbose)
+    opts = dict(cfg=CONFIGS[args.model], compile=args.compile, compiler=args.compiler, repeats=args.repeats,
+                warmup=args.warmup, batch=args.batch, policy=args.policy, lr=args.lr, methods=args.methods,
+                compile_optimizer=args.compile_optimizer)
     backend = pick_backend(args.world, args.backend)
-    print(f"== {args.model}, compile {args.compile}, {args.world} ranks ({backend}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs) ==", flush=True)
+    print(f"== {args.model}, compile {args.compile} ({args.compiler}), {args.world} ranks ({backend}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs) ==", flush=True)
     t0 = time.perf_counter()
     results = launch(args.world, _bench, opts, backend=args.backend, threads=args.threads)
     summary = summarize(results)
-    title = (f"{args.model}, W={args.world}, {args.policy}, compile {args.compile}: one training step, "
+    title = (f"{args.model}, W={args.world}, {args.policy}, compile {args.compile} ({args.compiler}): one training step, "
              f"{args.repeats} alternating repeats after {args.warmup} warm-up ({time.perf_counter() - t0:.0f} s in all)")
     render(summary, title)
     if args.markdown:

@@ -17,7 +17,7 @@ CASE = Case(num_layers=2, steps=3)
 
 
 def _compiled(case, how, backend, wrap):
-    from tests.fsdp._compile_cases import compiled_run, dynamo_logs
+    from tests.fsdp._compile_cases import compiled_run, dynamo_logs, logs_arrive
 
     torch._dynamo.reset()
     with dynamo_logs() as records:
@@ -26,7 +26,7 @@ def _compiled(case, how, backend, wrap):
     _, eager_losses, eager_digest, eager_metrics = compiled_run(comm(), case, compile=None)
     ref, ref_losses = reference_run(case)
     return dict(
-        logs=[m for _, m in records],
+        logs=[m for _, m in records], control=logs_arrive(),
         diff=max_diff({k.replace("._orig_mod", ""): v for k, v in params.items()}, ref)[0],
         loss_err=max(abs(a - b) for a, b in zip(losses, ref_losses)),
         eager_loss_err=max(abs(a - b) for a, b in zip(losses, eager_losses)),
@@ -41,6 +41,7 @@ def _compiled(case, how, backend, wrap):
 def test_compiled_model_trains_like_torch_optim_without_graph_breaks_or_recompiles(workers2, how, backend, wrap):
     for r, out in enumerate(workers2.run(_compiled, CASE, how, backend, wrap, timeout=600)):
         assert out["logs"] == [], f"rank {r}: {out['logs']}"
+        assert out["control"] == {"graph_break", "recompile"}  # the capture sees what TORCH_LOGS would print
         assert out["diff"] < 1e-10, f"rank {r}: parameters differ from torch.optim by {out['diff']}"
         assert out["loss_err"] < 1e-10 and out["eager_loss_err"] < 1e-12
         if how == "block":

@@ -88,3 +88,21 @@ def dynamo_logs():
     finally:
         logger.removeHandler(handler)
         torch._logging.set_logs()
+
+
+def _graph_break_and_recompile(x):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def logs_arrive() -> set[str]:
+    """The kinds :func:`dynamo_logs` captures from a function that breaks its graph and is then
+    recompiled for another rank: ``{"graph_break", "recompile"}`` when the capture works (the
+    control of a test that asserts no log)."""
+    fn = torch.compile(_graph_break_and_recompile, backend="eager")
+    with dynamo_logs() as records:
+        fn(torch.ones(2))
+        fn(torch.ones(2, 2))
+    return {kind for kind, _ in records}
+

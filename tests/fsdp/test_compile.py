@@ -20,7 +20,7 @@ import torch
 
 import ragged as rg
 from tests.fsdp._cases import Case, max_diff, reference_run
-from tests.fsdp._compile_cases import compiled_run, dynamo_logs, in_ragged
+from tests.fsdp._compile_cases import compiled_run, dynamo_logs, in_ragged, logs_arrive
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,7 @@ def test_compiled_model_trains_like_eager_and_torch_optim(eager, how, backend):
         _warm(CASE, compile=how, backend=backend)  # compiles each frame once (see the module docstring)
         runs = _sim(2, CASE, compile=how, backend=backend)
     assert not [m for _, m in records], records  # no graph break, no recompile at all: a dense model
+    assert logs_arrive() == {"graph_break", "recompile"}  # and the capture sees them when there are some
     for (params, losses, digest, metrics), (eparams, elosses, edigest, emetrics) in zip(runs, eager_runs):
         diff, where = max_diff(params, ref)
         assert diff < 1e-10, f"{where} differs from torch.optim by {diff}"

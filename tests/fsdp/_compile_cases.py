@@ -18,6 +18,7 @@ import torch
 from ragged import fsdp
 from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
+from ragged.optim import GradientTransformation
 
 # ragged's own code (not the example models, whose graph breaks are the user's)
 RAGGED_CODE = re.compile(r"ragged/(?:fsdp|collectives|transforms|optim|spec|checkpoint|parallel)/|ragged/_\w+\.py")
@@ -51,12 +52,15 @@ def compile_model(model, how: str | None, backend: str, *, wrap: bool = False):
 
 
 def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "inductor", wrap: bool = False,
-                 functional: bool = False):
+                 functional: bool = False, compile_update: bool = False):
     """``(params, losses, digest, metrics of the last step)``; ``functional``: the loss reads the
-    parameters through ``functional_call`` and the step is not given the module."""
+    parameters through ``functional_call`` and the step is not given the module;
+    ``compile_update``: the optimizer's update compiled too (with ``backend``)."""
     model = compile_model(case.model(), compile, backend, wrap=wrap)
     units = fsdp.make_units(model, world_size=comm.world_size)
     opt = case.make_optimizer()
+    if compile_update:
+        opt = GradientTransformation(opt.init, torch.compile(opt.update, backend=backend))
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(model, checkpoint=case.activation_checkpointing), opt, comm,
                           micro_batches=case.micro_batches, module=None if functional else model)

@@ -113,6 +113,17 @@ def test_torchtitan_style_compiled_blocks_train_like_eager(eager):
         assert max(abs(p - eparams[k.replace("._orig_mod", "")]).max().item() for k, p in params.items()) < 1e-12
 
 
+def test_a_compiled_optimizer_update_trains_like_torch_optim():
+    """The jit-like path ``bench/compile.py --compile-optimizer`` times: the compiled blocks and
+    ``torch.compile(opt.update)`` of ``adamw(donate=True)`` (moments and the update written in
+    place, which the compiled function must keep) train like ``torch.optim.AdamW``."""
+    case = dataclasses.replace(CASE, donate=True)
+    ref, ref_losses = reference_run(case)
+    for params, losses, _, _ in _sim(2, case, compile="block", backend="aot_eager", compile_update=True):
+        assert max_diff(params, ref)[0] < 1e-10
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
+
+
 def _refused(comm):
     from ragged import fsdp
     from ragged.examples.data import rank_slice

@@ -17,9 +17,10 @@ list, before sharding (torchtitan's ``apply_compile``); ``--compile whole`` comp
 model (``model.compile()``; FSDP2: after ``fully_shard``). Compilation happens in the warm-up
 steps (``--warmup``, at least 2: ragged's first call may rerun with the learnt schedule), which
 are not timed; their time is shown as the compile time. The methods share the blocks' code in
-one process: ragged's step binds plain tensors where torch's methods hold ``nn.Parameter`` objects, so
-the first of them recompiles ``Block.forward`` once, in its warm-up. A frame compiled during the
-timed repeats (a recompile that would be in a step's time) is counted and printed.
+one process: ragged's step binds plain tensors where torch's methods hold ``nn.Parameter``
+objects, so the first of them recompiles ``Block.forward`` once, in its warm-up. A frame
+compiled during the timed repeats (a recompile that would be in a step's time) is counted and
+printed.
 
 Each repeat runs one step of every method on the same batch, the order alternating between
 repeats. Reported: median step time (max over ranks) with a bootstrap 95% interval, and the

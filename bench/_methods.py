@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RaggedMethod", "FSDP2Method", "LocalMethod", "dtypes"]
+__all__ = ["RaggedMethod", "FSDP2Method", "LocalMethod", "dtypes", "compile_model"]
 
 
 def dtypes(policy: str):
@@ -57,6 +57,21 @@ def _blocks(cfg, model):
     return model.blocks
 
 
+def compile_model(cfg, model, how, backend="inductor"):
+    """``torch.compile`` in place: ``"block"`` every block (``torch.compile(block)`` put back in
+    its list, as torchtitan does), ``"whole"`` the model (``model.compile()``); ``None``: nothing.
+    ``backend``: dynamo's backend (``"aot_eager"``: no code generation, for quick checks)."""
+    if how == "block":
+        blocks = _blocks(cfg, model)
+        for k, block in enumerate(blocks):
+            blocks[k] = torch.compile(block, backend=backend)
+    elif how == "whole":
+        model.compile(backend=backend)
+    elif how is not None:
+        raise ValueError(f"unknown compile mode {how!r}; use 'block' or 'whole'.")
+    return model
+
+
 def _logits(model, inputs):
     out = model(inputs, use_cache=False) if hasattr(model, "config") else model(inputs)
     return getattr(out, "logits", out)
@@ -84,14 +99,14 @@ class RaggedMethod:
     name = "ragged"
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
-                 keep_module=False, groups=None, max_buffers=1):
+                 keep_module=False, groups=None, max_buffers=1, compile=None, compiler="inductor", bind_module=False):
         import ragged as rg
         from ragged import fsdp
         from ragged.optim import GradientTransformation
         from torch.profiler import record_function
 
         compute, reduce = dtypes(policy)
-        model = _model(cfg, seed, device)
+        model = compile_model(cfg, _model(cfg, seed, device), compile, compiler)
         self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups,
                                      max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
@@ -106,8 +121,8 @@ class RaggedMethod:
         self.state = fsdp.init(self.units, model, self.optimizer, comm, release_module=not keep_module)
         self.model = model
         self.step_fn = fsdp.make_step(self.units, _ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
-                                      compute_dtype=compute, reduce_dtype=reduce,
-                                      donate=donate)  # shards updated in place (the bench owns them)
+                                      compute_dtype=compute, reduce_dtype=reduce, donate=donate,
+                                      module=model if compile or bind_module else None)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}
 
@@ -146,12 +161,13 @@ class _TorchOptimizerState:
 class FSDP2Method(_TorchOptimizerState):
     name = "fsdp2"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False, groups=()):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False, groups=(),
+                 compile=None, compiler="inductor"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         compute, reduce = dtypes(policy)
-        model = _model(cfg, seed, device)
+        model = compile_model(cfg, _model(cfg, seed, device), "block" if compile == "block" else None, compiler)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         for block in _blocks(cfg, model):
@@ -163,6 +179,7 @@ class FSDP2Method(_TorchOptimizerState):
         for names in groups:  # more fully_shard groups (module names), as ragged's units with groups=
             fully_shard([model.get_submodule(n) for n in names], mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        compile_model(cfg, model, "whole" if compile == "whole" else None, compiler)  # after fully_shard: its hooks break the graph
         self.model = model
         self.opt = optimizer(model.parameters()) if optimizer else torch.optim.AdamW(
             model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)
@@ -184,9 +201,10 @@ class LocalMethod(_TorchOptimizerState):
 
     name = "local"
 
-    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None):
+    def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, compile=None,
+                 compiler="inductor"):
         compute, _ = dtypes(policy)
-        self.model = _model(cfg, seed, device)
+        self.model = compile_model(cfg, _model(cfg, seed, device), compile, compiler)
         self.compute = compute
         self.opt = optimizer(self.model.parameters()) if optimizer else torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)

@@ -29,6 +29,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import PlanMismatchError, RaggedError, RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr, pytree
+from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
 from ragged.fsdp._runtime import Run
@@ -176,7 +177,7 @@ class ValueAndGrad:
         losses, failure = [], None
         try:
             leaves = {p: t for u in run.units for p, t in u.leaves.items()}
-            with bind(self.module, self.slots, leaves):
+            with bind(self.module, self.slots, leaves), regions(self.module, run):
                 for mb in micro:
                     run.reset()
                     loss = None
@@ -323,7 +324,9 @@ def value_and_grad(
         max_inflight_reduce: reduce-scatters in flight before the oldest is waited.
         module: bind this module's parameter attributes to the step's leaves through forward and
             backward (see [Note: binding a module] in ``_intercept.py``): ``loss_fn`` may then call
-            ``module(...)``, and recomputation inside it works. One module object per rank.
+            ``module(...)``, and recomputation inside it works; its compiled modules are gathered
+            at their boundary (see [Note: compiled regions] in ``_compiled.py``). One module
+            object per rank.
         trace: record ``(event, unit, phase)`` tuples in the step's metrics.
 
     Returns:

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from ragged._errors import RaggedValueError
 from ragged.fsdp._records import UnitState, storage_key
 
-__all__ = ["UseMode", "Marker", "saved_tensor_hooks", "backward", "module_slots", "bind"]
+__all__ = ["UseMode", "Marker", "read_units", "saved_tensor_hooks", "backward", "module_slots", "bind"]
 
 _METADATA = frozenset(
     {"size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage", "data_ptr", "__len__",
@@ -52,6 +52,16 @@ _METADATA_PROPERTIES = frozenset(
      "itemsize", "nbytes", "_grad", "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "name"}
 )
 _BACKWARDS = (torch.autograd.backward, torch.Tensor.backward)
+
+COMPILED_OUTSIDE_REGION_MSG = (
+    "torch.compile traced a torch call ({func}) inside the step without ragged knowing where the compiled code "
+    "starts: compiled code cannot gather a unit when it first reads it, so the step refuses (every rank raises "
+    "this, before any parameter changes). Fix: pass the model to rg.fsdp.make_step(..., module=model) (or "
+    "value_and_grad(..., module=model)) and compile modules of it (model.compile(), block.compile() for each "
+    "block, or torch.compile(block) put back into the model): each compiled module is then a region whose units "
+    "are gathered at its boundary. Compile the model or its blocks, not loss_fn, the step or another function "
+    "that runs inside it; compiled autograd is not supported either."
+)
 
 FOREIGN_PARAMETER_MSG = (
     "backward read a parameter that is not one of the step's leaves ({shape}, an nn.Parameter requiring grad): "
@@ -97,13 +107,15 @@ class UseMode(TorchFunctionMode):
         self.run = run
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_dynamo_compiling():  # see [Note: compiled regions] in _compiled.py
+            return compiled_outside_region(func)
         kwargs = kwargs or {}
         if func in _BACKWARDS:
             return backward(self.run, *_backward_args(func, args, kwargs))
         run = self.run
         if run.busy or not _reads_data(func):
             return func(*args, **kwargs)
-        key_to_unit, units, touched = run.key_to_unit, run.units, None
+        key_to_unit, touched = run.key_to_unit, None
         for a in itertools.chain(args, kwargs.values()):
             if isinstance(a, torch.Tensor):
                 i = key_to_unit.get(storage_key(a))
@@ -121,17 +133,35 @@ class UseMode(TorchFunctionMode):
                             touched = (touched or []) + [i]
         if touched is None:
             return func(*args, **kwargs)
-        run.protect = set(touched)
-        try:
-            for i in touched:
-                if i != run.active or units[i].state is not UnitState.READY or run.phase == "forward" and (
-                        run.cursor < 0 or run.schedule.forward[run.cursor] != i):
-                    run.use(i)
-            if run.marker_entry is not None and torch.is_grad_enabled() and not _in_place(func, kwargs):
-                args, kwargs = _mark(run, args, kwargs)
-            return func(*args, **kwargs)
-        finally:
-            run.call_done()
+
+        def call(mark: bool):
+            a, k = _mark(run, args, kwargs) if mark and not _in_place(func, kwargs) else (args, kwargs)
+            return func(*a, **k)
+
+        return read_units(run, touched, call)
+
+
+def read_units(run, touched, call):
+    """Runs ``call(mark)``, a call that reads the units ``touched``, with each of them gathered
+    (moving the schedule on, see :meth:`Run.use`) and none freed before it returns; ``mark``:
+    whether the call should place the marker of the entry just entered (see [Note: markers and
+    tags] in ``_runtime.py``)."""
+    units = run.units
+    run.protect = set(touched)
+    try:
+        for i in touched:
+            if i != run.active or units[i].state is not UnitState.READY or run.phase == "forward" and (
+                    run.cursor < 0 or run.schedule.forward[run.cursor] != i):
+                run.use(i)
+        return call(run.marker_entry is not None and torch.is_grad_enabled())
+    finally:
+        run.call_done()
+
+
+@torch.compiler.disable(reason="ragged: a compiled module read the step's parameters outside a region (see the "
+                               "RaggedValueError this raises)")
+def compiled_outside_region(func):
+    raise RaggedValueError(COMPILED_OUTSIDE_REGION_MSG.format(func=getattr(func, "__name__", func)))
 
 
 def _mark(run, args, kwargs):
@@ -148,8 +178,12 @@ def _mark(run, args, kwargs):
 
 
 def saved_tensor_hooks(run):
-    """``saved_tensors_hooks`` packing tensors as :meth:`Run.saved` says (see the runtime's notes)."""
-    return torch.autograd.graph.saved_tensors_hooks(run.saved, run.restored)
+    """``saved_tensors_hooks`` packing tensors as :meth:`Run.saved` says (see the runtime's notes).
+
+    Autograd calls them from eager code inside a compiled region too (a graph break): dynamo must
+    not trace them (see [Note: compiled regions] in ``_compiled.py``)."""
+    return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(run.saved),
+                                                    torch.compiler.disable(run.restored))
 
 
 _BACKWARD_SIGNATURE = inspect.signature(torch.autograd.backward)
@@ -199,8 +233,11 @@ def module_slots(module: torch.nn.Module, units) -> tuple:
     parameter under each of its names (``path``: the name ``make_units`` gave it)."""
     if not isinstance(module, torch.nn.Module):
         raise RaggedValueError(f"make_step(module=...) must be an nn.Module, got {type(module).__name__}.")
-    path_of = {id(p): name for name, p in module.named_parameters()}
     known = {p for u in units for p in u.paths}
+    inner = getattr(module, "_orig_mod", None)  # torch.compile(model) of the model make_units was given
+    if isinstance(inner, torch.nn.Module) and not known & {name for name, _ in module.named_parameters()}:
+        module = inner
+    path_of = {id(p): name for name, p in module.named_parameters()}
     slots = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for attr, p in sub._parameters.items():

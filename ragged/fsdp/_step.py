@@ -44,6 +44,10 @@ before the forward would funnel every gradient through nodes that autograd sched
   Face ``gradient_checkpointing_enable()``) needs ``make_step(..., module=model)``; without it,
   backward reading the module's own parameters raises (see [Note: binding a module] in
   ``_intercept.py``).
+* ``torch.compile``: a compiled module of ``make_step(..., module=model)`` is one opaque call
+  that reads its parameters' units, gathered at its boundary; a compiled block is one unit, as
+  in eager, a compiled whole model keeps every unit gathered while it runs. Compiled code the
+  step cannot see is refused (see [Note: compiled regions] in ``_compiled.py``).
 * A unit read where the schedule has it freed is served zeros on that rank and the call is rerun
   with the learnt schedule; the first call learns the usual patterns (a tied or reused unit, a
   checkpointed layer). What depends on the data in a way one schedule cannot cover raises
@@ -184,7 +188,10 @@ def make_step(
         module: the model ``loss_fn`` runs: its parameter attributes are the step's leaves for
             the whole step (restored afterwards), so ``loss_fn`` may call ``module(...)`` and
             activation checkpointing inside the model recomputes with the step's parameters.
-            One module object per rank.
+            Needed for ``torch.compile``: every compiled module in it (``block.compile()``,
+            ``torch.compile(block)`` put back into the model, the whole model) is gathered at its
+            boundary (see [Note: compiled regions] in ``_compiled.py``); compiled code the step
+            cannot see raises. One module object per rank.
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
             gradient] in ``_unused.py``). ``False``: it is updated as if its gradient were zero.

@@ -32,9 +32,15 @@ barrier before each; the time of an iteration is the max over ranks. Reported: t
 iterations and its ratio to the fastest raw path (smallest median, reused buffers) of the same
 collective; the "paired ratio", the median over iterations of (this method's time / the
 reference's time in the same iteration), which cancels the slow load drifts of a shared
-machine, with a bootstrap 95% confidence interval of that median; and the min. A last table
-times the every-call plan agreement alone (``plan_check="every_call"``, gloo's default; the
-``plan_check=first_use`` rows skip it after the first call).
+machine, with a bootstrap 95% confidence interval of that median; and the min.
+
+The per-call agreement (issue 16): ``rg.gather`` / ``rg.reduce_scatter`` run on the default
+comm (``handshake="header"``: every call sends each peer a 4 KiB header and agrees before
+the data moves) and on ``handshake="none"`` (the pre-agreement default: no per-call check,
+``plan_check="first_use"`` only), side by side in every iteration. The table "cost of the
+per-call agreement" gives, per W and block, the paired ratio header / none with its 95% CI
+and the median paired difference in ms per call (what the agreement adds). A last table
+times the explicit plan-agreement round alone (``plan_check="every_call"``).
 
 Run:  OMP_NUM_THREADS=1 python3 bench/collectives.py [--world-sizes 2 4] [--hidden 512 1024] [--iters 9] [--pairs]
 """
@@ -66,8 +72,12 @@ def block_params(h, f, dtype):
 
 # --pairs: only what the "within 5% of the fastest raw path" criterion compares, so that many
 # more iterations fit in the same time (the confidence interval narrows as 1/sqrt(iters))
-_PAIRS = ("rg.gather (out= reused buffer)", "raw p2p (batch_isend_irecv)",
-          "rg.reduce_scatter (flat grad, out= reused)", "raw all_to_all + sum")
+_PAIRS = ("rg.gather (out= reused buffer)", "rg.gather (out= reused, no per-call check)", "raw p2p (batch_isend_irecv)",
+          "rg.reduce_scatter (flat grad, out= reused)", "rg.reduce_scatter (flat, out= reused, no per-call check)",
+          "raw all_to_all + sum")
+# (method with the per-call agreement, the same without it): see the table "cost of the per-call agreement"
+_AGREEMENT = {"ag": ("rg.gather (out= reused buffer)", "rg.gather (out= reused, no per-call check)"),
+              "rs": ("rg.reduce_scatter (flat grad, out= reused)", "rg.reduce_scatter (flat, out= reused, no per-call check)")}
 
 
 def _worker(rank, m, backend, hiddens, iters, pairs=False):
@@ -77,7 +87,8 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
     import ragged as rg
 
     warnings.filterwarnings("ignore")
-    comm = rg.collectives.from_torch()  # plan_check="first_use", the default
+    comm = rg.collectives.from_torch()  # the defaults: handshake="header", plan_check="first_use"
+    comm_none = rg.collectives.from_torch(handshake="none")  # the pre-agreement default
     comm_every = rg.collectives.from_torch(plan_check="every_call")
     rows = []
     started = time.perf_counter()
@@ -87,6 +98,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
         plan = rg.make_plan(params, world_size=m)
         S = plan.shard_size
         dbuf = rg.shard(plan, params, comm)
+        rg.shard(plan, params, comm_none)  # agree the plan on this comm too (first use)
         flat_in = torch.randn(S)
         ag_out = torch.empty(m * S)
         grads = block_params(h, f, torch.float32)
@@ -151,6 +163,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
         methods = {
             "ag": {
                 "rg.gather (out= reused buffer)": lambda: rg.gather(dbuf, comm, out=ag_out),
+                "rg.gather (out= reused, no per-call check)": lambda: rg.gather(dbuf, comm_none, out=ag_out),
                 "rg.gather (out= reused, plan_check=every_call)": lambda: rg.gather(dbuf, comm_every, out=ag_out),
                 "rg.gather (fresh buffer)": lambda: rg.gather(dbuf, comm),
                 "raw all_gather_into_tensor": lambda: dist.all_gather_into_tensor(ag_out, flat_in),
@@ -161,6 +174,8 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
             },
             "rs": {
                 "rg.reduce_scatter (flat grad, out= reused)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum", out=rs_out),
+                "rg.reduce_scatter (flat, out= reused, no per-call check)": lambda: rg.reduce_scatter(
+                    plan, flat_grad, comm_none, op="sum", out=rs_out),
                 "rg.reduce_scatter (flat, out= reused, plan_check=every_call)": lambda: rg.reduce_scatter(
                     plan, flat_grad, comm_every, op="sum", out=rs_out),
                 "rg.reduce_scatter (flat grad)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum"),
@@ -284,6 +299,25 @@ def main(argv=None):
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
                       f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{min(ts):.1f}")
     Console(width=200).print(table)
+    t_cost = Table(title="cost of the per-call agreement: handshake='header' (default) vs 'none' (pre-agreement default), "
+                         "same iterations")
+    for col in ("W", "hidden", "MB", "collective", "header median ms", "none median ms", "paired ratio", "95% CI",
+                "added ms/call (median paired diff)", "95% CI "):
+        t_cost.add_column(col, justify="left" if col == "collective" else "right")
+    by_name = {(m, h, kind, name): (mb, ts) for m, h, mb, kind, name, ts in rows}
+    for (m, h, kind, name), (mb, ts) in sorted(by_name.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        if name != _AGREEMENT[kind][0] or (m, h, kind, _AGREEMENT[kind][1]) not in by_name:
+            continue
+        base = by_name[(m, h, kind, _AGREEMENT[kind][1])][1]
+        ratios = [a / b for a, b in zip(ts, base)]
+        diffs = [a - b for a, b in zip(ts, base)]
+        lo, hi = _median_ci(ratios)
+        dlo, dhi = _median_ci(diffs)
+        t_cost.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind],
+                       f"{statistics.median(ts):.2f}", f"{statistics.median(base):.2f}",
+                       f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{statistics.median(diffs):+.3f}",
+                       f"{dlo:+.3f} to {dhi:+.3f}")
+    Console(width=200).print(t_cost)
     print("progress: timing ragged's own per-call cost on a 1-rank group", flush=True)
     over = _overhead(args.hidden)
     t2 = Table(title="ragged wrapper cost per call beyond the collective (7-leaf block, 1-rank gloo group)")
@@ -293,7 +327,7 @@ def main(argv=None):
         pct = ", ".join(f"W={m} h={h}: {100 * us / 1e3 / statistics.median(r):.2f}%" for (m, h, k), r in sorted(ref.items()) if k == kind)
         t2.add_row({"ag": "gather", "rs": "reduce_scatter (flat grad)"}[kind], f"{us:.0f}", pct)
     Console(width=200).print(t2)
-    t3 = Table(title="plan agreement per transform call (plan_check='every_call'), median after a barrier")
+    t3 = Table(title="explicit plan agreement round per transform call (plan_check='every_call'), median after a barrier")
     for col in ("W", "us/call", "as % of the fastest raw median"):
         t3.add_column(col, justify="right" if col != "as % of the fastest raw median" else "left")
     for m, ms in sorted(agree.items()):

@@ -3,6 +3,7 @@
 from ragged import optim as optim
 from ragged import parallel as parallel
 from ragged import spec as spec
+from ragged._errors import CollectiveError as CollectiveError
 from ragged._errors import LayoutError as LayoutError
 from ragged._errors import PlanMismatchError as PlanMismatchError
 from ragged._errors import RaggedError as RaggedError

@@ -46,8 +46,21 @@ class LayoutError(RaggedError, ValueError):
 
 
 class PlanMismatchError(RaggedError, RuntimeError):
-    """Ranks hold different plans (shapes, specs, world size): raised on every rank before
-    any large collective starts."""
+    """Ranks hold different plans (shapes, specs, world size) or issue different collectives
+    (operation, dtype, size, plan, label): raised on every rank before the data moves."""
+
+
+class CollectiveError(RaggedError, RuntimeError):
+    """A collective cannot complete: a peer failed (and said why), died, or did not arrive
+    within the comm's timeout. The comm refuses further calls afterwards.
+
+    Attributes:
+        peer: the rank (in the comm's group) the error is about, or ``None``.
+    """
+
+    def __init__(self, message: str, *, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 NO_PARAMS_MSG = (

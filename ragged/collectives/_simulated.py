@@ -1,8 +1,13 @@
 """An in-process simulated mesh: m ranks as m threads of this process.
 
 For notebooks and property tests. Every collective is a rendezvous of the group's threads
-(``threading.Barrier`` with a timeout, so a rank that skips a collective gives a clear error
-instead of a hang). Results equal the torch backend's bit for bit up to summation order.
+(a barrier with a timeout) at which the ranks compare their calls (operation,
+dtype, elements, identity and label: see [Note: what a collective call carries] in
+``_base.py``): a difference raises :class:`~ragged.PlanMismatchError` on every rank, naming
+both sides, as the torch backend does. A rank that poisons its comm (or raises: see
+:func:`run_ranks`) or returns from ``fn`` while the others still wait makes them raise
+:class:`~ragged.CollectiveError` at once; a rank that is merely absent, after ``timeout``.
+Results equal the torch backend's bit for bit up to summation order.
 """
 
 from __future__ import annotations
@@ -12,10 +17,19 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedError, RaggedValueError
-from ragged.collectives._base import DoneHandle, check_coalesced, check_op
+from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError
+from ragged.collectives._base import BufferOps, DoneHandle, check_coalesced, check_op, poison_on_error, scoped_label
+from ragged.collectives._channel import raised_on_every_rank
+from ragged.collectives._header import Call, call_difference, identity_of
 
 __all__ = ["SimulatedCollectives", "simulate"]
+
+
+def _differs(a: Call, b: Call) -> str | None:
+    why = call_difference(a, b)
+    if why is None and a.identity != b.identity:
+        return "the plan, transform or label"
+    return why
 
 
 class _Group:
@@ -25,45 +39,90 @@ class _Group:
         self.size = size
         self.name = name
         self.timeout = timeout
-        self.barrier = threading.Barrier(size, timeout=timeout) if size > 1 else None
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._arrived = 0
         self.slots: list[Any] = [None] * size
-        self.ops: list[str | None] = [None] * size
+        self.calls: list[Call | None] = [None] * size
+        self.failure: tuple[int, str] | None = None  # (rank, reason): see fail()
+        self.departed: set[int] = set()  # ranks whose fn returned
 
-    def exchange(self, index: int, opname: str, value):
+    def exchange(self, index: int, seq: int, call: Call, value):
         if self.size == 1:
             return [value]
+        self._check(index, seq, call)
         self.slots[index] = value
-        self.ops[index] = opname
-        self._wait(index, opname)
-        values, ops = list(self.slots), list(self.ops)
-        self._wait(index, opname)
-        if len(set(ops)) > 1:
-            raise RaggedError(
-                f"simulated {self.name} group: ranks called different collectives at the same step: "
-                f"{dict(enumerate(ops))}. Every rank must issue the same collectives in the same order."
-            )
+        self.calls[index] = call
+        self._wait(index, seq, call)
+        values, calls = list(self.slots), list(self.calls)
+        self._wait(index, seq, call)
+        bad = [(j, c, _differs(call, c)) for j, c in enumerate(calls) if _differs(call, c)]
+        if bad:
+            j, theirs, why = bad[0]
+            others = [k for k, _, _ in bad[1:]]
+            raise raised_on_every_rank(PlanMismatchError(
+                f"collective #{seq} of the simulated {self.name} group differs between ranks ({why}): rank {index} "
+                f"called {call.describe()}, rank {j} called {theirs.describe()}"
+                + (f"; ranks {others} also differ from rank {index}" if others else "")
+                + ". Every rank must issue the same ragged collectives in the same order, with the same plans, "
+                "dtypes and options (a rank that skipped or added a call, or built another plan)."))
         return values
 
-    def _wait(self, index, opname):
-        try:
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
-            raise RaggedError(
-                f"simulated {self.name} group: rank {index} waited in {opname} but the other ranks did not "
-                f"arrive within {self.timeout}s (or a rank failed). Every rank must issue the same "
-                "collectives in the same order."
-            ) from None
+    def _check(self, index, seq, call):
+        if self.failure is not None:
+            rank, reason = self.failure
+            if rank == index:
+                raise CollectiveError(f"this comm no longer runs collectives: {reason}")
+            raise CollectiveError(f"rank {rank} failed: {reason} (rank {index} learnt it in collective #{seq}, "
+                                  f"{call.describe()}, of the simulated {self.name} group)", peer=rank)
+        gone = sorted(self.departed - {index})
+        if gone:
+            raise CollectiveError(
+                f"rank {gone[0]} returned (stopped early) while rank {index} calls collective #{seq} "
+                f"({call.describe()}) of the simulated {self.name} group. Every rank must issue the same "
+                "collectives in the same order.", peer=gone[0])
 
-    def abort(self):
-        if self.barrier is not None:
-            self.barrier.abort()
+    def _wait(self, index, seq, call):
+        """A barrier of the group's ranks that a failure or a departure breaks."""
+        with self._cond:
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            released = self._cond.wait_for(
+                lambda: self._generation != generation or self.failure is not None or bool(self.departed - {index}),
+                self.timeout)
+            if self._generation != generation:
+                return
+            self._arrived -= 1
+        self._check(index, seq, call)
+        if not released:
+            raise CollectiveError(
+                f"simulated {self.name} group: rank {index} waited in collective #{seq} ({call.describe()}) but the "
+                f"other ranks did not arrive within {self.timeout}s. Every rank must issue the same "
+                "collectives in the same order.")
+
+    def depart(self, rank: int):
+        with self._cond:
+            self.departed.add(rank)
+            self._cond.notify_all()
+
+    def fail(self, rank: int, reason: str):
+        """Every rank of this group raises at its current or next collective (see :meth:`_check`)."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = (rank, reason)
+            self._cond.notify_all()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-class SimulatedCollectives:
+class SimulatedCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` for one simulated rank (see :func:`simulate`).
 
     Async ops complete immediately; their handle's ``wait()`` does nothing.
@@ -78,6 +137,34 @@ class SimulatedCollectives:
         self._global_rank = replica_rank * shard_group.size + rank
         self.plan_check = "every_call"  # or "first_use": see [Note: plan check before collectives]
         self.checked_plans: dict = {}  # (ragged/transforms/_check.py)
+        self.scope = None  # see [Note: what a collective call carries] (_base.py)
+        self._seq: dict[int, int] = {}
+
+    def _exchange(self, group, index, op, reduce, tensor, value, label, numel=None):
+        scope = self.scope
+        call = Call(op, reduce, None if tensor is None else tensor.dtype,
+                    (-1 if tensor is None else tensor.numel()) if numel is None else numel,
+                    identity_of(scope.identity if scope is not None else 0, label), scoped_label(scope, label))
+        seq = self._seq.get(id(group), 0)
+        self._seq[id(group)] = seq + 1
+        with poison_on_error(self):
+            return group.exchange(index, seq, call, value)
+
+    def memberships(self) -> list:
+        """``(group, this rank's index in it)`` for every group this rank belongs to."""
+        out = {id(self._shard): (self._shard, self._rank)}
+        if self._replica is not None:
+            out[id(self._replica)] = (self._replica, self._replica_rank)
+        out.setdefault(id(self._world), (self._world, self._global_rank))
+        return list(out.values())
+
+    def verify(self) -> None:
+        """A no-op: every call is compared at its rendezvous."""
+
+    def poison(self, reason: str) -> None:
+        """See :meth:`ragged.collectives.Collectives.poison`."""
+        for g, index in self.memberships():
+            g.fail(index, reason)
 
     def __repr__(self) -> str:
         return f"SimulatedCollectives(rank={self._rank}, world_size={self.world_size}, replicas={self.num_replicas})"
@@ -106,37 +193,16 @@ class SimulatedCollectives:
     def _done(async_op):
         return DoneHandle() if async_op else None
 
-    def all_gather_into(self, output, input, *, async_op=False):
-        m, n = self.world_size, input.numel()
-        if output.numel() != m * n:
-            raise RaggedValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
-        values = self._shard.exchange(self._rank, "all_gather", _plain(input).clone())
+    def _all_gather(self, outs, ins, async_op, label, where):
+        with poison_on_error(self):
+            check_coalesced(outs, ins, self.world_size, where, gather=True)
+        values = self._exchange(self._shard, self._rank, "all_gather", None, ins[0], [_plain(i).clone() for i in ins],
+                                label, numel=sum(i.numel() for i in ins))
         with torch.no_grad():
-            for j, v in enumerate(values):
-                output[j * n : (j + 1) * n].copy_(v.reshape(-1))
-        return self._done(async_op)
-
-    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
-        m = self.world_size
-        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
-        values = self._shard.exchange(self._rank, "all_gather_coalesced", [_plain(i).clone() for i in inputs])
-        with torch.no_grad():
-            for b, (out, inp) in enumerate(zip(outputs, inputs)):
-                n = inp.numel()
+            for b, (o, i) in enumerate(zip(outs, ins)):
+                n = i.numel()
                 for j, v in enumerate(values):
-                    out[j * n : (j + 1) * n].copy_(v[b].reshape(-1))
-        return self._done(async_op)
-
-    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
-        check_op(op)
-        m = self.world_size
-        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
-        values = self._shard.exchange(self._rank, f"reduce_scatter_coalesced_{op}", [_plain(i).clone() for i in inputs])
-        with torch.no_grad():
-            for b, out in enumerate(outputs):
-                n = out.numel()
-                chunks = [v[b].reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
-                out.copy_(self._reduce(chunks, op, out).view_as(out))
+                    o[j * n : (j + 1) * n].copy_(v[b].reshape(-1))
         return self._done(async_op)
 
     def _reduce(self, values, op, like):
@@ -151,46 +217,52 @@ class SimulatedCollectives:
                 acc.div_(len(values))
         return acc
 
-    def reduce_scatter_into(self, output, input, *, op="sum", async_op=False):
-        check_op(op)
-        m, n = self.world_size, output.numel()
-        if input.numel() != m * n:
-            raise RaggedValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
-        values = self._shard.exchange(self._rank, f"reduce_scatter_{op}", _plain(input).clone())
-        chunks = [v.reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
+    def _reduce_scatter(self, outs, ins, op, async_op, label, where):
+        with poison_on_error(self):
+            check_op(op)
+            check_coalesced(outs, ins, self.world_size, where, gather=False)
+        values = self._exchange(self._shard, self._rank, "reduce_scatter", op, ins[0], [_plain(i).clone() for i in ins],
+                                label, numel=sum(o.numel() for o in outs))
         with torch.no_grad():
-            output.copy_(self._reduce(chunks, op, output).view_as(output))
+            for b, o in enumerate(outs):
+                n = o.numel()
+                chunks = [v[b].reshape(-1)[self._rank * n : (self._rank + 1) * n] for v in values]
+                o.copy_(self._reduce(chunks, op, o).view_as(o))
         return self._done(async_op)
 
-    def _all_reduce(self, group, index, tensor, op, async_op):
-        check_op(op)
-        values = group.exchange(index, f"all_reduce_{op}", _plain(tensor).clone())
+    def _all_reduce(self, group, index, tensor, op, async_op, label):
+        with poison_on_error(self):
+            check_op(op)
+        values = self._exchange(group, index, "all_reduce", op, tensor, _plain(tensor).clone(), label)
         with torch.no_grad():
             tensor.copy_(self._reduce(values, op, tensor))
         return self._done(async_op)
 
-    def all_reduce(self, tensor, *, op="sum", async_op=False):
-        return self._all_reduce(self._shard, self._rank, tensor, op, async_op)
+    def all_reduce(self, tensor, *, op="sum", async_op=False, label=None):
+        return self._all_reduce(self._shard, self._rank, tensor, op, async_op, label)
 
-    def all_reduce_replicas(self, tensor, *, op="sum", async_op=False):
+    def all_reduce_replicas(self, tensor, *, op="sum", async_op=False, label=None):
         if self._replica is None:
             check_op(op)
             return self._done(async_op)
-        return self._all_reduce(self._replica, self._replica_rank, tensor, op, async_op)
+        return self._all_reduce(self._replica, self._replica_rank, tensor, op, async_op, label)
 
-    def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False):
+    def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False, label=None):
         m = self.world_size
-        if len(input_splits) != m or len(output_splits) != m:
-            raise RaggedValueError(f"all_to_all: splits must have world_size={m} entries.")
+        with poison_on_error(self):
+            if len(input_splits) != m or len(output_splits) != m:
+                raise RaggedValueError(f"all_to_all: splits must have world_size={m} entries.")
         flat = _plain(input).reshape(-1)
         starts = [sum(input_splits[:j]) for j in range(m)]
         parts = [flat[s : s + k].clone() for s, k in zip(starts, input_splits)]
-        values = self._shard.exchange(self._rank, "all_to_all", parts)
+        values = self._exchange(self._shard, self._rank, "all_to_all", None, input, parts, label, numel=-1)
         with torch.no_grad():
             pos = 0
             for j in range(m):
                 piece = values[j][self._rank]
                 if piece.numel() != output_splits[j]:
+                    self.poison(f"all_to_all: rank {self._rank} expected {output_splits[j]} elements from rank {j}, "
+                                f"got {piece.numel()}")
                     raise RaggedValueError(
                         f"all_to_all: rank {self._rank} expected {output_splits[j]} elements from rank {j}, "
                         f"got {piece.numel()}."
@@ -199,11 +271,11 @@ class SimulatedCollectives:
                 pos += piece.numel()
         return self._done(async_op)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self._world.exchange(self._global_rank, "all_gather_object", obj)
+    def all_gather_object(self, obj: Any, *, label=None) -> list[Any]:
+        return self._exchange(self._world, self._global_rank, "all_gather_object", None, None, obj, label)
 
-    def barrier(self) -> None:
-        self._world.exchange(self._global_rank, "barrier", None)
+    def barrier(self, *, label=None) -> None:
+        self._exchange(self._world, self._global_rank, "barrier", None, None, None, label)
 
 
 def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = None, timeout: float = 60.0, **kwargs):
@@ -254,12 +326,21 @@ def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = No
     return run_ranks(comms, fn, args, kwargs, groups, describe=lambda i: f"simulated rank {i} of {world_size}")
 
 
+def _memberships(comm) -> list:
+    """``(group, index)`` pairs of a simulated rank's comm (or of a mesh comm's axes and world)."""
+    if hasattr(comm, "memberships"):
+        return comm.memberships()
+    parts = [*getattr(comm, "axes", {}).values(), getattr(comm, "world", None)]
+    return [m for c in parts if c is not None for m in c.memberships()]
+
+
 def run_ranks(comms, fn, args, kwargs, groups, *, describe) -> list:
     """Runs ``fn(comms[i], *args, **kwargs)`` on one thread per rank and returns the results.
 
-    The first failure aborts every group (so the other ranks' collectives fail fast instead
-    of waiting for their timeout) and is re-raised here, noted with ``describe(rank)``; the
-    original failure is preferred over the "did not arrive" errors it caused elsewhere.
+    A rank that raises poisons its comm (so the other ranks' collectives fail fast, naming
+    it, instead of waiting for their timeout), and so does a rank that returns while others
+    may still wait for it. The failure is re-raised here, noted with ``describe(rank)``; the
+    original failure is preferred over the errors it caused elsewhere.
     """
     n = len(comms)
     results: list[Any] = [None] * n
@@ -270,8 +351,11 @@ def run_ranks(comms, fn, args, kwargs, groups, *, describe) -> list:
             results[i] = fn(comms[i], *args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[i] = e
-            for g in groups:
-                g.abort()
+            for g, index in _memberships(comms[i]):
+                g.fail(index, f"{type(e).__name__}: {e}")
+            return
+        for g, index in _memberships(comms[i]):  # returned: a peer still waiting for it fails now
+            g.depart(index)
 
     if n == 1:
         run(0)
@@ -283,7 +367,7 @@ def run_ranks(comms, fn, args, kwargs, groups, *, describe) -> list:
             t.join()
     failed = [(i, e) for i, e in enumerate(errors) if e is not None]
     if failed:
-        primary = [(i, e) for i, e in failed if "did not arrive" not in str(e)] or failed
+        primary = [(i, e) for i, e in failed if not isinstance(e, CollectiveError)] or failed
         i, e = primary[0]
         e.add_note(f"(raised on {describe(i)})")
         raise e

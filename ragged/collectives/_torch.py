@@ -1,70 +1,99 @@
 """The ``torch.distributed`` backend (gloo, NCCL; 1-D groups and 2-D HSDP meshes).
 
+[Note: handshake modes]
+Every call carries what [Note: what a collective call carries] (``_base.py``) says; when it is
+checked depends on ``handshake`` (:func:`from_torch`):
+
+* ``"header"`` (default on gloo): every call's messages are tagged with their sizes and
+  preceded by a header, checked before the result is used (see [Note: size-tagged messages and
+  headers] in ``_channel.py``): a mismatch raises :class:`~ragged.PlanMismatchError` on every
+  rank at that call (no size can abort gloo), a failed, dead or absent rank makes every rank
+  raise :class:`~ragged.CollectiveError` within milliseconds (or the timeout), never gloo's
+  30 minutes.
+* ``"deferred"`` (default on NCCL and other device backends): native collectives, each call
+  recorded on the host and verified later without a device-to-host sync on the hot path
+  (see [Note: deferred agreement] in ``_ledger.py``). NCCL cannot check sizes before a
+  collective runs: a mismatch of sizes can hang until NCCL's own watchdog, and a mismatch of
+  sizes or of the plan can compute wrong numbers until it is detected: at the next agreement
+  point (``check_plans`` rounds, which ``rg.fsdp``'s step makes once per step, or
+  ``comm.verify()``), or by the periodic device-side check, ``verify_every`` calls later.
+  ``comm.poison`` goes through the c10d store and a watcher aborts the peers' groups.
+* ``"none"``: today's paths with no per-call agreement (the baseline of ``bench/collectives.py``);
+  only the plan check of ``plan_check`` protects these calls.
+
 [Note: gloo all-gather and reduce-scatter paths]
 On gloo the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slow (gloo's
 reduce-scatter is a clone + a full all-reduce + a copy of the own chunk) and warn in torch
-2.13. Measured on this machine (``bench/collectives.py`` and torch-notes), faster paths with the
-same result are:
-
-* all-gather ("p2p"): one ``batch_isend_irecv``: the S-element input is sent to every peer and
-  each peer's chunk is received directly into its slot of the output; the own chunk is one
-  S-element local copy. No staging buffer. (``all_to_all_single`` would need the input
-  materialised m times: it rejects a stride-0 ``expand`` view with "Tensors must be
-  contiguous", so that path costs an extra m*S copy.)
-* reduce-scatter ("all_to_all"): ``all_to_all_single`` of the m*S input into an m*S scratch
-  buffer (chunk j goes to rank j), then one ``torch.sum`` over the m received chunks into the
-  S-element output. Cost: the scratch buffer (m*S, reused across calls of equal size) and one
-  local reduction kernel reading m*S elements. It also works inside a backward under
-  ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not (torch-notes).
-
-NCCL (and any other backend) uses the native ``all_gather_into_tensor`` and
-``reduce_scatter_tensor``. ``algorithm=`` on :func:`from_torch` overrides the choice (the
-benchmark uses it to compare paths).
+2.13. ``"header"`` moves data point to point (see [Note: the data paths of the header
+protocol] in ``_p2p.py``). Under ``"none"`` / ``"deferred"`` on gloo the measured fastest
+paths are: all-gather ``"p2p"`` (one ``batch_isend_irecv`` into the output; ``all_to_all_single``
+would need the input materialised m times, it rejects a stride-0 ``expand``), reduce-scatter
+``"all_to_all"`` (``all_to_all_single`` into an m*S scratch buffer, then one local sum; it also
+works under ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not, torch-notes).
+NCCL uses the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (coalesced for
+several buffers, ``AVG`` for mean). ``algorithm=`` forces a path under ``"none"`` / ``"deferred"``.
 
 [Note: coalesced collectives of several buffers]
 ``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` move several buffers (the
 buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_plan.py) in ONE
-launch: on gloo ("p2p" and "all_to_all") one ``batch_isend_irecv`` over every (peer, buffer)
-pair, received straight into the outputs (all-gather) or into a rank-major scratch that one
-local sum per buffer reduces (reduce-scatter); on NCCL ("native") the per-buffer native ops
-inside ``torch.distributed._coalescing_manager`` (one NCCL group: one launch; written, not run
-here: no GPU). gloo has no coalescing group, so ``algorithm="native"`` on gloo issues one
-native op per buffer.
+call: under ``"header"`` one header per peer describes every buffer (op, dtype, each buffer's
+size, identity, label), and the data of every (peer, buffer) pair travels in the same
+batch (see ``_p2p.py``); under ``"none"`` / ``"deferred"`` on gloo one ``batch_isend_irecv``
+or ``all_to_all_single`` per buffer, one ledger entry for the call; on NCCL ("native") the
+per-buffer native ops inside ``torch.distributed._coalescing_manager`` (one NCCL group: one
+launch; written, not run here: no GPU). gloo has no coalescing group, so ``algorithm="native"``
+on gloo issues one native op per buffer.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ragged.collectives._base import PLAN_CHECKS, check_coalesced, check_op, completed
-from ragged._errors import RaggedValueError
+from ragged._errors import CollectiveError, RaggedValueError
+from ragged.collectives import _p2p
+from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, completed,
+                                      poison_on_error, scoped_label)
+from ragged.collectives._channel import channel_for
+from ragged.collectives._header import identity_of
+from ragged.collectives._ledger import Ledger
 
 __all__ = ["TorchCollectives", "from_torch"]
 
 _AG_ALGOS = ("native", "p2p", "all_to_all")
 _RS_ALGOS = ("native", "all_to_all", "p2p")
+HANDSHAKES = ("header", "deferred", "none")
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class _Work:
-    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum)."""
+    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum).
 
-    __slots__ = ("_works", "_finish", "_done")
+    ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
+    group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
 
-    def __init__(self, works, finish=None):
+    __slots__ = ("_works", "_finish", "_done", "_ledgers")
+
+    def __init__(self, works, finish=None, ledgers=None):
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
+        self._ledgers = ledgers
 
     def wait(self) -> None:
         if self._done:
             return
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as e:
+            for led in self._ledgers or ():
+                if led is not None and led.failure is not None:
+                    raise CollectiveError(f"{led.failure} (the collective was aborted)", peer=led.failure.peer) from e
+            raise
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -76,48 +105,35 @@ class _Work:
         return self._done or all(type(w).__name__ == "FakeWork" or completed(w) for w in self._works)
 
 
-def _result(work: _Work, async_op: bool):
-    if async_op:
-        return work
-    work.wait()
-    return None
+class _Guarded:
+    """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison] in ``_channel.py``)."""
+
+    __slots__ = ("_work", "_comm")
+
+    def __init__(self, work, comm):
+        self._work, self._comm = work, comm
+
+    def wait(self) -> None:
+        with poison_on_error(self._comm):
+            self._work.wait()
+
+    def is_completed(self) -> bool:
+        return completed(self._work)
 
 
-class _Scratch:
-    """A per-(dtype, numel, device) scratch buffer reused across calls (first touch of fresh
-    memory is ~5x slower than a warm copy on CPU). A buffer in use by a pending op is not
-    handed out twice."""
-
-    def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        key = (numel, dtype, str(device))
-        with self._lock:
-            pool = self._free.get(key)
-            if pool:
-                return pool.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        key = (t.numel(), t.dtype, str(t.device))
-        with self._lock:
-            pool = self._free.setdefault(key, [])
-            if len(pool) < 2:
-                pool.append(t)
+def _pg(group):
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-class TorchCollectives:
+class TorchCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` over ``torch.distributed`` process groups.
 
-    Build one with :func:`from_torch`. See [Note: gloo all-gather and reduce-scatter paths].
+    Build one with :func:`from_torch`. See [Note: handshake modes].
     """
 
-    def __init__(self, shard_group=None, replica_group=None, *, algorithm: str | None = None, plan_check: str | None = None):
+    def __init__(self, shard_group=None, replica_group=None, *, algorithm: str | None = None,
+                 plan_check: str | None = None, handshake: str | None = None, timeout: float | None = None,
+                 verify_every: int = 64):
         self.group = shard_group
         self.replica_group = replica_group
         self.backend = str(dist.get_backend(shard_group)).lower()
@@ -129,29 +145,55 @@ class TorchCollectives:
         else:
             self._replica_rank, self._replicas = 0, 1
         gloo = "gloo" in self.backend
+        if handshake is None:  # a forced path is a native/p2p/all_to_all collective: checked deferred
+            # torch's fake process group moves no data and its works never report completion: nothing to agree
+            handshake = "header" if gloo and algorithm is None else ("none" if self.backend == "fake" else "deferred")
+        if handshake not in HANDSHAKES:
+            raise RaggedValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}.")
+        if handshake == "header" and not gloo:
+            raise RaggedValueError(f"handshake='header' needs gloo (tagged send/recv); the backend is {self.backend!r}. "
+                                   "Use handshake='deferred'.")
+        self.handshake = handshake
         ag, rs = ("p2p", "all_to_all") if gloo else ("native", "native")
         if algorithm is not None:
             if algorithm not in _AG_ALGOS or algorithm not in _RS_ALGOS:
                 raise RaggedValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
+            if handshake == "header":
+                raise RaggedValueError("algorithm= chooses a path of handshake='none' or 'deferred'; handshake='header' "
+                                       "moves data point to point (see [Note: the data paths of the header protocol]).")
             ag = rs = algorithm
-        self.ag_algorithm, self.rs_algorithm = ag, rs
+        self.ag_algorithm, self.rs_algorithm = ("p2p", "p2p") if handshake == "header" else (ag, rs)
         # NCCL, and torch's fake process group on a machine with a GPU (one process measuring one rank's
         # memory at any world size: its collectives move no data, its allocations are the device's)
         on_gpu = "nccl" in self.backend or (self.backend == "fake" and torch.cuda.is_available())
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self._scratch = _Scratch()
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
+        if not timeout > 0:
+            raise RaggedValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        self.timeout = float(timeout)
         if plan_check is None:  # like torch's own per-call collective checks: a debug mode
             plan_check = "every_call" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else "first_use"
         if plan_check not in PLAN_CHECKS:
             raise RaggedValueError(f"plan_check must be one of {PLAN_CHECKS}, got {plan_check!r}.")
         self.plan_check = plan_check
         self.checked_plans: dict = {}  # see [Note: plan check before collectives] (ragged/transforms/_check.py)
+        self.scope = None  # a CallScope: see [Note: what a collective call carries] (_base.py)
+        self._failed: str | None = None  # "none" mode: a poisoned comm refuses calls
+        self._channels = self._ledgers = None
+        if handshake == "header":
+            self._channels = (channel_for(_pg(shard_group)),
+                              channel_for(replica_group) if replica_group is not None else None)
+        elif handshake == "deferred":
+            self._ledgers = (Ledger(_pg(shard_group), self._device, every=verify_every, timeout=self.timeout),
+                             Ledger(replica_group, self._device, every=verify_every, timeout=self.timeout)
+                             if replica_group is not None else None)
 
     def __repr__(self) -> str:
         return (
             f"TorchCollectives(rank={self._rank}, world_size={self._world}, replicas={self._replicas}, "
-            f"backend={self.backend!r}, all_gather={self.ag_algorithm!r}, reduce_scatter={self.rs_algorithm!r}, "
-            f"plan_check={self.plan_check!r})"
+            f"backend={self.backend!r}, handshake={self.handshake!r}, all_gather={self.ag_algorithm!r}, "
+            f"reduce_scatter={self.rs_algorithm!r}, plan_check={self.plan_check!r}, timeout={self.timeout})"
         )
 
     # ---- identity -------------------------------------------------------------------------
@@ -178,24 +220,87 @@ class TorchCollectives:
     def _peer(self, j: int) -> int:
         return j if self.group is None else dist.get_global_rank(self.group, j)
 
+    def _call_args(self, label):
+        scope = self.scope
+        return identity_of(scope.identity if scope is not None else 0, label), scoped_label(scope, label)
+
+    # ---- failure --------------------------------------------------------------------------
+    def poison(self, reason: str) -> None:
+        """See :meth:`ragged.collectives.Collectives.poison` and [Note: poison] in ``_channel.py``."""
+        text = f"{reason}"
+        if self._channels is not None:
+            for ch in self._channels:
+                if ch is not None:
+                    ch.fail(text)
+        elif self._ledgers is not None:
+            for led in self._ledgers:
+                if led is not None:
+                    led.poison(f"rank {self._rank}: {text}")
+        elif self._failed is None:
+            self._failed = text
+
+    def verify(self) -> None:
+        """Checks now that every call since the last check agreed (``"deferred"``; one small
+        all-reduce and a host sync); a no-op under ``"header"`` (every call was checked) and
+        ``"none"``. Raises :class:`~ragged.PlanMismatchError` on every rank, naming both sides."""
+        if self._ledgers is not None:
+            with poison_on_error(self):
+                for led in self._ledgers:
+                    if led is not None:
+                        led.verify()
+
+    def ledger_digest(self) -> int | None:
+        """The running hash of the shard group's unverified calls (``"deferred"``), which
+        ``check_plans`` folds into its agreement round; ``None`` otherwise. After the round:
+        :meth:`confirm_ledger` if every rank had the same, else :meth:`explain_ledger` (every
+        rank takes the same branch)."""
+        if self._ledgers is None:
+            return None
+        self._ledgers[0].check_alive()
+        return self._ledgers[0].digest
+
+    def confirm_ledger(self) -> None:
+        self._ledgers[0].confirm()
+
+    def explain_ledger(self) -> None:
+        with poison_on_error(self):
+            self._ledgers[0].explain()
+
+    def _check_alive(self):
+        if self._failed is not None:
+            raise CollectiveError(f"this comm no longer runs collectives: it was poisoned ({self._failed}).")
+
     # ---- collectives ----------------------------------------------------------------------
-    def all_gather_into(self, output, input, *, async_op=False):
+    def _all_gather(self, outs, ins, async_op, label, where):
+        with poison_on_error(self):
+            m = self._world
+            check_coalesced(outs, ins, m, where, gather=True)
+            if self._channels is not None:
+                return self._handle(_p2p.all_gather(self._channels[0], outs, ins, self._call_args(label), self.timeout),
+                                    async_op)
+            self._record(0, "all_gather", None, ins, label)
+            if m == 1:
+                for o, i in zip(outs, ins):
+                    o.copy_(i)
+                return self._result(_Work([]), async_op)
+            algo = self.ag_algorithm
+            if algo == "native":
+                return self._result(_Work(self._native(dist.all_gather_into_tensor, outs, ins), None, self._ledgers),
+                                    async_op)
+            works, finish = [], []
+            for o, i in zip(outs, ins):
+                w, f = self._gather_one(o, i, algo)
+                works += w
+                finish.append(f)
+            return self._result(_Work(works, lambda: [f() for f in finish if f is not None], self._ledgers), async_op)
+
+    def _gather_one(self, output, input, algo):
         m, n = self._world, input.numel()
-        if output.numel() != m * n:
-            raise RaggedValueError(f"all_gather_into: output has {output.numel()} elements, needs world_size * {n} = {m * n}.")
-        if m == 1:
-            output.copy_(input)
-            return _result(_Work([]), async_op)
-        algo = self.ag_algorithm
-        if algo == "native":
-            w = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-            return _result(_Work([w]), async_op)
         if algo == "all_to_all":
-            staged = self._scratch.take(m * n, input.dtype, input.device)
+            staged = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
             staged.view(m, n).copy_(input.reshape(1, n).expand(m, n))
             w = dist.all_to_all_single(output, staged, group=self.group, async_op=True)
-            return _result(_Work([w], lambda: self._scratch.give(staged)), async_op)
-        # p2p
+            return [w], lambda: _p2p.SCRATCH.give(staged)
         ops = []
         for j in range(m):
             if j == self._rank:
@@ -205,25 +310,52 @@ class TorchCollectives:
             ops.append(dist.P2POp(dist.irecv, output[j * n : (j + 1) * n], peer, self.group))
         works = dist.batch_isend_irecv(ops)
         output[self._rank * n : (self._rank + 1) * n].copy_(input)
-        return _result(_Work(works), async_op)
+        return works, None
 
-    def reduce_scatter_into(self, output, input, *, op="sum", async_op=False):
-        check_op(op)
+    def _native(self, fn, outs, ins, **kw):
+        """Works of one native collective per buffer: coalesced into one launch on NCCL when
+        there are several (torch's coalescing manager records ``all_gather_single`` /
+        ``reduce_scatter_single``); one op per buffer elsewhere (gloo has no coalescing group)."""
+        if len(outs) == 1 or "nccl" not in self.backend:
+            return [fn(o, i, group=self.group, async_op=True, **kw) for o, i in zip(outs, ins)]
+        single = {dist.all_gather_into_tensor: dist.all_gather_single,
+                  dist.reduce_scatter_tensor: dist.reduce_scatter_single}[fn]
+        with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
+            for o, i in zip(outs, ins):
+                single(o, i, group=self.group, **kw)
+        return [cm]
+
+    def _reduce_scatter(self, outs, ins, op, async_op, label, where):
+        with poison_on_error(self):
+            check_op(op)
+            m = self._world
+            check_coalesced(outs, ins, m, where, gather=False)
+            if self._channels is not None:
+                return self._handle(
+                    _p2p.reduce_scatter(self._channels[0], outs, ins, op, self._call_args(label), self.timeout), async_op)
+            self._record(0, "reduce_scatter", op, outs, label)
+            if m == 1:
+                for o, i in zip(outs, ins):
+                    o.copy_(i)
+                return self._result(_Work([]), async_op)
+            if self.rs_algorithm == "native":
+                nccl = "nccl" in self.backend
+                torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+                works = self._native(dist.reduce_scatter_tensor, outs, ins, op=torch_op)
+                finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
+                return self._result(_Work(works, finish, self._ledgers), async_op)
+            works, finish = [], []
+            for o, i in zip(outs, ins):
+                w, f = self._scatter_one(o, i, op)
+                works += w
+                finish.append(f)
+            return self._result(_Work(works, lambda: [f() for f in finish], self._ledgers), async_op)
+
+    def _scatter_one(self, output, input, op):
         m, n = self._world, output.numel()
-        if input.numel() != m * n:
-            raise RaggedValueError(f"reduce_scatter_into: input has {input.numel()} elements, needs world_size * {n} = {m * n}.")
-        if m == 1:
-            output.copy_(input)
-            return _result(_Work([]), async_op)
-        algo = self.rs_algorithm
-        if algo == "native":
-            torch_op = dist.ReduceOp.AVG if (op == "mean" and "nccl" in self.backend) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-            w = dist.reduce_scatter_tensor(output, input, op=torch_op, group=self.group, async_op=True)
-            finish = (lambda: output.div_(m)) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
-            return _result(_Work([w], finish), async_op)
-        recv = self._scratch.take(m * n, input.dtype, input.device)
+        recv = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
         chunks = recv.view(m, n)
-        if algo == "all_to_all":
+        if self.rs_algorithm == "all_to_all":
             works = [dist.all_to_all_single(recv, input, group=self.group, async_op=True)]
         else:  # p2p
             ops = []
@@ -237,171 +369,141 @@ class TorchCollectives:
             chunks[self._rank].copy_(input[self._rank * n : (self._rank + 1) * n])
 
         def finish():
-            if op == "max":
-                torch.amax(chunks, dim=0, out=output)
-            else:
-                # on CPU a chain of adds is ~2x faster than sum(dim=0) for 2 chunks and ~1.15x for 3, but
-                # sum reads each chunk once and wins from 4 chunks on (1.3x at 4, 1.8x at 8; one thread)
-                if m <= 3:
-                    torch.add(chunks[0], chunks[1], out=output)
-                    for j in range(2, m):
-                        output.add_(chunks[j])
-                else:
-                    torch.sum(chunks, 0, out=output)
-                if op == "mean":
-                    output.div_(m)
-            self._scratch.give(recv)
+            _p2p.reduce_rows(chunks, op, output)
+            _p2p.SCRATCH.give(recv)
 
-        return _result(_Work(works, finish), async_op)
+        return works, finish
 
-    # ---- several buffers in one launch (see [Note: coalesced collectives of several buffers]) ----
-    def all_gather_into_coalesced(self, outputs, inputs, *, async_op=False):
-        m = self._world
-        check_coalesced(outputs, inputs, m, "all_gather_into_coalesced", gather=True)
-        if m == 1:
-            for out, inp in zip(outputs, inputs):
-                out.copy_(inp)
-            return _result(_Work([]), async_op)
-        if self.ag_algorithm == "native":
-            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
-                return _result(_Work([self.all_gather_into(o, i, async_op=True) for o, i in zip(outputs, inputs)]),
-                               async_op)
-            with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
-                for out, inp in zip(outputs, inputs):
-                    dist.all_gather_single(out, inp, group=self.group)
-            return _result(_Work([cm]), async_op)
-        ops = []
-        for j in range(m):
-            if j == self._rank:
-                continue
-            peer = self._peer(j)
-            for out, inp in zip(outputs, inputs):
-                n = inp.numel()
-                ops.append(dist.P2POp(dist.isend, inp, peer, self.group))
-                ops.append(dist.P2POp(dist.irecv, out[j * n : (j + 1) * n], peer, self.group))
-        works = dist.batch_isend_irecv(ops)
-        for out, inp in zip(outputs, inputs):
-            n = inp.numel()
-            out[self._rank * n : (self._rank + 1) * n].copy_(inp)
-        return _result(_Work(works), async_op)
-
-    def reduce_scatter_into_coalesced(self, outputs, inputs, *, op="sum", async_op=False):
+    def _all_reduce(self, tensor, op, async_op, index, size, label):
         check_op(op)
-        m = self._world
-        check_coalesced(outputs, inputs, m, "reduce_scatter_into_coalesced", gather=False)
-        if m == 1:
-            for out, inp in zip(outputs, inputs):
-                out.copy_(inp)
-            return _result(_Work([]), async_op)
-        if self.rs_algorithm == "native":
-            if "nccl" not in self.backend:  # gloo has no coalescing group: one native op per buffer
-                works = [self.reduce_scatter_into(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
-                return _result(_Work(works), async_op)
-            avg = op == "mean" and "nccl" in self.backend
-            torch_op = dist.ReduceOp.AVG if avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-            with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
-                for out, inp in zip(outputs, inputs):
-                    dist.reduce_scatter_single(out, inp, op=torch_op, group=self.group)
-
-            def finish_native():
-                if op == "mean" and not avg:
-                    for out in outputs:
-                        out.div_(m)
-
-            return _result(_Work([cm], finish_native), async_op)
-        sizes = [out.numel() for out in outputs]
-        total = sum(sizes)
-        recv = self._scratch.take(m * total, inputs[0].dtype, inputs[0].device)
-        chunks = recv.view(m, total)
-        bases = [sum(sizes[:b]) for b in range(len(sizes))]
-        ops = []
-        for j in range(m):
-            if j == self._rank:
-                continue
-            peer = self._peer(j)
-            for inp, base, n in zip(inputs, bases, sizes):
-                ops.append(dist.P2POp(dist.isend, inp[j * n : (j + 1) * n], peer, self.group))
-                ops.append(dist.P2POp(dist.irecv, chunks[j, base : base + n], peer, self.group))
-        works = dist.batch_isend_irecv(ops)
-        for inp, base, n in zip(inputs, bases, sizes):
-            chunks[self._rank, base : base + n].copy_(inp[self._rank * n : (self._rank + 1) * n])
-
-        def finish():
-            for out, base, n in zip(outputs, bases, sizes):
-                part = chunks[:, base : base + n]
-                if op == "max":
-                    torch.amax(part, dim=0, out=out)
-                elif m <= 3:  # see reduce_scatter_into
-                    torch.add(part[0], part[1], out=out)
-                    for j in range(2, m):
-                        out.add_(part[j])
-                else:
-                    torch.sum(part, 0, out=out)
-                if op == "mean":
-                    out.div_(m)
-            self._scratch.give(recv)
-
-        return _result(_Work(works, finish), async_op)
-
-    def _all_reduce(self, tensor, op, async_op, group, size):
-        check_op(op)
+        if self._channels is not None:
+            ch = self._channels[index]
+            if ch is None:
+                return self._result(_Work([]), async_op)
+            return self._handle(_p2p.all_reduce(ch, tensor, op, self._call_args(label), self.timeout), async_op)
+        self._record(index, "all_reduce", op, [tensor], label)
         if size == 1:
-            return _result(_Work([]), async_op)
-        w = dist.all_reduce(tensor, op=_TORCH_OPS.get(op, dist.ReduceOp.SUM), group=group, async_op=True)
-        finish = (lambda: tensor.div_(size)) if op == "mean" else None
-        return _result(_Work([w], finish), async_op)
+            return self._result(_Work([]), async_op)
+        group = self.group if index == 0 else self.replica_group
+        nccl_avg = op == "mean" and "nccl" in self.backend
+        torch_op = dist.ReduceOp.AVG if nccl_avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+        w = dist.all_reduce(tensor, op=torch_op, group=group, async_op=True)
+        finish = (lambda: tensor.div_(size)) if (op == "mean" and not nccl_avg) else None
+        return self._result(_Work([w], finish, self._ledgers), async_op)
 
-    def all_reduce(self, tensor, *, op="sum", async_op=False):
-        return self._all_reduce(tensor, op, async_op, self.group, self._world)
+    def all_reduce(self, tensor, *, op="sum", async_op=False, label=None):
+        with poison_on_error(self):
+            return self._all_reduce(tensor, op, async_op, 0, self._world, label)
 
-    def all_reduce_replicas(self, tensor, *, op="sum", async_op=False):
-        return self._all_reduce(tensor, op, async_op, self.replica_group, self._replicas)
+    def all_reduce_replicas(self, tensor, *, op="sum", async_op=False, label=None):
+        with poison_on_error(self):
+            return self._all_reduce(tensor, op, async_op, 1, self._replicas, label)
 
-    def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False):
-        if self._world == 1:
-            output.copy_(input)
-            return _result(_Work([]), async_op)
-        w = dist.all_to_all_single(
-            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
-        )
-        return _result(_Work([w]), async_op)
+    def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False, label=None):
+        with poison_on_error(self):
+            if self._channels is not None:
+                return self._handle(_p2p.all_to_all(self._channels[0], output, input, list(output_splits),
+                                                    list(input_splits), self._call_args(label), self.timeout), async_op)
+            self._record(0, "all_to_all", None, [input], label, numel=-1)
+            if self._world == 1:
+                output.copy_(input)
+                return self._result(_Work([]), async_op)
+            w = dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=self.group,
+                                       async_op=True)
+            return self._result(_Work([w], None, self._ledgers), async_op)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        shard = [None] * self._world
-        dist.all_gather_object(shard, obj, group=self.group)
-        if self._replicas == 1:
-            return shard
-        everything = [None] * self._replicas
-        dist.all_gather_object(everything, shard, group=self.replica_group)
-        return [o for row in everything for o in row]
+    def all_gather_object(self, obj: Any, *, label=None) -> list[Any]:
+        with poison_on_error(self):
+            if self._channels is not None:
+                args = self._call_args(label)
+                shard = _p2p.all_gather_object(self._channels[0], obj, args, self.timeout)
+                if self._replicas == 1:
+                    return shard
+                rows = _p2p.all_gather_object(self._channels[1], shard, args, self.timeout)
+                return [o for row in rows for o in row]
+            self._check_alive()
+            if self._ledgers is not None:
+                self.verify()  # objects are compared on the host: check what came before first
+            shard = [None] * self._world
+            dist.all_gather_object(shard, obj, group=self.group)
+            if self._replicas == 1:
+                return shard
+            everything = [None] * self._replicas
+            dist.all_gather_object(everything, shard, group=self.replica_group)
+            return [o for row in everything for o in row]
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
-        if self._replicas > 1:
-            dist.barrier(group=self.replica_group)
+    def barrier(self, *, label=None) -> None:
+        with poison_on_error(self):
+            if self._channels is not None:
+                args = self._call_args(label)
+                for ch in self._channels:
+                    if ch is not None:
+                        _p2p.barrier(ch, args, self.timeout)
+                return
+            self._check_alive()
+            dist.barrier(group=self.group)
+            if self._replicas > 1:
+                dist.barrier(group=self.replica_group)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _result(self, work, async_op):
+        if async_op:
+            return _Guarded(work, self)
+        work.wait()
+        return None
+
+    def _handle(self, pending, async_op):
+        if pending is None:  # completed inside the call (the large all-reduce)
+            return _Work([]) if async_op else None
+        if async_op:
+            return _Guarded(pending, self)
+        pending.wait()
+        return None
+
+    def _record(self, index, op, reduce, tensors, label, *, numel=None):
+        self._check_alive()
+        if self._ledgers is None:
+            return
+        led = self._ledgers[index]
+        if led is not None:
+            identity, text = self._call_args(label)
+            if numel is None:  # a coalesced call records each buffer's size: one split must not pass for another
+                numel = "+".join(str(t.numel()) for t in tensors) if len(tensors) > 1 else tensors[0].numel()
+            led.record(op, reduce, tensors[0].dtype, numel, identity, text)
 
 
-def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | None = None) -> TorchCollectives:
+def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | None = None,
+               handshake: str | None = None, timeout: float | None = None, verify_every: int = 64) -> TorchCollectives:
     """Collectives over ``torch.distributed``.
 
     Args:
         group: ``None`` (the default process group), a ``ProcessGroup`` (the shard group), or
             a ``DeviceMesh``: 1-D (shard group) or 2-D ``(replicate, shard)`` for HSDP.
         algorithm: force one path for all-gather and reduce-scatter (``"native"``, ``"p2p"``,
-            ``"all_to_all"``); default: the fastest measured path for the backend (see
-            [Note: gloo all-gather and reduce-scatter paths]).
-        plan_check: when the transforms make the ranks agree on their plans:
-            ``"first_use"`` (default: once per plan and comm) or ``"every_call"`` (one small
-            all-reduce per transform call; the default when ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
-            as torch's own per-call collective checks); see [Note: plan check before
-            collectives] in ``ragged/transforms/_check.py``.
+            ``"all_to_all"``) under ``handshake="none"`` / ``"deferred"``; default: the fastest
+            measured path for the backend (see [Note: gloo all-gather and reduce-scatter paths]).
+        plan_check: when the transforms run an explicit agreement round on their plans (whose
+            mismatch message lists the differing leaves): ``"first_use"`` (default: once per
+            plan and comm) or ``"every_call"`` (the default when ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
+            as torch's own per-call checks); see [Note: plan check before collectives] in
+            ``ragged/transforms/_check.py``. Independent of it, every call carries its
+            identity (see ``handshake``).
+        handshake: when each call's operation, dtype, sizes and identity are checked across
+            ranks: ``"header"`` (default on gloo: before the data moves), ``"deferred"``
+            (default on NCCL, and with ``algorithm=``: without a device sync, at the next
+            agreement point or within ``verify_every`` calls), ``"none"`` (not at all: the
+            pre-agreement baseline). See [Note: handshake modes].
+        timeout: seconds a collective waits for a peer before this comm fails on every rank
+            (default ``DEFAULT_TIMEOUT`` = 300 s; on gloo it replaces the process group's own
+            timeout for ragged's collectives).
+        verify_every: under ``"deferred"``, calls between two device-side checks.
 
     Returns:
         A :class:`TorchCollectives`.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: a mesh with more than 2 dimensions.
+        ValueError: a mesh with more than 2 dimensions, or an unknown option.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -409,17 +511,19 @@ def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | No
             "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the env), or "
             "use rg.collectives.simulate(world_size, fn) for an in-process simulation."
         )
+    kw = dict(algorithm=algorithm, plan_check=plan_check, handshake=handshake, timeout=timeout, verify_every=verify_every)
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover
         DeviceMesh = ()
     if isinstance(group, DeviceMesh):
         if group.ndim == 1:
-            return TorchCollectives(group.get_group(0), algorithm=algorithm, plan_check=plan_check)
+            return TorchCollectives(group.get_group(0), **kw)
         if group.ndim == 2:
-            return TorchCollectives(group.get_group(1), group.get_group(0), algorithm=algorithm, plan_check=plan_check)
+            return TorchCollectives(group.get_group(1), group.get_group(0), **kw)
         raise RaggedValueError(
             f"from_torch takes a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got a mesh with "
             f"{group.ndim} dims {tuple(group.shape)}. Fix: slice the mesh, e.g. mesh['dp_replicate', 'dp_shard']."
         )
-    return TorchCollectives(group, algorithm=algorithm, plan_check=plan_check)
+    return TorchCollectives(group, **kw)
+

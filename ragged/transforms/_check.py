@@ -2,47 +2,91 @@
 
 [Note: plan check before collectives]
 Ranks holding different plans would exchange differently sized buffers: at best a hang, at
-worst silently wrong numbers. So before its collective, every transform makes the ranks agree on
-a *token*: the operation, its dtype and the fingerprints of the plans it moves. Agreement costs
-one all-reduce of two int64s (``max`` of ``(h, -h)`` for a 62-bit hash ``h`` of the token gives
-``(max h, -min h)``, equal up to sign exactly when every rank holds the same token), plus one more
-across the replicas of an HSDP mesh. Only when tokens differ do the ranks all-gather a summary of
-their plans (one small ``all_gather_object``) and raise :class:`~ragged.PlanMismatchError` on
-every rank, naming what differs. Every rank takes the same branch, so nothing hangs.
+worst silently wrong numbers. Two mechanisms keep that from happening:
 
-``comm.plan_check`` chooses when:
+* **every call** carries what it moves (see [Note: what a collective call carries] in
+  ``ragged/collectives/_base.py``): before its collective, every transform declares its
+  *scope*, the operation (e.g. ``"gather:torch.bfloat16"``, ``"reduce_scatter:mean:..."``) and
+  the fingerprints of the plans it moves (:func:`check_plans` sets ``comm.scope``; the
+  entry point's :func:`poisons` restores it on exit), and the backend checks it with the
+  call's operation, dtype and sizes on every rank: the torch backend on gloo before the data
+  moves (``handshake="header"``, its default: no extra round trip, the header rides ahead of
+  the data), on NCCL deferred to the next agreement point (``handshake="deferred"``), the
+  simulated backend at the rendezvous. This is what catches a rank that later switches, alone,
+  to another plan, dtype or op (``"sum"`` vs ``"mean"``), skips or adds a call;
+* an **agreement round** on the plans (``ranks_agree``: one all-reduce of two int64s; ``max`` of
+  ``(h, -h)`` for a 62-bit hash ``h`` of the token gives ``(max h, -min h)``, equal up to sign
+  exactly when every rank holds the same token), plus one more across the replicas of an HSDP
+  mesh. Only when tokens differ do the ranks all-gather a summary of their plans (one small
+  ``all_gather_object``) and raise :class:`~ragged.PlanMismatchError` on every rank, naming
+  what differs, down to the leaf (``leaf ['emb']: shape (11, 8) vs (13, 8)``). Every rank
+  takes the same branch, so nothing hangs. The round runs outside the scope (its own call
+  is the same on every rank, whatever the plans), and folds in the digest of a
+  ``"deferred"`` comm's unverified calls.
 
-* ``"first_use"`` (default of ``from_torch``): agree once per plan and comm, then trust it. This
-  catches the common failure, ranks that built different models or options. It cannot catch a
-  rank that later switches, alone, to a plan the others never use while they keep one already
-  agreed (that rank agrees, the others move data): gloo then fails on its timeout (or aborts on
-  the size mismatch). ``rg.fsdp``'s step agrees on all its units once per step whatever the
-  mode (one small all-reduce per step), so a training loop is covered step by step.
+``comm.plan_check`` chooses when the round runs:
+
+* ``"first_use"`` (default of ``from_torch``): once per plan and comm. With the per-call
+  identity this is complete: a first use is explained leaf by leaf, any later difference is
+  raised by the call's own check (naming the operation, plan and label of both sides).
+  ``rg.fsdp``'s step runs the round on all its units once per step whatever the mode (which
+  on NCCL is also the step's deferred verification).
 * ``"every_call"`` (default of the simulated backend, and of ``from_torch`` under
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, as torch's own per-call collective checks): every
-  ``shard``, ``gather``, ``reduce_scatter`` and ``redistribute`` agrees first, so a switching
-  rank is caught at that call. No in-band scheme is cheaper: gloo aborts the process when a
-  receive's size differs from the message, so the sizes must be agreed before the data moves,
-  one small-message round trip (0.3-1 ms on gloo on this 2-core machine, see
-  ``bench/collectives.py``; on NCCL also a device-to-host sync).
+  ``shard``, ``gather``, ``reduce_scatter`` and ``redistribute`` runs the round first, so each
+  difference is explained leaf by leaf, for one small all-reduce per call (0.1-1 ms on gloo
+  on this 2-core machine, see ``bench/collectives.py``; on NCCL also a device-to-host sync).
 
 ``comm.checked_plans`` (a dict) memoises fingerprints by plan identity (``plan.fingerprint()``
 hashes every leaf; the memo keeps the plan alive, so its id is not reused) and, in
 ``"first_use"``, records which fingerprints were agreed.
+
+A rank that raises in a transform before its collective (bad gradients, a plan over more
+ranks than the comm has) would leave its peers waiting in that collective: the entry points are
+wrapped in :func:`poisons`, which poisons the comm (``comm.poison``) so that the peers raise
+:class:`~ragged.CollectiveError` "rank k failed: <the error>" promptly.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from collections.abc import Sequence
 
 import torch
 
 from ragged._errors import LayoutError, PlanMismatchError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
+from ragged.collectives._base import CallScope, poison_on_error
+from ragged.collectives._channel import raised_on_every_rank
 from ragged.spec._plan import LayoutPlan
 
-__all__ = ["check_plan", "check_plans", "ranks_agree", "check_comm", "flatten_like_plan", "check_plan_type"]
+__all__ = ["check_plan", "check_plans", "ranks_agree", "check_comm", "flatten_like_plan", "check_plan_type", "poisons"]
+
+
+def poisons(comm_arg: str):
+    """Decorates a transform entry point: errors raised inside poison the comm found in the
+    argument ``comm_arg`` (``"comm"``, or ``"pending.comm"`` for an attribute of an argument),
+    and ``comm.scope`` is restored on exit. See [Note: plan check before collectives]."""
+    name, _, attr = comm_arg.partition(".")
+
+    def decorate(fn):
+        pos = list(inspect.signature(fn).parameters).index(name)
+
+        @functools.wraps(fn)
+        def entry(*args, **kwargs):
+            comm = args[pos] if len(args) > pos else kwargs.get(name)
+            if attr and comm is not None:
+                comm = getattr(comm, attr, None)
+            if comm is None:
+                return fn(*args, **kwargs)
+            with poison_on_error(comm):
+                return fn(*args, **kwargs)
+
+        return entry
+
+    return decorate
 
 
 def check_plan_type(plan, where: str) -> LayoutPlan:
@@ -61,21 +105,60 @@ def check_comm(plan: LayoutPlan, comm, where: str) -> None:
         )
 
 
-def ranks_agree(comm, token: str) -> bool:
+def _hash62(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2  # -h fits int64
+
+
+def ranks_agree(comm, token: str, label: str = "plan agreement") -> bool:
     """Whether every rank of ``comm``'s mesh (shard group x replicas) passed the same ``token``.
 
     One all-reduce of two int64s (see [Note: plan check before collectives]); every rank gets
-    the same answer.
+    the same answer. A ``"deferred"`` comm's digest of unverified calls rides along (two more
+    int64s); if it differs, every rank raises :class:`~ragged.PlanMismatchError` naming the
+    first call that differs.
     """
     if comm.world_size * comm.num_replicas == 1:
         return True
-    h = int.from_bytes(hashlib.blake2b(token.encode(), digest_size=8).digest(), "little") >> 2  # -h fits int64
-    t = torch.tensor([h, -h], dtype=torch.int64, device=comm.device)
-    comm.all_reduce(t, op="max")
-    if comm.num_replicas > 1:
-        comm.all_reduce_replicas(t, op="max")
-    top, neg_bottom = t.tolist()
-    return top == -neg_bottom
+    h = _hash62(token)
+    digest = getattr(comm, "ledger_digest", lambda: None)()
+    values = [h, -h] if digest is None else [h, -h, digest, -digest]
+    t = torch.tensor(values, dtype=torch.int64, device=comm.device)
+    scope = getattr(comm, "scope", None)
+    if scope is not None:
+        comm.scope = None  # the round is the same call on every rank, whatever the plans
+    try:
+        comm.all_reduce(t, op="max", label=label)
+        if comm.num_replicas > 1:
+            comm.all_reduce_replicas(t, op="max", label=label)
+    finally:
+        if scope is not None:
+            comm.scope = scope
+    got = t.tolist()
+    if digest is not None:
+        if got[2] != -got[3]:
+            comm.explain_ledger()
+        comm.confirm_ledger()
+    return got[0] == -got[1]
+
+
+_SCOPES: dict[tuple, CallScope] = {}
+
+
+def _scope(operation: str, plans, fps: tuple[str, ...]) -> CallScope:
+    hit = _SCOPES.get((operation, fps))
+    if hit is None:
+        if len(_SCOPES) > 4096:
+            _SCOPES.clear()
+        hit = _SCOPES[(operation, fps)] = CallScope(_hash62(operation + "|" + ",".join(fps)),
+                                                     f"{operation} on {_plans_in_words(plans, fps)}")
+    return hit
+
+
+def _plans_in_words(plans, fps) -> str:
+    if len(plans) == 1:
+        p = plans[0]
+        return f"plan {fps[0][:10]} ({p.num_leaves} leaves, {p.shard_size} per rank of {p.world_size})"
+    return f"{len(plans)} plans " + ",".join(fp[:8] for fp in fps)
 
 
 def _fingerprint(plan: LayoutPlan, memo) -> str:
@@ -175,13 +258,28 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
     fps = tuple(_fingerprint(p, memo) for p in plans)
     first_use = not every_call and getattr(comm, "plan_check", "every_call") == "first_use" and memo is not None
     if first_use and all(fp in memo for fp in fps):
+        _declare(comm, operation, plans, fps)
         return
-    if not ranks_agree(comm, operation + "|" + ",".join(fps)):
-        calls = comm.all_gather_object((operation, fps, [(summary or _summary)(p) for p in plans]))
-        raise PlanMismatchError((explain or _explain)(calls))
+    if not ranks_agree(comm, operation + "|" + ",".join(fps)):  # one label for every round: the token compares
+        scope = getattr(comm, "scope", None)
+        if scope is not None:
+            comm.scope = None
+        try:
+            calls = comm.all_gather_object((operation, fps, [(summary or _summary)(p) for p in plans]))
+        finally:
+            if scope is not None:
+                comm.scope = scope
+        raise raised_on_every_rank(PlanMismatchError((explain or _explain)(calls)))
     if first_use:
         for fp in fps:
             memo[fp] = True
+    _declare(comm, operation, plans, fps)
+
+
+def _declare(comm, operation, plans, fps) -> None:
+    """Sets the scope the following calls carry (see [Note: plan check before collectives])."""
+    if hasattr(comm, "scope"):
+        comm.scope = _scope(operation, plans, fps)
 
 
 def check_plan(plan: LayoutPlan, comm, operation: str = "check") -> None:

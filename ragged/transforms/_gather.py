@@ -34,7 +34,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_plan
+from ragged.transforms._check import check_plan, poisons
 from ragged.transforms._flat import all_gather_flat, reduce_scatter_flat
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -157,6 +157,7 @@ def _check_cast(have: torch.dtype, dtype) -> None:
         )
 
 
+@poisons("comm")
 def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
@@ -193,6 +194,7 @@ def gather_wait(pending: GatherPending):
     return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
 
 
+@poisons("comm")
 def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 

@@ -20,7 +20,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_plan_type, check_plans
+from ragged.transforms._check import check_plan_type, check_plans, poisons
 from ragged.transforms._shard import replicated_size
 
 __all__ = ["redistribute", "owned_plan"]
@@ -87,6 +87,7 @@ def _check_same_leaves(old: LayoutPlan, new: LayoutPlan):
         raise LayoutError("redistribute: the two plans have different tree structures; plan both from the same params.")
 
 
+@poisons("comm")
 def redistribute(dbuf: DBuffer, new_plan: LayoutPlan, comm) -> DBuffer:
     """The same leaves under ``new_plan`` (other granularity, world size, or owners).
 

@@ -22,7 +22,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan
+from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged.transforms._flat import reduce_scatter_flat
 from ragged.transforms._shard import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
@@ -160,6 +160,7 @@ def _pack(segs, leaves, numel, dtype, device):
     return out
 
 
+@poisons("comm")
 def reduce_scatter_start(
     plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
 ) -> ReduceScatterPending:
@@ -238,6 +239,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
     return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat, pooled)
 
 
+@poisons("pending.comm")
 def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`."""
     out, rep, handles, plan, comm, op, zero_padding, source, pooled = pending
@@ -265,6 +267,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     return DBuffer(data=data, replicated=rep, plan=plan, rank=comm.rank)
 
 
+@poisons("comm")
 def reduce_scatter(
     plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
 ) -> DBuffer:

@@ -6,7 +6,7 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged.spec._plan import LayoutPlan
-from ragged.transforms._check import check_comm, check_plan, check_plan_type, flatten_like_plan
+from ragged.transforms._check import check_comm, check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["shard", "replicated_size"]
@@ -20,6 +20,7 @@ def replicated_size(plan: LayoutPlan) -> int:
     return -(-end // plan.align) * plan.align
 
 
+@poisons("comm")
 def shard(plan: LayoutPlan, params, comm=None, *, rank: int | None = None) -> DBuffer:
     """This rank's :class:`~ragged.DBuffer` of ``params`` under ``plan``.
 

@@ -204,7 +204,9 @@ def _plan_check_defaults():
 
 
 def _bad_grads():
-    c = comm()
+    import torch.distributed as dist
+
+    c = rg.collectives.from_torch(dist.new_group(list(range(dist.get_world_size()))))  # the error poisons it
     plan = _plan(c.world_size)
     grads = _params()
     grads["blocks"][1]["w"] = grads["blocks"][1]["w"].float()[:, :4]
@@ -213,6 +215,30 @@ def _bad_grads():
     except rg.LayoutError as e:
         return str(e)
     return None
+
+
+def _coalesced(handshake, algorithm):
+    """Several buffers in one call (a unit with several buffers): each equals its own collective."""
+    c = comm(handshake=handshake, algorithm=algorithm)
+    m, r = c.world_size, c.rank
+    g = torch.Generator().manual_seed(5)
+    xs = [[torch.randn(n, generator=g, dtype=torch.float64) for n in (3, 0, 7)] for _ in range(m)]
+    outs = [torch.empty(m * x.numel(), dtype=torch.float64) for x in xs[r]]
+    c.all_gather_into_coalesced(outs, xs[r], async_op=True).wait()
+    for b, o in enumerate(outs):
+        torch.testing.assert_close(o, torch.cat([xs[j][b] for j in range(m)]), rtol=0, atol=0)
+    full = [[torch.randn(m * n, generator=g, dtype=torch.float64) for n in (2, 0, 5)] for _ in range(m)]
+    rs = [torch.empty(n, dtype=torch.float64) for n in (2, 0, 5)]
+    c.reduce_scatter_into_coalesced(rs, full[r], op="mean")
+    for b, o in enumerate(rs):
+        want = sum(full[j][b] for j in range(m)) / m
+        n = o.numel()
+        torch.testing.assert_close(o, want[r * n : (r + 1) * n])
+    return c.handshake
+
+
+def _handshakes():
+    return (comm().handshake, rg.collectives.from_torch(algorithm="native").handshake, comm().timeout)
 
 
 def _global_norm():
@@ -323,6 +349,15 @@ def test_plan_check_default_follows_torch_distributed_debug(workers2):
 def test_bad_grads_named_before_communication(workers):
     msgs = workers.run(_bad_grads)
     assert all(m is not None and "grads['blocks'][1]['w'] has shape (5, 4)" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("handshake, algorithm", [("header", None), ("deferred", "native"), ("none", "p2p")])
+def test_coalesced_buffers_equal_their_own_collectives(workers, handshake, algorithm):
+    assert set(workers.run(_coalesced, handshake, algorithm)) == {handshake}
+
+
+def test_default_handshake_and_timeout(workers2):
+    assert workers2.run(_handshakes) == [("header", "deferred", rg.collectives.DEFAULT_TIMEOUT)] * 2
 
 
 def test_hsdp_2x2(workers4):

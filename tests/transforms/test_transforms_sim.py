@@ -213,9 +213,10 @@ def test_out_buffers_are_used_and_checked():
         same = all(t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for t in rg.pytree.leaves(full))
         out = torch.empty(plan.shard_size, dtype=torch.float64)
         g = rg.reduce_scatter(plan, grads[c.rank], c, op="sum", out=out)
+        want = rg.shard(plan, rg.pytree.map(torch.add, *grads), c)
         with pytest.raises(ValueError, match="out= must be a contiguous 1-D tensor"):
-            rg.gather(d, c, out=buf[:-1])
-        return same, full, g.data.data_ptr() == out.data_ptr(), g, rg.shard(plan, rg.pytree.map(torch.add, *grads), c)
+            rg.gather(d, c, out=buf[:-1])  # last: a refused call poisons the comm
+        return same, full, g.data.data_ptr() == out.data_ptr(), g, want
 
     for same, full, used, g, want in rg.collectives.simulate(2, fn):
         assert same and used
@@ -298,7 +299,8 @@ def test_bad_inputs_raise_clear_errors_before_communication():
             rg.redistribute(d, rg.make_plan(other, world_size=2), c)
         with pytest.raises(KeyError, match="not a sharded leaf"):
             rg.owned_plan(plan, {"['nope']": 0})
-        return rg.gather(d, c)  # the comm still works: nothing was sent by the failed calls
+        with pytest.raises(rg.CollectiveError):  # a refused call poisons the comm (peers raise, none waits)
+            rg.gather(d, c)
+        return True
 
-    for full in rg.collectives.simulate(2, fn, timeout=10):
-        _same(full, params, rtol=0, atol=0)
+    assert rg.collectives.simulate(2, fn, timeout=10) == [True, True]

@@ -117,7 +117,8 @@ class Ledger:
         else:
             t = torch.tensor([d, -d], dtype=torch.int64)
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            self._inflight = (work.is_completed, t, work, self.seq)
+            future = work.get_future()  # not work.is_completed: see [Note: asking a torch work whether it is done]
+            self._inflight = (future.done, t, work, self.seq)
 
     def _poll(self, block: bool) -> None:
         ready, values, keep, upto = self._inflight

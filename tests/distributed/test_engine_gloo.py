@@ -14,6 +14,29 @@ pytestmark = pytest.mark.distributed
 workers2, workers4, workers = workers_2_and_4()
 
 
+def _probe_under_profiler(handshake):
+    """Polling a handle while its collective finishes on gloo's thread, under torch's profiler and
+    inside saved-tensor hooks (the fsdp step's backward): the poll must not deadlock (see [Note:
+    asking a torch work whether it is done] in ragged/collectives/_torch.py). Rank 1 arrives late,
+    so rank 0 polls while gloo finishes each all-reduce."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    c = comm(algorithm="native", handshake=handshake)
+    x = torch.ones(1 << 14)
+    polls = 0
+    with profile(activities=[ProfilerActivity.CPU]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for _ in range(400):
+            if c.rank == 1:
+                time.sleep(0.0002)
+            h = c.all_reduce(x, async_op=True)
+            while not h.is_completed():
+                polls += 1
+            h.wait()
+    return polls
+
+
 def _params(seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
@@ -380,3 +403,9 @@ def test_bench_collectives_runs(capsys):
         sys.modules.pop("collectives", None)
     out = capsys.readouterr().out
     assert "rg.gather (out= reused buffer)" in out and "FSDP2-style" in out
+
+
+@pytest.mark.parametrize("handshake", ["none", "deferred"])
+def test_polling_a_handle_under_the_profiler_does_not_deadlock(workers2, handshake):
+    polls = workers2.run(_probe_under_profiler, handshake, timeout=90)
+    assert polls[0] > 0  # rank 0 did poll while the collectives were in flight

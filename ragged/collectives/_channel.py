@@ -53,7 +53,6 @@ peers see at once as a lost connection.
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from typing import Callable
@@ -63,6 +62,7 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives import _header as hd
+from ragged.collectives._handles import _Pending, _wait
 
 __all__ = ["Channel", "channel_for", "raised_on_every_rank"]
 
@@ -76,10 +76,6 @@ def raised_on_every_rank(exc: BaseException) -> BaseException:
     """Marks an error that every rank of the comm raises at the same call (no poison needed)."""
     exc._ragged_every_rank = True  # type: ignore[attr-defined]
     return exc
-
-
-def _wait(work, seconds: float) -> None:
-    work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
 
 
 def _parts(tensors) -> list[torch.Tensor]:
@@ -108,53 +104,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _sizes(parts) -> tuple[int, ...]:
     return tuple(_nbytes(t) for t in parts)
-
-
-class _Pending:
-    """One exchange in flight; ``wait()`` checks the headers, then waits the data (see
-    [Note: size-tagged messages and headers])."""
-
-    __slots__ = ("channel", "seq", "call", "mine", "sends", "recvs", "finish", "timeout", "_done")
-
-    def __init__(self, channel, seq, call, mine, sends, recvs, finish, timeout):
-        self.channel, self.seq, self.call, self.mine = channel, seq, call, mine
-        self.sends, self.recvs = sends, recvs  # {peer: [work, ...]}; tensors are kept by the channel until done
-        self.finish, self.timeout = finish, timeout
-        self._done = False
-
-    def is_completed(self) -> bool:
-        """Only once ``wait()`` has checked the headers and run the local part: the result is
-        never called done before its call was verified (gloo's works also report completion
-        only once waited)."""
-        return self._done
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        ch = self.channel
-        theirs = ch.take_headers(self.seq, self.call, self.timeout)
-        bad = [(j, theirs[j], why) for j in sorted(theirs) if (why := hd.mismatch(self.mine[j], theirs[j])) is not None]
-        if bad:
-            self._done = True
-            raise ch.mismatch(self, bad)
-        ins = ch.inflight_recvs(self.seq)
-        if ins is not None:
-            for j, h in theirs.items():
-                if h.payload:
-                    hd.unpack(h, ins[j])
-        deadline = time.monotonic() + self.timeout
-        for kind, works in (("data", self.recvs), ("receipt of its data", self.sends)):
-            for peer, ws in works.items():
-                for w in ws:
-                    try:
-                        _wait(w, deadline - time.monotonic())
-                    except RuntimeError as e:
-                        raise ch.fail_in_call(self.seq, self.call, peer, e, f"its {kind}") from e
-        self._done = True
-        ch.settle(self.seq)
-        ch.repost()
-        if self.finish is not None:
-            self.finish()
 
 
 class Channel:

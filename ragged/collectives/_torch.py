@@ -55,9 +55,9 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
-from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, completed,
-                                      poison_on_error, scoped_label)
+from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
 from ragged.collectives._channel import channel_for
+from ragged.collectives._handles import _Guarded, _Work
 from ragged.collectives._header import identity_of
 from ragged.collectives._ledger import Ledger
 
@@ -67,90 +67,6 @@ _AG_ALGOS = ("native", "p2p", "all_to_all")
 _RS_ALGOS = ("native", "all_to_all", "p2p")
 HANDSHAKES = ("header", "deferred", "none")
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
-
-class _Work:
-    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum).
-
-    ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
-    group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
-
-    __slots__ = ("_works", "_finish", "_done", "_ledgers", "_futures")
-
-    def __init__(self, works, finish=None, ledgers=None):
-        self._works = [w for w in works if w is not None]
-        self._finish = finish
-        self._done = False
-        self._ledgers = ledgers
-        self._futures = None
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        try:
-            for w in self._works:
-                w.wait()
-        except RuntimeError as e:
-            for led in self._ledgers or ():
-                if led is not None and led.failure is not None:
-                    raise CollectiveError(f"{led.failure} (the collective was aborted)", peer=led.failure.peer) from e
-            raise
-        if self._finish is not None:
-            self._finish()
-        self._done = True
-
-    def is_completed(self) -> bool:
-        """Every op has finished (the local finaliser, if any, still runs at ``wait()``), asked
-        without ``Work.is_completed`` (see [Note: asking a torch work whether it is done])."""
-        if self._done:
-            return True
-        if self._futures is None:
-            self._futures = [future_of(w) for w in self._works]
-        return all(f is True or (f is not None and f.done()) for f in self._futures)
-
-
-def future_of(work):
-    """What tells, without blocking and without ``Work.is_completed``, whether ``work`` is done:
-    ``True`` (the fake process group's works are done on return: its collectives move no data,
-    though they never say so), its future, or ``None`` (it cannot tell before ``wait()``: gloo's
-    send / recv works).
-
-    [Note: asking a torch work whether it is done]
-    ``Work.is_completed`` is bound without releasing the GIL and takes the work's mutex. gloo
-    finishes a collective on its own thread inside ``Work::finish``, which holds that mutex while
-    it runs the profiler's end-of-op callback; that callback restores the thread-local state of
-    the caller, saved-tensor hooks included, and a hook is a Python object, so it needs the GIL.
-    Under ``torch.profiler`` a probe from a thread that holds the GIL while a collective issued
-    under ``saved_tensors_hooks`` finishes (the step's backward, exactly) therefore deadlocks:
-    the probe waits for the mutex, gloo's thread for the GIL. Measured here: a spin on
-    ``is_completed`` of gloo all-reduces under the profiler and a saved-tensor hook hangs within
-    400 calls, and the step hung in 2 of ~150 profiled runs of ``bench/step.py`` (gdb: the main
-    thread in ``c10d::Work::isCompleted``, gloo's in ``Work::finish`` >
-    ``SavedTensorDefaultHooks::set_tls_state`` > ``take_gil``). A work's future is completed
-    before ``Work::finish`` runs, and ``Future.done`` takes only the future's own lock, so
-    ragged asks the future."""
-    if type(work).__name__ == "FakeWork":
-        return True
-    try:
-        return work.get_future()
-    except RuntimeError:  # send / recv works have none
-        return None
-
-
-class _Guarded:
-    """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison] in ``_channel.py``)."""
-
-    __slots__ = ("_work", "_comm")
-
-    def __init__(self, work, comm):
-        self._work, self._comm = work, comm
-
-    def wait(self) -> None:
-        with poison_on_error(self._comm):
-            self._work.wait()
-
-    def is_completed(self) -> bool:
-        return completed(self._work)
 
 
 def _pg(group):

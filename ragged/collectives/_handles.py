@@ -1,0 +1,155 @@
+"""Handles of collectives in flight: what ``async_op=True`` returns, and how it is asked whether
+it is done (``is_completed``) and waited (``wait``).
+
+* :class:`_Work`: torch works (gloo's native ops, NCCL, the fake process group) plus a local
+  finaliser (e.g. the chunk sum of a reduce-scatter);
+* :class:`_Pending`: one header-checked exchange of ``handshake="header"`` (see [Note:
+  size-tagged messages and headers] in ``_channel.py``);
+* :class:`_Guarded`: a handle whose failing ``wait()`` poisons the comm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from ragged._errors import CollectiveError
+from ragged.collectives import _header as hd
+from ragged.collectives._base import completed, poison_on_error
+
+__all__ = ["_Work", "_Pending", "_Guarded", "future_of"]
+
+
+def _wait(work, seconds: float) -> None:
+    work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
+
+
+class _Work:
+    """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum).
+
+    ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
+    group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
+
+    __slots__ = ("_works", "_finish", "_done", "_ledgers", "_futures")
+
+    def __init__(self, works, finish=None, ledgers=None):
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._done = False
+        self._ledgers = ledgers
+        self._futures = None
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            for w in self._works:
+                w.wait()
+        except RuntimeError as e:
+            for led in self._ledgers or ():
+                if led is not None and led.failure is not None:
+                    raise CollectiveError(f"{led.failure} (the collective was aborted)", peer=led.failure.peer) from e
+            raise
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        """Every op has finished (the local finaliser, if any, still runs at ``wait()``), asked
+        without ``Work.is_completed`` (see [Note: asking a torch work whether it is done])."""
+        if self._done:
+            return True
+        if self._futures is None:
+            self._futures = [future_of(w) for w in self._works]
+        return all(f is True or (f is not None and f.done()) for f in self._futures)
+
+
+def future_of(work):
+    """What tells, without blocking and without ``Work.is_completed``, whether ``work`` is done:
+    ``True`` (the fake process group's works are done on return: its collectives move no data,
+    though they never say so), its future, or ``None`` (it cannot tell before ``wait()``: gloo's
+    send / recv works).
+
+    [Note: asking a torch work whether it is done]
+    ``Work.is_completed`` is bound without releasing the GIL and takes the work's mutex. gloo
+    finishes a collective on its own thread inside ``Work::finish``, which holds that mutex while
+    it runs the profiler's end-of-op callback; that callback restores the thread-local state of
+    the caller, saved-tensor hooks included, and a hook is a Python object, so it needs the GIL.
+    Under ``torch.profiler`` a probe from a thread that holds the GIL while a collective issued
+    under ``saved_tensors_hooks`` finishes (the step's backward, exactly) therefore deadlocks:
+    the probe waits for the mutex, gloo's thread for the GIL. Measured here: a spin on
+    ``is_completed`` of gloo all-reduces under the profiler and a saved-tensor hook hangs within
+    400 calls, and the step hung in 2 of ~150 profiled runs of ``bench/step.py`` (gdb: the main
+    thread in ``c10d::Work::isCompleted``, gloo's in ``Work::finish`` >
+    ``SavedTensorDefaultHooks::set_tls_state`` > ``take_gil``). A work's future is completed
+    before ``Work::finish`` runs, and ``Future.done`` takes only the future's own lock, so
+    ragged asks the future."""
+    if type(work).__name__ == "FakeWork":
+        return True
+    try:
+        return work.get_future()
+    except RuntimeError:  # send / recv works have none
+        return None
+
+
+class _Guarded:
+    """A handle whose ``wait()`` poisons the comm if it raises (see [Note: poison] in ``_channel.py``)."""
+
+    __slots__ = ("_work", "_comm")
+
+    def __init__(self, work, comm):
+        self._work, self._comm = work, comm
+
+    def wait(self) -> None:
+        with poison_on_error(self._comm):
+            self._work.wait()
+
+    def is_completed(self) -> bool:
+        return completed(self._work)
+
+
+class _Pending:
+    """One exchange in flight; ``wait()`` checks the headers, then waits the data (see
+    [Note: size-tagged messages and headers])."""
+
+    __slots__ = ("channel", "seq", "call", "mine", "sends", "recvs", "finish", "timeout", "_done")
+
+    def __init__(self, channel, seq, call, mine, sends, recvs, finish, timeout):
+        self.channel, self.seq, self.call, self.mine = channel, seq, call, mine
+        self.sends, self.recvs = sends, recvs  # {peer: [work, ...]}; tensors are kept by the channel until done
+        self.finish, self.timeout = finish, timeout
+        self._done = False
+
+    def is_completed(self) -> bool:
+        """Only once ``wait()`` has checked the headers and run the local part: the result is
+        never called done before its call was verified (gloo's works also report completion
+        only once waited)."""
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        ch = self.channel
+        theirs = ch.take_headers(self.seq, self.call, self.timeout)
+        bad = [(j, theirs[j], why) for j in sorted(theirs) if (why := hd.mismatch(self.mine[j], theirs[j])) is not None]
+        if bad:
+            self._done = True
+            raise ch.mismatch(self, bad)
+        ins = ch.inflight_recvs(self.seq)
+        if ins is not None:
+            for j, h in theirs.items():
+                if h.payload:
+                    hd.unpack(h, ins[j])
+        deadline = time.monotonic() + self.timeout
+        for kind, works in (("data", self.recvs), ("receipt of its data", self.sends)):
+            for peer, ws in works.items():
+                for w in ws:
+                    try:
+                        _wait(w, deadline - time.monotonic())
+                    except RuntimeError as e:
+                        raise ch.fail_in_call(self.seq, self.call, peer, e, f"its {kind}") from e
+        self._done = True
+        ch.settle(self.seq)
+        ch.repost()
+        if self.finish is not None:
+            self.finish()

@@ -227,3 +227,14 @@ def test_compile_bench_times_every_method_eager_and_compiled_on_gloo(monkeypatch
     console = Console(record=True, width=160)
     render(s, "tiny", console=console)
     assert "ragged speedup / local speedup" in console.export_text() and "| ragged+compile |" in markdown(s, "tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_collectives_bench_runs(capsys):
+    """bench/collectives.py on a tiny block, 2 gloo ranks (no timing is asserted)."""
+    from bench import collectives
+
+    collectives.main(["--world-sizes", "2", "--hidden", "16", "--iters", "1"])
+    out = capsys.readouterr().out
+    assert "rg.gather (out= reused buffer)" in out and "FSDP2-style" in out

@@ -387,24 +387,6 @@ def test_hsdp_2x2(workers4):
     assert sorted(workers4.run(_hsdp)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-@pytest.mark.slow
-def test_bench_collectives_runs(capsys):
-    """Smoke test of bench/collectives.py on a tiny block (no timing is asserted)."""
-    import importlib
-    import pathlib
-    import sys
-
-    bench = str(pathlib.Path(__file__).resolve().parents[2] / "bench")
-    sys.path.insert(0, bench)  # spawned workers import the module by this name
-    try:
-        importlib.import_module("collectives").main(["--world-sizes", "2", "--hidden", "16", "--iters", "1"])
-    finally:
-        sys.path.remove(bench)
-        sys.modules.pop("collectives", None)
-    out = capsys.readouterr().out
-    assert "rg.gather (out= reused buffer)" in out and "FSDP2-style" in out
-
-
 @pytest.mark.parametrize("handshake", ["none", "deferred"])
 def test_polling_a_handle_under_the_profiler_does_not_deadlock(workers2, handshake):
     polls = workers2.run(_probe_under_profiler, handshake, timeout=90)

@@ -30,7 +30,7 @@ class _Work:
     ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
     group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
 
-    __slots__ = ("_works", "_finish", "_done", "_ledgers", "_futures")
+    __slots__ = ("_works", "_finish", "_done", "_ledgers", "_futures", "on_device")
 
     def __init__(self, works, finish=None, ledgers=None):
         self._works = [w for w in works if w is not None]
@@ -38,6 +38,7 @@ class _Work:
         self._done = False
         self._ledgers = ledgers
         self._futures = None
+        self.on_device = False  # NCCL works: their own is_completed (see the Note below)
 
     def wait(self) -> None:
         if self._done:
@@ -59,6 +60,8 @@ class _Work:
         without ``Work.is_completed`` (see [Note: asking a torch work whether it is done])."""
         if self._done:
             return True
+        if self.on_device:
+            return all(completed(w) for w in self._works)
         if self._futures is None:
             self._futures = [future_of(w) for w in self._works]
         return all(f is True or (f is not None and f.done()) for f in self._futures)
@@ -83,7 +86,9 @@ def future_of(work):
     thread in ``c10d::Work::isCompleted``, gloo's in ``Work::finish`` >
     ``SavedTensorDefaultHooks::set_tls_state`` > ``take_gil``). A work's future is completed
     before ``Work::finish`` runs, and ``Future.done`` takes only the future's own lock, so
-    ragged asks the future."""
+    ragged asks the future. Not on NCCL: there the future is completed when the work is queued
+    on the device, while ``WorkNCCL::isCompleted`` queries its CUDA event (and runs no callback
+    under the mutex), so NCCL works are asked directly."""
     if type(work).__name__ == "FakeWork":
         return True
     try:

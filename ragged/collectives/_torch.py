@@ -396,6 +396,7 @@ class TorchCollectives(BufferOps):
     # ---- helpers ----------------------------------------------------------------------------
     def _result(self, work, async_op):
         if async_op:
+            work.on_device = "nccl" in self.backend
             return _Guarded(work, self)
         work.wait()
         return None

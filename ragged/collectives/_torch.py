@@ -21,28 +21,6 @@ checked depends on ``handshake`` (:func:`from_torch`):
 * ``"none"``: today's paths with no per-call agreement (the baseline of ``bench/collectives.py``);
   only the plan check of ``plan_check`` protects these calls.
 
-[Note: gloo all-gather and reduce-scatter paths]
-On gloo the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slow (gloo's
-reduce-scatter is a clone + a full all-reduce + a copy of the own chunk) and warn in torch
-2.13. ``"header"`` moves data point to point (see [Note: the data paths of the header
-protocol] in ``_p2p.py``). Under ``"none"`` / ``"deferred"`` on gloo the measured fastest
-paths are: all-gather ``"p2p"`` (one ``batch_isend_irecv`` into the output; ``all_to_all_single``
-would need the input materialised m times, it rejects a stride-0 ``expand``), reduce-scatter
-``"all_to_all"`` (``all_to_all_single`` into an m*S scratch buffer, then one local sum; it also
-works under ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not, torch-notes).
-NCCL uses the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (coalesced for
-several buffers, ``AVG`` for mean). ``algorithm=`` forces a path under ``"none"`` / ``"deferred"``.
-
-[Note: coalesced collectives of several buffers]
-``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` move several buffers (the
-buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_plan.py) in ONE
-call: under ``"header"`` one header per peer describes every buffer (op, dtype, each buffer's
-size, identity, label), and the data of every (peer, buffer) pair travels in the same
-batch (see ``_p2p.py``); under ``"none"`` / ``"deferred"`` on gloo one ``batch_isend_irecv``
-or ``all_to_all_single`` per buffer, one ledger entry for the call; on NCCL ("native") the
-per-buffer native ops inside ``torch.distributed._coalescing_manager`` (one NCCL group: one
-launch; written, not run here: no GPU). gloo has no coalescing group, so ``algorithm="native"``
-on gloo issues one native op per buffer.
 """
 
 from __future__ import annotations
@@ -56,6 +34,7 @@ import torch.distributed as dist
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
 from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
+from ragged.collectives import _torch_paths as paths
 from ragged.collectives._channel import channel_for
 from ragged.collectives._handles import _Guarded, _Work
 from ragged.collectives._header import identity_of
@@ -233,45 +212,14 @@ class TorchCollectives(BufferOps):
                 return self._result(_Work([]), async_op)
             algo = self.ag_algorithm
             if algo == "native":
-                return self._result(_Work(self._native(dist.all_gather_into_tensor, outs, ins), None, self._ledgers),
+                return self._result(_Work(paths.native(self, dist.all_gather_into_tensor, outs, ins), None, self._ledgers),
                                     async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
-                w, f = self._gather_one(o, i, algo)
+                w, f = paths.gather_one(self, o, i, algo)
                 works += w
                 finish.append(f)
             return self._result(_Work(works, lambda: [f() for f in finish if f is not None], self._ledgers), async_op)
-
-    def _gather_one(self, output, input, algo):
-        m, n = self._world, input.numel()
-        if algo == "all_to_all":
-            staged = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
-            staged.view(m, n).copy_(input.reshape(1, n).expand(m, n))
-            w = dist.all_to_all_single(output, staged, group=self.group, async_op=True)
-            return [w], lambda: _p2p.SCRATCH.give(staged)
-        ops = []
-        for j in range(m):
-            if j == self._rank:
-                continue
-            peer = self._peer(j)
-            ops.append(dist.P2POp(dist.isend, input, peer, self.group))
-            ops.append(dist.P2POp(dist.irecv, output[j * n : (j + 1) * n], peer, self.group))
-        works = dist.batch_isend_irecv(ops)
-        output[self._rank * n : (self._rank + 1) * n].copy_(input)
-        return works, None
-
-    def _native(self, fn, outs, ins, **kw):
-        """Works of one native collective per buffer: coalesced into one launch on NCCL when
-        there are several (torch's coalescing manager records ``all_gather_single`` /
-        ``reduce_scatter_single``); one op per buffer elsewhere (gloo has no coalescing group)."""
-        if len(outs) == 1 or "nccl" not in self.backend:
-            return [fn(o, i, group=self.group, async_op=True, **kw) for o, i in zip(outs, ins)]
-        single = {dist.all_gather_into_tensor: dist.all_gather_single,
-                  dist.reduce_scatter_tensor: dist.reduce_scatter_single}[fn]
-        with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
-            for o, i in zip(outs, ins):
-                single(o, i, group=self.group, **kw)
-        return [cm]
 
     def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):
@@ -289,38 +237,15 @@ class TorchCollectives(BufferOps):
             if self.rs_algorithm == "native":
                 nccl = "nccl" in self.backend
                 torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-                works = self._native(dist.reduce_scatter_tensor, outs, ins, op=torch_op)
+                works = paths.native(self, dist.reduce_scatter_tensor, outs, ins, op=torch_op)
                 finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
                 return self._result(_Work(works, finish, self._ledgers), async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
-                w, f = self._scatter_one(o, i, op)
+                w, f = paths.scatter_one(self, o, i, op)
                 works += w
                 finish.append(f)
             return self._result(_Work(works, lambda: [f() for f in finish], self._ledgers), async_op)
-
-    def _scatter_one(self, output, input, op):
-        m, n = self._world, output.numel()
-        recv = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
-        chunks = recv.view(m, n)
-        if self.rs_algorithm == "all_to_all":
-            works = [dist.all_to_all_single(recv, input, group=self.group, async_op=True)]
-        else:  # p2p
-            ops = []
-            for j in range(m):
-                if j == self._rank:
-                    continue
-                peer = self._peer(j)
-                ops.append(dist.P2POp(dist.isend, input[j * n : (j + 1) * n], peer, self.group))
-                ops.append(dist.P2POp(dist.irecv, chunks[j], peer, self.group))
-            works = dist.batch_isend_irecv(ops)
-            chunks[self._rank].copy_(input[self._rank * n : (self._rank + 1) * n])
-
-        def finish():
-            _p2p.reduce_rows(chunks, op, output)
-            _p2p.SCRATCH.give(recv)
-
-        return works, finish
 
     def _all_reduce(self, tensor, op, async_op, index, size, label):
         check_op(op)
@@ -430,7 +355,7 @@ def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | No
             a ``DeviceMesh``: 1-D (shard group) or 2-D ``(replicate, shard)`` for HSDP.
         algorithm: force one path for all-gather and reduce-scatter (``"native"``, ``"p2p"``,
             ``"all_to_all"``) under ``handshake="none"`` / ``"deferred"``; default: the fastest
-            measured path for the backend (see [Note: gloo all-gather and reduce-scatter paths]).
+            measured path for the backend (see [Note: gloo all-gather and reduce-scatter paths] in ``_torch_paths.py``).
         plan_check: when the transforms run an explicit agreement round on their plans (whose
             mismatch message lists the differing leaves): ``"first_use"`` (default: once per
             plan and comm) or ``"every_call"`` (the default when ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,

@@ -1,0 +1,96 @@
+"""The data paths of ``torch.distributed`` under ``handshake="none"`` / ``"deferred"``: native
+collectives (coalesced on NCCL), point-to-point batches and ``all_to_all_single``, one buffer
+at a time; ``comm`` is the :class:`~ragged.collectives._torch.TorchCollectives` issuing them.
+
+[Note: gloo all-gather and reduce-scatter paths]
+On gloo the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slow (gloo's
+reduce-scatter is a clone + a full all-reduce + a copy of the own chunk) and warn in torch
+2.13. ``"header"`` moves data point to point (see [Note: the data paths of the header
+protocol] in ``_p2p.py``). Under ``"none"`` / ``"deferred"`` on gloo the measured fastest
+paths are: all-gather ``"p2p"`` (one ``batch_isend_irecv`` into the output; ``all_to_all_single``
+would need the input materialised m times, it rejects a stride-0 ``expand``), reduce-scatter
+``"all_to_all"`` (``all_to_all_single`` into an m*S scratch buffer, then one local sum; it also
+works under ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not, torch-notes).
+NCCL uses the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (coalesced for
+several buffers, ``AVG`` for mean). ``algorithm=`` forces a path under ``"none"`` / ``"deferred"``.
+
+[Note: coalesced collectives of several buffers]
+``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` move several buffers (the
+buffers of one multi-buffer plan, see [Note: buffers of a plan] in ragged/spec/_plan.py) in ONE
+call: under ``"header"`` one header per peer describes every buffer (op, dtype, each buffer's
+size, identity, label), and the data of every (peer, buffer) pair travels in the same
+batch (see ``_p2p.py``); under ``"none"`` / ``"deferred"`` on gloo one ``batch_isend_irecv``
+or ``all_to_all_single`` per buffer, one ledger entry for the call; on NCCL ("native") the
+per-buffer native ops inside ``torch.distributed._coalescing_manager`` (one NCCL group: one
+launch; written, not run here: no GPU). gloo has no coalescing group, so ``algorithm="native"``
+on gloo issues one native op per buffer.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ragged.collectives import _p2p
+
+__all__ = ["gather_one", "scatter_one", "native"]
+
+
+def gather_one(comm, output, input, algo):
+    """Issues the all-gather of one buffer by ``algo`` (``"p2p"`` or ``"all_to_all"``): its
+    works and what to run once they are waited (``None``: nothing)."""
+    m, n = comm._world, input.numel()
+    if algo == "all_to_all":
+        staged = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
+        staged.view(m, n).copy_(input.reshape(1, n).expand(m, n))
+        w = dist.all_to_all_single(output, staged, group=comm.group, async_op=True)
+        return [w], lambda: _p2p.SCRATCH.give(staged)
+    ops = []
+    for j in range(m):
+        if j == comm._rank:
+            continue
+        peer = comm._peer(j)
+        ops.append(dist.P2POp(dist.isend, input, peer, comm.group))
+        ops.append(dist.P2POp(dist.irecv, output[j * n : (j + 1) * n], peer, comm.group))
+    works = dist.batch_isend_irecv(ops)
+    output[comm._rank * n : (comm._rank + 1) * n].copy_(input)
+    return works, None
+
+
+def native(comm, fn, outs, ins, **kw):
+    """Works of one native collective per buffer: coalesced into one launch on NCCL when
+    there are several (torch's coalescing manager records ``all_gather_single`` /
+    ``reduce_scatter_single``); one op per buffer elsewhere (gloo has no coalescing group)."""
+    if len(outs) == 1 or "nccl" not in comm.backend:
+        return [fn(o, i, group=comm.group, async_op=True, **kw) for o, i in zip(outs, ins)]
+    single = {dist.all_gather_into_tensor: dist.all_gather_single,
+              dist.reduce_scatter_tensor: dist.reduce_scatter_single}[fn]
+    with dist._coalescing_manager(group=comm.group, device=comm._device, async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            single(o, i, group=comm.group, **kw)
+    return [cm]
+
+
+def scatter_one(comm, output, input, op):
+    """Issues the reduce-scatter of one buffer by ``comm.rs_algorithm`` (``"all_to_all"`` or
+    ``"p2p"``) into a scratch buffer: its works and the local reduction to run once waited."""
+    m, n = comm._world, output.numel()
+    recv = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
+    chunks = recv.view(m, n)
+    if comm.rs_algorithm == "all_to_all":
+        works = [dist.all_to_all_single(recv, input, group=comm.group, async_op=True)]
+    else:  # p2p
+        ops = []
+        for j in range(m):
+            if j == comm._rank:
+                continue
+            peer = comm._peer(j)
+            ops.append(dist.P2POp(dist.isend, input[j * n : (j + 1) * n], peer, comm.group))
+            ops.append(dist.P2POp(dist.irecv, chunks[j], peer, comm.group))
+        works = dist.batch_isend_irecv(ops)
+        chunks[comm._rank].copy_(input[comm._rank * n : (comm._rank + 1) * n])
+
+    def finish():
+        _p2p.reduce_rows(chunks, op, output)
+        _p2p.SCRATCH.give(recv)
+
+    return works, finish

@@ -200,7 +200,7 @@ class Run(Reducing):
             shard = self.shards[self.layouts[i].name]
             u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
             self._issued(label)
-            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True)
+            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True, label=label)
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)

@@ -65,7 +65,8 @@ def _check(plan: LayoutPlan, flat: torch.Tensor, local: torch.Tensor, comm, wher
         )
 
 
-def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, comm, *, async_op: bool = False):
+def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, comm, *, async_op: bool = False,
+                    label: str | None = None):
     """``out`` (the ``m * S`` gathered buffer) <- every rank's ``local`` shard (``S`` elements),
     one coalesced launch for all of the plan's buffers. See [Note: one launch per unit,
     whatever its buffers].
@@ -86,11 +87,12 @@ def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, co
         [[0.0, 1.0], [0.0, 1.0]]
     """
     _check(plan, out, local, comm, "all_gather_flat")
-    return _launch(plan, comm, "all_gather_into", [(o, i) for o, i in buffer_views(plan, out, local)], async_op)
+    return _launch(plan, comm, "all_gather_into", [(o, i) for o, i in buffer_views(plan, out, local)], async_op,
+                   label=label)
 
 
 def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *, op: str = "sum",
-                        async_op: bool = False):
+                        async_op: bool = False, label: str | None = None):
     """``out`` (this rank's ``S`` elements) <- its ranges of the reduction over the shard group
     of every rank's ``flat`` (``m * S``), one coalesced launch for all buffers. The transpose of
     :func:`all_gather_flat`.
@@ -109,12 +111,16 @@ def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor,
     """
     _check(plan, flat, out, comm, "reduce_scatter_flat")
     return _launch(plan, comm, "reduce_scatter_into", [(o, i) for i, o in buffer_views(plan, flat, out)], async_op,
-                   op=op)
+                   op=op, label=label)
 
 
-def _launch(plan, comm, name: str, pairs, async_op: bool, **kw):
+def _launch(plan, comm, name: str, pairs, async_op: bool, label=None, **kw):
     """``comm.<name>(output, input)`` for one buffer; ``comm.<name>_coalesced`` for several, or
-    one ``comm.<name>`` per buffer when the comm has no coalesced op."""
+    one ``comm.<name>`` per buffer when the comm has no coalesced op. ``label`` (what the call
+    carries besides its plan identity, compared across ranks) is passed only when given, so a
+    comm of the older protocol without ``label=`` still works."""
+    if label is not None:
+        kw["label"] = label
     if len(plan.buffers) == 1:
         (out, inp), = pairs
         return getattr(comm, name)(out, inp, async_op=async_op, **kw)

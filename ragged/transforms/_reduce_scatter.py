@@ -176,9 +176,10 @@ def reduce_scatter_start(
     return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out)
 
 
-def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False):
+def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False, label=None):
     """:func:`reduce_scatter_start`; ``agreed=True`` skips the cross-rank check for callers
-    that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step)."""
+    that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step); ``label``
+    names the call to the comm (compared across ranks: the step's unit and program position)."""
     check_plan_type(plan, "reduce_scatter")
     if op not in _OPS:
         raise RaggedValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
@@ -233,9 +234,10 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    handles = [reduce_scatter_flat(plan, out, flat, comm, op="sum", async_op=True)]
+    handles = [reduce_scatter_flat(plan, out, flat, comm, op="sum", async_op=True, label=label)]
     if rep.numel():
-        handles.append(comm.all_reduce(rep, op="sum", async_op=True))
+        kw = {} if label is None else {"label": f"{label} (replicated leaves)"}
+        handles.append(comm.all_reduce(rep, op="sum", async_op=True, **kw))
     return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat, pooled)
 
 

@@ -304,3 +304,27 @@ def test_bad_inputs_raise_clear_errors_before_communication():
         return True
 
     assert rg.collectives.simulate(2, fn, timeout=10) == [True, True]
+
+
+@pytest.mark.parametrize("verb", ["all_gather_flat", "reduce_scatter_flat"])
+def test_flat_collectives_carry_their_label(verb):
+    """Two ranks moving two different units of the same plan at the same call (same sizes, same
+    plan identity) must not pair: the label they carry tells them apart (the fsdp step passes
+    its unit and program position, e.g. 'gather layers.3 forward entry 4')."""
+    from ragged.transforms import all_gather_flat, reduce_scatter_flat
+
+    plan = rg.make_plan({"w": torch.empty(4, 3)}, world_size=2)
+
+    def fn(c):
+        label = f"gather layers.{c.rank} forward entry 0"
+        try:
+            if verb == "all_gather_flat":
+                all_gather_flat(plan, torch.empty(plan.buffer_numel), torch.zeros(plan.shard_size), c, label=label)
+            else:
+                reduce_scatter_flat(plan, torch.empty(plan.shard_size), torch.zeros(plan.buffer_numel), c, label=label)
+        except rg.PlanMismatchError as e:
+            return str(e)
+
+    msgs = rg.collectives.simulate(2, fn, timeout=5)
+    assert all(m is not None for m in msgs), msgs
+    assert "layers.0" in msgs[0] and "layers.1" in msgs[0], msgs

@@ -82,7 +82,8 @@ def future_of(work):
     under ``saved_tensors_hooks`` finishes (the step's backward, exactly) therefore deadlocks:
     the probe waits for the mutex, gloo's thread for the GIL. Measured here: a spin on
     ``is_completed`` of gloo all-reduces under the profiler and a saved-tensor hook hangs within
-    400 calls, and the step hung in 2 of ~150 profiled runs of ``bench/step.py`` (gdb: the main
+    400 calls, and the step hung under the profiler of ``bench/step.py`` (once in ~20 runs of its
+    smoke test under load, once within ~80 consecutive profiled steps; gdb: the main
     thread in ``c10d::Work::isCompleted``, gloo's in ``Work::finish`` >
     ``SavedTensorDefaultHooks::set_tls_state`` > ``take_gil``). A work's future is completed
     before ``Work::finish`` runs, and ``Future.done`` takes only the future's own lock, so

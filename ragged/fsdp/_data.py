@@ -55,10 +55,10 @@ def data_groups_option(data_groups: Sequence, data_axes: Sequence | None, where:
 
 
 def reduce_over_data_groups(unit, grad, data_groups: Sequence[DataGroup]) -> None:
-    """In place on ``unit``'s gradient shard ``grad`` (after its reduce-scatter): the replicated
+    """In place on ``unit``'s gradient shard ``grad`` (over its trainable plan, after its reduce-scatter): the replicated
     parameters' gradients summed over each data group, then everything divided by its size."""
     for group in data_groups:
-        all_reduce_leaves(group.comm, grad.data, grad.replicated, unit.plan, grad.rank,
+        all_reduce_leaves(group.comm, grad.data, grad.replicated, grad.plan, grad.rank,
                           picked_leaves(unit, group.is_replicated))
         grad.data.div_(group.comm.world_size)
         grad.replicated.div_(group.comm.world_size)

@@ -21,6 +21,7 @@ waiting in one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -110,6 +111,13 @@ class ValueAndGrad:
     slots: tuple = dataclasses.field(default=(), repr=False, compare=False)
     memo: _Memo = dataclasses.field(default=None, repr=False, compare=False)
 
+    @property
+    def frozen_digest(self) -> str:
+        """Which leaves are frozen, as the ranks agree on it (a fully frozen unit has the plan a
+        trainable one would have)."""
+        text = repr([sorted(u.frozen) for u in self.units])
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
     def __call__(self, shards: dict[str, DBuffer], batch):
         result = self.compute(shards, batch)
         return result.loss, result.grads
@@ -128,7 +136,7 @@ class ValueAndGrad:
         memo, policy = self.memo, self.policy
         token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{self.micro_batches}:"
                  f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
-                 f"{memo.schedule.fingerprint()}:{memo.digest}")
+                 f"{memo.schedule.fingerprint()}:{memo.digest}:{self.frozen_digest}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         rng = _rng_state(self.comm.device)
         for attempt in range(MAX_ATTEMPTS):
@@ -171,7 +179,8 @@ class ValueAndGrad:
 
     def _attempt(self, shards, micro):
         memo = self.memo
-        prog = program(memo.schedule, reshard=self.reshard_after_forward, prefetch=self.prefetch)
+        frozen = frozenset(lay.index for lay in self.layouts if lay.grad_plan is None)
+        prog = program(memo.schedule, reshard=self.reshard_after_forward, prefetch=self.prefetch, frozen=frozen)
         run = Run(self.layouts, self.units, shards, self.comm, schedule=memo.schedule, program=prog, lazy=memo.lazy,
                   max_inflight_reduce=self.max_inflight_reduce, trace=self.trace)
         losses, failure = [], None
@@ -210,9 +219,11 @@ class ValueAndGrad:
     def _result(self, run, verdict, shards, attempt) -> GradResult:
         grads, unused, k = {}, {}, 0
         for u, rec in zip(self.units, self.layouts):
-            grads[u.name] = DBuffer(data=run.grads[u.name], replicated=run.rep_grads[u.name], plan=u.plan,
+            if rec.grad_plan is None:
+                continue
+            grads[u.name] = DBuffer(data=run.grads[u.name], replicated=run.rep_grads[u.name], plan=rec.grad_plan,
                                     rank=shards[u.name].rank)
-            paths = [p for p, *_ in rec.leaves] + [p for p, *_ in rec.replicated]
+            paths = rec.trained
             got = verdict["used"][k : k + len(paths)]
             k += len(paths)
             if not got.all():
@@ -265,7 +276,7 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
         comm.all_reduce_replicas(v, op="sum")
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:
-        paths = [p for lay in run.layouts for p, *_ in lay.leaves + lay.replicated]
+        paths = [p for lay in run.layouts for p in lay.trained]
         for axis_comm, is_replicated in data_groups:
             w = v.clone()
             axis_comm.all_reduce(w, op="sum")

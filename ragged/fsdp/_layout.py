@@ -14,7 +14,8 @@ import torch
 from ragged._dbuffer import segments
 from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import Units
-from ragged.transforms._shard import replicated_size
+from ragged.spec._plan import LayoutPlan
+from ragged.spec._concat import replicated_size
 
 __all__ = ["MixedPrecision", "UnitLayout", "unit_layouts"]
 
@@ -63,8 +64,14 @@ class UnitLayout:
         nbytes: bytes of the gathered buffer.
         leaves: ``(path, offset, stop, shape)`` of every sharded leaf, by offset.
         replicated: the same for every ``spec.Replicate()`` leaf (offsets into the replicated buffer).
-        gaps: ``(start, stop)`` padding ranges of the gathered buffer (zero in the gradient buffer).
-        replicated_numel: elements of the replicated buffer.
+        gaps: ``(start, stop)`` padding ranges of the gathered buffer.
+        frozen: paths of the leaves that do not train (no gradient, no hook, ``requires_grad=False``).
+        grad_plan: the layout of the unit's gradient (its trainable leaves, a prefix of the
+            gathered buffer: see [Note: trainable buffers first] in ``ragged/spec/_concat.py``);
+            ``None`` when nothing trains.
+        grad_numel, grad_nbytes: elements and bytes of the gradient buffer (compute dtype).
+        grad_gaps: padding ranges of the gradient buffer (zero in it).
+        grad_replicated_numel: elements of the replicated part of the gradient.
     """
 
     index: int
@@ -76,11 +83,21 @@ class UnitLayout:
     leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]
     replicated: tuple[tuple[str, int, int, tuple[int, ...]], ...]
     gaps: tuple[tuple[int, int], ...]
-    replicated_numel: int
+    frozen: frozenset[str]
+    grad_plan: LayoutPlan | None
+    grad_numel: int
+    grad_nbytes: int
+    grad_gaps: tuple[tuple[int, int], ...]
+    grad_replicated_numel: int
 
     @property
     def num_leaves(self) -> int:
         return len(self.leaves) + len(self.replicated)
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """Paths of the trainable leaves: sharded by offset, then replicated (the runtime's per-leaf order)."""
+        return tuple(p for p, *_ in self.leaves + self.replicated if p not in self.frozen)
 
 
 def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]:
@@ -100,14 +117,23 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
         dtype = policy.compute_dtype or plan.dtype
         leaves = tuple((u.paths[l.index], l.offset, l.stop, l.shape) for l in sorted(plan.leaves, key=lambda l: l.offset))
         replicated = tuple((u.paths[l.index], l.offset, l.stop, l.shape) for l in plan.replicated)
-        gaps, pos = [], 0
-        for leaf, n in segments(plan.leaves, plan.buffer_numel):
-            if leaf is None:
-                gaps.append((pos, pos + n))
-            pos += n
+        grad_plan = u.trainable_plan
+        grad_numel = grad_plan.buffer_numel if grad_plan is not None else 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
         out.append(UnitLayout(
             index=index, name=u.name, dtype=dtype, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
-            nbytes=plan.buffer_numel * torch.empty((), dtype=dtype).element_size(), leaves=leaves,
-            replicated=replicated, gaps=tuple(gaps), replicated_numel=replicated_size(plan),
+            nbytes=plan.buffer_numel * itemsize, leaves=leaves, replicated=replicated, gaps=_gaps(plan),
+            frozen=u.frozen, grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
+            grad_gaps=_gaps(grad_plan) if grad_plan is not None else (),
+            grad_replicated_numel=replicated_size(grad_plan) if grad_plan is not None else 0,
         ))
     return tuple(out)
+
+
+def _gaps(plan) -> tuple[tuple[int, int], ...]:
+    gaps, pos = [], 0
+    for leaf, n in segments(plan.leaves, plan.buffer_numel):
+        if leaf is None:
+            gaps.append((pos, pos + n))
+        pos += n
+    return tuple(gaps)

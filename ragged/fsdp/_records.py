@@ -30,7 +30,8 @@ class UnitRecord:
         flat: the gathered buffer (``layout.numel`` elements, storage released when ``FREE``);
             every sharded leaf is a view of it.
         rflat: a copy of the shard's replicated buffer (``spec.Replicate()`` leaves are views of it).
-        leaves: ``{path: leaf tensor}``; ``spans``: ``(leaf, start, stop, replicated)`` per leaf.
+        leaves: ``{path: leaf tensor}`` (a frozen leaf has ``requires_grad=False``); ``spans``:
+            ``(leaf, start, stop, replicated)`` per trainable leaf (the ones with a gradient).
         state: a :class:`UnitState`; ``handle`` / ``source``: the all-gather in flight.
         block: the pool block whose memory ``flat`` holds while gathered (``None`` when ``FREE``,
             or when storage is resized instead: see [Note: reusing unit buffers] in ``_pool.py``).
@@ -55,9 +56,10 @@ class UnitRecord:
         self.leaves, self.spans = {}, []
         for replicated, table, buf in ((False, layout.leaves, self.flat), (True, layout.replicated, self.rflat)):
             for path, start, stop, shape in table:
-                t = buf[start:stop].view(shape).requires_grad_()
+                t = buf[start:stop].view(shape)
                 self.leaves[path] = t
-                self.spans.append((t, start, stop, replicated))
+                if path not in layout.frozen:
+                    self.spans.append((t.requires_grad_(), start, stop, replicated))
         self.flat.untyped_storage().resize_(0)
         self.state, self.handle, self.source = UnitState.FREE, None, None
         self.scheduled = self.served = False  # alive per the program / zeros served locally

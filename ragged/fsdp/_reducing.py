@@ -76,23 +76,24 @@ class Reducing:
         g = u.late if late else u.grad
         if g is None:
             self._finish_completed()  # their buffers first
-            block = self.pool.take(lay.nbytes, COMPUTE)
-            g = block.tensor(lay.dtype, lay.numel)
+            block = self.pool.take(lay.grad_nbytes, COMPUTE)
+            g = block.tensor(lay.dtype, lay.grad_numel)
             self.streams.access(COMPUTE, block.key, write=True)
             if late:
                 u.late, u.late_block = g, block
                 g.zero_()
             else:
                 u.grad, u.grad_block = g, block
-                for lo, hi in lay.gaps:
+                for lo, hi in lay.grad_gaps:
                     g[lo:hi].zero_()
                 u.written = [False] * len(u.spans)
-                self.grad_live += lay.nbytes
+                self.grad_live += lay.grad_nbytes
                 self.grad_peak = max(self.grad_peak, self.grad_live)
         r = u.rlate if late else u.rgrad
         if r is None:
-            rblock = self.pool.take(lay.replicated_numel * g.element_size(), COMPUTE) if lay.replicated_numel else None
-            r = rblock.tensor(lay.dtype, lay.replicated_numel).zero_() if rblock else g.new_zeros(0)
+            n = lay.grad_replicated_numel
+            rblock = self.pool.take(n * g.element_size(), COMPUTE) if n else None
+            r = rblock.tensor(lay.dtype, n).zero_() if rblock else g.new_zeros(0)
             if rblock is not None:
                 self.streams.access(COMPUTE, rblock.key, write=True)
             if late:
@@ -152,8 +153,8 @@ class Reducing:
         self.num_reduces += 1
         pending, kept = self._reduce_scatter_unit_start(i, g, r, blocks, label)
         if kept is None:  # given back at the start (see _reduce_scatter_unit_start)
-            self.grad_live -= self.layouts[i].nbytes
-        self.rs_pending.append((i, pending, kept, self.layouts[i].nbytes if kept is not None else 0))
+            self.grad_live -= self.layouts[i].grad_nbytes
+        self.rs_pending.append((i, pending, kept, self.layouts[i].grad_nbytes if kept is not None else 0))
         self._log("reduce_start", i)
         while len(self.rs_pending) > self.max_inflight:
             self.finish_oldest_reduce()
@@ -164,7 +165,7 @@ class Reducing:
         ``_device.py``). Returns the pending reduce-scatter and the gradient block it still reads
         (``None``: a buffer only read by a cast to the reduce dtype is given back at once, as is
         the replicated part, which is always copied)."""
-        plan, streams = self.shards[self.layouts[i].name].plan, self.streams
+        plan, streams = self.layouts[i].grad_plan, self.streams
         rep = replicated if plan.replicated else None
         for b in blocks:
             if b is not None:

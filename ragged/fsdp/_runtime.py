@@ -432,7 +432,7 @@ class Run(Reducing):
                 self._release(i)
             # a leaf that outlives the call (kept by the loss or a traceback) must not point into
             # released storage: printing it would read freed memory
-            for t, *_ in u.spans:
+            for t in u.leaves.values():
                 t.data = t.data.new_empty((0,))
             for blk in (u.grad_block, u.rgrad_block, u.late_block, u.rlate_block):
                 if blk is not None:

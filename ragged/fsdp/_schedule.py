@@ -186,11 +186,13 @@ class Program:
 
 
 @functools.lru_cache(maxsize=64)
-def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool) -> Program:
+def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool,
+            frozen: frozenset[int] = frozenset()) -> Program:
     """The per-entry and per-event actions of ``schedule`` (pure, cached).
 
     The alive set is simulated here, so what is gathered and freed depends on the schedule
-    only, never on what this rank's data touched.
+    only, never on what this rank's data touched. ``frozen`` units (nothing in them trains)
+    are gathered and freed like the others and never reduce-scattered.
 
     Examples:
         >>> s = CollectiveSchedule(forward=(0, 1, 0), needs=tuple(frozenset({u}) for u in (0, 1, 0)), reduce_at=(0, 1))
@@ -214,7 +216,7 @@ def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool) -> P
     later_need = [frozenset().union(*seg[:s]) if s else frozenset() for s in range(n + 1)]  # needed in segments < s
     backward: list = [None] * (n + 1)
     for e in range(n, -1, -1):
-        reduces = tuple(u for u, p in enumerate(schedule.reduce_at) if p == e) if e < n else ()
+        reduces = tuple(u for u, p in enumerate(schedule.reduce_at) if p == e and u not in frozen) if e < n else ()
         soon = [seg[s] for s in (e - 1, e - 2 if prefetch else -1) if s >= 0]
         keep = frozenset().union(*soon) if soon else frozenset()
         if not reshard:
@@ -227,7 +229,7 @@ def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool) -> P
         if e == n:  # the loss's own backward runs first: prefetch once backward reaches the model
             start_prefetch, ahead = tuple(ahead), []
         backward[e] = (reduces, frees, tuple(now + ahead))
-    end = tuple(u for u, p in enumerate(schedule.reduce_at) if p < 0)
+    end = tuple(u for u, p in enumerate(schedule.reduce_at) if p < 0 and u not in frozen)
     return Program(forward=tuple(forward), backward=tuple(backward), end=end, segment_units=seg,
                    start_prefetch=start_prefetch if n else ())
 

@@ -34,6 +34,7 @@ from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
+from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
@@ -122,6 +123,7 @@ def unit_trees(units: Units, params, *, meta: bool = False) -> dict[str, dict[st
         raise RaggedKeyError(f"params has leaves the units do not: {_short(extra)}. Fix: pass the tree make_units got.")
     for p in expected:
         _check_leaf(p, got[p], meta)
+    check_trainable(units, ((p, got[p]) for p in expected), "fsdp.init")
     return {u.name: {p: got[p] for p in u.paths} for u in units}
 
 
@@ -136,9 +138,13 @@ def _gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype |
 
 def _reduce_scatter(units: Units, grads, comm, op: str = "mean", dtype: torch.dtype | None = None):
     """``rg.reduce_scatter(units, grads, comm, op, dtype)``: ``{unit name: DBuffer}`` of the
-    reduced gradients of the whole model (``grads``: a tree like the params)."""
+    reduced gradients of the whole model (``grads``: a tree like the params), over each unit's
+    ``trainable_plan`` (units where nothing trains are left out; frozen leaves' entries of
+    ``grads`` are ignored)."""
     trees = units.split(grads)
-    return {u.name: transforms.reduce_scatter(u.plan, trees[u.name], comm, op, dtype) for u in units}
+    return {u.name: transforms.reduce_scatter(u.trainable_plan, {p: trees[u.name][p] for p in u.trainable_paths}, comm,
+                                              op, dtype)
+            for u in units if u.trainable_plan is not None}
 
 
 def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(), data_axes=None) -> torch.Tensor:
@@ -157,12 +163,14 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     groups = data_groups_option(data_groups, data_axes, "global_norm")
     sharded = replicated = 0.0
     for u in units:
+        if u.trainable_plan is None:
+            continue
         d = grads[u.name]
         weights: dict[int, float] = {}
         for group in groups:
             for i in picked_leaves(u, group.is_replicated):
                 weights[i] = weights.get(i, 1.0) / group.comm.world_size
-        s, r = weighted_square_sums(u.plan, d.data, d.replicated, d.rank, weights)
+        s, r = weighted_square_sums(d.plan, d.data, d.replicated, d.rank, weights)
         sharded, replicated = sharded + s, replicated + r
     return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [g.comm for g in groups]))
 
@@ -272,4 +280,4 @@ def init(
                 owner = module.get_submodule(name) if name else module
                 owner._buffers.update(values)
             release(module)
-    return TrainState(shards, optimizer.init(shards))
+    return TrainState(shards, optimizer.init(trainable_shards(units, shards)))

@@ -69,6 +69,7 @@ from ragged.fsdp._state import TrainState
 from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
 from ragged.fsdp._units import Units
 from ragged.fsdp._donate import check_not_donated, donate
+from ragged.fsdp._trainable import check_trainable, trainable_shards, with_trainable
 from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
 
@@ -107,15 +108,19 @@ class Step:
     def __call__(self, state: TrainState, batch):
         shards, opt_state = state
         check_not_donated(state, "step(state, batch)")
+        if self.module is not None:
+            check_trainable(self.units, self.module.named_parameters(), "step(state, batch)")
         result = self.value_and_grad.compute(shards, batch, data_groups=self.data_groups)
-        grads = result.grads
-        for u in self.units:
-            reduce_over_data_groups(u, grads[u.name], self.data_groups)
-        frozen = freeze_unused(self.units, result.unused, shards, opt_state) if self.skip_unused and result.unused else None
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, shards)
+        grads = result.grads  # the trainable parts only (see [Note: frozen parameters] in _trainable.py)
+        for name, g in grads.items():
+            reduce_over_data_groups(self.units[name], g, self.data_groups)
+        params = trainable_shards(self.units, shards)
+        frozen = freeze_unused(self.units, result.unused, params, opt_state) if self.skip_unused and result.unused else None
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         if frozen is not None:
-            restore_unused(frozen, shards, updates, new_opt_state)
-        new_state = TrainState(apply_updates(shards, updates, donate=self.donate), new_opt_state)
+            restore_unused(frozen, params, updates, new_opt_state)
+        trained = apply_updates(params, updates, donate=self.donate)
+        new_state = TrainState(with_trainable(self.units, shards, trained), new_opt_state)
         if self.donate:
             new_state = donate(state, new_state)
         return new_state, {"loss": result.loss, **result.metrics, "unused_leaves": sum(map(len, result.unused.values()))}

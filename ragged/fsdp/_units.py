@@ -23,6 +23,8 @@ import torch
 
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.spec import make_plan
+from ragged.spec._concat import concat_plans, leading_part
+from ragged.spec._planning import key_paths
 from ragged.spec._plan import LayoutPlan
 from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 
@@ -40,15 +42,38 @@ class Unit:
         name: e.g. ``"blocks.3"`` or ``"rest"``.
         paths: parameter names (module) or key paths (pytree) of its leaves, in plan tree order.
         indices: positions of those leaves in the full tree's flattened leaves.
-        plan: the unit's layout (its tree is ``{path: tensor}``).
+        plan: the unit's layout (its tree is ``{path: tensor}``): the trainable leaves' buffers
+            first, then the frozen leaves' (see [Note: trainable buffers first] in
+            ``ragged/spec/_concat.py``).
+        frozen: the paths of the leaves that do not train (``requires_grad=False``): no gradient,
+            no reduce-scatter, no optimizer state, no update.
     """
 
     name: str
     paths: tuple[str, ...]
     indices: tuple[int, ...]
     plan: LayoutPlan
+    frozen: frozenset[str] = frozenset()
 
     replace = dataclasses.replace
+
+    @property
+    def trainable_paths(self) -> tuple[str, ...]:
+        """The paths of the leaves that train, in plan tree order."""
+        return tuple(p for p in self.paths if p not in self.frozen)
+
+    @property
+    def trainable_plan(self) -> LayoutPlan | None:
+        """The layout of this unit's gradients and optimizer state: ``plan`` itself when nothing is
+        frozen, the plan of the trainable leaves (a prefix of ``plan``, see [Note: trainable buffers
+        first] in ``ragged/spec/_concat.py``) when some are, ``None`` when none trains."""
+        if not self.frozen:
+            return self.plan
+        paths = self.trainable_paths
+        if not paths:
+            return None
+        keep = frozenset(l.path for l in self.plan.leaves + self.plan.replicated if self.paths[l.index] not in self.frozen)
+        return leading_part(self.plan, keep, pytree.structure(dict.fromkeys(paths, 0)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +192,7 @@ def make_units(
     strategy: str = "dp",
     align: int | None = None,
     max_buffers: int | str = 1,
+    trainable: Callable[[str], bool] | None = None,
 ) -> Units:
     """Splits a model into FSDP units and plans each one.
 
@@ -183,6 +209,12 @@ def make_units(
         dtype: master buffer dtype of every unit (default: the parameters' dtype).
         strategy, align, max_buffers: passed to :func:`ragged.make_plan` (``max_buffers``: a
             unit may be planned into several buffers, all gathered in one coalesced launch).
+        trainable: for a pytree, a function ``key path -> bool``: which leaves train (default:
+            all). A module's parameters train when they have ``requires_grad`` (set
+            ``requires_grad_(False)`` to freeze one before ``make_units``). A unit's frozen
+            leaves are planned in buffers after its trainable ones (see [Note: trainable buffers
+            first] in ``ragged/spec/_concat.py``): gradients, reduce-scatters and optimizer state
+            cover the trainable leaves only.
 
     Returns:
         :class:`Units`, in the order each unit's first parameter appears.
@@ -200,6 +232,9 @@ def make_units(
         >>> tree = {"layers": [{"w": torch.empty(4, 3)}, {"w": torch.empty(4, 3)}], "out": torch.empty(3)}
         >>> fsdp.make_units(tree, world_size=2, groups=lambda path: path[:13] if "layers" in path else "rest").names
         ("['layers'][0]", "['layers'][1]", 'rest')
+        >>> frozen = fsdp.make_units(tree, world_size=2, trainable=lambda path: "out" not in path)["rest"]
+        >>> frozen.frozen, frozen.trainable_paths, frozen.plan.num_buffers
+        (frozenset({"['out']"}), ("['layers'][0]['w']", "['layers'][1]['w']"), 2)
     """
     is_module = isinstance(model_or_params, torch.nn.Module)
     params = dict(model_or_params.named_parameters()) if is_module else model_or_params
@@ -208,6 +243,7 @@ def make_units(
         paths = sorted(params)  # optree flattens dicts in sorted key order
     if not leaves:
         raise RaggedValueError("make_units got no parameters. Pass an nn.Module with parameters or a pytree of tensors.")
+    frozen = _frozen_paths(paths, params, is_module, trainable)
 
     if callable(groups):
         names = []
@@ -244,16 +280,65 @@ def make_units(
             if unknown:
                 raise RaggedValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
             unit_specs = {paths[i]: specs.get(paths[i]) for i in idx}
-        plan = make_plan(tree, unit_specs, world_size=world_size, dtype=dtype, strategy=strategy, align=align,
-                         max_buffers=max_buffers)
+        options = dict(world_size=world_size, dtype=dtype, strategy=strategy, align=align, max_buffers=max_buffers)
+        still = {p for p in tree if p in frozen}
+        if still and len(still) < len(tree):
+            plan = _plan_parts(tree, unit_specs, still, options)
+        else:
+            plan = make_plan(tree, unit_specs, **options)
         # plan tree order is key-sorted; keep paths/indices in that order
         sorted_idx = sorted(idx, key=lambda i: paths[i])
         units.append(Unit(name=unit_name, paths=tuple(paths[i] for i in sorted_idx),
-                          indices=tuple(sorted_idx), plan=plan))
+                          indices=tuple(sorted_idx), plan=plan, frozen=frozenset(still)))
+    if not any(u.trainable_plan is not None for u in units):
+        raise RaggedValueError(NOTHING_TRAINS_MSG)
     return Units(units=tuple(units), treedef=treedef, is_module=is_module)
+
+
+NOTHING_TRAINS_MSG = (
+    "make_units: no parameter trains (every one has requires_grad=False, or trainable= returned False for every "
+    "path), so a step would have nothing to update. Fix: leave requires_grad=True on the parameters to train."
+)
+
+
+def _frozen_paths(paths, params, is_module: bool, trainable) -> frozenset:
+    if is_module:
+        if trainable is not None:
+            raise RaggedTypeError(
+                "make_units(trainable=...) is for pytrees; a module's parameters train when they have requires_grad. "
+                "Fix: call requires_grad_(False) on the parameters to freeze, and drop trainable=."
+            )
+        return frozenset(p for p in paths if not params[p].requires_grad)
+    if trainable is None:
+        return frozenset()
+    if not callable(trainable):
+        raise RaggedTypeError(f"trainable must be a function key path -> bool, got {type(trainable).__name__}.")
+    flags = {p: trainable(p) for p in paths}
+    bad = [p for p, f in flags.items() if not isinstance(f, bool)]
+    if bad:
+        raise RaggedTypeError(f"trainable({bad[0]!r}) returned {flags[bad[0]]!r}; it must return True or False.")
+    return frozenset(p for p, f in flags.items() if not f)
+
+
+def _plan_parts(tree: dict, specs, frozen: set, options: dict) -> LayoutPlan:
+    """A unit's plan with its trainable leaves' buffers first (see [Note: trainable buffers
+    first] in ``ragged/spec/_concat.py``); both parts in one dtype."""
+    if options["dtype"] is None:  # one dtype for both parts, or make_plan's own error for the whole unit
+        dtypes = {t.dtype for t in tree.values()}
+        if len(dtypes) > 1:
+            make_plan(tree, specs, **options)
+        options = {**options, "dtype": next(iter(dtypes))}
+    parts = []
+    for keep in (lambda p: p not in frozen, lambda p: p in frozen):
+        sub = {p: t for p, t in tree.items() if keep(p)}
+        parts.append(make_plan(sub, None if specs is None else {p: specs[p] for p in sub}, **options))
+    treedef = pytree.structure(tree)
+    return concat_plans(*parts, treedef, key_paths(treedef))
 
 
 @functools.lru_cache(maxsize=1024)
 def picked_leaves(unit: Unit, is_replicated) -> frozenset:
-    """Indices of ``unit``'s leaves whose path ``is_replicated`` picks."""
-    return frozenset(l.index for l in unit.plan.leaves + unit.plan.replicated if is_replicated(unit.paths[l.index]))
+    """Indices in ``unit.trainable_plan`` (the layout of its gradients) of the leaves whose path
+    ``is_replicated`` picks."""
+    plan, paths = unit.trainable_plan, unit.trainable_paths
+    return frozenset(l.index for l in plan.leaves + plan.replicated if is_replicated(paths[l.index]))

@@ -49,12 +49,13 @@ def _subtrees(tree, shards):
 
 
 def freeze_unused(units, unused: dict, shards: dict, opt_state):
-    """What :func:`restore_unused` writes back (see [Note: parameters without a gradient])."""
+    """What :func:`restore_unused` writes back (see [Note: parameters without a gradient]);
+    ``shards``: the trainable parts the optimizer updates (``_trainable.trainable_shards``)."""
     where = {}
     for u in units:
         if u.name in unused:
             d = shards[u.name]
-            pos = _positions(u.plan, d.rank, unused[u.name], u.paths)
+            pos = _positions(d.plan, d.rank, unused[u.name], u.trainable_paths)
             where[u.name] = tuple(p.to(d.data.device) for p in pos)
     saved = [{name: (t[name].data[pos[0]].clone(), t[name].replicated[pos[1]].clone()) for name, pos in where.items()}
              for t in _subtrees(opt_state, shards)]

@@ -33,7 +33,7 @@ from ragged.spec._plan import LayoutPlan
 from ragged.spec._planning import make_plan
 from ragged.parallel._parts import part_index
 from ragged.parallel._transforms import check_mesh_plan
-from ragged.transforms._shard import replicated_size
+from ragged.spec._concat import replicated_size
 from ragged._errors import RaggedValueError
 
 __all__ = ["global_plan", "to_global", "from_global"]

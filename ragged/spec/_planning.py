@@ -158,7 +158,7 @@ def _builtin_only(treedef) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _paths(treedef) -> tuple[str, ...]:
+def key_paths(treedef) -> tuple[str, ...]:
     """Key path strings of every leaf. Trees of plain dicts / lists / tuples format their
     raw paths directly (4x faster than building accessors, same text); others use accessors."""
     if _builtin_only(treedef):
@@ -252,7 +252,7 @@ def make_plan(
     leaves, treedef = optree.tree_flatten(params, namespace="ragged")
     if not leaves:
         raise LayoutError(NO_PARAMS_MSG)
-    paths = _paths(treedef)
+    paths = key_paths(treedef)
     seen = {}  # id(leaf) -> (shape, dtype): model trees often share one meta tensor per shape
     shapes_dtypes = []
     for p, leaf in zip(paths, leaves):

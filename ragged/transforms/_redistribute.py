@@ -21,7 +21,7 @@ from ragged._dbuffer import DBuffer
 from ragged._errors import LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan_type, check_plans, poisons
-from ragged.transforms._shard import replicated_size
+from ragged.spec._concat import replicated_size
 
 __all__ = ["redistribute", "owned_plan"]
 

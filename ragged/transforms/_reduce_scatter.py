@@ -24,7 +24,7 @@ from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged.transforms._flat import reduce_scatter_flat
-from ragged.transforms._shard import replicated_size
+from ragged.spec._concat import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["reduce_scatter", "reduce_scatter_start", "reduce_scatter_wait", "ReduceScatterPending"]

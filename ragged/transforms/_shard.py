@@ -5,19 +5,12 @@ from __future__ import annotations
 import torch
 
 from ragged._dbuffer import DBuffer
+from ragged.spec._concat import replicated_size
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_comm, check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["shard", "replicated_size"]
-
-
-def replicated_size(plan: LayoutPlan) -> int:
-    """Elements of the replicated buffer (offsets are aligned; the end is aligned too)."""
-    if not plan.replicated:
-        return 0
-    end = max(l.stop for l in plan.replicated)
-    return -(-end // plan.align) * plan.align
+__all__ = ["shard"]
 
 
 @poisons("comm")

@@ -40,6 +40,7 @@ class Case:
     activation_checkpointing: bool = False  # examples.gpt.loss_fn(checkpoint=True): blocks recomputed in backward
     max_buffers: int | str = 1  # make_units(max_buffers=...)
     split_buffers: bool = False  # every unit one buffer per granule (rg.testing.with_buffers), whatever the padding
+    frozen: tuple[str, ...] = ()  # parameters whose name starts with one of these get requires_grad=False
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
@@ -54,7 +55,11 @@ class Case:
         model = GPT(self.config())
         # an explicit generator: simulated ranks are threads, the global RNG is shared between them
         model.reset_parameters(torch.Generator().manual_seed(self.seed))
-        return model.to(self.dtype)
+        model = model.to(self.dtype)
+        for name, p in model.named_parameters():
+            if name.startswith(self.frozen):
+                p.requires_grad_(False)
+        return model
 
     def task(self) -> SyntheticLM:
         return SyntheticLM(64, 16, seed=self.seed + 1)
@@ -66,6 +71,7 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     specs = (lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None) if case.replicate_vectors else None
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
     if case.split_buffers:
+        assert not case.frozen, "with_buffers would mix a unit's trainable and frozen buffers"
         units = units.replace(units=tuple(u.replace(plan=rg.testing.with_buffers(u.plan)) for u in units))
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)

@@ -17,7 +17,7 @@ def flat_buffer(plan, params):
     buf = torch.zeros(plan.buffer_numel, dtype=plan.dtype)
     for leaf in plan.leaves:
         buf[leaf.offset : leaf.stop] = leaves[leaf.index].reshape(-1).to(plan.dtype)
-    from ragged.transforms._shard import replicated_size
+    from ragged.spec._concat import replicated_size
 
     rep = torch.zeros(replicated_size(plan), dtype=plan.dtype)  # offsets are aligned
     for leaf in plan.replicated:

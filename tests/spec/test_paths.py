@@ -9,7 +9,7 @@ from hypothesis import given
 
 import ragged as rg
 from ragged._pytree import keystr
-from ragged.spec._planning import _paths
+from ragged.spec._planning import key_paths
 from ragged.testing import strategies as rst
 
 NT = collections.namedtuple("NT", "a b")
@@ -33,7 +33,7 @@ def _reference(tree):
 )
 def test_paths_match_accessors(tree):
     ref, treedef = _reference(tree)
-    assert _paths(treedef) == ref
+    assert key_paths(treedef) == ref
 
 
 @given(rst.param_trees())

@@ -1,0 +1,86 @@
+"""Frozen parameters on real gloo process groups (2 and 4 ranks), in gloo's default transport and
+in the NCCL-shaped one (native collectives + deferred ledger): the trainable parameters equal
+single-process ``torch.optim.AdamW`` over them (float64), the frozen ones stay bit-identical; a
+Hugging Face Llama with frozen parts, through ``module=`` and ``functional_call``, and LoRA
+through ``peft``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.distributed._harness import comm, workers_2_and_4
+from tests.fsdp._cases import Case, fsdp_run, hf_model, lm_batches, train_reference, train_sharded
+from tests.fsdp.test_frozen import FROZEN_CASES, check_frozen_case
+
+pytestmark = pytest.mark.distributed
+
+workers2, workers4, workers = workers_2_and_4()
+
+TRANSPORTS = {"gloo-default": {}, "nccl-shaped": {"handshake": "deferred", "algorithm": "native"}}
+
+
+def _gpt(case, transport):
+    return fsdp_run(comm(**TRANSPORTS[transport]), case)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("name", ["embeddings", "whole-layer", "leaf-in-unit", "embeddings-no-decay"])
+def test_frozen_gpt_matches_torch_optim(workers, name, transport):
+    case = FROZEN_CASES[name]
+    for params, metrics in workers.run(_gpt, case, transport):
+        check_frozen_case(params, metrics, case)
+
+
+def lora_llama():
+    """A tiny random Llama with peft's LoRA (r=4 on q/v; B random so every adapter trains from step 1)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    return peft.get_peft_model(hf_model("llama"), config)
+
+
+def frozen_llama():
+    model = hf_model("llama")
+    for name, p in model.named_parameters():
+        if name.startswith(("model.embed_tokens.", "model.layers.0.")):
+            p.requires_grad_(False)
+    return model
+
+
+def _hf(model, module, transport):
+    c = comm(**TRANSPORTS[transport])
+    params, metrics = train_sharded(c, copy.deepcopy(model), lm_batches(), module=module)
+    return params, metrics[-1]["num_reduces"], metrics[-1]["peak_grad_bytes"]
+
+
+def _check_hf(out, model, max_reduces):
+    ref = train_reference(copy.deepcopy(model), lm_batches())
+    init = dict(model.named_parameters())
+    for r, (params, reduces, grad_bytes) in enumerate(out):
+        diff = max((params[k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-10, f"rank {r}: {diff}"
+        assert all(torch.equal(params[k], p) for k, p in init.items() if not p.requires_grad)
+        assert reduces <= max_reduces
+    return out
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("module", [True, False], ids=["module", "functional_call"])
+def test_frozen_hf_llama_matches_torch_optim(workers2, module, transport):
+    model = frozen_llama()  # embeddings and the whole first decoder layer frozen
+    _check_hf(workers2.run(_hf, model, module, transport), model, max_reduces=2)  # layer 1 and "rest" (norm, head)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_peft_lora_trains_only_the_adapters(workers2, transport):
+    model = lora_llama()
+    adapters = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in k for k in adapters)
+    out = _check_hf(workers2.run(_hf, model, True, transport), model, max_reduces=2)  # the base's "rest" unit: none
+    # the gradient buffer of the largest layer holds its adapters only: 2 projections x (A: 4x32, B: 32x4 or 16x4)
+    per_layer = sum(p.numel() for k, p in adapters.items() if ".layers.0." in k)
+    for _, _, grad_bytes in out:
+        assert per_layer * 8 <= grad_bytes <= 2 * per_layer * 8 + 256  # float64, + padding; the base is 100x more

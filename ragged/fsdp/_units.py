@@ -25,7 +25,7 @@ from ragged._pytree import flatten_with_keystr, pytree
 from ragged.spec import make_plan
 from ragged.spec._concat import concat_plans, leading_part
 from ragged.spec._planning import key_paths
-from ragged.spec._plan import LayoutPlan
+from ragged.spec._plan import LayoutPlan, LeafLayout
 from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 
 __all__ = ["Unit", "Units", "make_units", "picked_leaves", "REST"]
@@ -47,6 +47,8 @@ class Unit:
             ``ragged/spec/_concat.py``).
         frozen: the paths of the leaves that do not train (``requires_grad=False``): no gradient,
             no reduce-scatter, no optimizer state, no update.
+        owners: for a module, the type of the module that holds each leaf (by ``paths``), for
+            :meth:`Units.param_groups`; empty for a pytree.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Unit:
     indices: tuple[int, ...]
     plan: LayoutPlan
     frozen: frozenset[str] = frozenset()
+    owners: tuple[type, ...] = ()
 
     replace = dataclasses.replace
 
@@ -142,6 +145,75 @@ class Units:
             for p, i in zip(u.paths, u.indices):
                 leaves[i] = tree[p]
         return pytree.unflatten(self.treedef, leaves)
+
+    def param_groups(self, rules: Mapping[Any, Any], *, default) -> Callable[[LeafLayout], Any]:
+        """A label per leaf from the module that holds it, for ``rg.optim.multi_transform`` (what
+        torch users write as ``param_groups``).
+
+        Args:
+            rules: ``{key: label}``, first match wins: a module type or a tuple of types matches
+                every parameter held by an instance of one of them (subclasses included, e.g.
+                ``torch.nn.LayerNorm``, ``torch.nn.Embedding``, Hugging Face's
+                ``type(model.model.norm)``); a string matches the parameter's attribute name
+                (``"bias"``).
+            default: the label of every other parameter.
+
+        Returns:
+            ``label(leaf)`` for the leaves of any of the units' plans (``LeafLayout.path``).
+
+        Raises:
+            RaggedTypeError: the units were made from a pytree, or a key is neither a type nor a string.
+            RaggedValueError: a rule matches no parameter, or only frozen ones (they get no update:
+                drop the rule, or unfreeze them).
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> from ragged import fsdp
+            >>> model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 8))
+            >>> units = fsdp.make_units(model, world_size=2)
+            >>> group = units.param_groups({(torch.nn.Embedding, torch.nn.LayerNorm): "no_decay", "bias": "no_decay"},
+            ...                            default="decay")
+            >>> sorted((units[0].paths[l.index], group(l)) for l in units[0].plan.leaves)[:3]
+            [('0.weight', 'no_decay'), ('1.bias', 'no_decay'), ('1.weight', 'no_decay')]
+            >>> opt = rg.optim.multi_transform({"decay": rg.optim.adamw(1e-3, weight_decay=0.1),
+            ...                                 "no_decay": rg.optim.adamw(1e-3)}, group)
+        """
+        if not self.is_module:
+            raise RaggedTypeError("param_groups labels by module type: make the units from an nn.Module (for a pytree, "
+                                  "pass multi_transform a function of leaf.path).")
+        for key in rules:
+            types = key if isinstance(key, tuple) else (key,)
+            if not (isinstance(key, str) or types and all(isinstance(t, type) for t in types)):
+                raise RaggedTypeError(f"param_groups: rule key {key!r} must be a module type, a tuple of types or a "
+                                      "parameter attribute name (str).")
+
+        def label_of(path: str, owner: type):
+            for key, label in rules.items():
+                if path.rpartition(".")[2] == key if isinstance(key, str) else issubclass(owner, key):
+                    return key, label
+            return None, default
+
+        table, matched = {}, {key: [] for key in rules}
+        for u in self.units:
+            for leaf in u.plan.leaves + u.plan.replicated:
+                path = u.paths[leaf.index]
+                key, table[leaf.path] = label_of(path, u.owners[leaf.index])
+                if key is not None:
+                    matched[key].append(path not in u.frozen)
+        for key, trains in matched.items():
+            if not any(trains):
+                what = "no parameter" if not trains else f"only frozen parameters ({len(trains)})"
+                raise RaggedValueError(
+                    f"param_groups: the rule {key!r} -> {rules[key]!r} matches {what} of the units: a group that never "
+                    "gets a gradient is a mistake. Fix: drop the rule (or check its type / name), or unfreeze them."
+                )
+
+        def group(leaf):
+            try:
+                return table[leaf.path]
+            except KeyError:
+                raise RaggedKeyError(f"param_groups: {leaf.path} is not a parameter of these units.") from None
+        return group
 
     def __rich__(self):
         from rich.table import Table
@@ -288,11 +360,17 @@ def make_units(
             plan = make_plan(tree, unit_specs, **options)
         # plan tree order is key-sorted; keep paths/indices in that order
         sorted_idx = sorted(idx, key=lambda i: paths[i])
+        owners = tuple(type(_owner(model_or_params, paths[i])) for i in sorted_idx) if is_module else ()
         units.append(Unit(name=unit_name, paths=tuple(paths[i] for i in sorted_idx),
-                          indices=tuple(sorted_idx), plan=plan, frozen=frozenset(still)))
+                          indices=tuple(sorted_idx), plan=plan, frozen=frozenset(still), owners=owners))
     if not any(u.trainable_plan is not None for u in units):
         raise RaggedValueError(NOTHING_TRAINS_MSG)
     return Units(units=tuple(units), treedef=treedef, is_module=is_module)
+
+
+def _owner(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    prefix = path.rpartition(".")[0]
+    return model.get_submodule(prefix) if prefix else model
 
 
 NOTHING_TRAINS_MSG = (

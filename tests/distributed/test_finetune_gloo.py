@@ -1,8 +1,8 @@
-"""Frozen parameters on real gloo process groups (2 and 4 ranks), in gloo's default transport and
+"""Fine-tuning on real gloo process groups (2 and 4 ranks), in gloo's default transport and
 in the NCCL-shaped one (native collectives + deferred ledger): the trainable parameters equal
 single-process ``torch.optim.AdamW`` over them (float64), the frozen ones stay bit-identical; a
 Hugging Face Llama with frozen parts, through ``module=`` and ``functional_call``, and LoRA
-through ``peft``."""
+through ``peft``; per-group hyperparameters by module type."""
 
 from __future__ import annotations
 
@@ -84,3 +84,18 @@ def test_peft_lora_trains_only_the_adapters(workers2, transport):
     per_layer = sum(p.numel() for k, p in adapters.items() if ".layers.0." in k)
     for _, _, grad_bytes in out:
         assert per_layer * 8 <= grad_bytes <= 2 * per_layer * 8 + 256  # float64, + padding; the base is 100x more
+
+
+def _grouped(case, transport):
+    from tests.fsdp.test_param_groups import grouped_run
+
+    return grouped_run(comm(**TRANSPORTS[transport]), case)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_module_type_groups_match_torch_param_groups(workers2, transport):
+    from tests.fsdp.test_param_groups import check_grouped
+
+    case = Case()
+    for params, _ in workers2.run(_grouped, case, transport):
+        check_grouped(params, case)

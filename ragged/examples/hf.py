@@ -103,7 +103,7 @@ def train(args) -> dict:
     from ragged import fsdp
     from ragged.examples.data import SyntheticLM, rank_slice
     from ragged.examples._train_args import DTYPES
-    from ragged.examples.train import _optimizer, _specs_for
+    from ragged.examples.train import _optimizer, _specs_for, no_decay_types
 
     if args.activation_checkpointing:
         raise SystemExit("--activation-checkpointing is not supported with --hf (HF gradient checkpointing inside "
@@ -116,7 +116,7 @@ def train(args) -> dict:
                  seq=args.seq, experts=args.experts, top_k=args.top_k)
     model = build(cfg)  # meta: nothing allocated, nothing initialised yet
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
-    opt = _optimizer(args, comm)
+    opt = _optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
     step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
                           compute_dtype=DTYPES[args.compute_dtype],

@@ -30,7 +30,7 @@ from ragged.examples._train_args import backend as pick_backend
 from ragged.examples._train_report import Progress, print_summary, rss_mb
 from ragged.examples._train_report import console as console_for_rank0
 
-__all__ = ["build_parser", "configure", "check_args", "main", "main_from_args", "train"]
+__all__ = ["build_parser", "configure", "check_args", "main", "main_from_args", "no_decay_types", "train"]
 
 
 def _specs_for(optimizer: str):
@@ -46,15 +46,24 @@ def _specs_for(optimizer: str):
     return specs
 
 
-def _optimizer(args, comm):
+def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:
+    """The module types whose parameters get no weight decay, as in every real recipe: embeddings
+    and norms (torch's, and a model's own ``*Norm`` classes such as Hugging Face's ``LlamaRMSNorm``)."""
+    own = {type(m) for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
+    return (torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm, *sorted(own, key=lambda t: t.__qualname__))
+
+
+def _optimizer(args, comm, units, no_decay: tuple[type, ...]):
     import ragged as rg
 
     steps = max(args.steps, args.warmup + 1)
     lr = rg.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, steps, end_value=args.lr / 10)
-    if args.optimizer == "adamw":
-        core = rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate)
-    elif args.optimizer == "adamw_8bit":
-        core = rg.optim.adamw_8bit(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate)
+    if args.optimizer in ("adamw", "adamw_8bit"):
+        make = rg.optim.adamw if args.optimizer == "adamw" else rg.optim.adamw_8bit
+        core = rg.optim.multi_transform(
+            {"decay": make(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate),
+             "no_decay": rg.optim.adamw(lr, b2=0.98)},  # norms and embeddings: few or row-wise, fp32 moments
+            units.param_groups({no_decay: "no_decay"}, default="decay"), compact=("no_decay",))
     elif args.optimizer == "sgd":
         core = rg.optim.sgd(lr, momentum=0.9)
     else:
@@ -91,7 +100,7 @@ def train(args) -> dict:
     model = GPT(cfg, device=device)
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
-    opt = _optimizer(args, comm)
+    opt = _optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
                           micro_batches=args.micro_batches,

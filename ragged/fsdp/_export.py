@@ -25,6 +25,7 @@ from ragged import transforms
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedKeyError, RaggedTypeError
 from ragged.fsdp._placeholder import tied_names
+from ragged.fsdp._trainable import trainable_shards
 from ragged.fsdp._units import Units
 
 __all__ = ["export"]
@@ -39,6 +40,7 @@ def export(
     rank0_only: bool = True,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """The model's full parameters, one tensor per name (see [Note: exporting a module's state dict]).
 
@@ -52,6 +54,9 @@ def export(
         rank0_only: only rank 0 gets the result (``None`` elsewhere); ``False``: every rank.
         device: where the tensors go, e.g. ``"cpu"`` (default: the shards' device).
         dtype: cast the parameters (default: the master dtype); buffers keep theirs.
+        trainable_only: only the trainable parameters (``{name: tensor}``, no buffers or tied
+            aliases), gathering only each unit's trainable buffers: e.g. LoRA adapters for
+            ``peft_model.save_pretrained(path, state_dict=adapters)``, without gathering the base.
 
     Returns:
         ``{name: tensor}``, or ``None`` on the ranks that do not keep it.
@@ -89,16 +94,21 @@ def export(
             raise RaggedKeyError(f"export: the units name parameters {unknown[:3]} that module does not have. "
                                  "Fix: pass the module the units were made from.")
     keep = not rank0_only or (comm.rank == 0 and getattr(comm, "replica_rank", 0) == 0)
+    parts = trainable_shards(units, shards) if trainable_only else shards
     leaves: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for u in units:  # one gathered unit alive at a time
-            full = transforms.gather(shards[u.name], comm, dtype=dtype)
+            if u.name not in parts:
+                continue
+            full = transforms.gather(parts[u.name], comm, dtype=dtype)
             if keep:
                 leaves[u.name] = {p: full[p].to(device if device is not None else full[p].device, copy=True)
-                                  for p in u.paths}
+                                  for p in (u.trainable_paths if trainable_only else u.paths)}
             del full
     if not keep:
         return None
+    if trainable_only:
+        return {p: t for tree in leaves.values() for p, t in tree.items()}
     tree = units.merge(leaves)
     if module is None:
         return tree

@@ -99,3 +99,36 @@ def test_module_type_groups_match_torch_param_groups(workers2, transport):
     case = Case()
     for params, _ in workers2.run(_grouped, case, transport):
         check_grouped(params, case)
+
+
+def _lora_export(model, out_dir):
+    import ragged as rg
+    from ragged import fsdp
+    from tests.fsdp._cases import cross_entropy, logits_of, rank_slice
+
+    c = comm()
+    model = copy.deepcopy(model)
+    units = fsdp.make_units(model, world_size=c.world_size)
+    opt = rg.optim.adamw(1e-2, weight_decay=0.1)
+    state = fsdp.init(units, model, opt, c)
+    step = fsdp.make_step(units, lambda p, b: cross_entropy(logits_of(model, b[0]), b[1]), opt, c, module=model)
+    for batch in lm_batches():
+        state, _ = step(state, rank_slice(batch, c.rank, c.world_size))
+    adapters = fsdp.export(units, state.shards, c, module=model, trainable_only=True, device="cpu")
+    if c.rank == 0:
+        model.save_pretrained(out_dir, state_dict=adapters)  # peft's own layout: adapter weights + config
+    return None if adapters is None else sorted(adapters)
+
+
+def test_lora_adapters_save_with_peft_and_reload(workers2, tmp_path):
+    import peft
+    from safetensors.torch import load_file
+
+    model = lora_llama()
+    names = workers2.run(_lora_export, model, str(tmp_path))[0]
+    assert names == sorted(k for k, p in model.named_parameters() if p.requires_grad)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert len(saved) == len(names) and all("lora_" in k for k in saved)  # the adapters only, no base weight
+    reloaded = dict(peft.PeftModel.from_pretrained(hf_model("llama"), str(tmp_path)).named_parameters())
+    ref = train_reference(copy.deepcopy(model), lm_batches())
+    assert max((reloaded[k] - ref[k]).abs().max().item() for k in ref) < 1e-10

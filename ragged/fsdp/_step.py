@@ -69,7 +69,7 @@ from ragged.fsdp._state import TrainState
 from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
 from ragged.fsdp._units import Units
 from ragged.fsdp._donate import check_not_donated, donate
-from ragged.fsdp._trainable import check_trainable, trainable_shards, with_trainable
+from ragged.fsdp._trainable import check_opt_state, check_trainable, trainable_shards, with_trainable
 from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
 
@@ -108,6 +108,7 @@ class Step:
     def __call__(self, state: TrainState, batch):
         shards, opt_state = state
         check_not_donated(state, "step(state, batch)")
+        check_opt_state(self.units, opt_state)
         if self.module is not None:
             check_trainable(self.units, self.module.named_parameters(), "step(state, batch)")
         result = self.value_and_grad.compute(shards, batch, data_groups=self.data_groups)

@@ -23,9 +23,17 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedValueError
+from ragged._pytree import pytree
 from ragged.spec._concat import replicated_size
 
-__all__ = ["trainable_shards", "with_trainable", "check_trainable"]
+__all__ = ["trainable_shards", "with_trainable", "check_trainable", "check_opt_state"]
+
+FROZEN_STATE_MSG = (
+    "step(state, batch): state.opt_state[...] holds a DBuffer over the whole plan of unit {unit!r}, frozen leaves "
+    "({frozen}) included, so the optimizer would expect gradients for parameters that get none (every rank raises "
+    "this, before any communication). Fix: build the state with rg.fsdp.init(units, params, optimizer, comm), which "
+    "initialises the optimizer over each unit's trainable part (Unit.trainable_plan)."
+)
 
 FLIPPED_MSG = (
     "{where}: parameter {path!r} has requires_grad={now}, but the units were made when it was {then}: a leaf's "
@@ -83,6 +91,18 @@ def _join(prefix: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     if prefix.numel() == 0 or prefix.data_ptr() == whole.data_ptr():  # nothing there, or updated in place
         return whole
     return torch.cat([prefix, whole[prefix.numel():]])
+
+
+def check_opt_state(units, opt_state) -> None:
+    """Refuses optimizer state laid out over a partly frozen unit's whole plan (see [Note: frozen
+    parameters])."""
+    whole = {u.plan: u for u in units if u.frozen and u.plan != u.trainable_plan}
+    if not whole:
+        return
+    for d in pytree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DBuffer), none_is_leaf=True):
+        u = whole.get(getattr(d, "plan", None))
+        if u is not None:
+            raise RaggedValueError(FROZEN_STATE_MSG.format(unit=u.name, frozen=", ".join(sorted(u.frozen)[:3])))
 
 
 def check_trainable(units, params, where: str) -> None:

@@ -170,3 +170,28 @@ def test_requires_grad_flipped_after_make_units_is_refused_on_every_rank(when):
         where = "fsdp.init" if when == "before-init" else "step(state, batch)"
         assert msg == FLIPPED_MSG.format(where=where, path=path, now=now, then=not now)
         assert unchanged in (None, True)
+
+
+def _whole_plan_state(comm, model):
+    m = copy.deepcopy(model)
+    units = fsdp.make_units(m, world_size=2, groups=["0", "1"])
+    opt = rg.optim.adamw(0.1)
+    shards = rg.shard(units, m.state_dict(), comm)
+    before = {k: v.clone() for k, v in rg.gather(units, shards, comm).items()}
+    step = fsdp.make_step(units, lambda p, x: torch.func.functional_call(m, p, (x,)).square().mean(), opt, comm)
+    state = fsdp.TrainState(shards, opt.init(shards))  # the optimizer over the whole shards, frozen leaves included
+    try:
+        step(state, torch.ones(2, 4))
+    except rg.RaggedError as e:
+        after = rg.gather(units, shards, comm)
+        return str(e), all(torch.equal(before[k], after[k]) for k in before)
+    return "no error", None
+
+
+def test_optimizer_state_over_frozen_leaves_is_refused_before_communication():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    for msg, unchanged in rg.collectives.simulate(2, _whole_plan_state, model):
+        assert msg.startswith("step(state, batch): state.opt_state[...] holds a DBuffer over the whole plan of unit '0'")
+        assert "(0.weight) included" in msg and unchanged

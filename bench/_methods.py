@@ -37,12 +37,24 @@ def _is_hf(cfg) -> bool:
     return not isinstance(cfg, GPTConfig)
 
 
-def _model(cfg, seed, device):
+LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+"""The LoRA of ``--lora``: peft's adapters on the attention's q and v projections, the base frozen."""
+
+
+def _model(cfg, seed, device, lora=False):
     torch.manual_seed(seed)
     if _is_hf(cfg):
         from ragged.examples import hf
 
-        return hf.build(cfg, device="cpu").to(device)
+        model = hf.build(cfg, device="cpu").to(device)
+        if lora:
+            import peft
+
+            torch.manual_seed(seed + 1)
+            model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        return model
+    if lora:
+        raise ValueError("--lora is for the Hugging Face models (--model hf-llama)")
     from ragged.examples.gpt import GPT
 
     return GPT(cfg).to(device)
@@ -53,7 +65,7 @@ def _blocks(cfg, model):
     if _is_hf(cfg):
         from ragged.examples import hf
 
-        return hf.blocks(model)
+        return hf.blocks(model.get_base_model() if hasattr(model, "get_base_model") else model)
     return model.blocks
 
 
@@ -99,14 +111,15 @@ class RaggedMethod:
     name = "ragged"
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
-                 keep_module=False, groups=None, max_buffers=1, compile=None, compiler="inductor", bind_module=False):
+                 keep_module=False, groups=None, max_buffers=1, compile=None, compiler="inductor", bind_module=False,
+                 lora=False):
         import ragged as rg
         from ragged import fsdp
         from ragged.optim import GradientTransformation
         from torch.profiler import record_function
 
         compute, reduce = dtypes(policy)
-        model = compile_model(cfg, _model(cfg, seed, device), compile, compiler)
+        model = compile_model(cfg, _model(cfg, seed, device, lora), compile, compiler)
         self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups,
                                      max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
@@ -162,12 +175,12 @@ class FSDP2Method(_TorchOptimizerState):
     name = "fsdp2"
 
     def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, checkpoint=False, groups=(),
-                 compile=None, compiler="inductor"):
+                 compile=None, compiler="inductor", lora=False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         compute, reduce = dtypes(policy)
-        model = compile_model(cfg, _model(cfg, seed, device), "block" if compile == "block" else None, compiler)
+        model = compile_model(cfg, _model(cfg, seed, device, lora), "block" if compile == "block" else None, compiler)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         for block in _blocks(cfg, model):
@@ -202,9 +215,9 @@ class LocalMethod(_TorchOptimizerState):
     name = "local"
 
     def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, compile=None,
-                 compiler="inductor"):
+                 compiler="inductor", lora=False):
         compute, _ = dtypes(policy)
-        self.model = compile_model(cfg, _model(cfg, seed, device), compile, compiler)
+        self.model = compile_model(cfg, _model(cfg, seed, device, lora), compile, compiler)
         self.compute = compute
         self.opt = optimizer(self.model.parameters()) if optimizer else torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)

@@ -27,6 +27,7 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model dense --world 2 --policy bf16
     python3 bench/step.py --model 120m --world 2 --repeats 3 --no-local --no-donate
     python3 bench/step.py --model hf-llama --world 2 --repeats 5   # HF LlamaForCausalLM, the sizes of "dense"
+    python3 bench/step.py --model hf-llama --world 2 --lora        # fine-tuning with peft LoRA (r=8 on q/v)
     python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 15   # max_buffers="auto" vs 1
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
@@ -89,7 +90,7 @@ def _bench(rank, world, backend, opts):
     counter = CommCounter()
     counter.install_torch("fsdp2")
     counter.install_comm(comm, "ragged")
-    kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"])
+    kw = dict(seed=0, device=device, lr=opts["lr"], policy=opts["policy"], lora=opts.get("lora", False))
     if opts["optim"] == "adamw8bit":  # ragged: aligned 32x32 blocks; torch: per-local-shard blocks (bench/_fsdp2.py)
         from ragged import spec
 
@@ -168,6 +169,14 @@ def _bench(rank, world, backend, opts):
         extra["ragged_padding"] = sum(u.plan.padding for u in units)
         extra["numel"] = sum(u.plan.numel for u in units)
         extra["num_gathers"] = methods["ragged"].metrics.get("num_gathers")
+        if opts.get("lora"):  # what a step must move and keep for the adapters alone (see lora_text)
+            trained = [u.trainable_plan for u in units if u.trainable_plan is not None]
+            itemsize = trained[0].dtype.itemsize
+            extra["lora"] = dict(
+                adapter_numel=sum(p.numel for p in trained), adapter_padding=sum(p.padding for p in trained),
+                reduce_scatter_bytes=sum(p.buffer_numel for p in trained) * itemsize,
+                moment_bytes=2 * sum(p.shard_size for p in trained) * itemsize,
+                frozen_numel=sum(u.plan.numel for u in units) - sum(p.numel for p in trained))
     if "ragged-auto" in methods:
         units = methods["ragged-auto"].units
         extra["auto_padding"] = sum(u.plan.padding for u in units)
@@ -203,7 +212,8 @@ def summarize(model: str, world: int, results, opts) -> dict:
     out = {"model": model, "world": world, "policy": opts["policy"],
            "optim": opts["optim"] + ("" if opts.get("donate", True) else " (ragged functional, no donate)")
            + (" (ragged keeps the module's weights)" if opts.get("keep_module") else "")
-           + (" + activation checkpointing" if opts.get("checkpoint") else ""), "tokens_per_step": opts["batch"] * world *
+           + (" + activation checkpointing" if opts.get("checkpoint") else "")
+           + (" + LoRA (peft r=8 q/v)" if opts.get("lora") else ""), "tokens_per_step": opts["batch"] * world *
            CONFIGS[model]["max_seq_len"], "methods": {}, "extra": r0["extra"]}
     for name in r0["times"]:
         t = r0["times"][name]
@@ -225,6 +235,20 @@ def summarize(model: str, world: int, results, opts) -> dict:
             ranges=r0["prof"][name]["ranges"], peak_where=r0["prof"][name].get("peak_where", ""), copies=r0["prof"][name]["copies"], losses=r0["losses"][name],
         )
     return out
+
+
+def lora_text(summary) -> str:
+    """``--lora``: ragged's reduce-scatter bytes and optimizer state against what the adapters
+    alone need (their trainable plans: elements + padding), exact or not."""
+    lo, m = summary["extra"].get("lora"), summary["methods"].get("ragged")
+    if not lo or not m:
+        return ""
+    rs, opt = m["comm"].get("reduce_scatter", 0), m["opt_bytes"]
+    return (f"LoRA: {lo['adapter_numel']:,} adapter elements (+ {lo['adapter_padding']:,} padding) train, "
+            f"{lo['frozen_numel']:,} base elements frozen; ragged reduce-scatters {rs:,} B/step "
+            f"({'==' if rs == lo['reduce_scatter_bytes'] else '!='} adapters + padding {lo['reduce_scatter_bytes']:,} B), "
+            f"optimizer state {opt:,} B/rank ({'==' if opt - lo['moment_bytes'] <= 16 else '!='} 2 moments x this rank's "
+            f"adapter share {lo['moment_bytes']:,} B + the step count)")
 
 
 def _ci(summary, a, b) -> str:
@@ -298,7 +322,7 @@ def render(summary, console=None):
                   ratio(a.get("page_faults") or 0, b.get("page_faults") or 0),
                   *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-        t.caption = (f"{ratios_text(summary)}\n"
+        t.caption = (f"{ratios_text(summary)}\n" + (f"{lora_text(summary)}\n" if lora_text(summary) else "") +
                      f"losses ragged vs fsdp2 over {len(a['losses'])} steps: max |diff| = {diff:.2e} "
                      f"(last {a['losses'][-1]:.4f} vs {b['losses'][-1]:.4f}); ragged padding "
                      f"{summary['extra'].get('ragged_padding', 0):,} of {summary['extra'].get('numel', 0):,} elements")
@@ -361,6 +385,8 @@ def markdown(summary) -> str:
             f"{r(a['copies_ms'], b['copies_ms'])} |"
             + (f" {r(a.get('reserved_peak_bytes') or 0, b.get('reserved_peak_bytes') or 0)} |" if reserved else ""))
         lines.append(f"\n{ratios_text(summary)}")
+        if lora_text(summary):
+            lines.append(lora_text(summary))
         if "ragged-auto" in ms:
             lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
                          f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")
@@ -384,6 +410,8 @@ def main(argv=None) -> int:
                     help="ragged: fsdp.init(..., release_module=False) keeps the module's own weights (one more model copy "
                          "per rank, counted in its state); default: released, placeholders left")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lora", action="store_true",
+                    help="fine-tune with peft's LoRA (r=8 on q/v, the base frozen) in every method (HF models only)")
     ap.add_argument("--no-local", dest="local", action="store_false", help="skip the unsharded reference")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute every block in backward, in both: ragged through examples.gpt.loss_fn(checkpoint=True), "
@@ -417,7 +445,7 @@ def main(argv=None) -> int:
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
                 keep_module=args.keep_module,
-                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers)
+                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers, lora=args.lora)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

@@ -96,11 +96,11 @@ def test_padding_sweep_matches_planner_and_peer_rules():
     assert "gpt-oss-120b" in text and "█" in text
 
 
-def _smoke(rank, world, backend, model):
+def _smoke(rank, world, backend, model, lora=False):
     from bench.step import CONFIGS, _bench
 
     opts = dict(cfg=CONFIGS[model], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
-                verbose=False, optim="adamw")
+                verbose=False, optim="adamw", lora=lora)
     return _bench(rank, world, backend, opts)
 
 
@@ -125,6 +125,24 @@ def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
     for m in (a, b):
         assert m["comm"]["all_gather"] >= numel_bytes and m["comm"]["reduce_scatter"] >= numel_bytes
         assert m["peak_bytes"] > m["state_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_step_bench_lora_moves_and_keeps_the_adapters_only():
+    """bench/step.py --lora on the tiny HF Llama: ragged's reduce-scatter bytes equal its adapters'
+    trainable plans (elements + padding) and its optimizer state two moments of this rank's share
+    (+ the step count), as the bench's caption states; FSDP2 trains the same losses."""
+    from bench._launch import launch
+    from bench.step import lora_text, summarize
+
+    results = launch(2, _smoke, "tiny-hf-llama", True, backend="gloo", timeout=600)
+    s = summarize("tiny-hf-llama", 2, results, dict(batch=2, policy="fp32", optim="adamw", lora=True))
+    a, b, lo = s["methods"]["ragged"], s["methods"]["fsdp2"], s["extra"]["lora"]
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-5)
+    assert a["comm"]["reduce_scatter"] == lo["reduce_scatter_bytes"] < lo["frozen_numel"] * 4
+    assert lo["moment_bytes"] <= a["opt_bytes"] <= lo["moment_bytes"] + 16
+    assert "(== adapters + padding" in lora_text(s) and "(== 2 moments" in lora_text(s)
 
 
 def test_autograd_bench_both_leaf_views_give_the_same_gradient():

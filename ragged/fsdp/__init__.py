@@ -14,6 +14,7 @@ from ragged.fsdp._placeholder import ShardedParameterError as ShardedParameterEr
 from ragged.fsdp._placeholder import release as release
 from ragged.fsdp._placeholder import tied_names as tied_names
 from ragged.fsdp._state import TrainState as TrainState
+from ragged.fsdp._trainable import trainable_shards as trainable_shards
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
 from ragged.transforms import gather as gather

@@ -12,6 +12,11 @@ optimizer sees ``{unit: DBuffer}`` over each unit's ``trainable_plan`` (units wh
 trains are absent): :func:`trainable_shards` gives those views of the shards (nothing copied),
 :func:`with_trainable` puts the updated part back (in place under donation; otherwise the frozen
 part is copied once into the new shard, so the old state stays valid).
+Which leaves train may change between runs: load the parameters from a checkpoint into units
+made with the new trainable set and start the optimizer afresh over their trainable part
+(``shards = rg.checkpoint.load(path, fsdp.TrainState(like.shards, None), comm,
+strict=False).shards``; ``fsdp.TrainState(shards, opt.init(fsdp.trainable_shards(units,
+shards)))``), as a torch user builds a new optimizer for a new stage.
 A leaf's trainability is fixed when the units are made: a module parameter whose
 ``requires_grad`` no longer agrees with its unit is refused (:func:`check_trainable`) by
 ``fsdp.init`` and by every call of a step bound to the module, before anything changes.
@@ -46,7 +51,9 @@ FLIPPED_MSG = (
 
 def trainable_shards(units, shards: dict[str, DBuffer]) -> dict[str, DBuffer]:
     """``{unit: DBuffer}`` over each unit's ``trainable_plan``: views of the prefix of its shard
-    (the shard itself when nothing is frozen); units where nothing trains are left out.
+    (the shard itself when nothing is frozen); units where nothing trains are left out. What
+    the optimizer sees (``fsdp.init`` calls ``optimizer.init`` on it; see [Note: frozen
+    parameters]).
 
     Examples:
         >>> import torch, ragged as rg

@@ -65,8 +65,9 @@ class Case:
         return SyntheticLM(64, 16, seed=self.seed + 1)
 
 
-def fsdp_run(comm, case: Case, *, trace: bool = False):
-    """Returns (full params after training, list of per-step metrics)."""
+def fsdp_run(comm, case: Case, *, trace: bool = False, save: str | None = None):
+    """Returns (full params after training, list of per-step metrics); ``save``: a checkpoint
+    directory the final state is saved to."""
     model = case.model()
     specs = (lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None) if case.replicate_vectors else None
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
@@ -86,6 +87,8 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     for s in range(case.steps):
         state, m = step(state, rank_slice(task.batch(s, case.batch), index, total))
         metrics.append(m)
+    if save is not None:
+        rg.checkpoint.save(save, state, comm)
     full = fsdp.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, metrics
 

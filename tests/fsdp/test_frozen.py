@@ -195,3 +195,40 @@ def test_optimizer_state_over_frozen_leaves_is_refused_before_communication():
     for msg, unchanged in rg.collectives.simulate(2, _whole_plan_state, model):
         assert msg.startswith("step(state, batch): state.opt_state[...] holds a DBuffer over the whole plan of unit '0'")
         assert "(0.weight) included" in msg and unchanged
+
+
+def _two_stages(comm, case, stage_two_frozen, path):
+    """Stage 1 trains ``case`` (its frozen parameters frozen) and saves; stage 2 makes units with
+    another trainable set, loads the parameters and starts the optimizer afresh."""
+    first = fsdp_run(comm, case, save=path)[0]
+    model = Case(frozen=stage_two_frozen).model()
+    units = fsdp.make_units(model, world_size=comm.world_size)
+    opt = case.make_optimizer()
+    like = fsdp.init(units, model.state_dict(), opt, comm)
+    shards = rg.checkpoint.load(path, fsdp.TrainState(like.shards, None), comm, strict=False).shards
+    state = fsdp.TrainState(shards, opt.init(fsdp.trainable_shards(units, shards)))
+    step = fsdp.make_step(units, rg.examples.gpt.loss_fn(copy.deepcopy(model)), opt, comm)
+    task = case.task()
+    for s in range(case.steps, 2 * case.steps):
+        state, _ = step(state, rg.examples.data.rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
+    return first, {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}
+
+
+@pytest.mark.parametrize("stage_two_frozen", [(), ("blocks.0.", "tok_emb.")], ids=["unfreeze", "freeze-more"])
+def test_trainable_set_changes_between_runs_through_a_checkpoint(tmp_path, stage_two_frozen):
+    case = Case(frozen=("tok_emb.", "pos_emb."))
+    first, second = rg.collectives.simulate(2, _two_stages, case, stage_two_frozen, str(tmp_path / "ckpt"))[0]
+    model = case.model()  # torch: AdamW over the stage-1 trainable set, then a new AdamW over the stage-2 set
+    task, fn = case.task(), rg.examples.gpt.loss_fn(model)
+    for stage, steps in ((case.frozen, range(case.steps)), (stage_two_frozen, range(case.steps, 2 * case.steps))):
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.startswith(stage))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=case.lr,
+                                weight_decay=case.weight_decay)
+        for s in steps:
+            opt.zero_grad()
+            fn(dict(model.named_parameters()), task.batch(s, case.batch)).backward()
+            opt.step()
+        if stage == case.frozen:
+            assert max_diff(first, dict(model.named_parameters()))[0] < 1e-10
+    assert max_diff(second, dict(model.named_parameters()))[0] < 1e-10

@@ -53,7 +53,8 @@ class MeshComm:
         return f"MeshComm(mesh={self.mesh.shape} {self.mesh.names}, coords={dict(self.coords)})"
 
 
-def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: str | None = None) -> MeshComm:
+def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: str | None = None,
+                     handshake: str | None = None) -> MeshComm:
     """A :class:`MeshComm` over a torch ``DeviceMesh`` with named dims.
 
     Each axis gets ``rg.collectives.from_torch(device_mesh[name])``; ``world`` is the default
@@ -61,7 +62,7 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: s
 
     Args:
         device_mesh: from ``init_device_mesh(device, shape, mesh_dim_names=names)``.
-        algorithm, plan_check: forwarded to :func:`ragged.collectives.from_torch`.
+        algorithm, plan_check, handshake: forwarded to :func:`ragged.collectives.from_torch`.
     """
     import torch.distributed as dist
 
@@ -71,11 +72,12 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: s
     if not names:
         raise RaggedValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
     mesh = Mesh(tuple(int(s) for s in device_mesh.mesh.shape), tuple(names))
-    axes = {n: from_torch(device_mesh[n], algorithm=algorithm, plan_check=plan_check) for n in names}
+    options = dict(algorithm=algorithm, plan_check=plan_check, handshake=handshake)
+    axes = {n: from_torch(device_mesh[n], **options) for n in names}
     coords = {n: int(device_mesh.get_local_rank(n)) for n in names}
     world = None
     if device_mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
-        world = from_torch(algorithm=algorithm, plan_check=plan_check)
+        world = from_torch(**options)
     return MeshComm(mesh=mesh, coords=coords, axes=axes, world=world, device_mesh=device_mesh)
 
 

@@ -45,7 +45,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["Workers", "WorkerError", "WorkerTimeout", "workers_fixture", "comm", "mesh", "rank", "world_size", "group"]
+__all__ = ["Workers", "WorkerError", "WorkerTimeout", "workers_fixture", "workers_2_and_4", "both_transports", "TRANSPORTS",
+           "comm", "mesh", "rank", "world_size", "group", "transport"]
 
 
 class WorkerError(RuntimeError):
@@ -79,10 +80,27 @@ def world_size() -> int:
     return _STATE["world_size"]
 
 
+TRANSPORTS = {"gloo-default": {}, "nccl-shaped": {"handshake": "deferred", "algorithm": "native"}}
+"""The two transports every exactness test runs in: gloo's default (per-call headers over its
+checked point-to-point channel) and the one NCCL uses (native collectives + the deferred
+ledger), so CI runs every line a GPU runs except the CUDA calls."""
+
+
+def _use_transport(kwargs: dict) -> None:
+    _STATE["transport"] = dict(kwargs)
+
+
+def transport() -> dict:
+    """The ``from_torch`` options of the test's transport (for comms not made by :func:`comm`)."""
+    return dict(_STATE.get("transport", {}))
+
+
 def comm(**kwargs):
-    """``rg.collectives.from_torch(**kwargs)`` on the default group, cached per kwargs."""
+    """``rg.collectives.from_torch(**kwargs)`` on the default group, cached per kwargs; options
+    not given come from the test's transport (see :func:`both_transports`)."""
     import ragged as rg
 
+    kwargs = {**_STATE.get("transport", {}), **kwargs}
     key = ("comm", tuple(sorted(kwargs.items())))
     if key not in _STATE:
         _STATE[key] = rg.collectives.from_torch(**kwargs)
@@ -241,6 +259,21 @@ def workers_fixture(world_size: int, **kwargs):
             w.close()
 
     return _fixture
+
+
+def both_transports():
+    """An autouse, parametrized fixture (ids ``gloo-default`` / ``nccl-shaped``): every test of the
+    module runs once per :data:`TRANSPORTS` entry, its workers' :func:`comm` built with that
+    transport's options. Assign it at module level: ``transport = both_transports()``."""
+
+    @pytest.fixture(autouse=True, params=list(TRANSPORTS))
+    def transport(request):
+        for name in request.fixturenames:
+            if name.startswith("workers"):
+                request.getfixturevalue(name).run(_use_transport, TRANSPORTS[request.param])
+        return request.param
+
+    return transport
 
 
 def workers_2_and_4():

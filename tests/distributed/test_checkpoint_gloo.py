@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import ragged as rg
-from tests.distributed._harness import comm, group, mesh, rank, workers_fixture
+from tests.distributed._harness import both_transports, comm, group, mesh, rank, workers_fixture
+from tests.distributed._harness import transport as transport_options
 
 pytestmark = pytest.mark.distributed
 
 workers4 = workers_fixture(4)
+transport = both_transports()
 
 _GROUPS = {4: None, 2: (0, 1), 1: (0,)}
 
@@ -28,7 +30,7 @@ def _comm_of(m: int):
     if _GROUPS[m] is None:
         return comm()
     g = group(_GROUPS[m])
-    return rg.collectives.from_torch(g) if rank() < m else None
+    return rg.collectives.from_torch(g, **transport_options()) if rank() < m else None
 
 
 def _round_trip_save(path, m, granularity):
@@ -227,7 +229,7 @@ def _hsdp_save_then_load(path):
     """Save on a 2x2 HSDP mesh (replica 0 writes), load on the mesh and on 4 plain ranks."""
     from tests.checkpoint._util import full_trees, make_state, plan_for, tree_leaves_by_path
 
-    hsdp = rg.collectives.from_torch(mesh((2, 2)))
+    hsdp = rg.collectives.from_torch(mesh((2, 2)), **transport_options())
     full = full_trees(0)
     plan = plan_for(full["params"], 2)
     manifest = rg.checkpoint.save(path, make_state(hsdp.rank, plan, full), hsdp)

@@ -11,26 +11,24 @@ import copy
 import pytest
 import torch
 
-from tests.distributed._harness import comm, workers_2_and_4
+from tests.distributed._harness import both_transports, comm, workers_2_and_4
 from tests.fsdp._cases import Case, fsdp_run, hf_model, lm_batches, train_reference, train_sharded
 from tests.fsdp.test_frozen import FROZEN_CASES, check_frozen_case
 
 pytestmark = pytest.mark.distributed
 
 workers2, workers4, workers = workers_2_and_4()
-
-TRANSPORTS = {"gloo-default": {}, "nccl-shaped": {"handshake": "deferred", "algorithm": "native"}}
-
-
-def _gpt(case, transport):
-    return fsdp_run(comm(**TRANSPORTS[transport]), case)
+transport = both_transports()
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def _gpt(case):
+    return fsdp_run(comm(), case)
+
+
 @pytest.mark.parametrize("name", ["embeddings", "whole-layer", "leaf-in-unit", "embeddings-no-decay"])
-def test_frozen_gpt_matches_torch_optim(workers, name, transport):
+def test_frozen_gpt_matches_torch_optim(workers, name):
     case = FROZEN_CASES[name]
-    for params, metrics in workers.run(_gpt, case, transport):
+    for params, metrics in workers.run(_gpt, case):
         check_frozen_case(params, metrics, case)
 
 
@@ -50,8 +48,8 @@ def frozen_llama():
     return model
 
 
-def _hf(model, module, transport):
-    c = comm(**TRANSPORTS[transport])
+def _hf(model, module):
+    c = comm()
     params, metrics = train_sharded(c, copy.deepcopy(model), lm_batches(), module=module)
     return params, metrics[-1]["num_reduces"], metrics[-1]["peak_grad_bytes"]
 
@@ -67,37 +65,34 @@ def _check_hf(out, model, max_reduces):
     return out
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("module", [True, False], ids=["module", "functional_call"])
-def test_frozen_hf_llama_matches_torch_optim(workers2, module, transport):
+def test_frozen_hf_llama_matches_torch_optim(workers2, module):
     model = frozen_llama()  # embeddings and the whole first decoder layer frozen
-    _check_hf(workers2.run(_hf, model, module, transport), model, max_reduces=2)  # layer 1 and "rest" (norm, head)
+    _check_hf(workers2.run(_hf, model, module), model, max_reduces=2)  # layer 1 and "rest" (norm, head)
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_peft_lora_trains_only_the_adapters(workers2, transport):
+def test_peft_lora_trains_only_the_adapters(workers2):
     model = lora_llama()
     adapters = {k: p for k, p in model.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in k for k in adapters)
-    out = _check_hf(workers2.run(_hf, model, True, transport), model, max_reduces=2)  # the base's "rest" unit: none
+    out = _check_hf(workers2.run(_hf, model, True), model, max_reduces=2)  # the base's "rest" unit: none
     # the gradient buffer of the largest layer holds its adapters only: 2 projections x (A: 4x32, B: 32x4 or 16x4)
     per_layer = sum(p.numel() for k, p in adapters.items() if ".layers.0." in k)
     for _, _, grad_bytes in out:
         assert per_layer * 8 <= grad_bytes <= 2 * per_layer * 8 + 256  # float64, + padding; the base is 100x more
 
 
-def _grouped(case, transport):
+def _grouped(case):
     from tests.fsdp.test_param_groups import grouped_run
 
-    return grouped_run(comm(**TRANSPORTS[transport]), case)
+    return grouped_run(comm(), case)
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_module_type_groups_match_torch_param_groups(workers2, transport):
+def test_module_type_groups_match_torch_param_groups(workers2):
     from tests.fsdp.test_param_groups import check_grouped
 
     case = Case()
-    for params, _ in workers2.run(_grouped, case, transport):
+    for params, _ in workers2.run(_grouped, case):
         check_grouped(params, case)
 
 

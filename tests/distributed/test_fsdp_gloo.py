@@ -9,11 +9,13 @@ import torch
 
 from tests.fsdp._cases import Case, fsdp_run, loss_fn, max_diff, rank_slice, reference_run
 from tests.transforms._cases import plan_through_verbs, units_through_verbs
-from tests.distributed._harness import comm, mesh, workers_2_and_4
+from tests.distributed._harness import both_transports, comm, mesh, workers_2_and_4
+from tests.distributed._harness import transport as transport_options
 
 pytestmark = pytest.mark.distributed
 
 workers2, workers4, workers = workers_2_and_4()
+transport = both_transports()
 
 
 def _compare(case):
@@ -72,7 +74,7 @@ def test_prefetch_and_reduce_overlap_on_gloo(workers2):
 def _hsdp(case):
     import ragged as rg
 
-    c = rg.collectives.from_torch(mesh((2, 2)))  # 2 replicas x 2 shards
+    c = rg.collectives.from_torch(mesh((2, 2)), **transport_options())  # 2 replicas x 2 shards
     params, metrics = fsdp_run(c, case)
     ref, ref_losses = reference_run(case)
     return max_diff(params, ref)[0], abs(metrics[-1]["loss"] - ref_losses[-1])
@@ -124,3 +126,12 @@ def test_plan_and_units_through_the_one_verb(workers2):
     test_parallel_gloo.py)."""
     assert workers2.run(_layouts_through_verbs) == [(True, True), (True, True)]
 
+
+
+def _handshake_in_use():
+    return comm().handshake
+
+
+def test_each_transport_is_the_one_in_use(workers2, transport):
+    """The autouse transport fixture really switches the workers' comm (both_transports)."""
+    assert workers2.run(_handshake_in_use) == [{"gloo-default": "header", "nccl-shaped": "deferred"}[transport]] * 2

@@ -12,13 +12,14 @@ import torch
 
 import ragged as rg
 from ragged import fsdp
-from tests.distributed._harness import comm, workers_fixture
+from tests.distributed._harness import both_transports, comm, workers_fixture
 from tests.fsdp._cases import (cross_entropy, hf_model, lm_batches, logits_of, max_diff, moe_batches, tiny_moe,
                                train_reference, train_sharded)
 
 pytestmark = pytest.mark.distributed
 
 workers2 = workers_fixture(2)
+transport = both_transports()
 _MODELS = {"tiny_moe": tiny_moe, "hf": hf_model}
 
 

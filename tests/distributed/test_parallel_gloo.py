@@ -13,7 +13,8 @@ import torch
 
 import ragged as rg
 from ragged import parallel, spec
-from tests.distributed._harness import workers_fixture
+from tests.distributed._harness import both_transports, workers_fixture
+from tests.distributed._harness import transport as transport_options
 
 from tests.parallel._cases import (
     STEPS,
@@ -29,17 +30,20 @@ from tests.parallel._cases import (
 pytestmark = pytest.mark.distributed
 
 workers4 = workers_fixture(4)
+transport_fixture = both_transports()
 TOL = dict(rtol=1e-10, atol=1e-12)
 _MESHES: dict = {}
 
 
 def _mcomm(shape, names):
     """A cached MeshComm over init_device_mesh("cpu", shape, names) (collective on first use)."""
-    key = (tuple(shape), tuple(names))
+    options = transport_options()
+    key = (tuple(shape), tuple(names), tuple(sorted(options.items())))
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[key] = parallel.from_device_mesh(init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names)))
+        _MESHES[key] = parallel.from_device_mesh(init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names)),
+                                                 **options)
     return _MESHES[key]
 
 

@@ -18,7 +18,7 @@ that reads several units (FSDP2 gathers at module hooks that dynamo skips for th
 * at its boundary (:class:`Region`, put in place of the module's compiled entry point for the
   step's call, like the parameters :func:`~ragged.fsdp._intercept.bind` puts in place) the
   runtime gathers the units of the module's parameters and of its tensor arguments, moving the
-  schedule on exactly as a torch call reading them would (:func:`read_units`: nothing is freed
+  schedule on exactly as a torch call reading them would (:meth:`Run.read`: nothing is freed
   before the module returns), and places the marker of the entry it entered on the module's
   first leaf for the duration of the call (swapped in the module's ``_parameters`` like a
   bound leaf), so backward observes the entry as in eager;
@@ -54,8 +54,7 @@ import contextlib
 
 import torch
 
-from ragged.fsdp._intercept import Marker, UseMode, read_units
-from ragged.fsdp._records import storage_key
+from ragged.fsdp._intercept import Marker, UseMode
 
 __all__ = ["compiled_modules", "regions", "Region"]
 
@@ -113,18 +112,17 @@ class Region:
             with _without_mode(run):
                 if not touched:
                     return self.entry(*args, **kwargs)
-                return read_units(run, touched, lambda mark: self._run(mark, args, kwargs))
+                return run.read(touched, lambda mark: self._run(mark, args, kwargs))
         finally:
             call.depth -= 1
 
     def _run(self, mark: bool, args, kwargs):
         run = self.call.run
-        slot = _first_leaf_slot(self.module, run.leaf_of) if mark else None
+        slot = _first_leaf_slot(self.module, run) if mark else None
         if slot is None:
             return self.entry(*args, **kwargs)
         owner, attr, leaf = slot
-        entry, run.marker_entry = run.marker_entry, None
-        owner._parameters[attr] = Marker.apply(run, entry, leaf)
+        owner._parameters[attr] = Marker.apply(run, run.take_marker(), leaf)
         try:
             return self.entry(*args, **kwargs)
         finally:
@@ -140,16 +138,16 @@ def _tensors(args, kwargs):
 def _units_of(run, tensors) -> list[int]:
     out = []
     for t in tensors:
-        i = run.key_to_unit.get(storage_key(t))
+        i = run.unit_of(t)
         if i is not None and i not in out:
             out.append(i)
     return out
 
 
-def _first_leaf_slot(module, leaf_of):
+def _first_leaf_slot(module, run):
     for owner in module.modules():
         for attr, p in owner._parameters.items():
-            if p is not None and id(p) in leaf_of:
+            if p is not None and run.is_leaf(p):
                 return owner, attr, p
     return None
 

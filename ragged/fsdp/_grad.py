@@ -141,13 +141,13 @@ class ValueAndGrad:
         rng = _rng_state(self.comm.device)
         for attempt in range(MAX_ATTEMPTS):
             run, losses, failure = self._attempt(shards, micro)
-            memo.digest, memo.lazy = run.digest.hexdigest(), frozenset(run.lazy)
+            memo.digest, memo.lazy = run.seen.digest.hexdigest(), frozenset(run.gradients.lazy)
             try:
                 verdict = _agree(run, losses, failure, self.comm, data_groups)
                 seen = []
                 if verdict["exchange"]:
                     seen = self.comm.all_gather_object(
-                        (run.observation(), run.deviations[:1], _describe(failure), run.foreign_grads()[:1]))
+                        (run.seen.observation(), run.seen.deviations[:1], _describe(failure), run.seen.foreign_grads()[:1]))
                     memo.schedule = memo.schedule.observe([s[0] for s in seen])
                 if verdict["deviated"]:  # before failures: computing on zeros may have caused them
                     if attempt + 1 < MAX_ATTEMPTS:
@@ -171,7 +171,7 @@ class ValueAndGrad:
                 if verdict["foreign"]:
                     shapes = [f"rank {r}: shape {s[3][0]}" for r, s in enumerate(seen) if s[3]]
                     raise RaggedValueError(FOREIGN_GRADS_MSG.format(where="; ".join(shapes or ["another group"])))
-                run.reduce_late(verdict["late"])
+                run.gradients.reduce_late(verdict["late"])
                 return self._result(run, verdict, shards, attempt)
             finally:
                 run.close()
@@ -207,7 +207,7 @@ class ValueAndGrad:
                         except Exception as e:  # noqa: BLE001
                             failure = e
                     run.end_backward()
-            run.finish_reduces()
+            run.gradients.finish()
         except BaseException as e:
             poison = getattr(self.comm, "poison", None)
             if poison is not None:  # peers may be in a collective this rank will not issue
@@ -221,7 +221,8 @@ class ValueAndGrad:
         for u, rec in zip(self.units, self.layouts):
             if rec.grad_plan is None:
                 continue
-            grads[u.name] = DBuffer(data=run.grads[u.name], replicated=run.rep_grads[u.name], plan=rec.grad_plan,
+            grads[u.name] = DBuffer(data=run.gradients.reduced[u.name], replicated=run.gradients.reduced_rep[u.name],
+                                    plan=rec.grad_plan,
                                     rank=shards[u.name].rank)
             paths = rec.trained
             got = verdict["used"][k : k + len(paths)]
@@ -229,13 +230,9 @@ class ValueAndGrad:
             if not got.all():
                 unused[u.name] = frozenset(p for p, g in zip(paths, got.tolist()) if not g)
         metrics = {
-            "peak_gathered_bytes": run.peak_bytes,
-            "peak_grad_bytes": run.grad_peak,
+            **run.counts.metrics(),
             "largest_unit_bytes": max(lay.nbytes for lay in self.layouts),
             "model_bytes": sum(lay.nbytes for lay in self.layouts),
-            "num_gathers": run.num_gathers,
-            "num_reduces": run.num_reduces,
-            "saved_activation_bytes": max(run.saved_peak, run.saved_bytes),
             "micro_batches": self.micro_batches,
             "schedule_reruns": attempt,
         }
@@ -261,13 +258,13 @@ _HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the
 
 def _agree(run, losses, failure, comm, data_groups) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
-    obs = run.observation()
+    obs = run.seen.observation()
     used = [float(x) for u in run.units for x in u.used]
     late = [0.0] * len(run.units)
     for i, _ in obs.late:
         late[i] = 1.0
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
-    failed, foreign = failure is not None, bool(run.foreign_grads())
+    failed, foreign = failure is not None, bool(run.seen.foreign_grads())
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.schedule.learning
     head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
     v = torch.tensor(head + late + used, dtype=torch.float64, device=comm.device)

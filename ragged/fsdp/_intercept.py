@@ -36,9 +36,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ragged._errors import RaggedValueError
-from ragged.fsdp._records import UnitState, storage_key
 
-__all__ = ["UseMode", "Marker", "read_units", "saved_tensor_hooks", "backward", "module_slots", "bind"]
+__all__ = ["UseMode", "Marker", "saved_tensor_hooks", "backward", "module_slots", "bind"]
 
 _METADATA = frozenset(
     {"size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage", "data_ptr", "__len__",
@@ -115,10 +114,10 @@ class UseMode(TorchFunctionMode):
         run = self.run
         if run.busy or not _reads_data(func):
             return func(*args, **kwargs)
-        key_to_unit, touched = run.key_to_unit, None
+        touched = None
         for a in itertools.chain(args, kwargs.values()):
             if isinstance(a, torch.Tensor):
-                i = key_to_unit.get(storage_key(a))
+                i = run.unit_of(a)
                 if i is not None:
                     touched = (touched or []) + [i]
                 elif isinstance(a, torch.nn.Parameter) and a.requires_grad:
@@ -128,7 +127,7 @@ class UseMode(TorchFunctionMode):
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):
-                        i = key_to_unit.get(storage_key(b))
+                        i = run.unit_of(b)
                         if i is not None:
                             touched = (touched or []) + [i]
         if touched is None:
@@ -138,24 +137,7 @@ class UseMode(TorchFunctionMode):
             a, k = _mark(run, args, kwargs) if mark and not _in_place(func, kwargs) else (args, kwargs)
             return func(*a, **k)
 
-        return read_units(run, touched, call)
-
-
-def read_units(run, touched, call):
-    """Runs ``call(mark)``, a call that reads the units ``touched``, with each of them gathered
-    (moving the schedule on, see :meth:`Run.use`) and none freed before it returns; ``mark``:
-    whether the call should place the marker of the entry just entered (see [Note: markers and
-    tags] in ``_runtime.py``)."""
-    units = run.units
-    run.protect = set(touched)
-    try:
-        for i in touched:
-            if i != run.active or units[i].state is not UnitState.READY or run.phase == "forward" and (
-                    run.cursor < 0 or run.schedule.forward[run.cursor] != i):
-                run.use(i)
-        return call(run.marker_entry is not None and torch.is_grad_enabled())
-    finally:
-        run.call_done()
+        return run.read(touched, call)
 
 
 @torch.compiler.disable(reason="ragged: a compiled module read the step's parameters outside a region (see the "
@@ -166,13 +148,12 @@ def compiled_outside_region(func):
 
 def _mark(run, args, kwargs):
     """Wraps the first leaf argument of the call in a :class:`Marker` (none: the entry has none)."""
-    leaf_of, entry = run.leaf_of, run.marker_entry
-    run.marker_entry = None
+    entry = run.take_marker()
     for k, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and id(a) in leaf_of:
+        if isinstance(a, torch.Tensor) and run.is_leaf(a):
             return args[:k] + (Marker.apply(run, entry, a),) + args[k + 1:], kwargs
     for name, a in kwargs.items():
-        if isinstance(a, torch.Tensor) and id(a) in leaf_of:
+        if isinstance(a, torch.Tensor) and run.is_leaf(a):
             return args, {**kwargs, name: Marker.apply(run, entry, a)}
     return args, kwargs
 

@@ -38,7 +38,7 @@ class UnitRecord:
         scheduled: alive according to the program; ``served``: holding zeros after a deviation.
         grad, rgrad: the flat gradient buffer and its replicated part (``written``: per leaf,
             whether its gradient is in), over pool blocks ``grad_block`` / ``rgrad_block``;
-            ``held``: leaf gradients kept for now (see ``Reducing._unhold`` in ``_reducing.py``).
+            ``held``: leaf gradients kept for now (see ``Gradients.unhold`` in ``_reducing.py``).
         reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``,
             over ``late_block`` / ``rlate_block``).
         used: per leaf, whether it got a gradient in any micro-batch of this call.

@@ -1,9 +1,11 @@
 """The gradient half of the step's runtime: flat gradient buffers and the one reduce-scatter call site.
 
-:class:`Reducing` is a base of :class:`~ragged.fsdp._runtime.Run` and shares its state (one
-call's units, layouts, shards, pool, streams and counters, all made in ``Run.__init__``); it is a
-separate module because it is a separate concern: where a unit's gradients are accumulated, when
-the buffer is reduce-scattered and when its memory goes back to the pool.
+:class:`Gradients` is one part of :class:`~ragged.fsdp._runtime.Run`: it owns where a unit's
+gradients are accumulated, when the buffer is reduce-scattered and when its memory goes back to
+the pool. It gets the call's unit records, pool, streams, comm, counters and observer when the
+run is made, and is driven by the run: :meth:`Gradients.arrived` (a leaf's gradient is in),
+:meth:`Gradients.reduce` (the program's reduce-scatter of a unit), :meth:`Gradients.unhold`,
+:meth:`Gradients.finish`, :meth:`Gradients.reduce_late` and :meth:`Gradients.close`.
 
 [Note: when a flat gradient buffer is freed]
 A unit's flat gradient buffer (from the pool, see [Note: reusing unit buffers] in ``_pool.py``)
@@ -18,10 +20,12 @@ head and the embedding in one unit) holds autograd's leaf gradients instead of a
 between (the learnt ``lazy`` hint: a held head gradient is smaller than the unit), and copies
 them into its buffer at the event before the segment that makes its last ones, after waiting
 for the reduce-scatters in flight: at the end of backward only its buffer and the last
-gradients are alive (``Reducing._unhold`` in ``_reducing.py``).
+gradients are alive (:meth:`Gradients.unhold`).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -30,44 +34,53 @@ from ragged.fsdp._device import COMPUTE, REDUCE
 from ragged.transforms import reduce_scatter_wait
 from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
-__all__ = ["Reducing"]
+__all__ = ["Gradients"]
 
 
-class Reducing:
-    """Gradient buffers and reduce-scatters of one call (see the module docstring)."""
+class Gradients:
+    """Gradient buffers and reduce-scatters of one call (see the module docstring).
 
-    def _hook(self, i: int, j: int):
-        def hook(t: torch.Tensor):
-            self.grad_ready(i, j, t)
-        return hook
+    Attributes:
+        reduced, reduced_rep: ``{unit name: tensor}``, this rank's reduced gradient shard and
+            replicated part, once the unit's reduce-scatters are waited.
+        lazy: units that keep autograd's leaf gradients (the learnt hint, see :meth:`unhold`);
+            ``hold``: those still holding them in this micro-batch.
+        pending: reduce-scatters in flight, oldest first.
+    """
 
-    def grad_ready(self, i: int, j: int, t: torch.Tensor):
-        """Leaf ``j`` of unit ``i`` has its gradient for this micro-batch."""
-        if self.phase == "backward":
-            self.in_engine()
-        self.busy += 1
-        try:
-            if t.grad is not None:
-                u = self.units[i]
-                u.used[j] = True
-                if u.reduced:  # after the unit's reduce-scatter: exact through the late buffer
-                    self.late_seen.append((i, self.event - 1 if self.phase == "backward" else -1))
-                    self._copy_grad(i, j, t, late=True)
-                else:
-                    if u.grads_started is None:
-                        u.grads_started = self.num_reduces
-                    if i in self.hold:
-                        u.held.append((j, t))  # keep autograd's tensor for now (see _reduce)
-                    else:
-                        self._copy_grad(i, j, t)
-            entry = self.armed.pop(id(t), None)
-            if entry is not None:
-                self.reached(entry)
-        finally:
-            self.busy -= 1
+    __slots__ = ("layouts", "units", "pool", "streams", "comm", "counts", "seen", "log", "max_inflight", "lazy",
+                 "hold", "pending", "reduced", "reduced_rep")
+
+    def __init__(self, layouts, units, *, pool, streams, comm, counts, seen, log, max_inflight: int, lazy):
+        self.layouts, self.units, self.pool, self.streams, self.comm = layouts, units, pool, streams, comm
+        self.counts, self.seen, self.log, self.max_inflight = counts, seen, log, max_inflight
+        self.lazy, self.hold = set(lazy), set()
+        self.pending: collections.deque = collections.deque()
+        self.reduced: dict = {}
+        self.reduced_rep: dict = {}
+
+    def new_micro_batch(self):
+        self.hold = set(self.lazy)
+
+    def arrived(self, i: int, j: int, t: torch.Tensor, segment: int):
+        """Trainable leaf ``j`` of unit ``i`` has its gradient ``t.grad`` (in backward segment
+        ``segment``, -1 outside backward)."""
+        u = self.units[i]
+        u.used[j] = True
+        if u.reduced:  # after the unit's reduce-scatter: exact through the late buffer
+            self.seen.late.append((i, segment))
+            self._copy(i, j, t, late=True)
+            return
+        if u.grads_started is None:
+            u.grads_started = self.counts.reduces
+        if i in self.hold:
+            u.held.append((j, t))  # keep autograd's tensor for now (see reduce)
+        else:
+            self._copy(i, j, t)
 
     def _buffers(self, i: int, late: bool):
-        """The unit's flat gradient buffer (laid out like the gathered one) and its replicated part.
+        """The unit's flat gradient buffer (laid out like the trainable prefix of the gathered one)
+        and its replicated part.
 
         The normal buffer is uninitialised memory with zeroed padding (each leaf's first gradient
         is copied in, a second one added; leaves without one are zeroed at the reduce-scatter);
@@ -75,7 +88,7 @@ class Reducing:
         u, lay = self.units[i], self.layouts[i]
         g = u.late if late else u.grad
         if g is None:
-            self._finish_completed()  # their buffers first
+            self.finish_completed()  # their buffers first
             block = self.pool.take(lay.grad_nbytes, COMPUTE)
             g = block.tensor(lay.dtype, lay.grad_numel)
             self.streams.access(COMPUTE, block.key, write=True)
@@ -87,8 +100,7 @@ class Reducing:
                 for lo, hi in lay.grad_gaps:
                     g[lo:hi].zero_()
                 u.written = [False] * len(u.spans)
-                self.grad_live += lay.grad_nbytes
-                self.grad_peak = max(self.grad_peak, self.grad_live)
+                self.counts.grad_taken(lay.grad_nbytes)
         r = u.rlate if late else u.rgrad
         if r is None:
             n = lay.grad_replicated_numel
@@ -102,7 +114,7 @@ class Reducing:
                 u.rgrad, u.rgrad_block = r, rblock
         return g, r
 
-    def _copy_grad(self, i: int, j: int, t: torch.Tensor, late: bool = False):
+    def _copy(self, i: int, j: int, t: torch.Tensor, late: bool = False):
         u = self.units[i]
         _, start, stop, replicated = u.spans[j]
         g, r = self._buffers(i, late)
@@ -115,7 +127,7 @@ class Reducing:
                 u.written[j] = True
         t.grad = None
 
-    def _unhold(self, i: int):
+    def unhold(self, i: int):
         """Unit ``i`` held autograd's leaf gradients (e.g. the head's, next to the embedding in one
         unit) and its last ones arrive in the next segment: its buffer now, after the reduce-scatters
         in flight (their buffers go first), so that the held gradients are gone before the last ones
@@ -123,22 +135,23 @@ class Reducing:
         self.hold.discard(i)
         u = self.units[i]
         if u.held:
-            self._finish_inflight()
+            self.finish_inflight()
             self.pool.settle()
             for j, t in u.held:
-                self._copy_grad(i, j, t)
+                self._copy(i, j, t)
             u.held = []
 
-    def _reduce(self, i: int, label: str):
+    def reduce(self, i: int, label: str):
+        """The program's reduce-scatter of unit ``i`` (every rank at the same point)."""
         u = self.units[i]
         for j, t in u.held:
-            self._copy_grad(i, j, t)
+            self._copy(i, j, t)
         u.held = []
         self.hold.discard(i)
         # a unit whose gradients arrive around other units' reduce-scatters (embedding and head in
         # one unit) keeps autograd's leaf gradients until just before its last ones next time (a
-        # hint: memory only; see _unhold)
-        if u.grads_started is not None and self.num_reduces > u.grads_started:
+        # hint: memory only; see unhold)
+        if u.grads_started is not None and self.counts.reduces > u.grads_started:
             self.lazy.add(i)
         elif u.grads_started is not None:
             self.lazy.discard(i)
@@ -150,16 +163,16 @@ class Reducing:
         blocks = (u.grad_block, u.rgrad_block)
         u.grad = u.rgrad = u.written = u.grad_block = u.rgrad_block = None
         u.reduced = True
-        self.num_reduces += 1
-        pending, kept = self._reduce_scatter_unit_start(i, g, r, blocks, label)
-        if kept is None:  # given back at the start (see _reduce_scatter_unit_start)
-            self.grad_live -= self.layouts[i].grad_nbytes
-        self.rs_pending.append((i, pending, kept, self.layouts[i].grad_nbytes if kept is not None else 0))
-        self._log("reduce_start", i)
-        while len(self.rs_pending) > self.max_inflight:
-            self.finish_oldest_reduce()
+        self.counts.reduces += 1
+        pending, kept = self._start(i, g, r, blocks, label)
+        if kept is None:  # given back at the start (see _start)
+            self.counts.grad_live -= self.layouts[i].grad_nbytes
+        self.pending.append((i, pending, kept, self.layouts[i].grad_nbytes if kept is not None else 0))
+        self.log("reduce_start", i)
+        while len(self.pending) > self.max_inflight:
+            self.finish_oldest()
 
-    def _reduce_scatter_unit_start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, blocks, label: str):
+    def _start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, blocks, label: str):
         """Issues unit ``i``'s reduce-scatter of ``grad`` (and all-reduce of ``replicated``) on the
         reduce stream, after every copy into them (see [Note: streams and lifetimes] in
         ``_device.py``). Returns the pending reduce-scatter and the gradient block it still reads
@@ -171,7 +184,7 @@ class Reducing:
             if b is not None:
                 streams.access(COMPUTE, b.key, write=True)
         ready = streams.record(COMPUTE)
-        self._issued(label)
+        self.seen.issued(label)
         with streams.on(REDUCE):
             streams.wait(REDUCE, ready)
             for b in blocks:
@@ -190,13 +203,13 @@ class Reducing:
             gblock = None
         return pending, gblock
 
-    def finish_oldest_reduce(self):
-        i, pending, block, counted = self.rs_pending.popleft()
+    def finish_oldest(self):
+        i, pending, block, counted = self.pending.popleft()
         streams = self.streams
         with streams.on(REDUCE):
             reduced = reduce_scatter_wait(pending)
             name = self.layouts[i].name
-            for acc, part in ((self.grads, reduced.data), (self.rep_grads, reduced.replicated)):
+            for acc, part in ((self.reduced, reduced.data), (self.reduced_rep, reduced.replicated)):
                 if name in acc:
                     acc[name].add_(part)
                 else:
@@ -205,22 +218,22 @@ class Reducing:
         del pending, reduced
         if block is not None:
             self.pool.give(block, (done,))
-        self.grad_live -= counted
-        self._log("reduce_done", i)
+        self.counts.grad_live -= counted
+        self.log("reduce_done", i)
 
-    def _finish_inflight(self):
-        while self.rs_pending:
-            self.finish_oldest_reduce()
+    def finish_inflight(self):
+        while self.pending:
+            self.finish_oldest()
 
-    def _finish_completed(self):
+    def finish_completed(self):
         """Finishes the oldest reduce-scatters that are already done (see [Note: when a flat
         gradient buffer is freed])."""
-        while self.rs_pending and all(completed(h) for h in self.rs_pending[0][1].handles):
-            self.finish_oldest_reduce()
+        while self.pending and all(completed(h) for h in self.pending[0][1].handles):
+            self.finish_oldest()
 
-    def finish_reduces(self):
+    def finish(self):
         """End of the call's reduce-scatters: compute is then past every side stream."""
-        self._finish_inflight()
+        self.finish_inflight()
         self.pool.settle()
         self.streams.end_call()
 
@@ -232,5 +245,25 @@ class Reducing:
             blocks = (u.late_block, u.rlate_block)
             u.late = u.rlate = u.late_block = u.rlate_block = None
             label = f"reduce-scatter {self.layouts[i].name} late gradients"
-            self.rs_pending.append((i, *self._reduce_scatter_unit_start(i, g, r, blocks, label), 0))
-        self.finish_reduces()
+            self.pending.append((i, *self._start(i, g, r, blocks, label), 0))
+        self.finish()
+
+    def close(self):
+        """Drops every gradient buffer of the call; reduce-scatters still in flight (only after a
+        failure) are not waited on the host (peers may never issue theirs)."""
+        streams = self.streams
+        while self.pending:
+            _, pending, block, _ = self.pending.popleft()
+            with streams.on(REDUCE):
+                for h in pending.handles:
+                    streams.issued(REDUCE, h)
+                done = streams.record(REDUCE)
+            if block is not None:
+                self.pool.give(block, (done,))
+        for u in self.units:
+            for blk in (u.grad_block, u.rgrad_block, u.late_block, u.rlate_block):
+                if blk is not None:
+                    self.pool.give(blk, (streams.record(COMPUTE),))
+            u.grad = u.rgrad = u.late = u.rlate = None
+            u.grad_block = u.rgrad_block = u.late_block = u.rlate_block = None
+            u.held = []

@@ -1,9 +1,14 @@
 """The effectful runtime of one call of the FSDP step: buffers, collectives, events.
 
-:class:`Run` executes a :class:`~ragged.fsdp._schedule.Program`. The interceptors in
-``_intercept.py`` only call its three entry points: :meth:`Run.use` (a torch call reads a
-unit), :meth:`Run.saved` / :meth:`Run.restored` (autograd saves / unpacks a tensor) and
-:meth:`Run.grad_ready` (a leaf's gradient is accumulated); markers call :meth:`Run.marker_fired`.
+:class:`Run` executes a :class:`~ragged.fsdp._schedule.Program`. The interceptors
+(``_intercept.py``) and compiled regions (``_compiled.py``) reach it only through these methods
+and read-only properties, and assign none of its fields: :meth:`Run.read` (a torch call or a
+compiled module reads units), :meth:`Run.saved` / :meth:`Run.restored` (autograd saves / unpacks
+a tensor), :meth:`Run.grad_ready` (a leaf's gradient is accumulated, through the hooks it
+registers itself), :meth:`Run.take_marker` and :meth:`Run.marker_fired` (markers),
+:meth:`Run.unit_of` / :meth:`Run.is_leaf` (what a tensor is), :meth:`Run.foreign_read`, and
+``busy`` / ``phase``. What a call saw lives in its :class:`~ragged.fsdp._observed.Observer` and
+:class:`~ragged.fsdp._observed.Counters`.
 
 [Note: markers and tags]
 Entering forward entry ``c`` inside a torch call wraps the first leaf that call reads in an
@@ -53,17 +58,16 @@ Backward runs with the function mode active (see [Note: backward under the mode]
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 
 import torch
 
 from ragged._errors import RaggedError
-from ragged.fsdp._device import COMPUTE, GATHER, REDUCE, streams_for
+from ragged.fsdp._device import COMPUTE, GATHER, streams_for
 from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
-from ragged.fsdp._reducing import Reducing
-from ragged.fsdp._schedule import Observation
+from ragged.fsdp._reducing import Gradients
+from ragged.fsdp._observed import Counters, Observer
 from ragged.transforms import all_gather_flat
 
 __all__ = ["Run", "ENGINE_THREADS_MSG"]
@@ -80,13 +84,13 @@ ENGINE_THREADS_MSG = (
 _thread_id = threading.get_ident  # (a test replaces it)
 
 
-class Run(Reducing):
-    """State of one call: see the module docstring (the gradient half: :class:`Reducing`)."""
+class Run:
+    """State of one call: see the module docstring (the gradient half: :class:`Gradients`)."""
 
     def __init__(self, layouts, units, shards, comm, *, schedule, program, lazy, max_inflight_reduce, trace):
         self.layouts, self.comm, self.shards = layouts, comm, shards
-        self.schedule, self.program, self.lazy = schedule, program, set(lazy)
-        self.max_inflight, self.trace = max_inflight_reduce, ([] if trace else None)
+        self.schedule, self.program = schedule, program
+        self.trace = [] if trace else None
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
         self.units = [UnitRecord(lay, shards[lay.name], comm.device) for lay in layouts]
@@ -103,19 +107,14 @@ class Run(Reducing):
         for i, e in enumerate(schedule.reduce_at):
             if e >= 0:
                 self.completing[e + 1].append(i)
-        self.digest = hashlib.blake2b(digest_size=8)
-        self.grads, self.rep_grads = {}, {}
-        self.rs_pending: collections.deque = collections.deque()
-        self.used_entries: set[int] = set()
-        self.inserts, self.missing, self.late_seen, self.deviations = [], [], [], []
-        self.needs: set[tuple[int, int]] = set()
-        self.live_bytes = self.peak_bytes = self.grad_live = self.grad_peak = 0
-        self.num_gathers = self.num_reduces = self.saved_bytes = self.saved_peak = 0
+        self.seen, self.counts = Observer(), Counters()
+        self.gradients = Gradients(layouts, self.units, pool=self.pool, streams=self.streams, comm=comm,
+                                   counts=self.counts, seen=self.seen, log=self._log,
+                                   max_inflight=max_inflight_reduce, lazy=lazy)
         self.busy = 0
         self.protect: set[int] = set()
         self.deferred: set[int] = set()
         self.armed: dict[int, int] = {}
-        self.foreign: dict[int, tuple] = {}  # nn.Parameters requiring grad that forward read and the step does not own
         self.engine_thread = None
         self.streams.begin_call()
         self.reset()
@@ -124,8 +123,8 @@ class Run(Reducing):
         """Start of a micro-batch."""
         self.phase, self.cursor, self.event, self.active = "forward", -1, len(self.schedule.forward) + 1, None
         self.marker_entry, self.pending_prefetch = None, []
-        self.saved_peak, self.saved_bytes = max(self.saved_peak, self.saved_bytes), 0
-        self.hold = set(self.lazy)  # units that keep autograd's leaf gradients for now (see Reducing._reduce)
+        self.counts.new_micro_batch()
+        self.gradients.new_micro_batch()
         for u in self.units:
             u.reduced, u.grads_started, u.held = False, None, []
 
@@ -134,10 +133,57 @@ class Run(Reducing):
         if self.trace is not None:
             self.trace.append((event, self.layouts[i].name, self.phase))
 
-    def _issued(self, label: str):
-        """Every collective of the program passes its label (unit, phase, position) here: folded
-        into the digest the next call agrees on, and the one place to hand it to the wire."""
-        self.digest.update(label.encode())
+    # ---- what the interceptors call (see the module docstring) ------------------------------------
+    def unit_of(self, t: torch.Tensor) -> int | None:
+        """The unit whose gathered storage ``t`` is a view of (``None``: not a unit's)."""
+        return self.key_to_unit.get(storage_key(t))
+
+    def is_leaf(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of the step's trainable leaves (a marker may wrap it)."""
+        return id(t) in self.leaf_of
+
+    def take_marker(self) -> int | None:
+        """The forward entry whose marker the current call should place (once)."""
+        entry, self.marker_entry = self.marker_entry, None
+        return entry
+
+    def foreign_read(self, p: torch.Tensor) -> None:
+        self.seen.foreign_read(p)
+
+    def read(self, touched, call):
+        """Runs ``call(mark)``, a call that reads the units ``touched``, with each of them gathered
+        (moving the schedule on, see :meth:`use`) and none freed before it returns; ``mark``:
+        whether the call should place the marker of the entry just entered (see [Note: markers and
+        tags])."""
+        self.protect = set(touched)
+        try:
+            for i in touched:
+                if i != self.active or self.units[i].state is not UnitState.READY or self.phase == "forward" and (
+                        self.cursor < 0 or self.schedule.forward[self.cursor] != i):
+                    self.use(i)
+            return call(self.marker_entry is not None and torch.is_grad_enabled())
+        finally:
+            self.call_done()
+
+    def _hook(self, i: int, j: int):
+        def hook(t: torch.Tensor):
+            self.grad_ready(i, j, t)
+        return hook
+
+    def grad_ready(self, i: int, j: int, t: torch.Tensor):
+        """Trainable leaf ``j`` of unit ``i`` has its gradient for this micro-batch (its hook)."""
+        backward = self.phase == "backward"
+        if backward:
+            self.in_engine()
+        self.busy += 1
+        try:
+            if t.grad is not None:
+                self.gradients.arrived(i, j, t, self.event - 1 if backward else -1)
+            entry = self.armed.pop(id(t), None)
+            if entry is not None:
+                self.reached(entry)
+        finally:
+            self.busy -= 1
 
     def in_engine(self):
         """A callback from inside the autograd engine: see [Note: the marker argument on CUDA]."""
@@ -146,18 +192,6 @@ class Run(Reducing):
             self.engine_thread = t
         elif t != self.engine_thread:
             raise RaggedError(ENGINE_THREADS_MSG)
-
-    def foreign_read(self, p: torch.Tensor):
-        if id(p) not in self.foreign:
-            self.foreign[id(p)] = (p, p.grad)
-
-    def foreign_grads(self) -> list:
-        """Shapes of the parameters read in forward that are not the step's and got a gradient."""
-        return [tuple(p.shape) for p, before in self.foreign.values() if p.grad is not None and p.grad is not before]
-
-    def observation(self) -> Observation:
-        return Observation(used=frozenset(self.used_entries), inserts=tuple(self.inserts), needs=frozenset(self.needs),
-                           missing=tuple(self.missing), late=tuple(self.late_seen))
 
     # ---- gathered storage (see [Note: reusing unit buffers] in _pool.py) -----------------------
     def _materialize(self, i: int):
@@ -168,8 +202,7 @@ class Run(Reducing):
             attach(u.flat.untyped_storage(), u.block)
         else:
             u.flat.untyped_storage().resize_(nbytes)
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.counts.gathered(nbytes)
 
     def _dematerialize(self, i: int):
         """Unit ``i``'s storage is released once the gather stream is past every read so far."""
@@ -184,7 +217,7 @@ class Run(Reducing):
         else:
             streams.wait(GATHER, fence)
             u.flat.untyped_storage().resize_(0)
-        self.live_bytes -= self.layouts[i].nbytes
+        self.counts.live -= self.layouts[i].nbytes
 
     # ---- parameters: the one all-gather call site ----------------------------------------------
     def _gather_unit_start(self, i: int, label: str):
@@ -199,14 +232,14 @@ class Run(Reducing):
                 self._materialize(i)
             shard = self.shards[self.layouts[i].name]
             u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
-            self._issued(label)
+            self.seen.issued(label)
             work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True, label=label)
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)
             u.handle = streams.issued(GATHER, work)
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
-        self.num_gathers += 1
+        self.counts.gathers += 1
         self._log("gather_start", i)
 
     def _wait(self, i: int):
@@ -240,7 +273,7 @@ class Run(Reducing):
     def _serve_zeros(self, i: int, what: str):
         """A deviation: the schedule has unit ``i`` freed here. Communicating now would pair with
         another collective on the peers, so this rank computes on zeros and reports it."""
-        self.deviations.append(what)
+        self.seen.deviations.append(what)
         u, streams = self.units[i], self.streams
         self._wait(i)
         if u.state is UnitState.READY:
@@ -282,19 +315,19 @@ class Run(Reducing):
                             self._enter(c)
                         self.pool.settle()
                     elif u.state is UnitState.FREE:
-                        self.inserts.append((self.cursor + 1, i))
+                        self.seen.inserts.append((self.cursor + 1, i))
                         self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in forward after entry "
                                              f"{self.cursor}, where the schedule has no entry of it")
                 if self.cursor >= 0 and fwd[self.cursor] == i:
-                    self.used_entries.add(self.cursor)
+                    self.seen.used.add(self.cursor)
             else:
                 self.in_engine()
                 self._prefetch_pending()
                 if tag is not None:
                     self.reached(tag + 2)
-                self.needs.add((self.event - 1, i))
+                self.seen.needs.add((self.event - 1, i))
                 if u.state is UnitState.FREE:
-                    self.missing.append((self.event - 1, i))
+                    self.seen.missing.append((self.event - 1, i))
                     self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in backward segment {self.event - 1}, "
                                          "where the schedule has it freed")
             self._wait(i)
@@ -333,7 +366,7 @@ class Run(Reducing):
         if i is None:
             if not forward:
                 return t
-            self.saved_bytes += t.numel() * t.element_size()
+            self.counts.saved += t.numel() * t.element_size()
             return self.cursor, t
         return (i, t.storage_offset(), tuple(t.shape), tuple(t.stride()), self.cursor if forward else None)
 
@@ -381,17 +414,17 @@ class Run(Reducing):
     def reached(self, e: int):
         """Processes events down to ``e`` (each proven: see [Note: markers and tags])."""
         self._prefetch_pending()
-        self._finish_completed()
+        self.gradients.finish_completed()
         while self.event > max(e, 0):
             self.event -= 1
             reduces, frees, gathers = self.program.backward[self.event]
             for i in reduces:
-                self._reduce(i, f"reduce-scatter {self.layouts[i].name} backward event {self.event}")
+                self.gradients.reduce(i, f"reduce-scatter {self.layouts[i].name} backward event {self.event}")
             for i in frees:
                 self._plan_free(i)
             for i in self.completing.get(self.event, ()):
-                if i in self.hold:
-                    self._unhold(i)
+                if i in self.gradients.hold:
+                    self.gradients.unhold(i)
             for i in gathers:
                 self._gather_unit_start(i, f"gather {self.layouts[i].name} backward event {self.event}")
         self.pool.settle()
@@ -403,7 +436,7 @@ class Run(Reducing):
             self.phase = "backward"
             self.reached(0)
             for i in self.program.end:
-                self._reduce(i, f"reduce-scatter {self.layouts[i].name} after backward")
+                self.gradients.reduce(i, f"reduce-scatter {self.layouts[i].name} after backward")
             for i in range(len(self.units)):
                 self._plan_free(i)
             self.armed = {}
@@ -418,15 +451,7 @@ class Run(Reducing):
         for h in self.hooks:
             h.remove()
         self.hooks = []
-        streams = self.streams
-        while self.rs_pending:  # only after a failure: not waited on the host (peers may never issue theirs)
-            _, pending, block, _ = self.rs_pending.popleft()
-            with streams.on(REDUCE):
-                for h in pending.handles:
-                    streams.issued(REDUCE, h)
-                done = streams.record(REDUCE)
-            if block is not None:
-                self.pool.give(block, (done,))
+        self.gradients.close()
         for i, u in enumerate(self.units):
             if u.state is not UnitState.FREE:
                 self._release(i)
@@ -434,14 +459,10 @@ class Run(Reducing):
             # released storage: printing it would read freed memory
             for t in u.leaves.values():
                 t.data = t.data.new_empty((0,))
-            for blk in (u.grad_block, u.rgrad_block, u.late_block, u.rlate_block):
-                if blk is not None:
-                    self.pool.give(blk, (streams.record(COMPUTE),))
-            u.grad = u.rgrad = u.late = u.rlate = u.source = u.handle = None
-            u.grad_block = u.rgrad_block = u.late_block = u.rlate_block = None
-            u.held = []
+            u.source = u.handle = None
         self.pool.settle()
         self.streams.end_call()
         self.units = []
-        self.params_tree, self.foreign = None, {}
+        self.params_tree = None
+        self.seen.foreign.clear()
         self.key_to_unit, self.leaf_of = {}, {}

@@ -170,8 +170,14 @@ class CommCounter:
 
             setattr(comm, name, wrapped)
 
-        wrap("all_gather_into", "all_gather", lambda out, inp, **k: out.numel() * out.element_size())
-        wrap("reduce_scatter_into", "reduce_scatter", lambda out, inp, **k: inp.numel() * inp.element_size())
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        wrap("all_gather_into", "all_gather", lambda out, inp, **k: nbytes([out]))
+        wrap("reduce_scatter_into", "reduce_scatter", lambda out, inp, **k: nbytes([inp]))
+        # a multi-buffer plan's buffers move in one coalesced call (frozen + trainable parts, max_buffers)
+        wrap("all_gather_into_coalesced", "all_gather", lambda outs, ins, **k: nbytes(outs))
+        wrap("reduce_scatter_into_coalesced", "reduce_scatter", lambda outs, ins, **k: nbytes(ins))
         wrap("all_reduce", "all_reduce", lambda t, **k: t.numel() * t.element_size())
         wrap("all_to_all", "all_to_all", lambda out, inp, *a, **k: inp.numel() * inp.element_size())
 
@@ -497,25 +503,25 @@ def ragged_labels():
     """Adds ``record_function`` labels around ragged's FSDP step internals (bench only)."""
     from torch.profiler import record_function
 
-    from ragged.fsdp import _runtime, _step
+    from ragged.fsdp import _reducing, _runtime, _step
 
     targets = {
-        "_gather_unit_start": "ragged::all_gather_start",
-        "_wait": "ragged::all_gather_wait",
-        "grad_ready": "ragged::grad_copy_in",
-        "_reduce": "ragged::reduce_scatter_start",
-        "finish_oldest_reduce": "ragged::reduce_scatter_wait+sum",
+        (_runtime.Run, "_gather_unit_start"): "ragged::all_gather_start",
+        (_runtime.Run, "_wait"): "ragged::all_gather_wait",
+        (_runtime.Run, "grad_ready"): "ragged::grad_copy_in",
+        (_reducing.Gradients, "reduce"): "ragged::reduce_scatter_start",
+        (_reducing.Gradients, "finish_oldest"): "ragged::reduce_scatter_wait+sum",
     }
     saved = {}
-    for attr, label in targets.items():
-        orig = getattr(_runtime.Run, attr)
-        saved[attr] = orig
+    for (cls, attr), label in targets.items():
+        orig = getattr(cls, attr)
+        saved[cls, attr] = orig
 
         def wrapped(self, *a, _orig=orig, _label=label, **k):
             with record_function(_label):
                 return _orig(self, *a, **k)
 
-        setattr(_runtime.Run, attr, wrapped)
+        setattr(cls, attr, wrapped)
     step_call = _step.Step.__call__
 
     def call(self, *a, **k):
@@ -526,6 +532,6 @@ def ragged_labels():
     try:
         yield
     finally:
-        for attr, orig in saved.items():
-            setattr(_runtime.Run, attr, orig)
+        for (cls, attr), orig in saved.items():
+            setattr(cls, attr, orig)
         _step.Step.__call__ = step_call

@@ -259,13 +259,13 @@ _HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the
 def _agree(run, losses, failure, comm, data_groups) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
     obs = run.seen.observation()
-    used = [float(x) for u in run.units for x in u.used]
+    used = [float(x) for u in run.gradients.units for x in u.used]
     late = [0.0] * len(run.units)
     for i, _ in obs.late:
         late[i] = 1.0
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
     failed, foreign = failure is not None, bool(run.seen.foreign_grads())
-    exchange = failed or obs.deviated or foreign or bool(obs.late) or run.schedule.learning
+    exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
     head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
     v = torch.tensor(head + late + used, dtype=torch.float64, device=comm.device)
     comm.all_reduce(v, op="sum")
@@ -273,7 +273,7 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
         comm.all_reduce_replicas(v, op="sum")
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:
-        paths = [p for lay in run.layouts for p in lay.trained]
+        paths = [p for lay in run.ctx.layouts for p in lay.trained]
         for axis_comm, is_replicated in data_groups:
             w = v.clone()
             axis_comm.all_reduce(w, op="sum")

@@ -1,5 +1,6 @@
-"""Per-unit records of the step's runtime: one :class:`UnitRecord` per unit and call holds the
-unit's gathered buffer, its leaves, its state and its gradient buffers (no parallel lists)."""
+"""Per-unit records of the step's runtime, per call: :class:`UnitRecord` holds the unit's
+gathered buffer, its leaves and their state (the run's), :class:`GradRecord` its gradient
+buffers (the :class:`~ragged.fsdp._reducing.Gradients`'); no parallel lists."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import enum
 
 import torch
 
-__all__ = ["UnitRecord", "UnitState", "storage_key"]
+__all__ = ["UnitRecord", "GradRecord", "UnitState", "storage_key"]
 
 
 def storage_key(t: torch.Tensor):
@@ -36,18 +37,10 @@ class UnitRecord:
         block: the pool block whose memory ``flat`` holds while gathered (``None`` when ``FREE``,
             or when storage is resized instead: see [Note: reusing unit buffers] in ``_pool.py``).
         scheduled: alive according to the program; ``served``: holding zeros after a deviation.
-        grad, rgrad: the flat gradient buffer and its replicated part (``written``: per leaf,
-            whether its gradient is in), over pool blocks ``grad_block`` / ``rgrad_block``;
-            ``held``: leaf gradients kept for now (see ``Gradients.unhold`` in ``_reducing.py``).
-        reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``,
-            over ``late_block`` / ``rlate_block``).
-        used: per leaf, whether it got a gradient in any micro-batch of this call.
-        grads_started: reduce-scatters issued before its first gradient (the memory hint).
     """
 
     __slots__ = ("layout", "flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled", "served",
-                 "block", "grad", "rgrad", "written", "held", "reduced", "late", "rlate", "used", "grads_started",
-                 "grad_block", "rgrad_block", "late_block", "rlate_block")
+                 "block")
 
     def __init__(self, layout, shard, device):
         self.layout = layout
@@ -63,8 +56,32 @@ class UnitRecord:
         self.flat.untyped_storage().resize_(0)
         self.state, self.handle, self.source = UnitState.FREE, None, None
         self.scheduled = self.served = False  # alive per the program / zeros served locally
-        self.grad = self.rgrad = self.late = self.rlate = self.written = self.block = None
+        self.block = None
+
+
+class GradRecord:
+    """One unit's gradient buffers for one call.
+
+    Attributes:
+        spans: ``(leaf, start, stop, replicated)`` of every trainable leaf (the unit record's).
+        grad, rgrad: the flat gradient buffer and its replicated part (``written``: per leaf,
+            whether its gradient is in), over pool blocks ``grad_block`` / ``rgrad_block``;
+            ``held``: leaf gradients kept for now (see ``Gradients.unhold`` in ``_reducing.py``).
+        reduced: reduce-scattered in this micro-batch (later gradients go to ``late`` / ``rlate``,
+            over ``late_block`` / ``rlate_block``).
+        used: per leaf, whether it got a gradient in any micro-batch of this call.
+        grads_started: reduce-scatters issued before its first gradient (the memory hint).
+    """
+
+    __slots__ = ("spans", "grad", "rgrad", "written", "held", "reduced", "late", "rlate", "used", "grads_started",
+                 "grad_block", "rgrad_block", "late_block", "rlate_block")
+
+    def __init__(self, spans):
+        self.spans = spans
+        self.grad = self.rgrad = self.late = self.rlate = self.written = None
         self.grad_block = self.rgrad_block = self.late_block = self.rlate_block = None
-        self.held: list = []
-        self.reduced, self.grads_started = False, None
-        self.used = [False] * len(self.spans)
+        self.used = [False] * len(spans)
+        self.new_micro_batch()
+
+    def new_micro_batch(self):
+        self.reduced, self.grads_started, self.held = False, None, []

@@ -31,6 +31,7 @@ import torch
 
 from ragged.collectives._base import completed
 from ragged.fsdp._device import COMPUTE, REDUCE
+from ragged.fsdp._records import GradRecord
 from ragged.transforms import reduce_scatter_wait
 from ragged.transforms._reduce_scatter import _reduce_scatter_start
 
@@ -41,6 +42,7 @@ class Gradients:
     """Gradient buffers and reduce-scatters of one call (see the module docstring).
 
     Attributes:
+        units: one :class:`~ragged.fsdp._records.GradRecord` per unit.
         reduced, reduced_rep: ``{unit name: tensor}``, this rank's reduced gradient shard and
             replicated part, once the unit's reduce-scatters are waited.
         lazy: units that keep autograd's leaf gradients (the learnt hint, see :meth:`unhold`);
@@ -51,8 +53,9 @@ class Gradients:
     __slots__ = ("layouts", "units", "pool", "streams", "comm", "counts", "seen", "log", "max_inflight", "lazy",
                  "hold", "pending", "reduced", "reduced_rep")
 
-    def __init__(self, layouts, units, *, pool, streams, comm, counts, seen, log, max_inflight: int, lazy):
-        self.layouts, self.units, self.pool, self.streams, self.comm = layouts, units, pool, streams, comm
+    def __init__(self, layouts, spans, *, pool, streams, comm, counts, seen, log, max_inflight: int, lazy):
+        self.layouts, self.pool, self.streams, self.comm = layouts, pool, streams, comm
+        self.units = [GradRecord(s) for s in spans]
         self.counts, self.seen, self.log, self.max_inflight = counts, seen, log, max_inflight
         self.lazy, self.hold = set(lazy), set()
         self.pending: collections.deque = collections.deque()
@@ -61,6 +64,8 @@ class Gradients:
 
     def new_micro_batch(self):
         self.hold = set(self.lazy)
+        for u in self.units:
+            u.new_micro_batch()
 
     def arrived(self, i: int, j: int, t: torch.Tensor, segment: int):
         """Trainable leaf ``j`` of unit ``i`` has its gradient ``t.grad`` (in backward segment

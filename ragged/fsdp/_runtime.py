@@ -58,6 +58,7 @@ Backward runs with the function mode active (see [Note: backward under the mode]
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 
 import torch
@@ -68,9 +69,10 @@ from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._reducing import Gradients
 from ragged.fsdp._observed import Counters, Observer
+from ragged.fsdp._schedule import CollectiveSchedule, Program
 from ragged.transforms import all_gather_flat
 
-__all__ = ["Run", "ENGINE_THREADS_MSG"]
+__all__ = ["Run", "Context", "Cursor", "ENGINE_THREADS_MSG"]
 
 ENGINE_THREADS_MSG = (
     "rg.fsdp: autograd ran this backward pass on more than one thread (its nodes are on several devices, e.g. a "
@@ -84,12 +86,67 @@ ENGINE_THREADS_MSG = (
 _thread_id = threading.get_ident  # (a test replaces it)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Context:
+    """What one call executes, fixed for the call: the units' layouts, the schedule every rank
+    agreed on, its program, and two indexes of the schedule."""
+
+    layouts: tuple
+    schedule: CollectiveSchedule
+    program: Program
+    entries_of: dict  # unit -> its forward entries
+    completing: dict  # event e -> units whose last gradients arrive in segment e - 1
+
+    @staticmethod
+    def of(layouts, schedule: CollectiveSchedule, program: Program) -> Context:
+        entries_of = collections.defaultdict(list)
+        for c, i in enumerate(schedule.forward):
+            entries_of[i].append(c)
+        completing = collections.defaultdict(list)  # their reduce-scatter is at event e - 1
+        for i, e in enumerate(schedule.reduce_at):
+            if e >= 0:
+                completing[e + 1].append(i)
+        return Context(tuple(layouts), schedule, program, entries_of, completing)
+
+
+class Cursor:
+    """Where one call is in its program (see [Note: markers and tags]).
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"``; ``entry``: the forward entry entered last;
+            ``event``: the next backward event to process (events run from the last down to 0).
+        active: the unit the last torch call computed with (``None``: none yet).
+        marker: the forward entry whose marker the next torch call places (``None``: placed).
+        prefetch: the start event's prefetches, issued when backward first reaches the model.
+        armed: ``id(leaf) -> entry``: markers that fired, proven once that leaf's gradient is in.
+        engine_thread: the thread of this backward pass's first engine callback.
+        busy: >0 while the runtime runs its own torch calls (see [Note: the runtime's own torch calls]).
+        protect, deferred: units the torch call in progress reads, and frees put off until it returns.
+    """
+
+    __slots__ = ("phase", "entry", "event", "active", "marker", "prefetch", "armed", "engine_thread", "busy",
+                 "protect", "deferred")
+
+    def __init__(self):
+        self.busy, self.engine_thread = 0, None
+        self.protect: set[int] = set()
+        self.deferred: set[int] = set()
+        self.armed: dict[int, int] = {}
+
+    def start_micro_batch(self, num_entries: int):
+        self.phase, self.entry, self.event, self.active = "forward", -1, num_entries + 1, None
+        self.marker, self.prefetch = None, []
+
+
 class Run:
-    """State of one call: see the module docstring (the gradient half: :class:`Gradients`)."""
+    """State of one call: see the module docstring. Its parts: the :class:`Context`, the
+    :class:`Cursor`, one :class:`~ragged.fsdp._records.UnitRecord` per unit (and the indexes of
+    their storages and leaves), the :class:`~ragged.fsdp._reducing.Gradients`, and what the call
+    saw (:class:`~ragged.fsdp._observed.Observer`, :class:`~ragged.fsdp._observed.Counters`)."""
 
     def __init__(self, layouts, units, shards, comm, *, schedule, program, lazy, max_inflight_reduce, trace):
-        self.layouts, self.comm, self.shards = layouts, comm, shards
-        self.schedule, self.program = schedule, program
+        self.ctx, self.cursor = Context.of(layouts, schedule, program), Cursor()
+        self.comm, self.shards = comm, shards
         self.trace = [] if trace else None
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
@@ -99,39 +156,26 @@ class Run:
         self.params_tree = units.merge({lay.name: u.leaves for lay, u in zip(layouts, self.units)})
         self.hooks = [t.register_post_accumulate_grad_hook(self._hook(i, j))
                       for i, u in enumerate(self.units) for j, (t, *_) in enumerate(u.spans)]
-        self.entries_of = collections.defaultdict(list)
-        for c, i in enumerate(schedule.forward):
-            self.entries_of[i].append(c)
-        # units whose last gradients arrive in segment e - 1 (their reduce-scatter is at event e - 1)
-        self.completing = collections.defaultdict(list)
-        for i, e in enumerate(schedule.reduce_at):
-            if e >= 0:
-                self.completing[e + 1].append(i)
         self.seen, self.counts = Observer(), Counters()
-        self.gradients = Gradients(layouts, self.units, pool=self.pool, streams=self.streams, comm=comm,
+        self.gradients = Gradients(layouts, [u.spans for u in self.units], pool=self.pool, streams=self.streams, comm=comm,
                                    counts=self.counts, seen=self.seen, log=self._log,
                                    max_inflight=max_inflight_reduce, lazy=lazy)
-        self.busy = 0
-        self.protect: set[int] = set()
-        self.deferred: set[int] = set()
-        self.armed: dict[int, int] = {}
-        self.engine_thread = None
         self.streams.begin_call()
         self.reset()
 
+    busy = property(lambda self: self.cursor.busy, doc="Whether the runtime runs its own torch calls.")
+    phase = property(lambda self: self.cursor.phase, doc='``"forward"`` or ``"backward"``.')
+
     def reset(self):
         """Start of a micro-batch."""
-        self.phase, self.cursor, self.event, self.active = "forward", -1, len(self.schedule.forward) + 1, None
-        self.marker_entry, self.pending_prefetch = None, []
+        self.cursor.start_micro_batch(len(self.ctx.schedule.forward))
         self.counts.new_micro_batch()
         self.gradients.new_micro_batch()
-        for u in self.units:
-            u.reduced, u.grads_started, u.held = False, None, []
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _log(self, event: str, i: int):
         if self.trace is not None:
-            self.trace.append((event, self.layouts[i].name, self.phase))
+            self.trace.append((event, self.ctx.layouts[i].name, self.cursor.phase))
 
     # ---- what the interceptors call (see the module docstring) ------------------------------------
     def unit_of(self, t: torch.Tensor) -> int | None:
@@ -144,7 +188,7 @@ class Run:
 
     def take_marker(self) -> int | None:
         """The forward entry whose marker the current call should place (once)."""
-        entry, self.marker_entry = self.marker_entry, None
+        entry, self.cursor.marker = self.cursor.marker, None
         return entry
 
     def foreign_read(self, p: torch.Tensor) -> None:
@@ -155,13 +199,13 @@ class Run:
         (moving the schedule on, see :meth:`use`) and none freed before it returns; ``mark``:
         whether the call should place the marker of the entry just entered (see [Note: markers and
         tags])."""
-        self.protect = set(touched)
+        self.cursor.protect = set(touched)
         try:
             for i in touched:
-                if i != self.active or self.units[i].state is not UnitState.READY or self.phase == "forward" and (
-                        self.cursor < 0 or self.schedule.forward[self.cursor] != i):
+                if i != self.cursor.active or self.units[i].state is not UnitState.READY or self.cursor.phase == "forward" and (
+                        self.cursor.entry < 0 or self.ctx.schedule.forward[self.cursor.entry] != i):
                     self.use(i)
-            return call(self.marker_entry is not None and torch.is_grad_enabled())
+            return call(self.cursor.marker is not None and torch.is_grad_enabled())
         finally:
             self.call_done()
 
@@ -172,31 +216,31 @@ class Run:
 
     def grad_ready(self, i: int, j: int, t: torch.Tensor):
         """Trainable leaf ``j`` of unit ``i`` has its gradient for this micro-batch (its hook)."""
-        backward = self.phase == "backward"
+        backward = self.cursor.phase == "backward"
         if backward:
             self.in_engine()
-        self.busy += 1
+        self.cursor.busy += 1
         try:
             if t.grad is not None:
-                self.gradients.arrived(i, j, t, self.event - 1 if backward else -1)
-            entry = self.armed.pop(id(t), None)
+                self.gradients.arrived(i, j, t, self.cursor.event - 1 if backward else -1)
+            entry = self.cursor.armed.pop(id(t), None)
             if entry is not None:
                 self.reached(entry)
         finally:
-            self.busy -= 1
+            self.cursor.busy -= 1
 
     def in_engine(self):
         """A callback from inside the autograd engine: see [Note: the marker argument on CUDA]."""
         t = _thread_id()
-        if self.engine_thread is None:
-            self.engine_thread = t
-        elif t != self.engine_thread:
+        if self.cursor.engine_thread is None:
+            self.cursor.engine_thread = t
+        elif t != self.cursor.engine_thread:
             raise RaggedError(ENGINE_THREADS_MSG)
 
     # ---- gathered storage (see [Note: reusing unit buffers] in _pool.py) -----------------------
     def _materialize(self, i: int):
         """Unit ``i``'s storage gets memory on the gather stream (inside ``streams.on(GATHER)``)."""
-        u, nbytes = self.units[i], self.layouts[i].nbytes
+        u, nbytes = self.units[i], self.ctx.layouts[i].nbytes
         if CAN_SWAP:
             u.block = self.pool.take(nbytes, GATHER)
             attach(u.flat.untyped_storage(), u.block)
@@ -217,7 +261,7 @@ class Run:
         else:
             streams.wait(GATHER, fence)
             u.flat.untyped_storage().resize_(0)
-        self.counts.live -= self.layouts[i].nbytes
+        self.counts.live -= self.ctx.layouts[i].nbytes
 
     # ---- parameters: the one all-gather call site ----------------------------------------------
     def _gather_unit_start(self, i: int, label: str):
@@ -230,7 +274,7 @@ class Run:
         with streams.on(GATHER):
             if u.state is UnitState.FREE:
                 self._materialize(i)
-            shard = self.shards[self.layouts[i].name]
+            shard = self.shards[self.ctx.layouts[i].name]
             u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
             self.seen.issued(label)
             work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True, label=label)
@@ -259,14 +303,14 @@ class Run:
         self._wait(i)
         self._dematerialize(i)
         u.state, u.served = UnitState.FREE, False
-        if self.active == i:
-            self.active = None
+        if self.cursor.active == i:
+            self.cursor.active = None
         self._log("free", i)
 
     def _plan_free(self, i: int):
         self.units[i].scheduled = False
-        if i in self.protect:  # read by the torch call in progress: free once it returns
-            self.deferred.add(i)
+        if i in self.cursor.protect:  # read by the torch call in progress: free once it returns
+            self.cursor.deferred.add(i)
         else:
             self._release(i)
 
@@ -292,158 +336,158 @@ class Run:
 
     # ---- forward -----------------------------------------------------------------------------
     def _enter(self, c: int):
-        frees, gathers = self.program.forward[c]
+        frees, gathers = self.ctx.program.forward[c]
         for i in frees:
             self._plan_free(i)
         for i in gathers:
-            self._gather_unit_start(i, f"gather {self.layouts[i].name} forward entry {c}")
-        self.cursor = c
-        if self.marker_entry is None:
-            self.marker_entry = c
+            self._gather_unit_start(i, f"gather {self.ctx.layouts[i].name} forward entry {c}")
+        self.cursor.entry = c
+        if self.cursor.marker is None:
+            self.cursor.marker = c
 
     def use(self, i: int, tag: int | None = None):
         """A torch call (``tag is None``) or an unpacked saved tensor (``tag``: its entry) reads unit ``i``."""
-        self.busy += 1
+        self.cursor.busy += 1
         try:
             u = self.units[i]
-            if self.phase == "forward":
-                fwd = self.schedule.forward
-                if self.cursor < 0 or fwd[self.cursor] != i:
-                    nxt = next((c for c in self.entries_of[i] if c > self.cursor), None)
+            if self.cursor.phase == "forward":
+                fwd = self.ctx.schedule.forward
+                if self.cursor.entry < 0 or fwd[self.cursor.entry] != i:
+                    nxt = next((c for c in self.ctx.entries_of[i] if c > self.cursor.entry), None)
                     if nxt is not None:
-                        for c in range(self.cursor + 1, nxt + 1):
+                        for c in range(self.cursor.entry + 1, nxt + 1):
                             self._enter(c)
                         self.pool.settle()
                     elif u.state is UnitState.FREE:
-                        self.seen.inserts.append((self.cursor + 1, i))
-                        self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in forward after entry "
-                                             f"{self.cursor}, where the schedule has no entry of it")
-                if self.cursor >= 0 and fwd[self.cursor] == i:
-                    self.seen.used.add(self.cursor)
+                        self.seen.inserts.append((self.cursor.entry + 1, i))
+                        self._serve_zeros(i, f"unit {self.ctx.layouts[i].name!r} read in forward after entry "
+                                             f"{self.cursor.entry}, where the schedule has no entry of it")
+                if self.cursor.entry >= 0 and fwd[self.cursor.entry] == i:
+                    self.seen.used.add(self.cursor.entry)
             else:
                 self.in_engine()
                 self._prefetch_pending()
                 if tag is not None:
                     self.reached(tag + 2)
-                self.seen.needs.add((self.event - 1, i))
+                self.seen.needs.add((self.cursor.event - 1, i))
                 if u.state is UnitState.FREE:
-                    self.seen.missing.append((self.event - 1, i))
-                    self._serve_zeros(i, f"unit {self.layouts[i].name!r} read in backward segment {self.event - 1}, "
+                    self.seen.missing.append((self.cursor.event - 1, i))
+                    self._serve_zeros(i, f"unit {self.ctx.layouts[i].name!r} read in backward segment {self.cursor.event - 1}, "
                                          "where the schedule has it freed")
             self._wait(i)
-            if self.active != i:
-                self.active = i
+            if self.cursor.active != i:
+                self.cursor.active = i
                 self._log("compute", i)
         finally:
-            self.busy -= 1
+            self.cursor.busy -= 1
 
     def end_forward(self):
         """After the loss: the rest of the forward entries (gathers peers may be waiting for)."""
-        self.busy += 1
+        self.cursor.busy += 1
         try:
-            for c in range(self.cursor + 1, len(self.schedule.forward)):
+            for c in range(self.cursor.entry + 1, len(self.ctx.schedule.forward)):
                 self._enter(c)
-            self.marker_entry = None
+            self.cursor.marker = None
             self.pool.settle()
         finally:
-            self.busy -= 1
+            self.cursor.busy -= 1
 
     def call_done(self):
         """The torch call that read units returned: deferred frees run now."""
-        self.protect = set()
-        self.marker_entry = None
-        if self.deferred:
-            for i in sorted(self.deferred):
+        self.cursor.protect = set()
+        self.cursor.marker = None
+        if self.cursor.deferred:
+            for i in sorted(self.cursor.deferred):
                 if not self.units[i].scheduled:
                     self._release(i)
-            self.deferred = set()
+            self.cursor.deferred = set()
             self.pool.settle()
 
     # ---- saved tensors -----------------------------------------------------------------------
     def saved(self, t: torch.Tensor):
         i = self.key_to_unit.get(storage_key(t))
-        forward = self.phase == "forward"
+        forward = self.cursor.phase == "forward"
         if i is None:
             if not forward:
                 return t
             self.counts.saved += t.numel() * t.element_size()
-            return self.cursor, t
-        return (i, t.storage_offset(), tuple(t.shape), tuple(t.stride()), self.cursor if forward else None)
+            return self.cursor.entry, t
+        return (i, t.storage_offset(), tuple(t.shape), tuple(t.stride()), self.cursor.entry if forward else None)
 
     def restored(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         if len(packed) == 2:
             tag, t = packed
-            if self.phase == "backward" and tag is not None and self.event > tag + 2:
+            if self.cursor.phase == "backward" and tag is not None and self.cursor.event > tag + 2:
                 self.in_engine()
-                self.busy += 1
+                self.cursor.busy += 1
                 try:
                     self.reached(tag + 2)
                 finally:
-                    self.busy -= 1
+                    self.cursor.busy -= 1
             return t
         i, offset, size, stride, tag = packed
-        if self.phase != "backward":
+        if self.cursor.phase != "backward":
             tag = None
-        if self.active != i or self.units[i].state is not UnitState.READY or (tag is not None and self.event > tag + 2):
+        if self.cursor.active != i or self.units[i].state is not UnitState.READY or (tag is not None and self.cursor.event > tag + 2):
             self.use(i, tag)
         return self.units[i].flat.as_strided(size, stride, offset)
 
     # ---- backward events -----------------------------------------------------------------------
     def begin_backward(self):
-        self.phase = "backward"
-        self.engine_thread = None
-        self.busy += 1
+        self.cursor.phase = "backward"
+        self.cursor.engine_thread = None
+        self.cursor.busy += 1
         try:
-            self.reached(len(self.schedule.forward))
-            self.pending_prefetch = list(self.program.start_prefetch)
+            self.reached(len(self.ctx.schedule.forward))
+            self.cursor.prefetch = list(self.ctx.program.start_prefetch)
         finally:
-            self.busy -= 1
+            self.cursor.busy -= 1
 
     def _prefetch_pending(self):
-        while self.pending_prefetch:
-            i = self.pending_prefetch.pop(0)
-            self._gather_unit_start(i, f"gather {self.layouts[i].name} backward start (prefetch)")
+        while self.cursor.prefetch:
+            i = self.cursor.prefetch.pop(0)
+            self._gather_unit_start(i, f"gather {self.ctx.layouts[i].name} backward start (prefetch)")
 
     def marker_fired(self, entry: int, leaf_id: int):
         """The marker of ``entry`` ran: event ``entry`` holds once that leaf's gradient is in."""
         self.in_engine()
-        self.armed[leaf_id] = min(entry, self.armed.get(leaf_id, entry))
+        self.cursor.armed[leaf_id] = min(entry, self.cursor.armed.get(leaf_id, entry))
 
     def reached(self, e: int):
         """Processes events down to ``e`` (each proven: see [Note: markers and tags])."""
         self._prefetch_pending()
         self.gradients.finish_completed()
-        while self.event > max(e, 0):
-            self.event -= 1
-            reduces, frees, gathers = self.program.backward[self.event]
+        while self.cursor.event > max(e, 0):
+            self.cursor.event -= 1
+            reduces, frees, gathers = self.ctx.program.backward[self.cursor.event]
             for i in reduces:
-                self.gradients.reduce(i, f"reduce-scatter {self.layouts[i].name} backward event {self.event}")
+                self.gradients.reduce(i, f"reduce-scatter {self.ctx.layouts[i].name} backward event {self.cursor.event}")
             for i in frees:
                 self._plan_free(i)
-            for i in self.completing.get(self.event, ()):
+            for i in self.ctx.completing.get(self.cursor.event, ()):
                 if i in self.gradients.hold:
                     self.gradients.unhold(i)
             for i in gathers:
-                self._gather_unit_start(i, f"gather {self.layouts[i].name} backward event {self.event}")
+                self._gather_unit_start(i, f"gather {self.ctx.layouts[i].name} backward event {self.cursor.event}")
         self.pool.settle()
 
     def end_backward(self):
         """After the engine (or instead of it, when the loss failed): every remaining action."""
-        self.busy += 1
+        self.cursor.busy += 1
         try:
-            self.phase = "backward"
+            self.cursor.phase = "backward"
             self.reached(0)
-            for i in self.program.end:
-                self.gradients.reduce(i, f"reduce-scatter {self.layouts[i].name} after backward")
+            for i in self.ctx.program.end:
+                self.gradients.reduce(i, f"reduce-scatter {self.ctx.layouts[i].name} after backward")
             for i in range(len(self.units)):
                 self._plan_free(i)
-            self.armed = {}
-            self.active = None
+            self.cursor.armed = {}
+            self.cursor.active = None
             self.pool.settle()
         finally:
-            self.busy -= 1
+            self.cursor.busy -= 1
 
     def close(self):
         """Breaks the leaf -> hook -> run cycle (through C++ hook storage the garbage collector

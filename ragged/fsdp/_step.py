@@ -34,6 +34,26 @@ Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a l
 ``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
 before the forward would funnel every gradient through nodes that autograd schedules last.
 
+[Note: the walk of one step]
+``state, metrics = step(state, batch)`` top-down, each file entered once:
+
+1. ``Step.__call__`` (here): refuses a donated state, optimizer state over frozen leaves and a
+   module whose ``requires_grad`` changed (``_trainable.py``), before any communication.
+2. ``ValueAndGrad.compute`` (``_grad.py``): local checks, the start-of-call agreement
+   (``check_plans``), then per attempt ``_attempt``: a :class:`~ragged.fsdp._runtime.Run` of the
+   :class:`~ragged.fsdp._schedule.Program` (``_schedule.py``, pure) is made; ``loss_fn`` runs
+   under the interceptors (``_intercept.py``, ``_compiled.py``), which call the run's methods
+   (``_runtime.py``: ``read`` gathers and frees units, markers and saved tensors prove backward
+   events); its :class:`~ragged.fsdp._reducing.Gradients` (``_reducing.py``) accumulate each
+   trainable leaf's gradient and reduce-scatter each unit at the program's point. The
+   end-of-call agreement ``_agree`` decides for every rank: raise, rerun with the learnt
+   schedule, or return ``_result`` (the loss, ``{unit: DBuffer}`` over the trainable plans, the
+   leaves no rank used, the run's :class:`~ragged.fsdp._observed.Counters`).
+3. Back here: the reduction over data groups (``_data.py``), the optimizer over the trainable
+   parts (``_trainable.trainable_shards``; unused leaves kept as they were, ``_unused.py``),
+   ``apply_updates``, the updated parts put back into the shards (``with_trainable``), donation
+   (``_donate.py``).
+
 [Note: limits of gathering on use]
 * The loss must read parameters through torch calls (any op, method or view property; only
   metadata such as ``.shape`` does not gather). Python code that autograd runs in backward

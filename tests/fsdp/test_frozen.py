@@ -64,7 +64,7 @@ def _minimal(comm, model, module_bound):
     rows = slice(2 * comm.rank, 2 * comm.rank + 2)
     for _ in range(2):
         state, metrics = step(state, (x[rows], y[rows]))
-    return dict(full=fsdp.gather(units, state.shards, comm), seen=seen, metrics=metrics, units=units,
+    return dict(full=rg.gather(units, state.shards, comm), seen=seen, metrics=metrics, units=units,
                 moments={k: d.data.numel() for k, d in state.opt_state[0].mu.items()},
                 batch=(x, y))
 
@@ -149,13 +149,13 @@ def _flipped(comm, model, when):
             return str(e), None
         return "no error", None
     state = fsdp.init(units, mine, opt, comm)  # releases mine's parameters: placeholders keep requires_grad
-    before = {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}
+    before = {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}
     step = fsdp.make_step(units, lambda p, x: mine(x).square().mean(), opt, comm, module=mine)
     mine[1].weight.requires_grad_(False)
     try:
         step(state, torch.ones(2, 4))
     except rg.RaggedError as e:
-        after = fsdp.gather(units, state.shards, comm)
+        after = rg.gather(units, state.shards, comm)
         return str(e), all(torch.equal(before[k], after[k]) for k in before)
     return "no error", None
 
@@ -211,7 +211,7 @@ def _two_stages(comm, case, stage_two_frozen, path):
     task = case.task()
     for s in range(case.steps, 2 * case.steps):
         state, _ = step(state, rg.examples.data.rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
-    return first, {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}
+    return first, {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}
 
 
 @pytest.mark.parametrize("stage_two_frozen", [(), ("blocks.0.", "tok_emb.")], ids=["unfreeze", "freeze-more"])

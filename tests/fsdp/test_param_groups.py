@@ -51,7 +51,7 @@ def grouped_run(comm, case):
     for s in range(case.steps):
         state, m = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
         losses.append(m["loss"])
-    return {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}, losses
+    return {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}, losses
 
 
 def grouped_reference(case):

@@ -134,7 +134,7 @@ class ValueAndGrad:
                 raise RaggedValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
         micro = split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
         memo, policy = self.memo, self.policy
-        token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{self.micro_batches}:"
+        token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{policy.frozen_dtype}:{self.micro_batches}:"
                  f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
                  f"{memo.schedule.fingerprint()}:{memo.digest}:{self.frozen_digest}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)

@@ -31,21 +31,26 @@ class MixedPrecision:
             dtype, so bf16 gradients are reduced in fp32 when the master shard is fp32; pass
             ``reduce_dtype=compute_dtype`` for FSDP2's default (half the bytes, bf16 sums).
             The gradient shard is in the plan's dtype either way.
+        frozen_dtype: dtype the frozen leaves (``requires_grad=False``) are gathered and computed
+            in, e.g. ``torch.bfloat16`` for a LoRA base next to fp32 adapters, as FSDP2 users
+            keep bf16 bases. ``None``: ``compute_dtype``. Their all-gather is then its own call
+            after the trainable part's (one dtype per collective).
 
     Examples:
         >>> import torch
         >>> from ragged import fsdp
         >>> fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, frozen_dtype=None)
     """
 
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    frozen_dtype: torch.dtype | None = None
 
     replace = dataclasses.replace
 
     def __post_init__(self):
-        for name in ("compute_dtype", "reduce_dtype"):
+        for name in ("compute_dtype", "reduce_dtype", "frozen_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise RaggedTypeError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}.")
@@ -58,10 +63,14 @@ class UnitLayout:
     Attributes:
         index: the unit's position in ``units``.
         name: the unit's name.
-        dtype: compute dtype of the gathered buffer and of the gradient buffer.
+        dtype: compute dtype of the gathered buffer's trainable part and of the gradient buffer.
+        frozen_dtype: compute dtype of its frozen part (the buffers after ``grad_numel``).
+        frozen_offset: byte offset of the frozen part in the gathered storage.
+        frozen_plan: the frozen part's buffers as a plan (offsets relative to ``grad_numel``), for
+            its own all-gather when ``frozen_dtype != dtype``; ``None`` otherwise.
         reduce_dtype: dtype of the reduce-scatter (``None``: the plan's dtype).
         numel: elements of the gathered buffer (``world_size * shard_size``).
-        nbytes: bytes of the gathered buffer.
+        nbytes: bytes of the gathered storage (both parts).
         leaves: ``(path, offset, stop, shape)`` of every sharded leaf, by offset.
         replicated: the same for every ``spec.Replicate()`` leaf (offsets into the replicated buffer).
         gaps: ``(start, stop)`` padding ranges of the gathered buffer.
@@ -77,6 +86,9 @@ class UnitLayout:
     index: int
     name: str
     dtype: torch.dtype
+    frozen_dtype: torch.dtype
+    frozen_offset: int
+    frozen_plan: LayoutPlan | None
     reduce_dtype: torch.dtype | None
     numel: int
     nbytes: int
@@ -119,10 +131,21 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
         replicated = tuple((u.paths[l.index], l.offset, l.stop, l.shape) for l in plan.replicated)
         grad_plan = u.trainable_plan
         grad_numel = grad_plan.buffer_numel if grad_plan is not None else 0
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
+        frozen_dtype = policy.frozen_dtype or dtype
+        offset = -(-grad_numel * itemsize // frozen_dtype.itemsize) * frozen_dtype.itemsize
+        frozen_plan = None
+        if frozen_dtype != dtype and u.frozen:
+            k = len(grad_plan.buffers) if grad_plan is not None else 0
+            frozen_plan = plan.replace(leaves=(), replicated=(), shard_size=plan.shard_size - (grad_plan.shard_size if k else 0),
+                                       buffers=tuple((o - grad_numel, s) for o, s in plan.buffers[k:]))
+        else:
+            frozen_dtype = dtype
         out.append(UnitLayout(
-            index=index, name=u.name, dtype=dtype, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
-            nbytes=plan.buffer_numel * itemsize, leaves=leaves, replicated=replicated, gaps=_gaps(plan),
+            index=index, name=u.name, dtype=dtype, frozen_dtype=frozen_dtype, frozen_offset=offset,
+            frozen_plan=frozen_plan, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
+            nbytes=offset + (plan.buffer_numel - grad_numel) * frozen_dtype.itemsize, leaves=leaves,
+            replicated=replicated, gaps=_gaps(plan),
             frozen=u.frozen, grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
             grad_gaps=_gaps(grad_plan) if grad_plan is not None else (),
             grad_replicated_numel=replicated_size(grad_plan) if grad_plan is not None else 0,

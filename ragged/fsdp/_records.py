@@ -29,7 +29,9 @@ class UnitRecord:
 
     Attributes:
         flat: the gathered buffer (``layout.numel`` elements, storage released when ``FREE``);
-            every sharded leaf is a view of it.
+            every sharded leaf is a view of it. With its own ``layout.frozen_dtype``, ``flat`` is
+            the trainable part and ``frozen_flat`` the frozen part, two typed views of one storage
+            (``frozen_flat`` is ``flat``'s tail otherwise).
         rflat: a copy of the shard's replicated buffer (``spec.Replicate()`` leaves are views of it).
         leaves: ``{path: leaf tensor}`` (a frozen leaf has ``requires_grad=False``); ``spans``:
             ``(leaf, start, stop, replicated)`` per trainable leaf (the ones with a gradient).
@@ -39,17 +41,29 @@ class UnitRecord:
         scheduled: alive according to the program; ``served``: holding zeros after a deviation.
     """
 
-    __slots__ = ("layout", "flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled", "served",
-                 "block")
+    __slots__ = ("layout", "flat", "frozen_flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled",
+                 "served", "block")
 
     def __init__(self, layout, shard, device):
         self.layout = layout
-        self.flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+        split = layout.grad_numel
+        if layout.frozen_plan is None:
+            self.flat = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+            self.frozen_flat = self.flat[split:]
+        else:
+            raw = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+            self.flat = raw[: split * layout.dtype.itemsize].view(layout.dtype)
+            self.frozen_flat = raw[layout.frozen_offset:].view(layout.frozen_dtype)
         self.rflat = shard.replicated.detach().to(layout.dtype, copy=True)
         self.leaves, self.spans = {}, []
-        for replicated, table, buf in ((False, layout.leaves, self.flat), (True, layout.replicated, self.rflat)):
+        for replicated, table in ((False, layout.leaves), (True, layout.replicated)):
             for path, start, stop, shape in table:
-                t = buf[start:stop].view(shape)
+                if replicated:
+                    t = self.rflat[start:stop].view(shape)
+                elif start >= split and layout.frozen_plan is not None:
+                    t = self.frozen_flat[start - split : stop - split].view(shape)
+                else:
+                    t = self.flat[start:stop].view(shape)
                 self.leaves[path] = t
                 if path not in layout.frozen:
                     self.spans.append((t.requires_grad_(), start, stop, replicated))

@@ -274,14 +274,23 @@ class Run:
         with streams.on(GATHER):
             if u.state is UnitState.FREE:
                 self._materialize(i)
-            shard = self.shards[self.ctx.layouts[i].name]
-            u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
-            self.seen.issued(label)
-            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True, label=label)
+            lay, shard = self.ctx.layouts[i], self.shards[self.ctx.layouts[i].name]
+            if lay.frozen_plan is None:  # one dtype: one launch for every buffer
+                parts = [(shard.plan, u.flat, shard.data, label)]
+            else:  # the frozen part in its own dtype: its own call, after the trainable part's
+                n = lay.grad_plan.shard_size if lay.grad_plan is not None else 0
+                parts = [(lay.frozen_plan, u.frozen_flat, shard.data[n:], label + " (frozen part)")]
+                if n:
+                    parts.insert(0, (lay.grad_plan, u.flat, shard.data[:n], label))
+            u.source, works = [], []
+            for plan, out, data, what in parts:
+                u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
+                self.seen.issued(what)
+                works.append(all_gather_flat(plan, out, u.source[-1], self.comm, async_op=True, label=what))
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)
-            u.handle = streams.issued(GATHER, work)
+            u.handle = [streams.issued(GATHER, w) for w in works]
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
         self.counts.gathers += 1
         self._log("gather_start", i)
@@ -289,7 +298,8 @@ class Run:
     def _wait(self, i: int):
         u = self.units[i]
         if u.state is UnitState.PENDING:
-            self.streams.done(COMPUTE, u.handle)
+            for h in u.handle:
+                self.streams.done(COMPUTE, h)
             if u.block is not None:
                 self.streams.access(COMPUTE, u.block.key)
             u.handle = u.source = None
@@ -327,6 +337,7 @@ class Run:
                 self._materialize(i)
             with torch.no_grad():
                 u.flat.zero_()
+                u.frozen_flat.zero_()
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)
             done = streams.record(GATHER)
@@ -412,7 +423,8 @@ class Run:
                 return t
             self.counts.saved += t.numel() * t.element_size()
             return self.cursor.entry, t
-        return (i, t.storage_offset(), tuple(t.shape), tuple(t.stride()), self.cursor.entry if forward else None)
+        return (i, t.storage_offset(), tuple(t.shape), tuple(t.stride()), self.cursor.entry if forward else None,
+                t.dtype)
 
     def restored(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -427,12 +439,13 @@ class Run:
                 finally:
                     self.cursor.busy -= 1
             return t
-        i, offset, size, stride, tag = packed
+        i, offset, size, stride, tag, dtype = packed
         if self.cursor.phase != "backward":
             tag = None
         if self.cursor.active != i or self.units[i].state is not UnitState.READY or (tag is not None and self.cursor.event > tag + 2):
             self.use(i, tag)
-        return self.units[i].flat.as_strided(size, stride, offset)
+        u = self.units[i]
+        return (u.flat if dtype == u.flat.dtype else u.frozen_flat).as_strided(size, stride, offset)
 
     # ---- backward events -----------------------------------------------------------------------
     def begin_backward(self):

@@ -127,3 +127,23 @@ def test_lora_adapters_save_with_peft_and_reload(workers2, tmp_path):
     reloaded = dict(peft.PeftModel.from_pretrained(hf_model("llama"), str(tmp_path)).named_parameters())
     ref = train_reference(copy.deepcopy(model), lm_batches())
     assert max((reloaded[k] - ref[k]).abs().max().item() for k in ref) < 1e-10
+
+
+def _two_dtypes(model):
+    from tests.fsdp.test_frozen import _lora_in_two_dtypes
+
+    return _lora_in_two_dtypes(comm(), model, torch.float32)
+
+
+def test_lora_base_gathered_in_its_own_dtype(workers2):
+    """MixedPrecision(frozen_dtype=float32) on the float64 LoRA Llama: the base's all-gather is its
+    own float32 call; the adapters equal torch.optim.AdamW on the model with a float32 base."""
+    model = lora_llama()
+    ref_model = copy.deepcopy(model)
+    for p in ref_model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.float()
+    ref = train_reference(ref_model, lm_batches())
+    for full, _, _ in workers2.run(_two_dtypes, model):
+        assert max((full[k] - ref[k]).abs().max().item() for k, p in model.named_parameters() if p.requires_grad) < 1e-10
+        assert all(torch.equal(full[k], p) for k, p in model.named_parameters() if not p.requires_grad)

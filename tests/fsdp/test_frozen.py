@@ -232,3 +232,34 @@ def test_trainable_set_changes_between_runs_through_a_checkpoint(tmp_path, stage
         if stage == case.frozen:
             assert max_diff(first, dict(model.named_parameters()))[0] < 1e-10
     assert max_diff(second, dict(model.named_parameters()))[0] < 1e-10
+
+
+def _lora_in_two_dtypes(comm, model, frozen_dtype):
+    from tests.fsdp._cases import lm_batches, train_sharded
+
+    policy = fsdp.MixedPrecision(frozen_dtype=frozen_dtype)
+    params, metrics = train_sharded(comm, copy.deepcopy(model), lm_batches(), policy=policy)
+    return params, metrics[-1]["peak_gathered_bytes"], metrics[-1]["model_bytes"]
+
+
+def test_frozen_leaves_gathered_in_their_own_dtype():
+    """MixedPrecision(frozen_dtype=float32) on a float64 LoRA model: the frozen base is gathered
+    and computed in float32 (half its bytes), the adapters train in float64 like torch.optim.AdamW
+    on the same model with its frozen weights cast to float32, and the base stays bit-identical."""
+    from tests.distributed.test_finetune_gloo import lora_llama
+    from tests.fsdp._cases import lm_batches, train_reference
+
+    model = lora_llama()
+    (full, peak, model_bytes), _ = rg.collectives.simulate(2, _lora_in_two_dtypes, model, torch.float32)
+    (_, peak64, model_bytes64), _ = rg.collectives.simulate(2, _lora_in_two_dtypes, model, None)
+    ref_model = copy.deepcopy(model)
+    for p in ref_model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.float()
+    ref = train_reference(ref_model, lm_batches())
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            assert (full[k] - ref[k]).abs().max().item() < 1e-10, k
+        else:
+            assert torch.equal(full[k], p)  # the float64 master of a frozen leaf never changes
+    assert model_bytes < 0.55 * model_bytes64 and peak < peak64

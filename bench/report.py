@@ -123,12 +123,15 @@ def parallel_tables(result: dict) -> list[str]:
     """``bench/parallel.py``: FSDP x TP / EP padding on the parts' shapes."""
     lines = ["| model | axis | FSDP granularity | FSDP m | ragged, 1 buffer | ragged, auto | buffers (max) | FSDP2 |",
              "|---|---|---|---|---|---|---|---|"]
+    errors = list(dict.fromkeys(r["error"] for r in result["data"] if r["error"]))
     for r in result["data"]:
         if r["error"]:
-            lines.append(f"| {r['model']} | {r['axis']} | {r['gran']} | {r['m']} | refused | - | - | - |")
+            lines.append(f"| {r['model']} | {r['axis']} | {r['gran']} | {r['m']} | refused [{errors.index(r['error']) + 1}] "
+                         "| - | - | - |")
         else:
             lines.append(f"| {r['model']} | {r['axis']} | {r['gran']} | {r['m']} | {r['1']:.2%} | {r['auto']:.2%} | "
                          f"{r['buffers']} | {r['fsdp2']:.2%} |")
+    lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
     return ["\n".join(lines)]
 
 
@@ -159,7 +162,7 @@ so no memory): ragged with one buffer per unit (`max_buffers=1`), one buffer per
 (`rg.spec.peer_padding`; FSDP1 and ZeRO-3 cut rows and blocks anywhere and pad almost nothing).
 The second table is the paper's Figure 11 view: the worst layer of each decoder-layer kind, one
 buffer / `"auto"`. Deterministic: the same command gives the same table on any machine.
-`docs/planning.md` explains the cells where coarse granules stay expensive.""", ["padding"]),
+[planning.md](planning.md) explains the cells where coarse granules stay expensive.""", ["padding"]),
     ("Planning time", """\
 The time to plan every unit of a whole model at the largest shard group, cold caches, one pinned core,
 median of the runs, for the default single-buffer planner (`dp`) and for `max_buffers="auto"`. Plans do

@@ -48,6 +48,8 @@ def record(name: str, command: list[str]) -> dict:
     script = next((a for a in command if a.startswith("bench/") and a.endswith(".py")), None)
     if script is None:
         raise SystemExit(f"record {name}: the command names no bench/*.py script: {shlex.join(command)}")
+    commit = _git("rev-parse", "--short=10", "HEAD")  # the code that runs: taken before, checked after
+    dirty = _git("status", "--porcelain", "--", "ragged", script)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         started = datetime.datetime.now(datetime.timezone.utc)
@@ -58,10 +60,10 @@ def record(name: str, command: list[str]) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError:  # JSON lines (bench/step.py, bench/memory.py append one object per run)
         data = [json.loads(line) for line in text.splitlines() if line.strip()]
-    dirty = _git("status", "--porcelain", "--", "ragged", script)
+    changed = _git("rev-parse", "--short=10", "HEAD") != commit and _git("diff", "--stat", commit, "--", "ragged", script)
     return {
         "name": name, "script": script, "command": shlex.join(command),
-        "commit": _git("rev-parse", "--short=10", "HEAD"), "uncommitted_changes": bool(dirty),
+        "commit": commit, "uncommitted_changes": bool(dirty or changed),
         "date": started.date().isoformat(),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "cuda": torch.cuda.is_available()},
@@ -185,7 +187,7 @@ when AC is on. Peak = the largest live total of the CPU allocator's events durin
 counted from before the method is built (`bench/_measure.LiveBytes`); state = the live total at the
 step's start. "rest / largest block" is the gathered size of the largest non-block unit and of the
 largest block; "saved activations" are the unsharded model's tensors saved for backward. MoE routing
-depends on values, which the fake group leaves as garbage, so MoE peaks can move slightly.""", ["memory"]),
+depends on values, which the fake group leaves as garbage, so MoE peaks can move slightly.""", ["memory", "memory-large"]),
     ("Training step: ragged vs FSDP2 (gloo, CPU)", """\
 `bench/step.py` trains the GPT of `ragged.examples.gpt` (seq 256, batch 2 per rank, AdamW, the same
 initial weights and batches for every method) with **ragged** (`rg.fsdp`, every block and the rest as

@@ -41,6 +41,9 @@ def _git(*args) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
+JSON_LINES = {"bench/step.py", "bench/memory.py"}  # their --json appends one object per line (run or cell)
+
+
 def record(name: str, command: list[str]) -> dict:
     """Runs ``command`` (a benchmark, ``--json PATH`` appended) and returns the result record."""
     import torch
@@ -56,10 +59,10 @@ def record(name: str, command: list[str]) -> dict:
         subprocess.run([*command, "--json", out], cwd=ROOT, check=True)
         with open(out) as f:
             text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:  # JSON lines (bench/step.py, bench/memory.py append one object per run)
+    if script in JSON_LINES:
         data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        data = json.loads(text)
     changed = _git("rev-parse", "--short=10", "HEAD") != commit and _git("diff", "--stat", commit, "--", "ragged", script)
     return {
         "name": name, "script": script, "command": shlex.join(command),

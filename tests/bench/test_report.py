@@ -29,8 +29,8 @@ def test_every_table_has_one_header_line_with_commit_machine_command_and_date():
         lines = f.read().splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1].startswith("|")]
     assert tables
-    for i in tables:
-        head = lines[i - 2]
+    for i in tables:  # the header is the last line above the table that starts with *commit (a caption may follow it)
+        head = next(lines[j] for j in range(i - 1, max(i - 5, 0), -1) if lines[j].startswith("*commit"))
         assert re.fullmatch(r"\*commit `[0-9a-f]{7,40}[^`]*`, \d+ CPUs \([^)]+\), torch \S+, Python \S+; `python3 bench/"
                             r"\w+\.py[^`]*`; \d{4}-\d\d-\d\d\*", head), (i, head)
 

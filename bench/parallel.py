@@ -16,11 +16,13 @@ Usage::
 
     python3 bench/parallel.py
     python3 bench/parallel.py --models llama3-70b --degree 4 --fsdp 16 64 256
+    python3 bench/parallel.py --json out.json   # also write the rows as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -95,9 +97,13 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["llama3-70b", "gpt-oss-120b"])
     ap.add_argument("--degree", type=int, default=8, help="TP (Llama) / EP (GPT-OSS) degree")
     ap.add_argument("--fsdp", type=int, nargs="+", default=[8, 32, 64, 128, 256])
+    ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = ap.parse_args(argv)
     grans = [("rows:1", spec.Rows(1)), ("rows:16", spec.Rows(16)), ("blocks:128x128", spec.Blocks(128, 128))]
     rows = run(args.models, args.degree, args.fsdp, grans)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     table = Table(title="FSDP x TP / EP: all-gather padding on TP/EP-local shapes (whole model), one buffer per unit "
                         "and max_buffers='auto'")
     for col in ("model", "axis", "FSDP granularity", "FSDP m", "ragged, 1 buffer", "ragged, auto", "buffers (max)",

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                       f"{max((c['dp'] - c['bound']) * 100 for c in cells):.4f} pp of whole-model padding")
     for strategy in (s for s in ("dp", "auto") if s in args.strategies):
         # The paper's claim (Figure 11) is about MoE layers; the other kinds are listed, not judged
-        # (dense layers at coarse granules: leaves longer than 2*S_b force S_b, README "Planning").
+        # (dense layers at coarse granules: leaves longer than 2*S_b force S_b, docs/planning.md).
         bad, other = [], []
         worst = 0.0
         checked = 0
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         if other:
             console.print(f"info (not a check, {strategy}): {len(other)} other (layer kind, cell) pairs there are >= 3%, worst "
                           f"{max(other, key=lambda w: float(w.rsplit(' ', 1)[1][:-1]))}: leaves longer than 2*S force S "
-                          "(README \"Planning\"); e.g. a smaller shard group fixes them (python -m ragged plan says which)")
+                          "(docs/planning.md); e.g. a smaller shard group fixes them (python -m ragged plan says which)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cells": cells, "timing": {f"{t} {k[0]} {k[1]}": v[0] for t, times in all_times.items()

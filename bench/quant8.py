@@ -21,11 +21,13 @@ Usage::
 
     python3 bench/quant8.py                  # dense GPT of bench/step.py, W = 1 2 3 4, 3 steps
     python3 bench/quant8.py --model 120m --steps 2
+    python3 bench/quant8.py --json out.json  # also write the rows as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -143,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = ap.parse_args(argv)
     params = _params(args.model)
     grads = _grads(params, args.steps)
@@ -154,6 +157,7 @@ def main(argv=None) -> int:
                 "params changed", "state codes = W=1"):
         t.add_column(col, justify="right" if col not in ("optimizer",) else "left")
     ref_ps = ref_rg = ref_blocks = ref_state = None
+    rows = []
     for w in args.worlds:
         ps_full, ps_bytes, blocks = per_shard(params, grads, w, lr=args.lr, block=BLOCK * BLOCK)
         rg_full, rg_bytes, rg_state, plan = ragged_run(params, grads, w, lr=args.lr)
@@ -167,8 +171,16 @@ def main(argv=None) -> int:
                   f"{ps_bytes / 2**20:.2f}", f"{d_ps:.2e}", f"{c_ps:.3%}", "-")
         t.add_row("", "ragged Blocks(32, 32)", f"{nblocks_rg:,}", "0", f"{rg_bytes / 2**20:.2f}", f"{d_rg:.2e}",
                   f"{c_rg:.3%}", "yes" if same else "[red]no", end_section=True)
+        rows.append(dict(world=w, optimizer="per-shard (FSDP2 + torchao style)", blocks=len(blocks),
+                         blocks_unlike=len(blocks - ref_blocks), state_bytes=ps_bytes, max_abs_diff=d_ps, changed=c_ps,
+                         codes_equal=None))
+        rows.append(dict(world=w, optimizer="ragged Blocks(32, 32)", blocks=nblocks_rg, blocks_unlike=None,
+                         state_bytes=rg_bytes, max_abs_diff=d_rg, changed=c_rg, codes_equal=same))
         console.print(f"W={w}: ragged plan padding {plan.padding:,} elements ({plan.overhead:.3%})", style="dim")
     console.print(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     console.print("[dim]blocks: quantization blocks of the matrices (1024 elements each, shorter where cut); "
                   "'unlike W=1': blocks whose (tensor, start, length) does not occur at W=1. State MiB/rank: codes + "
                   "scales + fp32 moments of small tensors, the largest rank. Params compared element-wise, bitwise.[/]")

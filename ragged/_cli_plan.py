@@ -93,7 +93,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="rows:N | elements:N | blocks:RxC")
     p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp", help="planner")
     p.add_argument("--max-buffers", type=_max_buffers, default="auto", metavar="K|auto",
-                   help="buffers per unit: auto (up to 8, README \"Planning\") or an int (1: one buffer per unit)")
+                   help="buffers per unit: auto (up to 8, docs/planning.md) or an int (1: one buffer per unit)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="buffer dtype")
     p.add_argument("--align", type=int_at_least(1), default=None,
                    help="offset alignment in elements (default: 16 bytes of --dtype)")

@@ -4,7 +4,7 @@
     python3 scripts/install_missing.py --extra test  # + pytest, hypothesis, nbclient, ...
     python3 scripts/install_missing.py --check       # only say what is missing (exit 1 if anything)
 
-Rules (the quick start's promise, README "Quick start"):
+Rules (the promise of README "Install"):
 
 * torch: any installed torch that meets ``pyproject.toml``'s bound (``torch>=2.13``) is kept,
   whatever its build (CPU, CUDA, ROCm). Only when there is no torch at all is ``torch==2.13.0``

@@ -1,12 +1,14 @@
-"""README.md as a new user meets it: every ```python block runs as pasted into a file with plain
-``python`` (and the block written for torchrun also runs under torchrun), every fenced block
-says what it is, and every command the README quotes (in ```bash blocks and inline) exists
-with the flags it shows: its argparse parser accepts them (the job itself is not run)."""
+"""README.md and every docs/*.md page as a new user meets them: every ```python block runs as
+pasted into a file with plain ``python`` (and the block written for torchrun also runs under
+torchrun), every fenced block says what it is, every command they quote (in ```bash blocks and
+inline) exists with the flags it shows: its argparse parser accepts them (the job itself is not
+run), and every ``[Note: title]`` they point to is in the file they name."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import importlib
 import os
 import re
@@ -18,7 +20,16 @@ import unittest.mock
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+PAGES = {rel: _read(rel) for rel in ["README.md", *sorted(os.path.relpath(p, ROOT)
+                                                          for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]}
+README = PAGES["README.md"]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.S | re.M)
 LANGUAGES = {"python", "bash", "text"}
 
@@ -28,20 +39,26 @@ def _slug(heading: str) -> str:
 
 
 def fenced_blocks():
-    """``[(id, language, code)]``: the id names the section (``engine``, ``planning-2``)."""
-    headings = [(m.start(), _slug(m.group(1))) for m in re.finditer(r"^#{2,4} (.+)$", README, re.M)]
-    blocks, seen = [], {}
-    for m in FENCE.finditer(README):
-        section = [name for pos, name in headings if pos < m.start()][-1:] or ["top"]
-        key = (section[0], m.group(1))
-        seen[key] = seen.get(key, 0) + 1
-        blocks.append((section[0] + ("" if seen[key] == 1 else f"-{seen[key]}"), m.group(1).strip(), m.group(2)))
+    """``[(id, language, code)]`` over every page: the id names the page and the section
+    (``README.md:plan-shard-gather``, ``docs/engine.md:engine-2``)."""
+    blocks = []
+    for page, text in PAGES.items():
+        fences = [m.span() for m in FENCE.finditer(text)]
+        headings = [(m.start(), _slug(m.group(1))) for m in re.finditer(r"^#{1,4} (.+)$", text, re.M)
+                    if not any(a <= m.start() < b for a, b in fences)]  # a comment in a block is no heading
+        seen = {}
+        for m in FENCE.finditer(text):
+            section = [name for pos, name in headings if pos < m.start()][-1:] or ["top"]
+            key = (section[0], m.group(1))
+            seen[key] = seen.get(key, 0) + 1
+            name = f"{page}:{section[0]}" + ("" if seen[key] == 1 else f"-{seen[key]}")
+            blocks.append((name, m.group(1).strip(), m.group(2)))
     return blocks
 
 
 PYTHON = [(name, code) for name, lang, code in fenced_blocks() if lang == "python"]
 BASH = [(name, code) for name, lang, code in fenced_blocks() if lang == "bash"]
-SLOW_BLOCKS = {"planning"}  # plans a whole GPT-OSS layer at m=256 and draws it
+SLOW_BLOCKS = {"docs/planning.md:planning"}  # plans a whole DeepSeek-V3 layer at m=256 and draws it
 
 
 def _env():
@@ -51,8 +68,9 @@ def _env():
 
 def test_every_fenced_block_says_what_it_is():
     for name, lang, code in fenced_blocks():
-        assert lang in LANGUAGES, f"README block in {name!r} is fenced as {lang!r}; use one of {sorted(LANGUAGES)}"
+        assert lang in LANGUAGES, f"block {name!r} is fenced as {lang!r}; use one of {sorted(LANGUAGES)}"
     assert len(PYTHON) >= 7 and BASH
+    assert sum(name.startswith("README.md:") for name, _ in PYTHON) == 3, "the README shows three examples"
 
 
 @pytest.mark.parametrize("code", [pytest.param(code, id=name, marks=[pytest.mark.slow] if name in SLOW_BLOCKS else [])
@@ -97,7 +115,7 @@ def _commands():
             line = re.split(r" #| > | 2>| \| | && ", line)[0].strip()
             if line and not line.startswith("#"):
                 found.append((line, line, True))
-    for span in re.findall(r"`([^`\n]+)`", README.replace("```", "")):
+    for span in (span for text in PAGES.values() for span in re.findall(r"`([^`\n]+)`", text.replace("```", ""))):
         if re.match(r"^(?:[A-Z_]+=\S+ )*(?:python3?|bash|torchrun) ", span) and not re.search(r"\.\.\.|\[|\||<|>", span):
             found.append((span, span, False))
     return [(where, shlex.split(line), runnable) for where, line, runnable in found]
@@ -218,15 +236,19 @@ def test_a_wrong_flag_is_caught():
 
 
 # ---- the package map and the glossary match the code -------------------------------------------
-def _section(title: str) -> str:
-    start = README.index(f"### {title}\n")
-    return README[start : README.index("\n#", start + 4)]
+DESIGN = PAGES["docs/design.md"]
 
 
-def _map_rows():
-    """``{"ragged/spec": "its text", ...}`` from the package map table."""
+def _section(title: str, text: str = DESIGN) -> str:
+    start = text.index(f"## {title}\n")
+    end = text.find("\n#", start + 4)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _map_rows(text: str = DESIGN):
+    """``{"ragged/spec": "its text", ...}`` from a package map table."""
     rows = {}
-    for line in _section("Package map").splitlines():
+    for line in _section("Package map", text).splitlines():
         cells = line.split(" | ")
         if line.startswith("| `") and len(cells) >= 2:
             for where in re.findall(r"`([^`]+)`", cells[0]):
@@ -234,9 +256,20 @@ def _map_rows():
     return rows
 
 
+def test_readme_package_map_names_every_package():
+    """The README's compact map has a row for every package of ragged/, and every path it names exists."""
+    rows = _map_rows(README)
+    for where in rows:
+        assert os.path.exists(os.path.join(ROOT, where)), f"the README's package map names {where}, which does not exist"
+    package_dir = os.path.join(ROOT, "ragged")
+    for entry in sorted(os.listdir(package_dir)):
+        if os.path.exists(os.path.join(package_dir, entry, "__init__.py")):
+            assert f"ragged/{entry}" in rows, f"ragged/{entry} is not in the README's package map"
+
+
 def test_package_map_names_every_package_and_module():
-    """Every package and module of ragged/ is in the map, in its package's row, and every file the
-    map names exists (a new module, or a moved one, must update the map)."""
+    """Every package and module of ragged/ is in docs/design.md's map, in its package's row, and
+    every file the map names exists (a new module, or a moved one, must update the map)."""
     import fnmatch
 
     rows = _map_rows()
@@ -281,8 +314,7 @@ def _resolve(dotted: str):
 
 
 def test_glossary_names_exist():
-    """Every name the glossary gives a word (new and old) is real: public names resolve, and the
-    renamed ones still exist."""
+    """Every name docs/design.md's glossary gives a word is real."""
     names = set()
     for line in _section("Glossary").splitlines()[4:]:
         for cell in line.split(" | ")[2:]:
@@ -293,3 +325,80 @@ def test_glossary_names_exist():
     assert len(names) > 30, names
     for name in sorted(names):
         _resolve(name)
+
+
+# ---- pointers, layout and the lab-notebook rule ------------------------------------------------
+_NOTE_AFTER = re.compile(r"\[Note: ([^\]]+)\]`?(?: in | \()`(ragged/[\w/]+\.py)`")  # [Note: x] in `file`
+_NOTE_BEFORE = re.compile(r"\(`(ragged/[\w/]+\.py)`, \[Note: ([^\]]+)\]")  # (`file`, [Note: x])
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", text)  # a pointer may wrap across lines
+
+
+def _note_pointers():
+    """``[(page, title, file)]`` for every ``[Note: title] in `ragged/...py``` and ``(`ragged/...py`, [Note: title])``."""
+    found = []
+    for page, text in PAGES.items():
+        found += [(page, m.group(1), m.group(2)) for m in _NOTE_AFTER.finditer(_flat(text))]
+        found += [(page, m.group(2), m.group(1)) for m in _NOTE_BEFORE.finditer(_flat(text))]
+    return found
+
+
+def _notes_defined(rel: str) -> set[str]:
+    """The Notes a module defines: the title alone on its line, or opening a comment or a
+    docstring (a reference that wraps to a line's start runs on with text)."""
+    text = _read(rel)
+    return (set(re.findall(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$", text, re.M))
+            | set(re.findall(r'^\s*(?:#|""")\s*\[Note: ([^\]]+)\]', text, re.M)))
+
+
+def test_every_note_pointer_names_a_note_in_that_file():
+    pointers = _note_pointers()
+    assert len(pointers) >= 20, pointers
+    for page, title, rel in pointers:
+        assert os.path.isfile(os.path.join(ROOT, rel)), f"{page} points to [Note: {title}] in {rel}, which does not exist"
+        assert title in _notes_defined(rel), f"{page} points to [Note: {title}] in {rel}, which does not define it"
+
+
+def test_every_note_named_exists_somewhere():
+    """A Note named without a file is still defined by some module of ragged/."""
+    defined = set().union(*(_notes_defined(os.path.relpath(p, ROOT))
+                            for p in glob.glob(os.path.join(ROOT, "ragged", "**", "*.py"), recursive=True)))
+    for page, text in PAGES.items():
+        for title in re.findall(r"\[Note: ([^\]]+)\]", _flat(text)):
+            assert title in defined, f"{page} names [Note: {title}], which no module of ragged/ defines"
+
+
+def test_readme_is_read_in_ten_minutes():
+    assert README.count("\n") <= 300, f"README.md has {README.count(chr(10))} lines; move detail to docs/"
+
+
+def test_readme_commands_are_what_ci_runs():
+    """The README's two commands are the main job and the test suite, and the test suite is what
+    .ci/run executes."""
+    block = next(code for name, code in BASH if name.startswith("README.md:the-two-commands"))
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["bash scripts/main.sh", "bash scripts/test.sh"], commands
+    ci = [line.strip() for line in _read(".ci/run").splitlines() if line.strip() and not line.startswith("#")]
+    assert "exec bash scripts/test.sh" in ci, ci
+
+
+def test_no_lab_notebook_in_the_docs():
+    """No clock times, load averages or issue numbers in README or docs prose (dates belong to the
+    generated performance tables' headers)."""
+    for page, text in PAGES.items():
+        for pattern in (r"\b\d\d:\d\d UTC\b", r"load average", r"\bissue[ -]\d+", r"#\d{2,}\b"):
+            hit = re.search(pattern, text, re.I)
+            assert hit is None, f"{page}: {hit.group(0)!r} at {text[:hit.start()].count(chr(10)) + 1}"
+
+
+def test_the_docs_link_to_pages_that_exist():
+    """Every relative link between README and docs resolves (api.md and gpu.md are generated or
+    written elsewhere and may not exist in every checkout yet)."""
+    for page, text in PAGES.items():
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), target))
+            if os.path.basename(path) in ("api.md", "gpu.md"):
+                continue
+            assert os.path.isfile(path), f"{page} links to {target}, which does not exist"

@@ -122,7 +122,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     Raises:
         CheckpointCorruptError: no published checkpoint (or a file at ``path``), missing /
             truncated / altered files, an edited manifest, or a crafted one (a file name outside
-            the directory, a symlink, metadata that is not DCP's): see README "Checkpointing".
+            the directory, a symlink, metadata that is not DCP's): see docs/checkpointing.md.
         CheckpointMismatchError: the checkpoint does not fit ``like_state``; the message lists
             every differing key path with saved and expected shape / dtype / kind.
     """

@@ -22,7 +22,7 @@ optimizer state. An extra buffer costs one more collective inside the unit's coa
 ``LAUNCH_COST_BYTES`` converts that to bytes as (per-op latency) x (bandwidth): on NCCL about
 10 us x 100 GB/s = 1 MB (a collective's latency inside a group and an inter-node all-gather's
 bus bandwidth, orders of magnitude, not measured here: no GPU); on gloo on the 2-core CI machine
-``bench/buffers.py`` measures the extra buffer's cost in the same terms (README "Planning"). We
+``bench/buffers.py`` measures the extra buffer's cost in the same terms (docs/planning.md). We
 take 1 MiB, the larger: an extra buffer must save at least 1 MiB of gathered padding.
 
 The cost model never trades padding for launches *below* the baselines: ``"auto"`` and an

@@ -1,7 +1,7 @@
 """Where one leaf lives: :class:`LeafLayout` (in the global buffer), :class:`LocalPiece` (the
 part of it one rank holds) and :class:`ShardRange` (one contiguous range of a rank's shard).
 
-"Local" always means this rank's own piece of an FSDP buffer (see the glossary in README.md).
+"Local" always means this rank's own piece of an FSDP buffer (see the glossary in docs/design.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ plus the FSDP :class:`~ragged.LayoutPlan` of the parts (:func:`make_mesh_plan`).
 
 A leaf's *part* is what one position of the non-FSDP axes (TP, EP) holds of it after every
 ``Shard`` placement (``MeshLeaf.part_shape``); the FSDP axis then shards the parts (see the
-glossary in README.md: "local" is this rank's piece of an FSDP buffer, never a part).
+glossary in docs/design.md: "local" is this rank's piece of an FSDP buffer, never a part).
 
 [Note: plan on the part shapes]
 ``make_mesh_plan`` first applies the ``Shard`` placements (all even) to get each leaf's part

@@ -12,7 +12,7 @@ and stacked experts ``{"dp": Blocks(32, 32), "ep": Shard(0)}``.
 V row blocks of a fused QKV weight) and gives each rank its chunk *of every segment*,
 concatenated. Several axes sharding the same dim apply in mesh order (first axis outermost, as
 DTensor does). What one position of the non-FSDP axes holds of a leaf is its *part* (see the
-glossary in README.md); the FSDP RaggedShard then cuts the part, so a rank's FSDP piece is a
+glossary in docs/design.md); the FSDP RaggedShard then cuts the part, so a rank's FSDP piece is a
 strided set of global elements: :func:`ragged.parallel.part_index` keeps that bookkeeping (the
 paper's StridedRaggedShard), and ``ragged.parallel`` uses it to reassemble global tensors and
 to convert to a global layout for checkpoints.

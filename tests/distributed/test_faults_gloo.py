@@ -65,7 +65,7 @@ def _loop(comm, plan, params, n=50):
 
 
 def _report(what, delays):
-    """One line per scenario (``pytest -s`` shows them; README quotes them): the slowest rank."""
+    """One line per scenario (``pytest -s`` shows them; docs/engine.md lists the scenarios): the slowest rank."""
     print(f"\nfault latency: {what}: slowest rank raised {max(delays) * 1e3:.0f} ms after the fault")
 
 

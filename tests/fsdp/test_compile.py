@@ -7,7 +7,7 @@ before any parameter changes.
 Compilation is slow on 2 cores: these tests compile with ``aot_eager`` (dynamo and AOTAutograd,
 the parts that meet ragged's runtime: guards, graph breaks, the compiled function's saved
 tensors and backward), on the smallest model; inductor (the backend users run) is the gloo
-test's per-block case and the README's example.
+test's per-block case and the compiled example of docs/training-step.md.
 Simulated ranks are threads: two threads compiling the same frame at once make dynamo compile it
 twice (a "recompile" whose guards passed when dynamo looked for the reason: ``THREAD_RACE``); a
 one-rank run first compiles every frame once, with the shapes of the two-rank run. The gloo test

@@ -1,0 +1,278 @@
+"""The performance page, from the benchmarks' own JSON: record a run, render ``docs/performance.md``.
+
+``record`` runs one benchmark command with ``--json`` added, and writes what it produced to
+``bench/results/NAME.json`` together with where it ran: the commit (and whether ``ragged/`` or
+``bench/`` had uncommitted changes), the CPU count, the torch and Python versions, the command
+and the date. ``render`` turns every committed result into its tables, each under one header
+line naming commit, machine, command and date; the prose of the page lives here, next to the
+renderers, and quotes no figure that is not in a table. ``tests/bench/test_report.py`` checks
+that ``docs/performance.md`` is exactly this script's output for the committed results.
+
+Usage::
+
+    python3 bench/report.py record plan -- python3 bench/plan.py --world-sizes 1024 --strategies dp auto
+    python3 bench/report.py render            # writes docs/performance.md
+    python3 bench/report.py render --check    # exit 1 when docs/performance.md is not up to date
+
+A result's renderer is chosen by the benchmark script in its command (``bench/plan.py`` ->
+:func:`plan_tables`); a result with no renderer is an error, not a silent omission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RESULTS = os.path.join(ROOT, "bench", "results")
+PAGE = os.path.join(ROOT, "docs", "performance.md")
+
+
+# ---- record ---------------------------------------------------------------------------------
+def _git(*args) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+JSON_LINES = {"bench/step.py", "bench/memory.py"}  # their --json appends one object per line (run or cell)
+
+
+def record(name: str, command: list[str]) -> dict:
+    """Runs ``command`` (a benchmark, ``--json PATH`` appended) and returns the result record."""
+    import torch
+
+    script = next((a for a in command if a.startswith("bench/") and a.endswith(".py")), None)
+    if script is None:
+        raise SystemExit(f"record {name}: the command names no bench/*.py script: {shlex.join(command)}")
+    commit = _git("rev-parse", "--short=10", "HEAD")  # the code that runs: taken before, checked after
+    dirty = _git("status", "--porcelain", "--", "ragged", script)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        started = datetime.datetime.now(datetime.timezone.utc)
+        subprocess.run([*command, "--json", out], cwd=ROOT, check=True)
+        with open(out) as f:
+            text = f.read()
+    if script in JSON_LINES:
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        data = json.loads(text)
+    changed = _git("rev-parse", "--short=10", "HEAD") != commit and _git("diff", "--stat", commit, "--", "ragged", script)
+    return {
+        "name": name, "script": script, "command": shlex.join(command),
+        "commit": commit, "uncommitted_changes": bool(dirty or changed),
+        "date": started.date().isoformat(),
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                    "cuda": torch.cuda.is_available()},
+        "data": data,
+    }
+
+
+# ---- render: one function per benchmark script -------------------------------------------------
+def header(result: dict) -> str:
+    """The one line above each table: commit, machine, command, date."""
+    m = result["machine"]
+    commit = result["commit"] + (" with uncommitted changes" if result["uncommitted_changes"] else "")
+    device = "CUDA" if m["cuda"] else "CPU only"
+    return (f"*commit `{commit}`, {m['cpus']} CPUs ({device}), torch {m['torch']}, Python {m['python']}; "
+            f"`{result['command']}`; {result['date']}*")
+
+
+def plan_tables(result: dict) -> list[str]:
+    """``bench/plan.py``: the planner's time on whole models at the largest m."""
+    timing = result["data"]["timing"]  # {"dp llama3-70b rows:1": median seconds, ...}
+    cells = result["data"]["cells"]
+    m = max(c["m"] for c in cells)
+    strategies = list(dict.fromkeys(k.split(" ")[0] for k in timing))
+    models = list(dict.fromkeys(k.split(" ")[1] for k in timing))
+    grans = list(dict.fromkeys(k.split(" ")[2] for k in timing))
+    lines = [f"| whole model, m = {m}, median seconds, " + " / ".join(strategies) + " | " + " | ".join(grans) + " |",
+             "|---|" + "---|" * len(grans)]
+    for model in models:
+        vals = [" / ".join(f"{timing[f'{s} {model} {g}']:.3f}" for s in strategies) for g in grans]
+        lines.append(f"| {model} | " + " | ".join(vals) + " |")
+    return ["\n".join(lines)]
+
+
+def padding_tables(result: dict) -> list[str]:
+    """``bench/padding.py``: whole-model padding per policy and peer, and per layer kind."""
+    from bench.padding import markdown
+
+    rows = result["data"]
+    world_sizes = sorted({r["m"] for r in rows})
+    whole, kinds = markdown(rows, world_sizes).split("\n\n")
+    return [whole, kinds]
+
+
+def memory_tables(result: dict) -> list[str]:
+    """``bench/memory.py``: one rank's peak on the fake process group, per (model, AC, W)."""
+    from bench.memory import markdown, row
+
+    return [markdown([row(c["model"], c["checkpointing"], c, c.get("units", "default")) for c in result["data"]])]
+
+
+def step_tables(result: dict) -> list[str]:
+    """``bench/step.py``: one table per run (model, W, policy, optimizer)."""
+    from bench.step import markdown
+
+    return [markdown(summary) for summary in result["data"]]
+
+
+def parallel_tables(result: dict) -> list[str]:
+    """``bench/parallel.py``: FSDP x TP / EP padding on the parts' shapes."""
+    lines = ["| model | axis | FSDP granularity | FSDP m | ragged, 1 buffer | ragged, auto | buffers (max) | FSDP2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    errors = list(dict.fromkeys(r["error"] for r in result["data"] if r["error"]))
+    for r in result["data"]:
+        if r["error"]:
+            lines.append(f"| {r['model']} | {r['axis']} | {r['gran']} | {r['m']} | refused [{errors.index(r['error']) + 1}] "
+                         "| - | - | - |")
+        else:
+            lines.append(f"| {r['model']} | {r['axis']} | {r['gran']} | {r['m']} | {r['1']:.2%} | {r['auto']:.2%} | "
+                         f"{r['buffers']} | {r['fsdp2']:.2%} |")
+    lines += [""] + [f"[{i}] {e}" for i, e in enumerate(errors, 1)]
+    return ["\n".join(lines)]
+
+
+def quant8_tables(result: dict) -> list[str]:
+    """``bench/quant8.py``: 8-bit AdamW state and results at every world size vs the first."""
+    lines = ["| W | optimizer | quantization blocks | blocks unlike the first W | state MiB/rank | params: max abs diff | "
+             "params changed | state codes equal the first W's |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["data"]:
+        same = "-" if r["codes_equal"] is None else ("yes" if r["codes_equal"] else "**no**")
+        unlike = "-" if r["blocks_unlike"] is None else f"{r['blocks_unlike']:,}"
+        lines.append(f"| {r['world']} | {r['optimizer']} | {r['blocks']:,} | {unlike} | "
+                     f"{r['state_bytes'] / 2**20:.2f} | {r['max_abs_diff']:.2e} | {r['changed']:.3%} | {same} |")
+    return ["\n".join(lines)]
+
+
+RENDERERS = {"bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
+             "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables}
+
+# The page: (heading, prose before the tables, result names in order). The prose says what is
+# measured and how; every figure is in a table.
+SECTIONS = [
+    ("Padding on real model shapes", """\
+What every rank all-gathers on top of the parameters, `(m * per-rank elements - elements) / elements`,
+for the bundled models (one FSDP unit per decoder layer, plus embedding and head; bf16; meta tensors,
+so no memory): ragged with one buffer per unit (`max_buffers=1`), one buffer per distinct granule
+(each planned by `dp`: a baseline the planner's search must not lose to) and `max_buffers="auto"`
+(with the buffers it chose: most per unit / total), next to the rules of FSDP2 and Megatron-FSDP
+(`rg.spec.peer_padding`; FSDP1 and ZeRO-3 cut rows and blocks anywhere and pad almost nothing).
+The second table is the paper's Figure 11 view: the worst layer of each decoder-layer kind, one
+buffer / `"auto"`. Deterministic: the same command gives the same table on any machine.
+[planning.md](planning.md) explains the cells where coarse granules stay expensive.""", ["padding"]),
+    ("Planning time", """\
+The time to plan every unit of a whole model at the largest shard group, cold caches, one pinned core,
+median of the runs, for the default single-buffer planner (`dp`) and for `max_buffers="auto"`. Plans do
+not depend on the machine (the search has a deterministic work budget); only their time does.""", ["plan"]),
+    ("FSDP x TP / EP padding", """\
+Padding of the FSDP plan of each leaf's *part* (what one TP or EP position holds, Megatron-style
+placements: experts `Shard(0)` on "ep", column- and row-parallel matrices on "tp"), whole model, one
+unit per layer; FSDP2 is `Shard(0)` per parameter on the same part shapes. Deterministic.""", ["parallel"]),
+    ("8-bit AdamW: state at every world size", """\
+The dense GPT's parameters and the same gradients for a few steps at each world size, with 8-bit AdamW
+quantized per local shard (FSDP2 + torchao style: 1024-element blocks of each rank's piece) and with
+ragged's `Blocks(32, 32)` (the plan's tiles, which no rank boundary cuts); results compared bit for bit
+with the first world size. Deterministic.""", ["quant8"]),
+    ("Memory at large W: one rank on torch's fake process group", """\
+Each cell is two fresh processes (one per method) that join a W-rank fake process group as one rank:
+collectives return at once and move no data, every allocation is real. ragged (`rg.fsdp` step, AdamW,
+`donate=True`) and FSDP2 (`fully_shard` per block and root, `torch.optim.AdamW`) train the GPT of
+`bench/step.py` (batch 2 x 256 tokens per rank, fp32), activation checkpointing of every block in both
+when AC is on. Peak = the largest live total of the CPU allocator's events during the measured step,
+counted from before the method is built (`bench/_measure.LiveBytes`); state = the live total at the
+step's start. "rest / largest block" is the gathered size of the largest non-block unit and of the
+largest block; "saved activations" are the unsharded model's tensors saved for backward. MoE routing
+depends on values, which the fake group leaves as garbage, so MoE peaks can move slightly.""", ["memory", "memory-large"]),
+    ("Training step: ragged vs FSDP2 (gloo, CPU)", """\
+`bench/step.py` trains the GPT of `ragged.examples.gpt` (seq 256, batch 2 per rank, AdamW, the same
+initial weights and batches for every method) with **ragged** (`rg.fsdp`, every block and the rest as
+units, `make_step(donate=True)` with `adamw(donate=True)`), **fsdp2** (`fully_shard` on every block and
+the root, `torch.optim.AdamW(foreach=True)`) and **local** (the unsharded model on each rank, no
+communication: the compute floor). Each repeat runs one step of every method on the same batch, the
+order alternating; warm-up is excluded; times are the max over ranks. The paired ratio is the median
+over repeats of ragged / FSDP2 within one repeat (it cancels most of the drift of a shared machine),
+with a bootstrap 95% interval. Peak = bytes kept between steps + the largest rise during one profiled
+step; copies = host time of the copies made for communication in one profiled step on rank 0. On a
+machine shared with other jobs the times are noisy; the memory and byte columns are not.""", ["step"]),
+]
+
+
+def load_results(directory: str = RESULTS) -> dict[str, dict]:
+    out = {}
+    for entry in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        if entry.endswith(".json"):
+            with open(os.path.join(directory, entry)) as f:
+                out[entry[: -len(".json")]] = json.load(f)
+    return out
+
+
+def render(results: dict[str, dict]) -> str:
+    """The whole page for ``results`` (``{name: record}``); sections whose results are absent are left out."""
+    placed = {n for _, _, names in SECTIONS for n in names}
+    unplaced = sorted(set(results) - placed)
+    if unplaced:
+        raise SystemExit(f"bench/results has results no section of bench/report.py places: {unplaced}")
+    out = ["# Performance", "",
+           "<!-- Generated by `python3 bench/report.py render` from bench/results/*.json; do not edit. -->", "",
+           "Every table below is rendered from a benchmark's own JSON output, committed under `bench/results/`",
+           "(`python3 bench/report.py record NAME -- COMMAND` ran the command and saved it). The line above each",
+           "table says where and how it was measured. Timing tables from a shared CPU machine are noisy; re-run",
+           "the command for your own figures. How each quantity is taken: `bench/_measure.py`; the compared",
+           "methods: `bench/_methods.py`. Measurements on a GPU: [gpu.md](gpu.md).", ""]
+    for title, prose, names in SECTIONS:
+        present = [n for n in names if n in results]
+        if not present:
+            continue
+        out += [f"## {title}", "", prose, ""]
+        for name in present:
+            result = results[name]
+            renderer = RENDERERS.get(result["script"])
+            if renderer is None:
+                raise SystemExit(f"bench/results/{name}.json: no renderer for {result['script']}")
+            for table in renderer(result):
+                out += [header(result), "", table, ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="run a benchmark with --json and save bench/results/NAME.json")
+    rec.add_argument("name")
+    rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python3 bench/SCRIPT.py ARGS")
+    ren = sub.add_parser("render", help="write docs/performance.md from bench/results/*.json")
+    ren.add_argument("--check", action="store_true", help="do not write: exit 1 when the page is not up to date")
+    args = ap.parse_args(argv)
+    if args.cmd == "record":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        result = record(args.name, command)
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        print(f"wrote bench/results/{args.name}.json")
+        return 0
+    page = render(load_results())
+    if args.check:
+        with open(PAGE) as f:
+            if f.read() != page:
+                print("docs/performance.md is not the rendering of bench/results: run python3 bench/report.py render")
+                return 1
+        return 0
+    os.makedirs(os.path.dirname(PAGE), exist_ok=True)
+    with open(PAGE, "w") as f:
+        f.write(page)
+    print(f"wrote {os.path.relpath(PAGE, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -132,25 +132,23 @@ class Codec:
             >>> [round(v, 4) for v in y[0].tolist()]  # each block's absmax exact, the rest to the nearest code
             [0.4938, -1.0, 0.0, 2.0, 0.2562]
         """
-        codes, absmax = self.encode_tiles(tiled(x, block, grid_of(x.shape, block)), x.shape)
+        codes, absmax = self.encode_grid(x, block, grid_of(x.shape, block))
         return codes.reshape(-1), absmax
 
     def decode_blocks(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
         """fp32 ``shape = (rows, cols)`` values of :meth:`encode_blocks`' output."""
-        return untiled(self.decode_tiles(codes, absmax, shape, block, grid_of(shape, block)), shape)
+        return self.decode_grid(codes, absmax, shape, block, grid_of(shape, block))
 
-    def encode_tiles(self, xt: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`encode_blocks` of the tiled form ``xt`` (:func:`tiled`: zero padding included)
-        of a ``shape = (rows, cols)`` tensor; the codes as ``(rows, cols)`` (a view that cuts the
-        padding: flattening it would need a size check that specializes a compiled graph)."""
-        absmax = xt.abs().amax(dim=(1, 3))
+    def encode_grid(self, x: torch.Tensor, block, grid) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode_blocks` with the ``grid`` (:func:`grid_of`) given; the codes as
+        ``(rows, cols)``."""
+        absmax = tiled(x.abs(), block, grid).amax(dim=(1, 3))
         inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        return untiled(self.encode(xt, inv[:, None, :, None]), shape), absmax.reshape(-1)
+        return self.encode(x, per_element(inv, x.shape, block, grid)), absmax.reshape(-1)
 
-    def decode_tiles(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block, grid) -> torch.Tensor:
-        """:meth:`decode_blocks` in the tiled form (:func:`tiled`; the padding reads 0)."""
-        xt = tiled(self.decode(codes).view(shape), block, grid)
-        return xt.mul_(absmax.view(grid[0], 1, grid[1], 1))
+    def decode_grid(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block, grid) -> torch.Tensor:
+        """:meth:`decode_blocks` with the ``grid`` (:func:`grid_of`) given."""
+        return self.decode(codes).view(shape).mul_(per_element(absmax, shape, block, grid))
 
 
 def grid_of(shape, block) -> tuple[int, int]:
@@ -169,10 +167,12 @@ def tiled(x: torch.Tensor, block: tuple[int, int], grid: tuple[int, int]) -> tor
     return x.view(bands, r, tiles, c)
 
 
-def untiled(xt: torch.Tensor, shape) -> torch.Tensor:
-    """The ``shape = (rows, cols)`` tensor whose :func:`tiled` form is ``xt`` (the padding cut)."""
-    bands, r, tiles, c = xt.shape
-    return xt.view(bands * r, tiles * c)[: shape[0], : shape[1]]
+def per_element(x: torch.Tensor, shape, block, grid) -> torch.Tensor:
+    """The ``shape = (rows, cols)`` tensor of each element's block value, from one value per
+    block ``x`` (band-major; a broadcast view, which a compiled graph reads by index)."""
+    (r, c), (bands, tiles) = block, grid
+    full = x.reshape(bands, 1, tiles, 1).expand(bands, r, tiles, c).reshape(bands * r, tiles * c)
+    return full[: shape[0], : shape[1]]
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,7 +45,7 @@ import torch
 import torch.fx.experimental._config
 
 from ragged._errors import RaggedValueError
-from ragged.optim._quant8_codec import Codec, tiled, untiled
+from ragged.optim._quant8_codec import Codec
 
 __all__ = ["KERNELS", "ENV", "check_kernel", "adam", "chunk_update", "update_fn"]
 
@@ -101,13 +101,12 @@ def chunk_update(g, p, mu_codes, nu_codes, mu_scales, nu_scales, hp, cm: Codec, 
         ``(update, mu codes, mu scales, nu codes, nu scales)``: update and codes ``(rows, cols)``.
     """
     shape = g.shape
-    m = cm.decode_tiles(mu_codes, mu_scales, shape, block, grid)
-    v = cv.decode_tiles(nu_codes, nu_scales, shape, block, grid)
-    gt, pt = tiled(g, block, grid), None if p is None else tiled(p, block, grid)
-    m, v, u = adam(m, v, gt, pt, hp, decay=decay, lr=lr, zero_eps=zero_eps, fresh=True)
-    mc, ms = cm.encode_tiles(m, shape)
-    vc, vs = cv.encode_tiles(v, shape)
-    return untiled(u, shape), mc, ms, vc, vs
+    m = cm.decode_grid(mu_codes, mu_scales, shape, block, grid)
+    v = cv.decode_grid(nu_codes, nu_scales, shape, block, grid)
+    m, v, u = adam(m, v, g, p, hp, decay=decay, lr=lr, zero_eps=zero_eps, fresh=True)
+    mc, ms = cm.encode_grid(m, block, grid)
+    vc, vs = cv.encode_grid(v, block, grid)
+    return u, mc, ms, vc, vs
 
 
 # pinned so that the compiled form computes what the eager ops compute (see the Note)
@@ -169,17 +168,6 @@ def _bound(block, flags):
     return scope[name]
 
 
-def _size_oblivious(fn):
-    """``fn`` traced with sizes of 1 not specialized (``backed_size_oblivious``): a chunk of one
-    band or one tile runs the same graph as any other."""
-
-    def run(*args):
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            return fn(*args)
-
-    return run
-
-
 def _eager(block, flags):
     return lambda *args: _chunk_at(*args, block, flags)
 
@@ -207,8 +195,11 @@ def _first_call(kernel, key, device, args):
     with _lock:
         if key not in _compiled:
             options = _OPTIONS["cuda" if device.type == "cuda" else "cpp"]
-            fn = _size_oblivious(torch.compile(_bound(key[2], key[3]), dynamic=True, options=options))
-            out, why = _first(fn, _eager(key[2], key[3]), args)
+            fn = torch.compile(_bound(key[2], key[3]), dynamic=True, options=options)
+            # traced with sizes of 1 not specialized: a chunk of one band, tile or row runs the
+            # same graph as any other (the setting matters only while dynamo traces)
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                out, why = _first(fn, _eager(key[2], key[3]), args)
             _compiled[key] = fn if out is not None else why
             if out is not None:
                 return out

@@ -14,21 +14,29 @@ muon    Newton-Schulz work per rank (every 2-D matrix and every expert matrix of
 step    Wall time of one optimizer step on one process (torch.set_num_threads(1)) over the same
         fp32 parameters: ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW`` foreach and
         for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one flat tensor,
-        and ``rg.optim.adamw_8bit`` on the DBuffer (functional; ``donate=True``, in place as
-        torch's; and its torch-ops kernel). Each of ours includes ``apply_updates``; the donated
-        ones refill the donated gradient buffer, as the next backward would. Median of --iters,
-        interleaved, and the paired ratio (median over iterations of method / torch foreach
-        per-leaf in the same iteration).
+        and ``rg.optim.adamw_8bit`` on the DBuffer: its compiled update (``kernel="compiled"``,
+        ``torch.compile`` of the fused update; functional and ``donate=True``, in place as
+        torch's) and its eager torch ops (``kernel="eager"``, ``donate=True``). Each of ours
+        includes ``apply_updates``; the donated ones refill the donated gradient buffer, as the
+        next backward would. Every method runs once before the timed rounds (the 8-bit update
+        compiles there; the time is printed). Median of --iters, interleaved, and the paired
+        ratio (median over rounds of method / torch foreach per-leaf in the same round).
+        ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``: only torch's
+        foreach AdamW and the two 8-bit kernels; ``--json FILE``: the rows, every round's time
+        and the command.
 
 Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
+      python3 bench/optim.py --sections step --only-8bit --iters 15 --json optim-step.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,24 +133,25 @@ def section_muon(console, m_list):
     console.print(table)
 
 
-def section_step(console, iters, hidden):
+def section_step(console, iters, hidden, device="cpu", only_8bit=False):
     torch.set_num_threads(1)
+    dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     h, f = hidden, int(hidden * 8 / 3) // 64 * 64
     params = {}
     for i in range(4):
         for name, shape in (("qkv", (3 * h, h)), ("proj", (h, h)), ("w1", (f, h)), ("w3", (f, h)), ("w2", (h, f)),
                             ("n1", (h,)), ("n2", (h,))):
-            params[f"l{i}.{name}"] = torch.randn(*shape, generator=g)
-    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            params[f"l{i}.{name}"] = torch.randn(*shape, generator=g).to(dev)
+    grads = {k: torch.randn(v.shape, generator=g).to(dev) for k, v in params.items()}
     plan = rg.make_plan(params, specs_for(params), world_size=1, dtype=torch.float32)
-    buf = torch.zeros(plan.shard_size)
-    gbuf = torch.zeros(plan.shard_size)
+    buf = torch.zeros(plan.shard_size, device=dev)
+    gbuf = torch.zeros(plan.shard_size, device=dev)
     for leaf in plan.leaves:
         buf[leaf.offset : leaf.stop] = params[leaf.path[2:-2]].reshape(-1)
         gbuf[leaf.offset : leaf.stop] = grads[leaf.path[2:-2]].reshape(-1)
-    local = DBuffer(data=buf, replicated=torch.zeros(0), plan=plan, rank=0)
-    gsh = DBuffer(data=gbuf, replicated=torch.zeros(0), plan=plan, rank=0)
+    local = DBuffer(data=buf, replicated=torch.zeros(0, device=dev), plan=plan, rank=0)
+    gsh = DBuffer(data=gbuf, replicated=torch.zeros(0, device=dev), plan=plan, rank=0)
     n = plan.numel
 
     def ours(make, donate=False):
@@ -170,36 +179,57 @@ def section_step(console, iters, hidden):
         opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **kw)
         return opt.step
 
-    methods = {
-        "rg.optim.adamw (DBuffer, functional)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1)),
-        "rg.optim.adamw (DBuffer, donate=True)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1, donate=True), True),
-        "unfused chain(scale_by_adam, add_decayed_weights, lr)": ours(lambda: rg.optim.chain(
-            rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.1), rg.optim.scale_by_learning_rate(1e-3))),
-        "torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True),
-        "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
-        "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
-        "rg.optim.adamw_8bit (DBuffer, functional)": ours(lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1)),
-        "rg.optim.adamw_8bit (DBuffer, donate=True)": ours(
-            lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=True), True),
-        "rg.optim.adamw_8bit (donate=True, kernel='torch')": ours(
-            lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=True, kernel="torch"), True),
-    }
-    times = interleaved(methods, iters, warmup=2)  # warm-up: state allocation
-    from ragged.optim import _quant8_kernel
+    q8 = lambda kernel, donate: ours(  # noqa: E731
+        lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=donate, kernel=kernel), donate)
+    methods = {"torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True)}
+    if not only_8bit:
+        methods.update({
+            "rg.optim.adamw (DBuffer, functional)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1)),
+            "rg.optim.adamw (DBuffer, donate=True)": ours(
+                lambda: rg.optim.adamw(1e-3, weight_decay=0.1, donate=True), True),
+            "unfused chain(scale_by_adam, add_decayed_weights, lr)": ours(lambda: rg.optim.chain(
+                rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.1), rg.optim.scale_by_learning_rate(1e-3))),
+            "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
+            "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
+            "rg.optim.adamw_8bit (functional, kernel='compiled')": q8("compiled", False),
+        })
+    methods.update({
+        "rg.optim.adamw_8bit (donate=True, kernel='compiled')": q8("compiled", True),
+        "rg.optim.adamw_8bit (donate=True, kernel='eager')": q8("eager", True),
+    })
+    t0 = time.perf_counter()
+    for step in methods.values():  # the first compile of the 8-bit update, outside the timed rounds
+        step()
+    first = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    kernel = "C kernel built" if _quant8_kernel.available() else f"no C kernel: {_quant8_kernel.unavailable_reason()}"
-    table = Table(title=f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, 1 thread (median of {iters}; "
-                        f"8-bit: {kernel})")
+    def timed(fn):
+        def run():
+            fn()
+            sync()
+
+        return run
+
+    times = interleaved({k: timed(v) for k, v in methods.items()}, iters, warmup=2)  # warm-up: state allocation
+    title = (f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, {dev.type}, 1 thread (median of "
+             f"{iters}, interleaved; paired: median over rounds of method / torch foreach per-leaf in the same round; "
+             f"first calls incl. the 8-bit update's compile: {first:.0f} s)")
+    table = Table(title=title)
     table.add_column("method")
     table.add_column("ms", justify="right")
     table.add_column("vs torch foreach per-leaf (ratio of medians)", justify="right")
     table.add_column("paired ratio", justify="right")
     ref = times["torch AdamW foreach (per-leaf)"]
     base = statistics.median(ref)
+    rows = []
     for k, ts in times.items():
         t = statistics.median(ts)
+        rows.append({"method": k, "ms": t * 1e3, "ratio_of_medians": t / base, "paired": paired(ts, ref),
+                     "seconds": ts})
         table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x", f"{paired(ts, ref):.2f}x")
     console.print(table)
+    return {"section": "step", "device": dev.type, "numel": n, "leaves": len(params), "iters": iters,
+            "first_calls_s": first, "torch": torch.__version__, "rows": rows}
 
 
 def _muon_worker(rank, m, backend, iters, size):
@@ -264,6 +294,10 @@ def main():
     ap.add_argument("--muon-world-sizes", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--device", default="cpu", help="step section: where the parameters live (cpu, cuda)")
+    ap.add_argument("--only-8bit", action="store_true",
+                    help="step section: only torch's foreach AdamW and the two 8-bit kernels (compiled, eager)")
+    ap.add_argument("--json", default=None, help="step section: write its rows (every timed round) to this JSON file")
     args = ap.parse_args()
     console = Console(width=150)
     if "state" in args.sections:
@@ -271,7 +305,11 @@ def main():
     if "muon" in args.sections:
         section_muon(console, args.muon_world_sizes)
     if "step" in args.sections:
-        section_step(console, args.iters, args.hidden)
+        out = section_step(console, args.iters, args.hidden, args.device, args.only_8bit)
+        if args.json:
+            out["command"] = " ".join(["python3", *sys.argv])
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
     if "muon-gloo" in args.sections:
         section_muon_gloo(console, args.gloo_world_size, args.iters, args.muon_size)
 

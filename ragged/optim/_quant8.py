@@ -2,9 +2,10 @@
 
 Which elements are quantized and why the state is the same at every world size: [Note: blocks
 are the plan's blocks] (``_quant8_state.py``). The codes: [Note: dynamic quantization maps]
-(``_quant8_codec.py``). The fused C update: [Note: why a C kernel] (``_quant8_kernel.py``).
+(``_quant8_codec.py``). How the update runs, compiled or eager: [Note: one update, compiled or
+eager] (``_quant8_fused.py``).
 
-[Note: one update, two kernels]
+[Note: one update]
 Per quantized piece one step decodes both moments, runs Adam in fp32, writes the update (plus
 ``weight_decay * p``, times ``-lr``, when :func:`adamw_8bit` fuses the chain), takes each
 block's new absmax and encodes both moments:
@@ -15,13 +16,12 @@ block's new absmax and encodes both moments:
     u = u + p * weight_decay;  u = u * -lr                        (adamw_8bit)
     absmax = max |m| per block;  code = encode(m * (1 / absmax))  (same for v)
 
-``kernel="c"`` runs this as one C pass per band of blocks, ``kernel="torch"`` as torch ops over
-chunks of whole blocks (any device); ``"auto"`` (default) takes C on CPU when it builds. Both
-use only single-rounding float32 ops in this order -- never lerp / addcmul / add(alpha=), whose
-vectorised and scalar-tail paths may differ by an FMA -- and a correctly rounded square root,
-so they agree bit for bit, and the state never depends on where an element sits in the buffer.
-Small and non-block leaves and replicated leaves keep fp32 moments, updated by the same formula
-in torch ops.
+It runs over chunks of whole blocks, as one torch function that ``torch.compile`` fuses (or the
+same ops eagerly). Only single-rounding float32 ops in this order -- never lerp / addcmul /
+add(alpha=), whose vectorised and scalar-tail paths may differ by an FMA -- and a correctly
+rounded square root, so the state never depends on where an element sits in the buffer, nor on
+the world size. Small and non-block leaves and replicated leaves keep fp32 moments, updated by
+the same formula in eager torch ops.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
-from ragged.optim import _quant8_kernel as ckernel
+from ragged.optim import _quant8_fused as fused
 from ragged.optim._base import GradientTransformation, Schedule, zero_count
 from ragged.optim._quant8_codec import codec
 from ragged.optim._quant8_state import (
@@ -52,18 +52,6 @@ from ragged.optim._transform import (
 
 # adam8bit_leaf_state lives in _quant8_state; tests import it from here too
 __all__ = ["scale_by_adam_8bit", "adamw_8bit", "state_nbytes", "adam8bit_leaf_state"]
-
-KERNELS = ("auto", "c", "torch")
-
-
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise RaggedValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
-    if kernel == "c" and not ckernel.available():
-        raise RaggedValueError(
-            f"kernel='c': the C kernel of 8-bit Adam does not build here ({ckernel.unavailable_reason()}). "
-            "Fix: kernel='auto' (falls back to torch ops) or kernel='torch'."
-        )
 
 
 def _is_dbuffer(x) -> bool:
@@ -95,72 +83,48 @@ def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
 
 
 class _Hyper:
-    """The scalars of one step; ``c_args``: as the C kernel takes them (float32, as torch rounds scalars)."""
+    """The scalars of one step: ``hp`` (float32, as torch rounds Python scalars; see
+    ``_quant8_fused``) and the flags that select the formula's optional terms."""
 
     def __init__(self, b1, b2, eps, count, decay, lr):
         t = count.to(torch.float64)
-        self.b1, self.b2, self.eps, self.decay, self.lr = b1, b2, eps, decay, lr
-        self.bc1 = (1.0 - b1**t).to(torch.float32)
-        self.bc2 = torch.sqrt(1.0 - b2**t).to(torch.float32)
-        if isinstance(lr, torch.Tensor):
-            self.lr = lr.to(torch.float32)
-        self.c_args = self._c_args() if count.device.type == "cpu" else None
+        c = lambda x: torch.as_tensor(x, dtype=torch.float64, device=count.device)  # noqa: E731
+        lr_t = c(1.0) if lr is None else torch.as_tensor(lr, device=count.device).to(torch.float64)
+        parts = [c(b1), c(1.0 - b1), c(b2), c(1.0 - b2), c(eps), 1.0 - b1**t, torch.sqrt(1.0 - b2**t),
+                 c(decay or 0.0), lr_t]
+        self.hp = torch.stack(parts).to(torch.float32)
+        self.flags = (decay is not None, lr is not None, eps == 0)
+        self._on: dict = {}
 
-    def _c_args(self):
-        flags = (1 if self.decay is not None else 0) | (2 if self.lr is not None else 0) | (4 if self.eps == 0 else 0)
-        return (self.b1, 1.0 - self.b1, self.b2, 1.0 - self.b2, self.eps, float(self.bc1), float(self.bc2),
-                self.decay or 0.0, float(self.lr) if self.lr is not None else 0.0, flags)
+    def on(self, device) -> torch.Tensor:
+        """``hp`` on ``device`` (copied once per device)."""
+        key = str(device)
+        if key not in self._on:
+            self._on[key] = self.hp.to(device)
+        return self._on[key]
 
 
 def _adam(m, v, g, p, h: _Hyper, *, fresh: bool):
-    """The formula of [Note: one update, two kernels] on fp32 tensors (``m``, ``v`` updated in
-    place when ``fresh``); returns ``(m, v, u)``."""
-    m = m.mul_(h.b1) if fresh else m * h.b1
-    m.add_(g * (1.0 - h.b1))
-    v = v.mul_(h.b2) if fresh else v * h.b2
-    v.add_((g * g).mul_(1.0 - h.b2))
-    u = torch.sqrt(v.double()).to(torch.float32).div_(h.bc2).add_(h.eps)  # float64 root: correctly rounded
-    torch.div(m, u, out=u).div_(h.bc1)
-    if h.eps == 0:
-        u = torch.where(torch.isnan(u), torch.zeros_like(u), u)
-    if h.decay is not None:
-        u.add_(p * h.decay)
-    if h.lr is not None:
-        u.mul_(h.lr)
-    return m, v, u
+    decay, lr, zero_eps = h.flags
+    return fused.adam(m, v, g, p, h.on(g.device), decay=decay, lr=lr, zero_eps=zero_eps, fresh=fresh)
 
 
-def _torch_piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv) -> None:
-    """One quantized piece in torch ops, chunk by chunk (see [Note: one update, two kernels]).
-    The tensors are the piece's own slices (elements, codes, scales)."""
+def _piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv, kernel) -> None:
+    """One quantized piece, chunk by chunk (see [Note: one update, compiled or eager]); the
+    tensors are the whole shard's (elements) and the moments' compact arrays, the results are
+    written into ``out``, ``codes_out`` and ``scales_out``."""
+    fn = fused.update_fn(kernel, g.device, (q.br, q.bc), h.flags)
+    hp = h.on(g.device)
     for c in chunks(q):
-        e0, c0, s0 = c.local_offset - q.local_offset, c.code_offset - q.code_offset, c.scale_offset - q.scale_offset
-        el, co, sc = slice(e0, e0 + c.numel), slice(c0, c0 + c.numel), slice(s0, s0 + c.num_blocks)
-        shape, block = (c.rows, c.cols), (c.br, c.bc)
-        m = cm.decode_blocks(codes_in[0][co], scales_in[0][sc], shape, block)
-        v = cv.decode_blocks(codes_in[1][co], scales_in[1][sc], shape, block)
-        m, v, u = _adam(m, v, g[el].view(shape), None if p is None else p[el].view(shape), h, fresh=True)
-        out[el] = u.reshape(-1)
-        codes_out[0][co], scales_out[0][sc] = cm.encode_blocks(m, block)
-        codes_out[1][co], scales_out[1][sc] = cv.encode_blocks(v, block)
-
-
-def _c_piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv, work) -> None:
-    view = lambda pair, lo, n: tuple(t[lo : lo + n] for t in pair)  # noqa: E731
-    at = slice(q.local_offset, q.local_offset + q.numel)
-    ckernel.adam8_piece(
-        g[at], out[at], None if p is None else p[at],
-        view(codes_in, q.code_offset, q.numel), view(scales_in, q.scale_offset, q.num_blocks),
-        view(codes_out, q.code_offset, q.numel), view(scales_out, q.scale_offset, q.num_blocks),
-        rows=q.rows, cols=q.cols, block=(q.br, q.bc), hyper=h.c_args, tables=(cm, cv), work=work,
-    )
-
-
-def _use_c(kernel: str, *tensors) -> bool:
-    if kernel == "torch":
-        return False
-    ok = all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
-    return ok and (kernel == "c" or ckernel.available())
+        u, mc, ms, vc, vs = fn(g, p, *codes_in, *scales_in, hp, cm, cv, c.local_offset, c.code_offset, c.scale_offset,
+                               c.rows, c.cols, c.bands, c.tiles)
+        at = lambda t, lo, n: t[lo : lo + n]  # noqa: E731
+        shape = (c.rows, c.cols)
+        at(out, c.local_offset, c.numel).view(shape).copy_(u)
+        at(codes_out[0], c.code_offset, c.numel).view(shape).copy_(mc)
+        at(codes_out[1], c.code_offset, c.numel).view(shape).copy_(vc)
+        at(scales_out[0], c.scale_offset, c.num_blocks).copy_(ms)
+        at(scales_out[1], c.scale_offset, c.num_blocks).copy_(vs)
 
 
 def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *, min_size, donate, kernel):
@@ -170,7 +134,7 @@ def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *
     cm, cv = codec(True, dev), codec(False, dev)
     gdata = g.data.to(torch.float32)
     in_place = donate and gdata is g.data and not g.data.requires_grad
-    pdata = p.data.detach().to(torch.float32) if h.decay is not None else None
+    pdata = p.data.detach().to(torch.float32) if h.flags[0] else None
     if in_place:  # the update overwrites the gradient piece by piece, after reading it
         out = gdata
         _zero_padding(out, g)
@@ -181,28 +145,15 @@ def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *
         codes_out = (torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes))
         scales_out = (torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales))
     codes_in, scales_in = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
-    use_c = lay.qpieces and _use_c(kernel, gdata, out, pdata, *codes_in, *scales_in, *codes_out, *scales_out)
-    work = None
     for q in lay.qpieces:
-        if use_c:
-            need = ckernel.workspace_numel(q.br, q.bc)
-            if work is None or work.numel() < need:
-                work = torch.empty(need, dtype=torch.float32)
-            _c_piece(q, gdata, pdata, out, codes_in, scales_in, codes_out, scales_out, h, cm, cv, work)
-        else:
-            sub = slice(q.local_offset, q.local_offset + q.numel)
-            _torch_piece(q, gdata[sub], None if pdata is None else pdata[sub], out[sub],
-                         tuple(t[q.code_offset : q.code_offset + q.numel] for t in codes_in),
-                         tuple(t[q.scale_offset : q.scale_offset + q.num_blocks] for t in scales_in),
-                         tuple(t[q.code_offset : q.code_offset + q.numel] for t in codes_out),
-                         tuple(t[q.scale_offset : q.scale_offset + q.num_blocks] for t in scales_out), h, cm, cv)
+        _piece(q, gdata, pdata, out, codes_in, scales_in, codes_out, scales_out, h, cm, cv, kernel)
     mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
     if lay.num_fp32:
         idx = lay.fp32_index
         pf = None if pdata is None else pdata.index_select(0, idx)
         mu_fp32, nu_fp32, u = _adam(mom.mu_fp32, mom.nu_fp32, gdata.index_select(0, idx), pf, h, fresh=in_place)
         out.index_copy_(0, idx, u)
-    prep = None if h.decay is None else p.replicated.detach().to(torch.float32)
+    prep = None if pdata is None else p.replicated.detach().to(torch.float32)
     mu_rep, nu_rep, u_rep = _adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), prep, h, fresh=in_place)
     new = Quant8Moments(*codes_out, *scales_out, mu_fp32, nu_fp32, mu_rep, nu_rep)
     wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
@@ -253,7 +204,7 @@ def scale_by_adam_8bit(
 
     Each step dequantizes a block's moments, updates them in fp32, computes the update from the
     fp32 values, then re-quantizes them with the block's new absmax (the formula: [Note: one
-    update, two kernels]).
+    update]).
 
     Args:
         b1, b2, eps: Adam's hyperparameters.
@@ -263,15 +214,17 @@ def scale_by_adam_8bit(
             :func:`ragged.optim.scale_by_adam` does): no shard-sized allocation per step, but
             the caller must not read the old state or the gradients afterwards. Results are
             bit-identical to ``donate=False``.
-        kernel: ``"auto"`` (the C kernel on CPU when it builds, else torch ops), ``"c"`` or
-            ``"torch"``; all give bit-identical results.
+        kernel: how the update runs: ``"auto"`` (default: compiled by ``torch.compile`` when
+            it compiles and reproduces the eager ops, else eager, with a warning),
+            ``"compiled"`` or ``"eager"``; all give bit-identical results (the rule: [Note: one
+            update, compiled or eager] in ``ragged/optim/_quant8_fused.py``).
 
     The params must be a DBuffer or a pytree of DBuffers.
     """
     _check_beta("b1", b1)
     _check_beta("b2", b2)
     _check_nonneg("eps", eps)
-    _check_kernel(kernel)
+    fused.check_kernel(kernel)
 
     def update(updates, state, params=None):
         del params
@@ -323,7 +276,7 @@ def adamw_8bit(
     _check_nonneg("eps", eps)
     _check_nonneg("weight_decay", weight_decay)
     _check_nonneg("learning_rate", learning_rate)
-    _check_kernel(kernel)
+    fused.check_kernel(kernel)
     scheduled = callable(learning_rate)
 
     def init(params):

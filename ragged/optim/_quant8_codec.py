@@ -132,32 +132,47 @@ class Codec:
             >>> [round(v, 4) for v in y[0].tolist()]  # each block's absmax exact, the rest to the nearest code
             [0.4938, -1.0, 0.0, 2.0, 0.2562]
         """
-        xp, bands, tiles = _tiled(x, block)
-        absmax = xp.abs().amax(dim=(1, 3))
-        inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        codes = self.encode(xp, inv[:, None, :, None])
-        rows, cols = x.shape
-        codes = codes.view(bands * block[0], tiles * block[1])[:rows, :cols]
-        return codes.reshape(-1), absmax.reshape(-1)
+        codes, absmax = self.encode_grid(x, block, grid_of(x.shape, block))
+        return codes.reshape(-1), absmax
 
     def decode_blocks(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
         """fp32 ``shape = (rows, cols)`` values of :meth:`encode_blocks`' output."""
-        rows, cols = shape
-        r, c = block
-        bands, tiles = -(-rows // r), -(-cols // c)
-        values = self.decode(codes).view(rows, cols)
-        scale = absmax.view(bands, 1, tiles, 1).expand(bands, r, tiles, c).reshape(bands * r, tiles * c)
-        return values.mul_(scale[:rows, :cols])
+        return self.decode_grid(codes, absmax, shape, block, grid_of(shape, block))
+
+    def encode_grid(self, x: torch.Tensor, block, grid) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode_blocks` with the ``grid`` (:func:`grid_of`) given; the codes as
+        ``(rows, cols)``."""
+        absmax = tiled(x.abs(), block, grid).amax(dim=(1, 3))
+        inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        return self.encode(x, per_element(inv, x.shape, block, grid)), absmax.reshape(-1)
+
+    def decode_grid(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block, grid) -> torch.Tensor:
+        """:meth:`decode_blocks` with the ``grid`` (:func:`grid_of`) given."""
+        return self.decode(codes).view(shape).mul_(per_element(absmax, shape, block, grid))
 
 
-def _tiled(x: torch.Tensor, block: tuple[int, int]):
-    """``x`` (rows, cols), zero-padded to whole tiles, viewed as (bands, r, tiles, c)."""
+def grid_of(shape, block) -> tuple[int, int]:
+    """``(bands, tiles)``: the blocks of a ``shape = (rows, cols)`` tensor along each dim."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def tiled(x: torch.Tensor, block: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+    """``x`` (rows, cols), zero-padded to whole tiles, viewed as ``(bands, r, tiles, c)``
+    (``grid``: :func:`grid_of`)."""
     rows, cols = x.shape
-    r, c = block
-    bands, tiles = -(-rows // r), -(-cols // c)
-    pr, pc = bands * r - rows, tiles * c - cols
-    xp = F.pad(x, (0, pc, 0, pr)) if pr or pc else x
-    return xp.reshape(bands, r, tiles, c), bands, tiles
+    (r, c), (bands, tiles) = block, grid
+    pc, pr = tiles * c - cols, bands * r - rows
+    if torch.compiler.is_compiling() or pr or pc:  # compiled: no branch on the sizes (one graph for all)
+        x = F.pad(x, (0, pc, 0, pr))
+    return x.view(bands, r, tiles, c)
+
+
+def per_element(x: torch.Tensor, shape, block, grid) -> torch.Tensor:
+    """The ``shape = (rows, cols)`` tensor of each element's block value, from one value per
+    block ``x`` (band-major; a broadcast view, which a compiled graph reads by index)."""
+    (r, c), (bands, tiles) = block, grid
+    full = x.reshape(bands, 1, tiles, 1).expand(bands, r, tiles, c).reshape(bands * r, tiles * c)
+    return full[: shape[0], : shape[1]]
 
 
 @functools.lru_cache(maxsize=None)

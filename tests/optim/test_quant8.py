@@ -1,4 +1,4 @@
-"""Block-wise 8-bit Adam: world-size independence, quantization maps, the two kernels, numerics vs fp32 AdamW."""
+"""Block-wise 8-bit Adam: world-size independence, quantization maps, compiled vs eager, numerics vs fp32 AdamW."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 import ragged as rg
 from ragged import spec
-from ragged.optim import _quant8_kernel
+from ragged.optim import _quant8_fused
 from ragged.optim._quant8_codec import codec
 
 from tests.optim._cases import gather_all, padding_mask, shard_all
@@ -42,17 +42,15 @@ def _grads(params, step, scale=1.0):
     return rg.pytree.map(lambda p: scale * torch.randn(p.shape, generator=g, dtype=p.dtype), params)
 
 
-needs_c = pytest.mark.skipif(not _quant8_kernel.available(), reason=f"no C kernel: {_quant8_kernel.unavailable_reason()}")
-
-
-def _run(world_size, steps=4, opt=None, params=None, specs=SPECS):
+def _run(world_size, steps=4, opt=None, params=None, specs=SPECS, device="cpu"):
     params = params if params is not None else _params()
     plan = rg.make_plan(params, specs, world_size=world_size)
     opt = opt or rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)
-    shards = shard_all(plan, params)
+    on = lambda ds: [d.replace(data=d.data.to(device), replicated=d.replicated.to(device)) for d in ds]  # noqa: E731
+    shards = on(shard_all(plan, params))
     states = [opt.init(s) for s in shards]
     for step in range(steps):
-        gs = shard_all(plan, _grads(params, step))
+        gs = on(shard_all(plan, _grads(params, step)))
         for r in range(world_size):
             u, states[r] = opt.update(gs[r], states[r], shards[r])
             shards[r] = rg.apply_updates(shards[r], u)
@@ -252,7 +250,7 @@ def test_donate_is_bit_identical_and_reuses_buffers(world_size):
 def test_chunked_quantization_changes_nothing(limit, monkeypatch):
     from ragged.optim import _quant8_state
 
-    make = lambda: rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, kernel="torch")  # noqa: E731
+    make = lambda: rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, kernel="eager")  # noqa: E731
     reference = _leaf_states(*_run(2, opt=make()))
     monkeypatch.setattr(_quant8_state.chunks, "__defaults__", (limit,))
     chunked = _leaf_states(*_run(2, opt=make()))
@@ -260,35 +258,122 @@ def test_chunked_quantization_changes_nothing(limit, monkeypatch):
 
 
 def _big_params():
-    """Leaves longer than the C kernel's strip (several strips per band, edge tiles, a long
-    Elements run with a short last block) next to the usual ones."""
+    """Leaves of several chunks (``CHUNK`` elements each), edge tiles, a long Elements run with a
+    short last block, and leaves of one band, one tile and one row, next to the usual ones."""
     g = torch.Generator().manual_seed(2)
     out = _params()
-    out["wide"] = torch.randn(70, 2100, generator=g)  # Blocks(32, 32): 3 bands, strips of 1024 columns
-    out["long"] = torch.randn(70_000, generator=g)  # Elements(256): strips of 32768
+    out["wide"] = torch.randn(70, 2100, generator=g)  # Blocks(32, 32): 3 bands, last 4 rows; last tile 20 wide
+    out["long"] = torch.randn(300_000, generator=g)  # Elements(256): 2 chunks, the last of 37 blocks
+    out["one_band"] = torch.randn(20, 300, generator=g)  # one band of 20 rows, last tile 12 wide
+    out["one_tile"] = torch.randn(200, 30, generator=g)  # one tile per band
+    out["one_row"] = torch.randn(1, 5000, generator=g)  # a 2-D leaf of one row
     return out
 
 
-BIG_SPECS = dict(SPECS, wide=spec.Blocks(32, 32), long=spec.Elements(256))
+BIG_SPECS = dict(SPECS, wide=spec.Blocks(32, 32), long=spec.Elements(256), one_band=spec.Blocks(32, 32),
+                 one_tile=spec.Blocks(32, 32), one_row=spec.Blocks(32, 32))
 
 
-@needs_c
-@pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("donate", [False, True])
-def test_c_and_torch_kernels_bit_identical(world_size, donate):
-    runs = {}
-    for kernel in ("c", "torch"):
-        opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, donate=donate, kernel=kernel)
-        runs[kernel] = _run(world_size, steps=3, opt=opt, params=_big_params(), specs=BIG_SPECS)
-    _assert_same_state(_leaf_states(*runs["torch"]), _leaf_states(*runs["c"]), "c vs torch")
-    for a, b in zip(runs["c"][1], runs["torch"][1]):
-        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
-def test_fused_adamw_8bit_equals_the_chain(kernel):
+@pytest.mark.slow
+def test_compiled_and_eager_bit_identical_and_compiled_once(monkeypatch):
+    """kernel="compiled" (torch.compile of the fused update) gives the eager ops' state and
+    updates bit for bit, at world sizes 1 and 3 (so it is world-size independent too), with and
+    without donation, through chunks of one band, one tile, one row and edge tiles; and it
+    compiles one graph per key (here Blocks(32, 32) and Elements(256)), never recompiling across
+    steps, buffers, pieces, chunk sizes or world sizes."""
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    before = _graphs()
+    for world_size in (1, 3):
+        for donate in (False, True):
+            runs = {}
+            for kernel in ("compiled", "eager"):
+                opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, donate=donate, kernel=kernel)
+                runs[kernel] = _run(world_size, steps=3, opt=opt, params=_big_params(), specs=BIG_SPECS)
+            _assert_same_state(_leaf_states(*runs["eager"]), _leaf_states(*runs["compiled"]), (world_size, donate))
+            for a, b in zip(runs["compiled"][1], runs["eager"][1]):
+                assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+    keys = _quant8_fused._compiled
+    assert len(keys) == 2 and all(callable(f) for f in keys.values()), keys
+    assert _graphs() - before == 2
+
+
+@pytest.mark.slow
+def test_compiled_chain_without_decay_matches_eager(monkeypatch):
+    """The compiled form of scale_by_adam_8bit (no decay, no learning rate: another key) with
+    eps=0 (NaN -> 0) equals the eager ops."""
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    params = {"w": torch.randn(100, 70, generator=torch.Generator().manual_seed(4))}
+    specs = {"w": spec.Blocks(32, 32)}
+    make = lambda k: rg.optim.chain(rg.optim.scale_by_adam_8bit(eps=0.0, min_size=1000, kernel=k))  # noqa: E731
+    runs = {k: _run(2, steps=3, opt=make(k), params=params, specs=specs) for k in ("compiled", "eager")}
+    _assert_same_state(_leaf_states(*runs["eager"]), _leaf_states(*runs["compiled"]), "eps=0")
+
+
+def test_auto_falls_back_to_eager_with_a_warning_when_compile_fails(monkeypatch):
+    """kernel="auto" without $RAGGED_QUANT8_KERNEL: a compile that fails means the eager ops,
+    one warning that says why, and the same result; kernel="compiled" raises instead."""
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    monkeypatch.delenv(_quant8_fused.ENV, raising=False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    with pytest.warns(RuntimeWarning, match="eager torch ops .*no compiler here"):
+        got = _leaf_states(*_run(1, steps=2, opt=rg.optim.adamw_8bit(1e-2, min_size=1000, kernel="auto")))
+    want = _leaf_states(*_run(1, steps=2, opt=rg.optim.adamw_8bit(1e-2, min_size=1000, kernel="eager")))
+    _assert_same_state(want, got, "fallback")
+    with pytest.raises(rg.RaggedValueError, match="kernel='compiled': torch.compile failed.*no compiler here"):
+        _run(1, steps=1, opt=rg.optim.adamw_8bit(1e-2, min_size=1000, kernel="compiled"))
+
+
+def test_auto_refuses_compiled_result_that_differs(monkeypatch):
+    """The first compiled chunk is checked against the eager ops: one differing bit and
+    kernel="auto" keeps the eager ops (with a warning naming what differed)."""
+    def off_by_one_bit(fn, **kw):
+        def run(*args):
+            u, mc, ms, vc, vs = fn(*args)
+            return (u.view(torch.int32) ^ 1).view(torch.float32), mc, ms, vc, vs
+
+        return run
+
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    monkeypatch.setenv(_quant8_fused.ENV, "compiled")
+    monkeypatch.setattr(torch, "compile", off_by_one_bit)
+    with pytest.raises(rg.RaggedValueError, match="update differ from the eager ops'"):
+        _run(1, steps=1, opt=rg.optim.adamw_8bit(1e-2, min_size=1000))
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    monkeypatch.delenv(_quant8_fused.ENV)
+    with pytest.warns(RuntimeWarning, match="update differ"):
+        _run(1, steps=1, opt=rg.optim.adamw_8bit(1e-2, min_size=1000))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_on_cuda_equals_eager_on_cuda_and_cpu(monkeypatch):
+    """On CUDA (Triton): the compiled update equals CUDA's eager ops and the CPU's, bit for bit."""
+    monkeypatch.setattr(_quant8_fused, "_compiled", {})
+    results = {}
+    for device, kernel in (("cuda", "compiled"), ("cuda", "eager"), ("cpu", "eager")):
+        opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, kernel=kernel)
+        plan, shards, states = _run(1, steps=3, opt=opt, params=_big_params(), specs=BIG_SPECS, device=device)
+        results[device, kernel] = {path: {k: v.cpu() for k, v in parts.items()}
+                                   for path, parts in _leaf_states(plan, shards, states).items()}
+    assert callable(next(iter(_quant8_fused._compiled.values())))
+    _assert_same_state(results["cpu", "eager"], results["cuda", "eager"], "cuda eager")
+    _assert_same_state(results["cpu", "eager"], results["cuda", "compiled"], "cuda compiled")
+
+
+def test_fused_adamw_8bit_equals_the_chain():
     """adamw_8bit fuses weight decay and the learning rate into the 8-bit pass: same state
-    structure and bit-identical updates as the chain it replaces (here with a schedule)."""
+    structure and bit-identical updates as the chain it replaces (here with a schedule). Eager
+    ops; the compiled form equals them for both (the two compiled tests above)."""
+    kernel = "eager"
     lr = rg.optim.linear_schedule(1e-2, 1e-3, 4)
     fused = rg.optim.adamw_8bit(lr, weight_decay=0.1, min_size=1000, kernel=kernel)
     chain = rg.optim.chain(rg.optim.scale_by_adam_8bit(min_size=1000, kernel=kernel),
@@ -302,4 +387,4 @@ def test_fused_adamw_8bit_equals_the_chain(kernel):
 
 def test_rejects_unknown_kernel():
     with pytest.raises(rg.RaggedValueError, match="kernel must be one of"):
-        rg.optim.adamw_8bit(1e-3, kernel="cuda")
+        rg.optim.adamw_8bit(1e-3, kernel="c")

@@ -29,17 +29,12 @@ class DataGroup(NamedTuple):
     is_replicated: Callable[[str], bool]
 
 
-def data_groups_option(data_groups: Sequence, data_axes: Sequence | None, where: str) -> tuple[DataGroup, ...]:
-    """The ``data_groups=`` argument of ``where`` as DataGroups (``data_axes=`` is its old name).
+def data_groups_option(data_groups: Sequence, where: str) -> tuple[DataGroup, ...]:
+    """The ``data_groups=`` argument of ``where`` as DataGroups.
 
     Raises:
         RaggedTypeError: an entry that is not a ``(comm, is_replicated)`` pair.
-        RaggedValueError: both names given.
     """
-    if data_axes is not None:
-        if data_groups:
-            raise RaggedValueError(f"{where}: pass data_groups= (data_axes= is its old name), not both.")
-        data_groups = data_axes
     out = []
     for entry in data_groups:
         try:

@@ -33,7 +33,7 @@ def check_not_donated(tree, where: str = "this") -> None:
 def donate(old_state, new_state):
     """``new_state`` with fresh tensor objects where it shares tensors with ``old_state`` (aliases of
     the same storage: ``detach()``, nothing copied), and ``old_state``'s tensors marked donated, so
-    that :func:`check_not_donated` (the step, ``rg.fsdp.gather``) refuses them, as equinox's
+    that :func:`check_not_donated` (the step, ``rg.gather``) refuses them, as equinox's
     ``State.set`` invalidates the old state."""
     old = [t for t in pytree.leaves(old_state) if isinstance(t, torch.Tensor)]
     ids = {id(t) for t in old}

@@ -127,7 +127,7 @@ def _message(func, args, kwargs) -> str:
     return (f"parameter{'s' if len(names) > 1 else ''} {', '.join(map(repr, names)) or '?'} "
             f"{'are' if len(names) > 1 else 'is'} sharded by rg.fsdp.init: the module keeps a placeholder without "
             f"values, and a torch call{f' ({what})' if what else ''} used it. Fix: pass the parameters the step gives the "
-            "loss (torch.func.functional_call(model, params, ...)); full values: rg.fsdp.gather / rg.fsdp.export "
+            "loss (torch.func.functional_call(model, params, ...)); full values: rg.gather(units, shards, comm) / rg.fsdp.export "
             "(model.load_state_dict(full, assign=True) puts them back).")
 
 

@@ -129,7 +129,7 @@ def _gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype |
     """``rg.gather(units, shards, comm, dtype)``: the full parameter tree (e.g. ``{name:
     tensor}`` for a module), not differentiable; each unit's leaves are views of that unit's
     gathered buffer."""
-    check_not_donated(shards, "fsdp.gather")
+    check_not_donated(shards, "gather")
     with torch.no_grad():
         return units.merge({u.name: transforms.gather(shards[u.name], comm, dtype=dtype) for u in units})
 
@@ -141,7 +141,7 @@ def _reduce_scatter(units: Units, grads, comm, op: str = "mean", dtype: torch.dt
     return {u.name: transforms.reduce_scatter(u.plan, trees[u.name], comm, op, dtype) for u in units}
 
 
-def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(), data_axes=None) -> torch.Tensor:
+def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=()) -> torch.Tensor:
     """``rg.global_norm(units, grads, comm, data_groups=...)``: the L2 norm of a whole model's
     gradients ``{unit name: DBuffer}``, equal on every rank.
 
@@ -151,10 +151,9 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     norms): each element is weighted by 1 / (its number of copies over the data groups), and the
     weighted sums are all-reduced over ``comm`` and over every data group, so every element counts
     once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    rg.global_norm(units, g, comm, data_groups=data_groups))``. ``data_axes=`` is the old name of
-    ``data_groups=``.
+    rg.global_norm(units, g, comm, data_groups=data_groups))``.
     """
-    groups = data_groups_option(data_groups, data_axes, "global_norm")
+    groups = data_groups_option(data_groups, "global_norm")
     sharded = replicated = 0.0
     for u in units:
         d = grads[u.name]

@@ -84,7 +84,7 @@ class Step:
     only caches that do not change results (up to the order of floating-point sums): the schedule
     every rank agreed on (see [Note: a collective order that does not depend on data]) and a local
     memory hint. With ``donate=True`` the input state is marked donated: passing it to a step or to
-    ``rg.fsdp.gather`` again raises.
+    ``rg.gather`` again raises.
     """
 
     value_and_grad: ValueAndGrad
@@ -92,8 +92,6 @@ class Step:
     donate: bool = False
     data_groups: tuple = ()
     skip_unused: bool = True
-
-    data_axes = property(lambda self: self.data_groups, doc="Deprecated name of ``data_groups``.")
 
     units = property(lambda self: self.value_and_grad.units)
     loss_fn = property(lambda self: self.value_and_grad.loss_fn)
@@ -139,7 +137,6 @@ def make_step(
     data_groups: Sequence[tuple[Any, Callable[[str], bool]]] = (),
     module: torch.nn.Module | None = None,
     skip_unused: bool = True,
-    data_axes: Sequence[tuple[Any, Callable[[str], bool]]] | None = None,
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
 
@@ -195,7 +192,6 @@ def make_step(
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
             gradient] in ``_unused.py``). ``False``: it is updated as if its gradient were zero.
-        data_axes: the old name of ``data_groups``.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -225,7 +221,7 @@ def make_step(
         ...     step = fsdp.make_step(units, loss_fn, opt, comm, module=module)
         ...     rows = slice(4 * comm.rank, 4 * comm.rank + 4)
         ...     state, metrics = step(state, (x[rows], y[rows]))
-        ...     return metrics["loss"], fsdp.gather(units, state.shards, comm)["0.bias"]
+        ...     return metrics["loss"], rg.gather(units, state.shards, comm)["0.bias"]
         >>> (loss0, b0), (loss1, b1) = rg.collectives.simulate(2, run)
         >>> ref = torch.nn.functional.mse_loss(model(x), y)
         >>> ref.backward()
@@ -236,7 +232,7 @@ def make_step(
         policy = MixedPrecision(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     elif compute_dtype is not None or reduce_dtype is not None:
         raise RaggedValueError("make_step: pass either policy= or compute_dtype= / reduce_dtype=, not both.")
-    data_groups = data_groups_option(data_groups, data_axes, "make_step")
+    data_groups = data_groups_option(data_groups, "make_step")
     grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
                           module=module, trace=trace)

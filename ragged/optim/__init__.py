@@ -21,7 +21,6 @@ from ragged.optim._combine import leaf_masks as leaf_masks
 from ragged.optim._combine import masked as masked
 from ragged.optim._combine import multi_transform as multi_transform
 from ragged.optim._muon import MuonMatrix as MuonMatrix
-from ragged.optim._muon import MuonUnit as MuonUnit
 from ragged.optim._muon import ScaleByMuonState as ScaleByMuonState
 from ragged.optim._muon import default_muon_filter as default_muon_filter
 from ragged.optim._muon import muon as muon

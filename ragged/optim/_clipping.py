@@ -86,8 +86,8 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
         max_norm: the largest allowed norm.
         comm: the shard group's collectives, or ``None`` for a single rank.
         norm: ``norm(updates) -> 0-d tensor`` replacing :func:`global_norm` over ``comm``, for
-            updates spread over more than the shard group (e.g. ``rg.fsdp.global_norm`` with the
-            step's ``data_axes`` under expert parallelism). It must be equal on every rank.
+            updates spread over more than the shard group (e.g. ``rg.global_norm(units, ...)`` with
+            the step's ``data_groups`` under expert parallelism). It must be equal on every rank.
         error_if_nonfinite: raise :class:`~ragged.optim.NonFiniteError` when the norm is NaN
             or inf (torch's ``clip_grad_norm_(error_if_nonfinite=True)``), on every rank alike
             (a NaN anywhere, replicated leaves included, is seen by all: its flag rides in the

@@ -44,7 +44,7 @@ from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_l
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon", "muon_load", "MuonMatrix", "MuonUnit",
+__all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon", "muon_load", "MuonMatrix",
            "default_muon_filter"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -111,9 +111,6 @@ class MuonMatrix:
         return self.start + self.numel
 
 
-MuonUnit = MuonMatrix  # deprecated name (a *unit* is an FSDP unit)
-
-
 def _ns_cost(rows: int, cols: int, steps: int) -> float:
     a, b = min(rows, cols), max(rows, cols)
     return float(steps * (4 * a * a * b + 2 * a**3))
@@ -162,7 +159,7 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
         muon_filter: which leaves are Muon matrices.
         ns_steps: Newton-Schulz iterations (scales the cost).
 
-    ``assignments``: every :class:`MuonMatrix` (with its owner; old key ``"units"``); ``flops[r]``:
+    ``assignments``: every :class:`MuonMatrix` (with its owner); ``flops[r]``:
     rank r's cost, ``max(flops) - min(flops)`` is at most the largest matrix's (list scheduling).
 
     Examples:
@@ -180,7 +177,7 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
     for x in assignments:
         flops[x.owner] += x.cost
         count[x.owner] += 1
-    return {"assignments": assignments, "flops": flops, "matrices": count, "units": assignments}
+    return {"assignments": assignments, "flops": flops, "matrices": count}
 
 
 @dataclasses.dataclass(frozen=True)

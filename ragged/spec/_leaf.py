@@ -35,7 +35,7 @@ class LeafLayout:
             replicated leaf, in the replicated buffer every rank holds.
         numel: number of elements.
         granule: smallest piece (elements) a rank boundary may not cut.
-        granularity: the granularity the leaf was planned with (``spec`` is its old name).
+        granularity: the granularity the leaf was planned with.
     """
 
     path: str
@@ -48,12 +48,6 @@ class LeafLayout:
     granularity: Granularity
 
     replace = dataclasses.replace
-
-    @property
-    def spec(self) -> Granularity:
-        """Deprecated name of :attr:`granularity` (a *spec* is what the caller wrote for a leaf:
-        a granularity for ``make_plan``, placements for ``make_mesh_plan``)."""
-        return self.granularity
 
     @property
     def stop(self) -> int:

@@ -81,18 +81,6 @@ class MeshLeaf:
     def sharded_on(self, axis: str) -> bool:
         return any(a == axis for a, *_ in self.shards)
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        """Deprecated name of :attr:`part_shape` ("local" is this rank's FSDP piece)."""
-        return self.part_shape
-
-    def local_index(self, coords: Mapping[str, int], *, dtype=torch.int64) -> torch.Tensor:
-        """Deprecated: :func:`ragged.parallel.part_index` (a tensor op, so it lives in
-        ``ragged.parallel``; ``spec`` holds no tensor data)."""
-        from ragged.parallel._parts import part_index
-
-        return part_index(self, coords, dtype=dtype)
-
     def fingerprint_fields(self) -> tuple:
         return (self.path, self.index, self.shape, self.part_shape, str(self.dtype), repr(self.granularity),
                 self.shards, self.replicated_on)
@@ -160,14 +148,6 @@ class MeshPlan:
         return optree.tree_unflatten(
             self.treedef, [torch.empty(l.part_shape, dtype=l.dtype, device="meta") for l in self.leaves]
         )
-
-    def local_shapes(self):
-        """Deprecated name of :meth:`part_shapes`."""
-        return self.part_shapes()
-
-    def local_meta(self):
-        """Deprecated name of :meth:`part_meta`."""
-        return self.part_meta()
 
     def __rich__(self):
         """A table: one row per leaf with its global shape, placements, part shape and granule."""

@@ -80,7 +80,7 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     for s in range(case.steps):
         state, m = step(state, rank_slice(task.batch(s, case.batch), index, total))
         metrics.append(m)
-    full = fsdp.gather(units, state.shards, comm)
+    full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, metrics
 
 
@@ -240,7 +240,7 @@ def train_sharded(comm, model, batches, *, groups=None, module=True, lr=1e-2, we
     for batch in batches:
         state, m = step(state, rank_slice(batch, comm.rank, comm.world_size))
         metrics.append(m)
-    return {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}, metrics
+    return {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}, metrics
 
 
 def train_reference(model, batches, *, lr=1e-2, weight_decay=0.1):

@@ -15,6 +15,7 @@ import re
 
 import torch
 
+import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
@@ -68,7 +69,7 @@ def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "i
     for s in range(case.steps):
         state, metrics = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
         losses.append(metrics["loss"])
-    full = fsdp.gather(units, state.shards, comm)
+    full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, losses, step.value_and_grad.memo.digest, metrics
 
 

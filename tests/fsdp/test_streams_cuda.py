@@ -37,7 +37,7 @@ def _train(case, comm, device, *, streams=None, steps_dtype=None):
             x, y = task.batch(s, case.batch)
             state, m = step(state, (x.to(device), y.to(device)))
             losses.append(m["loss"])
-        return {k: v.detach().cpu().clone() for k, v in fsdp.gather(units, state.shards, comm).items()}, losses
+        return {k: v.detach().cpu().clone() for k, v in rg.gather(units, state.shards, comm).items()}, losses
     finally:
         _runtime.streams_for = saved
 

@@ -40,8 +40,8 @@ def test_value_and_grad_equals_func_grad_of_the_unsharded_loss(world_size, micro
 
     def run(comm):
         f = fsdp.value_and_grad(units, _loss, comm, micro_batches=micro_batches)
-        loss, grads = f(fsdp.shard(units, params, comm), rank_slice(batch, comm.rank, world_size))
-        return loss, fsdp.gather(units, grads, comm)
+        loss, grads = f(rg.shard(units, params, comm), rank_slice(batch, comm.rank, world_size))
+        return loss, rg.gather(units, grads, comm)
 
     want = torch.func.grad(_loss)(params, batch)
     for loss, got in rg.collectives.simulate(world_size, run):
@@ -67,7 +67,7 @@ def test_collectives_are_the_same_on_every_rank_whatever_the_routing():
         for batch in batches:
             state, _ = step(state, rank_slice(batch, comm.rank, comm.world_size))
             digests.append(step.value_and_grad.memo.digest)
-        return digests, fsdp.gather(units, state.shards, comm)
+        return digests, rg.gather(units, state.shards, comm)
 
     (d0, p0), (d1, p1) = rg.collectives.simulate(2, run)
     assert d0 == d1 and len(set(d0)) >= 2
@@ -115,7 +115,7 @@ def test_momentum_state_of_unused_leaves_is_kept_like_torch_sgd():
         for flag in flags:
             state, m = step(state, (x[2 * comm.rank:][:2], flag))
             unused.append(m["unused_leaves"])
-        return unused, fsdp.gather(units, state.shards, comm)
+        return unused, rg.gather(units, state.shards, comm)
 
     ref = {k: [{n: t.clone().requires_grad_() for n, t in layer.items()} for layer in v] for k, v in params.items()}
     leaves = [t for layer in ref["layers"] for t in layer.values()]
@@ -145,7 +145,7 @@ def test_mixed_precision_policy_equals_the_keyword_arguments():
         step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, **step_kw)
         for s in range(case.steps):
             state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
-        return step.compute_dtype, fsdp.gather(units, state.shards, comm)
+        return step.compute_dtype, rg.gather(units, state.shards, comm)
 
     (dt_a, a), _ = rg.collectives.simulate(2, run, policy=policy)
     (dt_b, b), _ = rg.collectives.simulate(2, run, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -170,7 +170,7 @@ def test_a_donated_state_is_refused():
         new, _ = step(state, batch(comm))
         new, _ = step(new, batch(comm))  # the state a call returned is fine
         msgs = []
-        for read in (lambda: step(state, batch(comm)), lambda: fsdp.gather(units, state.shards, comm)):
+        for read in (lambda: step(state, batch(comm)), lambda: rg.gather(units, state.shards, comm)):
             try:
                 read()
             except rg.RaggedValueError as e:
@@ -234,3 +234,28 @@ def test_module_binding_is_restored_after_the_step_also_on_error():
         return restored and {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)} == own
 
     assert rg.collectives.simulate(2, run) == [True, True]
+
+
+def _data_group_pairs(comm):
+    params = {"w": torch.arange(12.0).view(6, 2), "b": torch.ones(2)}
+    units = fsdp.make_units(params, world_size=2, groups=lambda p: p)
+    shards = rg.shard(units, params, comm)
+    pred = lambda path: path == "['b']"  # noqa: E731
+    pair, group = (comm, pred), fsdp.DataGroup(comm, pred)
+    norms = [rg.global_norm(units, shards, comm, data_groups=[g]) for g in (pair, group)]
+    opt = rg.optim.sgd(0.1)
+    step = fsdp.make_step(units, lambda p, x: (x @ p["w"].T + p["b"].sum()).square().mean(), opt, comm,
+                          data_groups=[pair])
+    _, metrics = step(fsdp.TrainState(shards, opt.init(shards)), torch.ones(2, 2))
+    return bool(norms[0] == norms[1]), step.data_groups == (group,), metrics["loss"] > 0
+
+
+def test_data_groups_are_taken_as_pairs():
+    """``data_groups=`` entries may be plain ``(comm, is_replicated)`` pairs: the step and
+    ``rg.global_norm`` hold them as DataGroups (moved from tests/test_old_names.py); anything else
+    is refused."""
+    for checks in rg.collectives.simulate(2, _data_group_pairs):
+        assert all(checks), checks
+    units = fsdp.make_units({"w": torch.ones(2, 2)}, world_size=1)
+    with pytest.raises(rg.RaggedTypeError, match=r"make_step: data_groups entries are \(comm, is_replicated"):
+        fsdp.make_step(units, lambda p, x: p["w"].sum(), rg.optim.sgd(0.1), None, data_groups=[object()])

@@ -321,7 +321,7 @@ def locate(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointCorruptError(
                 f"{path!r} is a file, not a checkpoint directory: rg.checkpoint.save writes a directory "
-                "(rg.checkpoint.export writes single files, which torch.load(..., weights_only=True) reads)."
+                "(rg.checkpoint.consolidate writes single files, which torch.load(..., weights_only=True) reads)."
             )
         return path
     for old in old_siblings(path):

@@ -1,4 +1,4 @@
-"""`load` (into any world size / granularity) and `export` (one consolidated file)."""
+"""`load` (into any world size / granularity) and `consolidate` (one file of full tensors)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ragged.checkpoint._kinds import kind_named
 from ragged.checkpoint._metadata import METADATA, check_metadata, read_metadata
 from ragged.checkpoint._save import check_comm, describe_state, flatten_state
 
-__all__ = ["load", "export", "read_manifest", "LOAD_STEPS"]
+__all__ = ["load", "consolidate", "read_manifest", "LOAD_STEPS"]
 
 #: The steps of the load protocol (see [Note: protocol steps] in ``_dcp.py``): the checkpoint
 #: opened and checked on this rank, every rank agreed, this rank's data read.
@@ -177,7 +177,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     return treedef.unflatten(new_leaves)
 
 
-def export(
+def consolidate(
     path, out_file=None, *, prefix: str | None = None, leaf_names: bool = False, verify: bool = True
 ) -> dict[str, Any]:
     """Consolidates a checkpoint into one flat state dict of full tensors (single process).
@@ -190,7 +190,7 @@ def export(
     Args:
         path: a checkpoint written by :func:`save` (any world size).
         out_file: if given, the dict is also written there with ``torch.save`` (atomically).
-        prefix: export only the entries under this dotted prefix, named relative to it (e.g.
+        prefix: only the entries under this dotted prefix, named relative to it (e.g.
             ``prefix="params"`` gives keys that ``nn.Module.load_state_dict`` accepts).
         leaf_names: name each DBuffer leaf by its own path in the DBuffer's plan only (the
             DBuffer's place in the state dropped). For FSDP unit shards
@@ -214,10 +214,10 @@ def export(
         ...                   replicated=torch.empty(0), plan=plan, rank=0)
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> _ = rg.checkpoint.save(path, {"params": dbuf, "step": 3}, comm)
-        >>> rg.checkpoint.export(path)
+        >>> rg.checkpoint.consolidate(path)
         {'params.w': tensor([[0., 1.],
                 [2., 3.]]), 'step': 3}
-        >>> rg.checkpoint.export(path, prefix="params")
+        >>> rg.checkpoint.consolidate(path, prefix="params")
         {'w': tensor([[0., 1.],
                 [2., 3.]])}
     """
@@ -241,18 +241,18 @@ def export(
                 continue
             kind = kind_named(entry, p)
             own = leaf_names and kind.holds_leaves
-            for item in kind.export(p, entry):
+            for item in kind.consolidate(p, entry):
                 name = ".".join(item.parts if own else rel + item.parts) or (parts[-1] if parts else "state")
                 name += item.suffix
                 if name in out:
-                    raise CheckpointMismatchError(f"two entries of {path!r} export under the same name {name!r}.")
+                    raise CheckpointMismatchError(f"two entries of {path!r} consolidate under the same name {name!r}.")
                 out[name] = item.value
                 pieces += item.pieces
     except _MALFORMED as exc:
         raise CheckpointCorruptError(f"checkpoint {where!r}: the manifest is malformed ({exc!r}).") from None
     if head is not None and not out:
         raise RaggedKeyError(f"checkpoint {path!r} has no entry under {prefix!r}; entries are {list(manifest['entries'])}.")
-    dcp_load(where, pieces, metadata, SingleProcess(), f"export({path!r})")
+    dcp_load(where, pieces, metadata, SingleProcess(), f"consolidate({path!r})")
     if out_file is not None:
         out_file = os.fspath(out_file)
         tmp = out_file + ".tmp"

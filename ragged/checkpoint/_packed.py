@@ -23,7 +23,7 @@ from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
-from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, export_plan_leaves, plan_leaf_tensors
+from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, consolidate_plan_leaves, plan_leaf_tensors
 
 __all__ = ["Packed", "bind_packed", "bind_muon", "PackedKind"]
 
@@ -170,5 +170,5 @@ class PackedKind(EntryKind):
         d = leaf.dbuf
         return Packed(d.replace(data=torch.zeros_like(d.data), replicated=torch.zeros_like(d.replicated)), leaf.paths)
 
-    def export(self, path, entry):
-        return export_plan_leaves(path, entry, keep=set(entry["paths"]))
+    def consolidate(self, path, entry):
+        return consolidate_plan_leaves(path, entry, keep=set(entry["paths"]))

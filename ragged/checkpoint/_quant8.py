@@ -31,7 +31,7 @@ from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
-from ragged.checkpoint._entry import EntryKind, Exported, compare_plans, full_tensor
+from ragged.checkpoint._entry import EntryKind, Consolidated, compare_plans, full_tensor
 from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
@@ -214,7 +214,7 @@ class Quant8Kind(EntryKind):
         moments = type(moments)(*[torch.zeros_like(t) for t in moments])
         return Quant8(moments, leaf.params, leaf.min_size)
 
-    def export(self, path, entry):
+    def consolidate(self, path, entry):
         """Codes and fp32 moments in the leaf's shape, scales 1-D (one per block, band-major)."""
         out = []
         shapes = {l["path"]: tuple(l["shape"]) for l in entry["plan"]["leaves"] + entry["plan"]["replicated"]}
@@ -224,5 +224,5 @@ class Quant8Kind(EntryKind):
                 scales = part.endswith("scales")
                 dtype = torch.uint8 if part.endswith("codes") else torch.float32
                 flat, pieces = full_tensor(fqn(path, leaf_path, part), k["blocks"] if scales else k["numel"], dtype)
-                out.append(Exported(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
+                out.append(Consolidated(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
         return out

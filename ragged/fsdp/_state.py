@@ -145,7 +145,7 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     """``rg.global_norm(units, grads, comm, data_groups=...)``: the L2 norm of a whole model's
     gradients ``{unit name: DBuffer}``, equal on every rank.
 
-    Without ``data_groups`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
+    Without ``data_groups`` it is :func:`ragged.optim.tree_norm` over ``comm``. With the
     ``data_groups`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
     group hold other parameters (their experts) as well as copies of the replicated ones (router,
     norms): each element is weighted by 1 / (its number of copies over the data groups), and the

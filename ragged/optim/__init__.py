@@ -9,7 +9,7 @@ from ragged.optim._base import Schedule as Schedule
 from ragged.optim._base import apply_updates as apply_updates
 from ragged.optim._base import identity as identity
 from ragged.optim._clipping import clip_by_global_norm as clip_by_global_norm
-from ragged.optim._clipping import global_norm as global_norm
+from ragged.optim._clipping import tree_norm as tree_norm
 from ragged.optim._combine import MaskedState as MaskedState
 from ragged.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
 from ragged.optim._finite import NonFiniteError as NonFiniteError

@@ -215,7 +215,7 @@ def global_norm(layout, grads, comm, **options) -> torch.Tensor:
     Each element counts once: padding is zero, replicated leaves are counted once, and copies
     over other axes are weighted out (units: ``data_groups=``, the step's; a mesh plan: every
     non-FSDP axis). For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    rg.global_norm(layout, g, comm))``. (:func:`ragged.optim.global_norm` is the layout-free
+    rg.global_norm(layout, g, comm))``. (:func:`ragged.optim.tree_norm` is the layout-free
     norm of a tree over one comm.)
 
     Examples:

@@ -1,5 +1,5 @@
 """Checkpointing the FSDP training step's state (``ragged.fsdp.TrainState``: one DBuffer per
-unit + the optimizer state): resume on another world size, export to the module's state dict."""
+unit + the optimizer state): resume on another world size, consolidate into the module's state dict."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_fsdp_state_resumes_on_another_world_size(tmp_path):
         torch.testing.assert_close(resumed[name], ref, msg=name)
 
     # One file with the module's own parameter names, loadable without ragged.
-    exported = rg.checkpoint.export(path, prefix="train.shards", leaf_names=True)
+    exported = rg.checkpoint.consolidate(path, prefix="train.shards", leaf_names=True)
     assert sorted(exported) == sorted(n for n, _ in model.named_parameters())
     fresh = _model()
     fresh.load_state_dict(exported)

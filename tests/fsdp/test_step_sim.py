@@ -411,7 +411,7 @@ def test_backward_code_that_reads_parameters_gathers_them():
             torch.testing.assert_close(got[k], ref[k].detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
+def test_global_norm_of_units_equals_tree_norm_without_data_groups():
     case = Case(replicate_vectors=True)
     model = case.model()
     specs = lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None  # noqa: E731
@@ -420,7 +420,7 @@ def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
 
     def fn(comm):
         shards = rg.shard(units, model, comm)
-        return rg.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
+        return rg.global_norm(units, shards, comm), rg.optim.tree_norm(shards, comm=comm)
 
     for mine, theirs in rg.collectives.simulate(2, fn):
         torch.testing.assert_close(mine, want.to(mine.dtype), rtol=1e-12, atol=0)

@@ -64,7 +64,7 @@ from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._reducing import Reducing
 from ragged.fsdp._schedule import Observation
-from ragged.transforms import all_gather_flat
+from ragged.transforms._flat import _all_gather_flat_start
 
 __all__ = ["Run", "ENGINE_THREADS_MSG"]
 
@@ -200,7 +200,7 @@ class Run(Reducing):
             shard = self.shards[self.layouts[i].name]
             u.source = shard.data if shard.data.dtype == u.flat.dtype else shard.data.to(u.flat.dtype)
             self._issued(label)
-            work = all_gather_flat(shard.plan, u.flat, u.source, self.comm, async_op=True, label=label)
+            work = _all_gather_flat_start(shard.plan, u.flat, u.source, self.comm, label=label)
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)

@@ -138,7 +138,7 @@ def _reduce_scatter(units: Units, grads, comm, op: str = "mean", dtype: torch.dt
     """``rg.reduce_scatter(units, grads, comm, op, dtype)``: ``{unit name: DBuffer}`` of the
     reduced gradients of the whole model (``grads``: a tree like the params)."""
     trees = units.split(grads)
-    return {u.name: transforms.reduce_scatter(u.plan, trees[u.name], comm, op, dtype) for u in units}
+    return {u.name: transforms.reduce_scatter(u.plan, trees[u.name], comm, op=op, dtype=dtype) for u in units}
 
 
 def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=()) -> torch.Tensor:

@@ -117,7 +117,7 @@ def _gather(mplan: MeshPlan, dbuf: DBuffer, mcomm, dtype: torch.dtype | None = N
     plan's FSDP axis only. Differentiable like ``rg.gather`` (backward: reduce-scatter over the
     FSDP axis)."""
     _check_mesh(mplan, mcomm, "gather")
-    return gather_plan(dbuf, mcomm[mplan.fsdp_axis], dtype)
+    return gather_plan(dbuf, mcomm[mplan.fsdp_axis], dtype=dtype)
 
 
 def _reduce_scatter(

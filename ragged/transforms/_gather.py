@@ -35,10 +35,10 @@ import torch
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, poisons
-from ragged.transforms._flat import all_gather_flat, reduce_scatter_flat
+from ragged.transforms._flat import _all_gather_flat_start, reduce_scatter_flat
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["gather", "gather_start", "gather_wait", "GatherPending", "all_gather_flat"]
+__all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
 
 
 class GatherPending(NamedTuple):
@@ -74,7 +74,7 @@ class _GatherStart(torch.autograd.Function):
     def forward(src, comm, box, out, plan):
         if out is None:
             out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
-        box.handle = all_gather_flat(plan, out, src, comm, async_op=True)
+        box.handle = _all_gather_flat_start(plan, out, src, comm)
         return out
 
     @staticmethod
@@ -158,7 +158,7 @@ def _check_cast(have: torch.dtype, dtype) -> None:
 
 
 @poisons("comm")
-def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
+def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
     Args:
@@ -195,7 +195,7 @@ def gather_wait(pending: GatherPending):
 
 
 @poisons("comm")
-def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
+def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 
     See [Note: gather is one collective and zero per-leaf work] and [Note: gather's backward]:
@@ -226,4 +226,4 @@ def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.
         >>> rg.collectives.simulate(2, step)
         [True, True]
     """
-    return gather_wait(gather_start(dbuf, comm, dtype, out=out))
+    return gather_wait(gather_start(dbuf, comm, dtype=dtype, out=out))

@@ -23,7 +23,7 @@ import torch
 from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
-from ragged.transforms._flat import reduce_scatter_flat
+from ragged.transforms._flat import _reduce_scatter_flat_start
 from ragged.transforms._shard import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -162,7 +162,7 @@ def _pack(segs, leaves, numel, dtype, device):
 
 @poisons("comm")
 def reduce_scatter_start(
-    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
 ) -> ReduceScatterPending:
     """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
 
@@ -234,7 +234,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    handles = [reduce_scatter_flat(plan, out, flat, comm, op="sum", async_op=True, label=label)]
+    handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]
     if rep.numel():
         kw = {} if label is None else {"label": f"{label} (replicated leaves)"}
         handles.append(comm.all_reduce(rep, op="sum", async_op=True, **kw))
@@ -271,7 +271,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
 
 @poisons("comm")
 def reduce_scatter(
-    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
 ) -> DBuffer:
     """This rank's shard of the reduction (over every rank) of every rank's ``grads``.
 
@@ -308,4 +308,4 @@ def reduce_scatter(
         >>> rg.collectives.simulate(2, step)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out))
+    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op=op, dtype=dtype, replicated=replicated, out=out))

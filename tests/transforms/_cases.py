@@ -47,7 +47,7 @@ def plan_through_verbs(comm):
     equal_trees(d, shard_plan(plan, params, comm))
     equal_trees(rg.gather(plan, d, comm), gather_plan(d, comm))
     equal_trees(rg.gather(d, comm), gather_plan(d, comm))  # the contract's form
-    equal_trees(rg.gather(d, comm, torch.float32), gather_plan(d, comm, torch.float32))
+    equal_trees(rg.gather(d, comm, dtype=torch.float32), gather_plan(d, comm, dtype=torch.float32))
     g = layout_grads(comm.rank)
     equal_trees(rg.reduce_scatter(plan, g, comm, op="sum"), reduce_scatter_plan(plan, g, comm, op="sum"))
     norm = rg.global_norm(plan, d, comm)

@@ -62,13 +62,12 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedValueError
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._state import TrainState
 from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
 from ragged.fsdp._units import Units
-from ragged.fsdp._donate import check_not_donated, donate
+from ragged.fsdp._donate import check_not_donated, donate, step_donation
 from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
 
@@ -98,8 +97,6 @@ class Step:
     comm = property(lambda self: self.value_and_grad.comm)
     micro_batches = property(lambda self: self.value_and_grad.micro_batches)
     policy = property(lambda self: self.value_and_grad.policy)
-    compute_dtype = property(lambda self: self.value_and_grad.policy.compute_dtype)
-    reduce_dtype = property(lambda self: self.value_and_grad.policy.reduce_dtype)
     module = property(lambda self: self.value_and_grad.module)
 
     def __call__(self, state: TrainState, batch):
@@ -127,12 +124,10 @@ def make_step(
     *,
     micro_batches: int = 1,
     policy: MixedPrecision | None = None,
-    compute_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
     max_inflight_reduce: int = 1,
-    donate: bool = False,
+    donate: bool | None = None,
     trace: bool = False,
     data_groups: Sequence[tuple[Any, Callable[[str], bool]]] = (),
     module: torch.nn.Module | None = None,
@@ -157,10 +152,8 @@ def make_step(
         micro_batches: gradient accumulation: ``batch`` (this rank's) is split into this many
             equal micro-batches along dim 0; gradients are averaged.
         policy: a :class:`ragged.fsdp.MixedPrecision` (``compute_dtype``, ``reduce_dtype``).
-        compute_dtype, reduce_dtype: the same as ``policy=MixedPrecision(compute_dtype=...,
-            reduce_dtype=...)`` (not together with ``policy``). Defaults: gather in the plans'
-            dtype; reduce-scatter in the plans' (master) dtype, e.g. fp32 reductions of bf16
-            gradients; the gradient shard is in the plan's dtype.
+            Default: gather in the plans' dtype; reduce-scatter in the plans' (master) dtype,
+            e.g. fp32 reductions of bf16 gradients; the gradient shard is in the plan's dtype.
         prefetch: start the next unit's all-gather before the current unit computes.
         reshard_after_forward: free each unit's parameters after its forward (re-gather in
             backward); ``False`` keeps them from forward to backward (more memory, fewer gathers).
@@ -168,9 +161,10 @@ def make_step(
             holds its unit's flat gradient; 1 waits unit k's when unit k-1's starts).
         donate: like ``jax.jit(donate_argnums=...)``: the new shards are written into the
             input state's shard buffers (no allocation); the old state must not be used after
-            the call (passing it to this step again raises). Pair with
-            ``rg.optim.adamw(..., donate=True)``, whose update reuses the gradient buffers (which
-            the step owns) and the moments.
+            the call (passing it to this step again raises). Decided by the optimizer
+            (``rg.optim.adamw(..., donate=True)`` reuses the moments and the gradient buffers,
+            which the step owns): ``None`` follows ``optimizer.donates``, a value that disagrees
+            raises (see [Note: one donate decision per step] in ``_donate.py``).
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
         data_groups: the other data axes (e.g. expert parallelism), as :class:`DataGroup`
             ``(comm, is_replicated)`` pairs (see ``_data.py``): after the reduce-scatter over
@@ -204,6 +198,7 @@ def make_step(
         RaggedValueError: ``loss_fn`` never read the parameters (on every rank, on the first
             step, before any parameter changes; see :data:`ragged.fsdp._grad.UNUSED_PARAMS_MSG`).
         PlanMismatchError: the ranks' collectives cannot follow one schedule.
+        RaggedValueError: ``donate`` disagrees with ``optimizer.donates``.
 
     Examples:
         >>> import copy, torch, ragged as rg
@@ -228,13 +223,10 @@ def make_step(
         >>> abs(loss0 - ref.item()) < 1e-6, torch.allclose(b0, model[0].bias - 0.1 * model[0].bias.grad)
         (True, True)
     """
-    if policy is None:
-        policy = MixedPrecision(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-    elif compute_dtype is not None or reduce_dtype is not None:
-        raise RaggedValueError("make_step: pass either policy= or compute_dtype= / reduce_dtype=, not both.")
     data_groups = data_groups_option(data_groups, "make_step")
     grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
                           module=module, trace=trace)
-    return Step(value_and_grad=grad, optimizer=optimizer, donate=donate, data_groups=data_groups, skip_unused=skip_unused)
+    return Step(value_and_grad=grad, optimizer=optimizer, donate=step_donation(donate, optimizer), data_groups=data_groups,
+                skip_unused=skip_unused)
 

@@ -62,7 +62,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms))
 
 
 # ---- masks -------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         out = pytree.map(lambda u, g, k: torch.where(k, u, g.to(torch.promote_types(u.dtype, g.dtype))), new, updates, m)
         return out, MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=inner.donates)
 
 
 class MultiTransformState(NamedTuple):
@@ -318,4 +318,4 @@ def multi_transform(
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)
         return out, MultiTransformState(inner_states=new_states)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms.values()))

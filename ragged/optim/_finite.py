@@ -164,4 +164,4 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=inner.donates)

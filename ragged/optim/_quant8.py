@@ -278,7 +278,7 @@ def scale_by_adam_8bit(
         return _step(updates, state, None, b1=b1, b2=b2, eps=eps, decay=None, lr=None, min_size=min_size,
                      donate=donate, kernel=kernel)
 
-    return GradientTransformation(lambda params: _init(params, min_size), update)
+    return GradientTransformation(lambda params: _init(params, min_size), update, donates=donate)
 
 
 def adamw_8bit(
@@ -342,7 +342,7 @@ def adamw_8bit(
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return updates, (adam, decay_state, new_lr_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def state_nbytes(state) -> int:

@@ -102,7 +102,7 @@ def scale(step_size: float, *, donate: bool = False) -> GradientTransformation:
         del params
         return pytree.map(lambda u: _mul(u, step_size, donate), updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> GradientTransformation:
@@ -128,7 +128,7 @@ def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> Gradie
         updates = pytree.map(lambda u: _mul(u, factor, donate), updates)
         return updates, ScaleByScheduleState(count=state.count + 1)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_learning_rate(
@@ -230,7 +230,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
         return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_adamw(
@@ -286,7 +286,7 @@ def scale_by_adamw(
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return unflat(0), (ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2)), decay_state, new_lr_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -351,4 +351,4 @@ def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> G
             return pytree.map(lambda u, p: u.add_(p.to(u.dtype) * weight_decay), updates, params), state
         return pytree.map(lambda u, p: u + p.to(u.dtype) * weight_decay, updates, params), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)

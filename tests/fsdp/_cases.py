@@ -43,7 +43,7 @@ class Case:
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
-            return rg.optim.sgd(self.lr)
+            return rg.optim.sgd(self.lr, donate=self.donate)
         return rg.optim.adamw(self.lr, weight_decay=self.weight_decay, donate=self.donate)
 
     def config(self) -> GPTConfig:
@@ -71,7 +71,8 @@ def fsdp_run(comm, case: Case, *, trace: bool = False):
     state = fsdp.init(units, model, opt, comm)
     loss = loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing)
     step = fsdp.make_step(units, loss, opt, comm, micro_batches=case.micro_batches,
-                          compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype, prefetch=case.prefetch,
+                          policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),
+                          prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
                           max_inflight_reduce=case.max_inflight_reduce)
     task, metrics = case.task(), []

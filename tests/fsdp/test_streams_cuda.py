@@ -30,8 +30,8 @@ def _train(case, comm, device, *, streams=None, steps_dtype=None):
         units = fsdp.make_units(model, world_size=comm.world_size)
         opt = case.make_optimizer()
         state = fsdp.init(units, model, opt, comm)
-        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, compute_dtype=case.compute_dtype,
-                              reduce_dtype=case.reduce_dtype)
+        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm,
+                              policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype))
         task, losses = case.task(), []
         for s in range(case.steps):
             x, y = task.batch(s, case.batch)

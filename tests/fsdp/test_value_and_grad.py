@@ -131,28 +131,20 @@ def test_momentum_state_of_unused_leaves_is_kept_like_torch_sgd():
                 torch.testing.assert_close(got["layers"][i][n], ref["layers"][i][n].detach(), rtol=1e-12, atol=1e-14)
 
 
-def test_mixed_precision_policy_equals_the_keyword_arguments():
-    kw = dict(dtype=torch.float32, steps=2, lr=0.5, optimizer="sgd")
+def test_mixed_precision_is_one_policy_argument():
+    """``policy=MixedPrecision(...)`` is the one way to set the step's dtypes (the
+    ``compute_dtype=`` / ``reduce_dtype=`` second spelling is gone); bf16 numerics are checked
+    against fp32 in tests/fsdp/test_step_sim.py."""
     policy = fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    case = Case(**kw)
-    model = case.model()
-    units = fsdp.make_units(model, world_size=2)
-
-    def run(comm, **step_kw):
-        from ragged.examples.gpt import loss_fn
-        opt = case.make_optimizer()
-        state = fsdp.init(units, model.state_dict(), opt, comm)  # the shared model stays whole
-        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, **step_kw)
-        for s in range(case.steps):
-            state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
-        return step.compute_dtype, rg.gather(units, state.shards, comm)
-
-    (dt_a, a), _ = rg.collectives.simulate(2, run, policy=policy)
-    (dt_b, b), _ = rg.collectives.simulate(2, run, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert dt_a == dt_b == torch.bfloat16 and max_diff(a, b)[0] == 0.0
-    with pytest.raises(ValueError, match="either policy= or compute_dtype="):
-        rg.collectives.simulate(2, lambda c: fsdp.make_step(units, _loss, rg.optim.sgd(0.1), c, policy=policy,
-                                                            compute_dtype=torch.bfloat16))
+    units = fsdp.make_units(_params(), world_size=1)
+    comm = rg.collectives.simulate(1, lambda c: c)[0]  # make_step only reads its world size
+    step = fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, policy=policy)
+    assert step.policy is policy and step.value_and_grad.policy is policy
+    assert fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm).policy == fsdp.MixedPrecision()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'compute_dtype'"):
+        fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, compute_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="policy must be a rg.fsdp.MixedPrecision"):
+        fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, policy=torch.bfloat16)
     with pytest.raises(TypeError, match="MixedPrecision.compute_dtype must be a floating torch.dtype"):
         fsdp.MixedPrecision(compute_dtype=torch.int32)
 
@@ -166,7 +158,8 @@ def test_a_donated_state_is_refused():
     def run(comm, donate):
         opt = rg.optim.adamw(0.1, donate=donate)
         state = fsdp.init(units, params, opt, comm)
-        step = fsdp.make_step(units, _loss, opt, comm, donate=donate)
+        step = fsdp.make_step(units, _loss, opt, comm)  # donates as the optimizer does
+        assert step.donate is donate
         new, _ = step(state, batch(comm))
         new, _ = step(new, batch(comm))  # the state a call returned is fine
         msgs = []
@@ -259,3 +252,25 @@ def test_data_groups_are_taken_as_pairs():
     units = fsdp.make_units({"w": torch.ones(2, 2)}, world_size=1)
     with pytest.raises(rg.RaggedTypeError, match=r"make_step: data_groups entries are \(comm, is_replicated"):
         fsdp.make_step(units, lambda p, x: p["w"].sum(), rg.optim.sgd(0.1), None, data_groups=[object()])
+
+
+@pytest.mark.parametrize("make", [lambda d: rg.optim.adamw(0.1, donate=d), lambda d: rg.optim.sgd(0.1, donate=d),
+                                  lambda d: rg.optim.adamw_8bit(0.1, donate=d),
+                                  lambda d: rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=None),
+                                                           rg.optim.adamw(0.1, weight_decay=0.1, mask=lambda l: True,
+                                                                          donate=d))],
+                         ids=["adamw", "sgd", "adamw_8bit", "chain-masked"])
+def test_one_donate_decision_per_step(make):
+    """The step donates exactly when its optimizer updates in place (see [Note: one donate
+    decision per step]); an explicit ``donate=`` that disagrees is refused at make_step, and a
+    wrapped update keeps the decision with ``_replace``."""
+    units = fsdp.make_units(_params(), world_size=1)
+    comm = rg.collectives.simulate(1, lambda c: c)[0]  # make_step only reads its world size
+    for d in (False, True):
+        opt = make(d)
+        assert opt.donates is d and opt._replace(update=lambda *a: opt.update(*a)).donates is d
+        assert fsdp.make_step(units, _loss, opt, comm).donate is d
+        assert fsdp.make_step(units, _loss, opt, comm, donate=d).donate is d
+        with pytest.raises(rg.RaggedValueError, match=rf"make_step: donate={not d}, but the optimizer "
+                                                      rf"{'updates' if d else 'does not update'} in place"):
+            fsdp.make_step(units, _loss, opt, comm, donate=not d)

@@ -33,6 +33,16 @@ def read_manifest(path) -> dict[str, Any]:
 
     Raises:
         CheckpointCorruptError: no published checkpoint at ``path``, or a damaged manifest.
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 2)}, world_size=1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = rg.checkpoint.save(path, {"p": rg.shard(plan, {"w": torch.ones(4, 2)}, rank=0), "step": 7},
+        ...                        rg.checkpoint.SingleProcess())
+        >>> manifest = rg.checkpoint.read_manifest(path)
+        >>> manifest["world_size"], sorted(manifest["entries"])
+        (1, ["['p']", "['step']"])
     """
     return fmt.read_manifest(fmt.locate(os.path.abspath(os.fspath(path))))
 
@@ -125,6 +135,19 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
             the directory, a symlink, metadata that is not DCP's): see README "Checkpointing".
         CheckpointMismatchError: the checkpoint does not fit ``like_state``; the message lists
             every differing key path with saved and expected shape / dtype / kind.
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> params = {"w": torch.arange(12.0).view(6, 2)}
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> plan2 = rg.make_plan(params, world_size=2)
+        >>> _ = rg.collectives.simulate(2, lambda c: rg.checkpoint.save(path, {"p": rg.shard(plan2, params, c)}, c))
+        >>> plan3 = rg.make_plan(params, world_size=3)                 # resume on 3 ranks
+        >>> def resume(comm):
+        ...     state = rg.checkpoint.load(path, {"p": rg.shard(plan3, {"w": torch.zeros(6, 2)}, comm)}, comm)
+        ...     return torch.equal(rg.gather(state["p"], comm)["w"], params["w"])
+        >>> rg.collectives.simulate(3, resume)
+        [True, True, True]
     """
     check_comm(comm, "load")
     path = os.path.abspath(os.fspath(path))

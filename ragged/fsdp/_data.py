@@ -23,7 +23,19 @@ __all__ = ["DataGroup", "data_groups_option", "reduce_over_data_groups"]
 
 class DataGroup(NamedTuple):
     """One extra data axis of a step: its ``comm`` and ``is_replicated(path) -> bool`` (the
-    parameters that hold a copy on every rank of it, paths as in the units)."""
+    parameters that hold a copy on every rank of it, paths as in the units).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp, parallel, spec
+        >>> mplan = spec.make_mesh_plan({"router": torch.empty(2, 4), "experts": torch.empty(2, 4, 4)},
+        ...                             {"router": None, "experts": {"ep": spec.Shard(0)}}, mesh=spec.Mesh((1, 2), ("dp", "ep")))
+        >>> def fn(mc):
+        ...     (group,) = parallel.data_groups(mplan, mc, ("ep",))
+        ...     return isinstance(group, fsdp.DataGroup), group.is_replicated("['router']"), group.is_replicated("['experts']")
+        >>> parallel.simulate_mesh(mplan.mesh, fn)[0]
+        (True, True, False)
+    """
 
     comm: Any
     is_replicated: Callable[[str], bool]

@@ -83,6 +83,12 @@ def default_muon_filter(leaf: LeafLayout) -> bool:
 
     Embeddings and output heads are 2-D too: exclude them with your own filter, e.g.
     ``lambda leaf: default_muon_filter(leaf) and "embed" not in leaf.path``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4), "experts": torch.empty(2, 4, 4), "b": torch.empty(4)}, world_size=1)
+        >>> {l.path: rg.optim.default_muon_filter(l) for l in plan.leaves}
+        {"['b']": False, "['experts']": True, "['w']": True}
     """
     return len(leaf.shape) in (2, 3) and leaf.numel > 0
 
@@ -92,6 +98,12 @@ class MuonMatrix:
     """One Muon matrix: ``rows x cols`` elements at global buffer offset ``start``, on rank ``owner``.
 
     ``matrix`` is the expert index inside a 3-D leaf (0 for a 2-D leaf).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> load = rg.optim.muon_load(rg.make_plan({"w": torch.empty(8, 4), "e": torch.empty(2, 4, 4)}, world_size=2))
+        >>> sorted((m.path, m.matrix, m.rows, m.cols, m.numel) for m in load["assignments"])
+        [("['e']", 0, 4, 4, 16), ("['e']", 1, 4, 4, 16), ("['w']", 0, 8, 4, 32)]
     """
 
     path: str
@@ -283,6 +295,15 @@ def scale_by_muon(
         muon_filter: ``LeafLayout -> bool``: which leaves are Muon matrices.
         num_waves: how many groups of matrices to pipeline (communication of one group
             overlaps Newton-Schulz of another).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4)}, world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(4, 4)}, rank=0)
+        >>> opt = rg.optim.scale_by_muon(comm=None)
+        >>> u, _ = opt.update(p.replace(data=torch.eye(4).reshape(-1)), opt.init(p), p)
+        >>> [round(s, 2) for s in torch.linalg.svdvals(u.views()["w"]).tolist()]   # Newton-Schulz: all equal, near 1
+        [0.82, 0.82, 0.82, 0.82]
     """
     _check_beta("momentum", momentum)
     if ns_steps < 1 or ns_steps >= 100:

@@ -238,6 +238,16 @@ def adam8bit_leaf_state(moments: Quant8Moments, dbuf: DBuffer, *, min_size: int 
     and ``{path: {"mu", "nu"}}`` for fp32 ones. Concatenating one leaf's entries over ranks in
     rank order gives the whole leaf's state (codes in element order, scales band-major), which
     is what the world-size-independence tests compare.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64), "b": torch.empty(64)},
+        ...                     {"w": spec.Blocks(32, 32), "b": spec.Rows(1)}, world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(64, 64), "b": torch.zeros(64)}, rank=0)
+        >>> state = rg.optim.scale_by_adam_8bit(min_size=1000).init(p)
+        >>> {k: sorted(v) for k, v in rg.optim.adam8bit_leaf_state(state.moments, p, min_size=1000).items()}
+        {"['w']": ['mu_codes', 'mu_scales', 'nu_codes', 'nu_scales'], "['b']": ['mu', 'nu']}
     """
     lay = shard_layout(dbuf, min_size)
     out: dict[str, dict] = {}

@@ -247,6 +247,15 @@ def scale_by_adamw(
     Same results and the same state structure (a 3-tuple of those transforms' states) as the
     chain, with one read of each buffer and at most three allocations per buffer (none with
     ``donate=True``; see :func:`scale_by_adam`). :func:`ragged.optim.adamw` uses it.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> fused = rg.optim.scale_by_adamw(0.1, weight_decay=0.5)
+        >>> chained = rg.optim.chain(rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.5),
+        ...                          rg.optim.scale_by_learning_rate(0.1))
+        >>> p, g = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+        >>> torch.allclose(fused.update(g, fused.init(p), p)[0], chained.update(g, chained.init(p), p)[0])
+        True
     """
     _check_beta("b1", b1)
     _check_beta("b2", b2)

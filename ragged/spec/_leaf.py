@@ -36,6 +36,14 @@ class LeafLayout:
         numel: number of elements.
         granule: smallest piece (elements) a rank boundary may not cut.
         granularity: the granularity the leaf was planned with.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(6, 4, device="meta")}, spec.Rows(3), world_size=2, align=1)
+        >>> leaf = plan.leaves[0]
+        >>> leaf.path, leaf.shape, leaf.offset, leaf.numel, leaf.granule, leaf.granularity
+        ("['w']", (6, 4), 0, 24, 12, Rows(n=3))
     """
 
     path: str

@@ -98,6 +98,16 @@ class MeshPlan:
         leaves: one :class:`MeshLeaf` per params leaf, in tree order.
         plan: the FSDP layout of the parts (``world_size == mesh.axis_size(fsdp_axis)``).
         treedef: the params tree structure.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> params = {"w": torch.empty(8, 4, device="meta"), "b": torch.empty(4, device="meta")}
+        >>> mplan = spec.make_mesh_plan(params, {"w": spec.Shard(0), "b": None}, mesh=spec.Mesh((2, 2), ("dp", "tp")))
+        >>> mplan.fsdp_axis, mplan.other_axes, mplan.part_shapes()
+        ('dp', ('tp',), {'w': (4, 4), 'b': (4,)})
+        >>> mplan.plan.world_size                         # the FSDP plan of the parts, over "dp"
+        2
     """
 
     mesh: Mesh

@@ -50,6 +50,15 @@ class GatherPending(NamedTuple):
         handle: the collective's handle.
         plan: the layout.
         source: the S-element tensor being sent (kept alive until the op completes).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(2, 3)}, world_size=2)
+        >>> def fn(comm):
+        ...     pending = rg.gather_start(rg.shard(plan, {"w": torch.ones(2, 3)}, comm), comm)
+        ...     return pending.buffer.shape == (plan.buffer_numel,), pending.plan == plan
+        >>> rg.collectives.simulate(2, fn)[0]
+        (True, True)
     """
 
     buffer: torch.Tensor
@@ -171,6 +180,17 @@ def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: 
 
     Returns:
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.arange(6.0).view(3, 2)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def fn(comm):
+        ...     pending = rg.gather_start(rg.shard(plan, params, comm), comm, dtype=torch.float64)
+        ...     # ... compute that overlaps the all-gather ...
+        ...     return rg.gather_wait(pending)["w"].dtype
+        >>> rg.collectives.simulate(2, fn)
+        [torch.float64, torch.float64]
     """
     _check_dbuf(dbuf, comm, "gather")
     _check_cast(dbuf.data.dtype, dtype)
@@ -189,7 +209,21 @@ def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: 
 
 
 def gather_wait(pending: GatherPending):
-    """Completes :func:`gather_start`; returns the same tree as :func:`gather`."""
+    """Completes :func:`gather_start`; returns the same tree as :func:`gather`.
+
+    Args:
+        pending: what :func:`gather_start` returned (wait on it once).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(4, 2), "b": torch.randn(2)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def fn(comm):
+        ...     full = rg.gather_wait(rg.gather_start(rg.shard(plan, params, comm), comm))
+        ...     return all(torch.equal(full[k], params[k]) for k in params)
+        >>> rg.collectives.simulate(2, fn)
+        [True, True]
+    """
     pending.handle.wait()
     return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
 

@@ -125,13 +125,10 @@ def gather(layout, shards, comm, /, *, dtype: torch.dtype | None = None): ...
 
 
 def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-    """The full parameters from this rank's shards, in one of two call shapes, told apart by
-    the type of the first argument alone:
-
-    * ``gather(dbuf, comm, *, dtype=None, out=None)``: a :class:`~ragged.DBuffer` carries its
-      plan (the public contract's form);
-    * ``gather(layout, shards, comm, *, dtype=None)``: any layout (see [Note: one verb, any
-      layout]).
+    """The full parameters from this rank's shards: ``gather(dbuf, comm, *, dtype=None,
+    out=None)`` (a :class:`~ragged.DBuffer` carries its plan: the public contract's form) or
+    ``gather(layout, shards, comm, *, dtype=None)`` (any layout, see [Note: one verb, any
+    layout]), the two call shapes told apart by the type of the first argument alone.
 
     For a plan: :func:`ragged.transforms._gather.gather` (differentiable, views into one
     gathered buffer; ``out=`` reuses that buffer). For units: the model's whole tree, not

@@ -33,7 +33,19 @@ _OPS = ("mean", "sum")
 
 
 class ReduceScatterPending(NamedTuple):
-    """A reduce-scatter in flight (from :func:`reduce_scatter_start`)."""
+    """A reduce-scatter in flight (from :func:`reduce_scatter_start`): pass it to
+    :func:`reduce_scatter_wait` once; its fields are the wait's inputs (the output shard, the
+    replicated buffer, the handles, and what the wait finishes with).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     pending = rg.reduce_scatter_start(plan, {"w": torch.ones(4)}, comm, op="sum")
+        ...     return pending.output.shape, pending.op
+        >>> rg.collectives.simulate(2, fn)[0]
+        (torch.Size([2]), 'sum')
+    """
 
     output: torch.Tensor
     replicated: torch.Tensor
@@ -172,6 +184,16 @@ def reduce_scatter_start(
     :func:`reduce_scatter_wait` (not overlapped).
 
     Args: as :func:`reduce_scatter`.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     pending = rg.reduce_scatter_start(plan, {"w": torch.full((4,), comm.rank + 1.0)}, comm)
+        ...     # ... compute that overlaps the reduce-scatter ...
+        ...     return rg.reduce_scatter_wait(pending).data.tolist()
+        >>> rg.collectives.simulate(2, fn)   # the mean of 1 and 2
+        [[1.5, 1.5], [1.5, 1.5]]
     """
     return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out)
 
@@ -243,7 +265,20 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
 
 @poisons("pending.comm")
 def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
-    """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`."""
+    """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`.
+
+    Args:
+        pending: what :func:`reduce_scatter_start` returned (wait on it once).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(2, 2)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     g = {"w": torch.full((2, 2), float(comm.rank))}
+        ...     return rg.reduce_scatter_wait(rg.reduce_scatter_start(plan, g, comm, op="sum")).views()["w"].tolist()
+        >>> rg.collectives.simulate(2, fn)
+        [[[1.0, 1.0]], [[1.0, 1.0]]]
+    """
     out, rep, handles, plan, comm, op, zero_padding, source, pooled = pending
     for h in handles:
         h.wait()

@@ -11,22 +11,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Public names whose docstring has no Examples: section yet (mostly error types, state
-# containers and what needs a real process group or files). Remove a name once it has one.
+# Public names whose docstring has no Examples: section yet: what needs a real process group or
+# DeviceMesh, and the fsdp step's own types (their modules are being reworked). Remove a name
+# once it has one.
 WITHOUT_EXAMPLES = {
-    "ragged.CollectiveError", "ragged.LayoutError", "ragged.PlanMismatchError", "ragged.RaggedKeyError",
-    "ragged.RaggedTypeError", "ragged.RaggedValueError", "ragged.spec.LocalPiece", "ragged.spec.PeerPadding",
-    "ragged.spec.MeshLeaf", "ragged.collectives.CallScope", "ragged.collectives.TorchCollectives",
-    "ragged.collectives.from_torch", "ragged.optim.EmptyState", "ragged.optim.MaskedState",
-    "ragged.optim.ApplyIfFiniteState", "ragged.optim.NonFiniteError", "ragged.optim.MultiTransformState",
-    "ragged.optim.ScaleByMuonState", "ragged.optim.Quant8Moments", "ragged.optim.ScaleByAdam8bitState",
-    "ragged.optim.ScaleByAdamState", "ragged.optim.ScaleByScheduleState", "ragged.optim.TraceState",
-    "ragged.fsdp.Unit", "ragged.fsdp.Units", "ragged.fsdp.ShardedParameterError", "ragged.fsdp.TrainState",
-    "ragged.fsdp.ValueAndGrad", "ragged.fsdp.Step", "ragged.parallel.from_device_mesh",
-    "ragged.parallel.to_dtensor", "ragged.checkpoint.CheckpointCorruptError",
-    "ragged.checkpoint.CheckpointError", "ragged.checkpoint.CheckpointMismatchError",
-    "ragged.checkpoint.Packed", "ragged.checkpoint.bind_packed", "ragged.checkpoint.Quant8",
-    "ragged.checkpoint.unbind",
+    "ragged.CollectiveError", "ragged.collectives.TorchCollectives", "ragged.collectives.from_torch",
+    "ragged.fsdp.Unit", "ragged.fsdp.Units", "ragged.fsdp.TrainState", "ragged.fsdp.ValueAndGrad",
+    "ragged.fsdp.Step", "ragged.parallel.from_device_mesh", "ragged.parallel.to_dtensor",
 }
 
 

@@ -53,6 +53,15 @@ class Quant8:
         moments: a ``ragged.optim.Quant8Moments`` (this rank's compact state).
         params: the DBuffer the moments were initialised from (gives plan and rank).
         min_size: the ``min_size`` the optimizer was built with.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(8, 64)}
+        >>> local = rg.shard(rg.make_plan(params, {"w": rg.spec.Blocks(4, 32)}, world_size=1), params, rank=0)
+        >>> bound = rg.checkpoint.bind_quant8(rg.optim.adamw_8bit(1e-3, min_size=1).init(local), local, min_size=1)
+        >>> q = bound[0].moments
+        >>> type(q).__name__, q.params is local, q.min_size
+        ('Quant8', True, 1)
     """
 
     moments: Any
@@ -100,7 +109,21 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
 
 def unbind(state):
     """``state`` with every :class:`Quant8` replaced by its moments and every ``Packed`` by its
-    DBuffer (undoes :func:`bind_quant8`, ``bind_packed`` and ``bind_muon``)."""
+    DBuffer (undoes :func:`bind_quant8`, ``bind_packed`` and ``bind_muon``).
+
+    Args:
+        state: a state with :class:`Quant8` / ``Packed`` leaves (or none: it is returned as is).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(8, 64)}
+        >>> plan = rg.make_plan(params, {"w": rg.spec.Blocks(4, 32)}, world_size=1)
+        >>> local = rg.shard(plan, params, rank=0)
+        >>> state = rg.optim.adamw_8bit(1e-3, min_size=1).init(local)
+        >>> bound = rg.checkpoint.bind_quant8(state, local, min_size=1)
+        >>> type(bound[0].moments).__name__, type(rg.checkpoint.unbind(bound)[0].moments).__name__
+        ('Quant8', 'Quant8Moments')
+    """
     from ragged.checkpoint._packed import Packed
 
     def one(x):

@@ -63,7 +63,13 @@ __all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "Do
 class CallScope(NamedTuple):
     """What a transform declared for the collectives it is about to issue (see [Note: what a
     collective call carries]): ``identity``, a hash every rank must share (operation and plan
-    fingerprints), and ``text``, the same in words (error messages)."""
+    fingerprints), and ``text``, the same in words (error messages).
+
+    Examples:
+        >>> from ragged.collectives import CallScope
+        >>> CallScope(identity=1234, text="gather of plan 3f2a").text
+        'gather of plan 3f2a'
+    """
 
     identity: int
     text: str

@@ -31,7 +31,20 @@ LOCK = threading.RLock()
 
 
 class ShardedParameterError(RaggedError, RuntimeError):
-    """A torch call read the values of a module parameter that ``rg.fsdp.init`` sharded."""
+    """A torch call read the values of a module parameter that ``rg.fsdp.init`` sharded.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Linear(2, 2)
+        >>> units = fsdp.make_units(model, world_size=1)
+        >>> state = rg.collectives.simulate(1, lambda comm: fsdp.init(units, model, rg.optim.sgd(0.1), comm))[0]
+        >>> try:
+        ...     model(torch.ones(2))                     # the module holds placeholders now
+        ... except fsdp.ShardedParameterError as err:
+        ...     print(str(err)[:55])
+        parameters 'weight', 'bias' are sharded by rg.fsdp.init
+    """
 
 
 # calls that only read metadata (names as ``func.__name__``; properties as ``(property, "__get__")``)

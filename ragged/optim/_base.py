@@ -69,7 +69,13 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """State of a stateless transformation."""
+    """State of a stateless transformation.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.identity().init(torch.zeros(2))
+        EmptyState()
+    """
 
 
 def identity() -> GradientTransformation:

@@ -188,7 +188,13 @@ def _resolve_mask(mask, cache: _MaskCache | None, updates):
 
 
 class MaskedState(NamedTuple):
-    """State of :func:`masked`: the inner transform's state."""
+    """State of :func:`masked`: the inner transform's state.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.masked(rg.optim.trace(0.9), {"a": True, "b": False}).init({"a": torch.zeros(1), "b": torch.zeros(1)})
+        MaskedState(inner_state=TraceState(trace={'a': tensor([0.]), 'b': tensor([0.])}))
+    """
 
     inner_state: Any
 
@@ -230,7 +236,14 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label (a dict)."""
+    """State of :func:`multi_transform`: one inner state per label (a dict).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.multi_transform({"x": rg.optim.scale(2.0), "y": rg.optim.trace(0.5)}, {"a": "x", "b": "y"})
+        >>> opt.init({"a": torch.zeros(1), "b": torch.zeros(1)})
+        MultiTransformState(inner_states={'x': EmptyState(), 'y': TraceState(trace={'a': tensor([0.]), 'b': tensor([0.])})})
+    """
 
     inner_states: Any
 

@@ -263,7 +263,15 @@ def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:
 
 
 class ScaleByMuonState(NamedTuple):
-    """State of :func:`scale_by_muon`: the momentum buffer, like the params."""
+    """State of :func:`scale_by_muon`: the momentum buffer, like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4)}, world_size=1)
+        >>> state = rg.optim.scale_by_muon(comm=None).init(rg.shard(plan, {"w": torch.ones(4, 4)}, rank=0))
+        >>> type(state.momentum).__name__, state.momentum.data.abs().sum().item()
+        ('DBuffer', 0.0)
+    """
 
     momentum: Any
 

@@ -36,13 +36,26 @@ AddDecayedWeightsState = EmptyState
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: ``count`` updates applied so far (0-d int64)."""
+    """State of :func:`scale_by_schedule`: ``count`` updates applied so far (0-d int64).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale_by_schedule(lambda count: 0.1)
+        >>> opt.update(torch.ones(1), opt.init(torch.zeros(1)))[1]
+        ScaleByScheduleState(count=tensor(1))
+    """
 
     count: torch.Tensor
 
 
 class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`: step count and first/second moments like the params."""
+    """State of :func:`scale_by_adam`: step count and first/second moments like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.scale_by_adam().init(torch.zeros(2))
+        ScaleByAdamState(count=tensor(0), mu=tensor([0., 0.]), nu=tensor([0., 0.]))
+    """
 
     count: torch.Tensor
     mu: Any
@@ -50,7 +63,14 @@ class ScaleByAdamState(NamedTuple):
 
 
 class TraceState(NamedTuple):
-    """State of :func:`trace`: the momentum buffer, like the params."""
+    """State of :func:`trace`: the momentum buffer, like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.trace(0.9)
+        >>> opt.update(torch.ones(2), opt.init(torch.zeros(2)))[1]
+        TraceState(trace=tensor([1., 1.]))
+    """
 
     trace: Any
 

@@ -77,6 +77,12 @@ class LocalPiece:
         start: first element of the leaf held (in the leaf's flattened order).
         stop: one past the last element held.
         local_offset: where the piece starts inside the rank's shard of S elements.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(5, 2), "b": torch.empty(3)}, world_size=2, align=1)
+        >>> [(p.leaf.path, p.start, p.stop, p.local_offset) for p in plan.local_pieces(1)]   # rank 1's pieces
+        [("['w']", 4, 10, 0)]
     """
 
     leaf: LeafLayout

@@ -65,6 +65,15 @@ class MeshLeaf:
         shards: ``(axis, dim, groups, axis_size)`` for every ``Shard`` axis, in mesh order
             (``dim`` non-negative).
         replicated_on: non-FSDP axes on which the leaf is replicated.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> mplan = spec.make_mesh_plan({"w": torch.empty(8, 4, device="meta")}, {"w": spec.Shard(0)},
+        ...                             mesh=spec.Mesh((2, 2), ("dp", "tp")))
+        >>> leaf = mplan.leaf("['w']")
+        >>> leaf.shape, leaf.part_shape, leaf.shards, leaf.replicated_on
+        ((8, 4), (4, 4), (('tp', 0, 1, 2),), ())
     """
 
     path: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import picked_leaves
 from ragged.transforms._reduce_scatter import all_reduce_leaves
 

@@ -25,7 +25,7 @@ import optree
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedValueError
 from ragged.fsdp._data import DataGroup
 from ragged.parallel._parts import check_mplan, parts
 from ragged.spec._mesh_plan import MeshPlan

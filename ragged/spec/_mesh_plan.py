@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import optree

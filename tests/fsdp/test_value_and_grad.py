@@ -12,7 +12,7 @@ import torch
 import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
-from tests.fsdp._cases import (Case, cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
+from tests.fsdp._cases import (cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
                                train_sharded)
 
 

@@ -18,6 +18,7 @@ def _train(case, comm, device, *, streams=None, steps_dtype=None):
     """(params after training, losses) of ``case`` through rg.fsdp.make_step on ``device``."""
     import copy
 
+    import ragged as rg
     from ragged import fsdp
     from ragged.examples.gpt import loss_fn
     from ragged.fsdp import _runtime

@@ -115,7 +115,6 @@ class RaggedMethod:
                  lora=False):
         import ragged as rg
         from ragged import fsdp
-        from ragged.optim import GradientTransformation
         from torch.profiler import record_function
 
         compute, reduce = dtypes(policy)
@@ -129,12 +128,12 @@ class RaggedMethod:
             with record_function("ragged::optimizer"):
                 return opt.update(grads, state, params)
 
-        self.optimizer = GradientTransformation(opt.init, update)
+        self.optimizer = opt._replace(update=update)  # keeps opt.donates
         # the module's weights are released (placeholders) unless keep_module: functional_call supplies them
         self.state = fsdp.init(self.units, model, self.optimizer, comm, release_module=not keep_module)
         self.model = model
         self.step_fn = fsdp.make_step(self.units, _ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
-                                      compute_dtype=compute, reduce_dtype=reduce, donate=donate,
+                                      policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce), donate=donate,
                                       module=model if compile or bind_module else None)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}

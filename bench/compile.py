@@ -8,7 +8,7 @@ same weights, in the same processes (``bench/_launch.py``; methods from ``bench/
 * ``local`` / ``local+compile``: the unsharded model on every rank, no communication;
 * ``fsdp2`` / ``fsdp2+compile``: ``fully_shard`` on every block and the root;
 * with ``--compile-optimizer``, ``ragged+compile+opt``: ``ragged+compile`` with the optimizer
-  update compiled too (``GradientTransformation(opt.init, torch.compile(opt.update))``: the
+  update compiled too (``opt._replace(update=torch.compile(opt.update))``: the
   update is a pure function of the gradient, state and parameter shards, run after backward,
   outside the runtime; a ``jax.jit``-like path for the part of the step that is not the model).
 
@@ -102,10 +102,9 @@ def _bench(rank, world, backend, opts):
 def _compiled_adamw(opts):
     """``rg.optim.adamw`` as ``RaggedMethod`` builds it, its update compiled."""
     import ragged as rg
-    from ragged.optim import GradientTransformation
 
     opt = rg.optim.adamw(opts["lr"], b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
-    return GradientTransformation(opt.init, torch.compile(opt.update, backend=opts["compiler"]))
+    return opt._replace(update=torch.compile(opt.update, backend=opts["compiler"]))
 
 
 def _per_repeat(times, a, b):

@@ -101,7 +101,7 @@ def section_state(console, m):
             q8 += rg.optim.state_nbytes(st)
             mom = st[0].moments
             scales += (mom.mu_scales.numel() + mom.nu_scales.numel()) * 4
-        small = sum(1 for l in plan.leaves if l.numel < 4096 or isinstance(l.spec, spec.Rows)) + len(plan.replicated)
+        small = sum(1 for l in plan.leaves if l.numel < 4096 or isinstance(l.granularity, spec.Rows)) + len(plan.replicated)
         table.add_row(label, f"{n / 1e6:.1f}M", f"{fp32 / n:.3f}", f"{q8 / n:.3f}", f"{scales / n:.4f}",
                       f"{small}/{plan.num_leaves}", f"{fp32 / q8:.2f}x")
     console.print(table)
@@ -118,9 +118,9 @@ def section_muon(console, m_list):
     def row(label, plans, m):
         load = rg.optim.muon_load(plans)
         f = load["flops"]
-        big = max(u.cost for u in load["units"])
+        big = max(u.cost for u in load["assignments"])
         mean = statistics.mean(f)
-        table.add_row(label, str(m), str(len(load["units"])), f"{max(f) / 1e12:.1f}", f"{mean / 1e12:.1f}",
+        table.add_row(label, str(m), str(len(load["assignments"])), f"{max(f) / 1e12:.1f}", f"{mean / 1e12:.1f}",
                       f"{min(f) / 1e12:.1f}", f"{max(f) / mean:.3f}", f"{big / 1e12:.1f}", str(max(f) - min(f) <= big))
 
     for name in MODELS:
@@ -265,7 +265,7 @@ def _muon_worker(rank, m, backend, iters, size):
                "muon, owners, 8 waves (overlap)": muon_step(8), "replicated NS (all-gather, NS everywhere)": replicated_ns()}
     times = interleaved(methods, iters, timer=Timer(comm.device).seconds)  # max over ranks
     load = rg.optim.muon_load(plan)
-    return times, load["flops"], len(load["units"]), plan.numel
+    return times, load["flops"], len(load["assignments"]), plan.numel
 
 
 def section_muon_gloo(console, m, iters, size):

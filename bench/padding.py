@@ -49,7 +49,7 @@ def _granule_padding(params, specs, m, dtype):
     groups: dict[int, list[str]] = {}
     for leaf in one.leaves:
         groups.setdefault(leaf.granule, []).append(key[leaf.path])
-    spec_of = {key[l.path]: l.spec for l in one.leaves}
+    spec_of = {key[l.path]: l.granularity for l in one.leaves}
     return sum(spec.make_plan({k: params[k] for k in ks}, {k: spec_of[k] for k in ks}, world_size=m, dtype=dtype).padding
                for ks in groups.values())
 

@@ -194,7 +194,7 @@ depends on values, which the fake group leaves as garbage, so MoE peaks can move
     ("Training step: ragged vs FSDP2 (gloo, CPU)", """\
 `bench/step.py` trains the GPT of `ragged.examples.gpt` (seq 256, batch 2 per rank, AdamW, the same
 initial weights and batches for every method) with **ragged** (`rg.fsdp`, every block and the rest as
-units, `make_step(donate=True)` with `adamw(donate=True)`), **fsdp2** (`fully_shard` on every block and
+units, `adamw(donate=True)`, which the step follows), **fsdp2** (`fully_shard` on every block and
 the root, `torch.optim.AdamW(foreach=True)`) and **local** (the unsharded model on each rank, no
 communication: the compute floor). Each repeat runs one step of every method on the same batch, the
 order alternating; warm-up is excluded; times are the max over ranks. The paired ratio is the median

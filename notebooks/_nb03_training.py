@@ -58,7 +58,7 @@ def train(comm, optimizer, steps=STEPS, dtype=torch.float64, specs=None):
     for s in range(steps):
         state, metrics = step(state, rank_slice(task.batch(s, BATCH), comm.rank, comm.world_size))
         losses.append(float(metrics["loss"]))
-    full = fsdp.gather(units, state.shards, comm)
+    full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, losses
 
 results = rg.collectives.simulate(WORLD, train, rg.optim.adamw(1e-2, weight_decay=0.1))

@@ -32,6 +32,18 @@ class DBuffer:
         replicated: 1-D tensor holding every replicated leaf (may be empty).
         plan: the layout (static metadata).
         rank: this rank's index in the shard group (static metadata).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.arange(8.0).view(4, 2), "b": torch.ones(2)}
+        >>> plan = rg.make_plan(params, world_size=2, align=1)
+        >>> d = rg.shard(plan, params, rank=1)           # rank 1's S elements, no communication
+        >>> d.data.shape == (plan.shard_size,), d.rank
+        (True, 1)
+        >>> d.views()["w"].tolist()                       # its piece of w keeps rows as rows
+        [[4.0, 5.0], [6.0, 7.0]]
+        >>> d.replace(data=d.data * 2).views()["w"][0].tolist()   # immutable: replace, don't mutate
+        [8.0, 10.0]
     """
 
     data: torch.Tensor

@@ -20,15 +20,41 @@ class RaggedError(Exception):
 
 
 class RaggedValueError(RaggedError, ValueError):
-    """A value ragged cannot accept (an option out of range, a tree of the wrong structure)."""
+    """A value ragged cannot accept (an option out of range, a tree of the wrong structure).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.make_plan({"w": torch.empty(4)}, world_size=0)
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedValueError: ...
+    """
 
 
 class RaggedTypeError(RaggedError, TypeError):
-    """A value of the wrong kind (a module where a tree was expected, a spec that is no spec)."""
+    """A value of the wrong kind (a module where a tree was expected, a spec that is no spec).
+
+    Examples:
+        >>> import ragged as rg
+        >>> rg.shard({"not": "a layout"}, {}, None)
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedTypeError: shard: the layout must be a LayoutPlan (rg.make_plan), fsdp.Units ...
+    """
 
 
 class RaggedKeyError(RaggedError, KeyError):
-    """A name that is not there (a unit, a leaf path, a mesh axis, a checkpoint entry)."""
+    """A name that is not there (a unit, a leaf path, a mesh axis, a checkpoint entry).
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> mplan = spec.make_mesh_plan({"w": torch.empty(2)}, None, mesh=spec.Mesh((2,), ("dp",)))
+        >>> mplan.leaf("['nope']")
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedKeyError: 'no leaf at ...; paths are ...'
+    """
 
 
 class LayoutError(RaggedError, ValueError):
@@ -37,6 +63,14 @@ class LayoutError(RaggedError, ValueError):
     Attributes:
         path: key path of the offending leaf (``"['layers'][0]['w']"``), or ``None``.
         shape: shape of that leaf, or ``None``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> try:
+        ...     rg.make_plan({"b": torch.empty(3)}, rg.spec.Blocks(2, 2), world_size=2)
+        ... except rg.LayoutError as err:
+        ...     print(err.path, err.shape, isinstance(err, ValueError))
+        ['b'] (3,) True
     """
 
     def __init__(self, message: str, *, path: str | None = None, shape=None):
@@ -47,7 +81,20 @@ class LayoutError(RaggedError, ValueError):
 
 class PlanMismatchError(RaggedError, RuntimeError):
     """Ranks hold different plans (shapes, specs, world size) or issue different collectives
-    (operation, dtype, size, plan, label): raised on every rank before the data moves."""
+    (operation, dtype, size, plan, label): raised on every rank before the data moves.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> def fn(comm):                              # rank 1 planned a longer leaf
+        ...     n = 4 + 2 * comm.rank
+        ...     plan = rg.make_plan({"w": torch.empty(n)}, world_size=2)
+        ...     try:
+        ...         rg.gather(rg.shard(plan, {"w": torch.zeros(n)}, comm), comm)
+        ...     except rg.PlanMismatchError as err:
+        ...         return type(err).__name__, str(err).startswith("ranks hold different plans")
+        >>> rg.collectives.simulate(2, fn)             # every rank raises, before any data moves
+        [('PlanMismatchError', True), ('PlanMismatchError', True)]
+    """
 
 
 class CollectiveError(RaggedError, RuntimeError):

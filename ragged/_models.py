@@ -35,7 +35,14 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 class ModelUnit(NamedTuple):
     """One FSDP unit: a name (``"layers.3"``), a kind (``"moe_layer"``) and a dict of meta
-    tensors keyed by parameter name (for merged units: a dict of such dicts, one per layer)."""
+    tensors keyed by parameter name (for merged units: a dict of such dicts, one per layer).
+
+    Examples:
+        >>> from ragged.models import model_units
+        >>> unit = model_units("llama3-70b")[1]
+        >>> unit.name, unit.kind, len(unit.params)
+        ('layers.0', 'layer', 9)
+    """
 
     name: str
     kind: str
@@ -224,7 +231,17 @@ def model_units(
 
 
 def unit_numel(unit: ModelUnit) -> int:
-    """Elements of one unit."""
+    """Elements of one unit.
+
+    Args:
+        unit: a :class:`ModelUnit` (from :func:`model_units`).
+
+    Examples:
+        >>> from ragged.models import model_units, unit_numel
+        >>> units = model_units("llama3-70b")
+        >>> round(sum(unit_numel(u) for u in units) / 1e9, 1)   # parameters, in billions
+        70.6
+    """
     from ragged._pytree import pytree
 
     return sum(math.prod(t.shape) for t in pytree.leaves(unit.params))

@@ -1,12 +1,12 @@
 """Sharded checkpoints with torch.distributed.checkpoint: save each rank's ragged pieces, load
-into any world size or plan, export one consolidated file."""
+into any world size or plan, consolidate one into a single file."""
 
 from ragged.checkpoint._dcp import SingleProcess as SingleProcess
 from ragged.checkpoint._format import CheckpointCorruptError as CheckpointCorruptError
 from ragged.checkpoint._format import CheckpointError as CheckpointError
 from ragged.checkpoint._format import CheckpointMismatchError as CheckpointMismatchError
 from ragged.checkpoint._format import PerRank as PerRank
-from ragged.checkpoint._load import export as export
+from ragged.checkpoint._load import consolidate as consolidate
 from ragged.checkpoint._packed import Packed as Packed
 from ragged.checkpoint._packed import bind_muon as bind_muon
 from ragged.checkpoint._packed import bind_packed as bind_packed

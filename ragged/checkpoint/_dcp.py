@@ -62,7 +62,16 @@ class Piece:
 
 
 class SingleProcess:
-    """A one-rank stand-in for a Collectives (export and other single-process reads)."""
+    """A one-rank stand-in for a Collectives (export and other single-process reads).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> comm = rg.checkpoint.SingleProcess()
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = rg.checkpoint.save(path, {"x": torch.arange(3.0)}, comm)   # no process group needed
+        >>> rg.checkpoint.load(path, {"x": torch.zeros(3)}, comm)["x"].tolist()
+        [0.0, 1.0, 2.0]
+    """
 
     rank = 0
     world_size = 1

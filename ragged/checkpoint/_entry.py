@@ -12,9 +12,9 @@ things, each a method of one :class:`EntryKind` subclass:
 * ``allocate``: a fresh leaf shaped like ``like_state``'s, to load into (its ``pieces`` are the
   destinations);
 * ``compare``: every difference between a saved entry and the one ``like_state`` would write;
-* ``export``: full tensors of the entry's leaves for a single-process read.
+* ``consolidate``: full tensors of the entry's leaves for a single-process read.
 
-``save``, ``load`` and ``export`` iterate over :data:`ragged.checkpoint._kinds.KINDS` and call
+``save``, ``load`` and ``consolidate`` iterate over :data:`ragged.checkpoint._kinds.KINDS` and call
 these methods; none of them knows a kind. A new kind is a class and one line in the registry.
 """
 
@@ -32,14 +32,14 @@ from ragged.checkpoint._format import CheckpointCorruptError
 
 __all__ = [
     "EntryKind",
-    "Exported",
+    "Consolidated",
     "LoadSite",
     "compare_plans",
     "compare_dtypes",
     "numel_of",
     "full_tensor",
     "plan_leaf_tensors",
-    "export_plan_leaves",
+    "consolidate_plan_leaves",
 ]
 
 
@@ -54,8 +54,8 @@ class LoadSite:
     saved_world_size: int
 
 
-class Exported(NamedTuple):
-    """One value of :func:`ragged.checkpoint.export`: key-path ``parts`` below the entry,
+class Consolidated(NamedTuple):
+    """One value of :func:`ragged.checkpoint.consolidate`: key-path ``parts`` below the entry,
     a ``suffix`` for the dotted name, the ``value`` (a tensor filled by ``pieces``, or a Python
     value) and the DCP pieces that fill it."""
 
@@ -72,7 +72,7 @@ class EntryKind:
     name: ClassVar[str]
     #: the type (or types) of the leaves this kind stores
     holds: ClassVar[type | tuple[type, ...]]
-    #: export names its values by the plan's own leaf paths (``leaf_names=True`` keeps only those)
+    #: consolidate names its values by the plan's own leaf paths (``leaf_names=True`` keeps only those)
     holds_leaves: ClassVar[bool] = False
     #: written by every process of an HSDP mesh (default: by replica 0 only, the replicas agree)
     per_process: ClassVar[bool] = False
@@ -111,7 +111,7 @@ class EntryKind:
         """A new leaf like ``leaf`` to load the entry into (nothing shared with ``leaf``)."""
         return leaf
 
-    def export(self, path: str, entry: dict) -> list[Exported]:
+    def consolidate(self, path: str, entry: dict) -> list[Consolidated]:
         return []
 
 
@@ -163,7 +163,7 @@ def plan_leaf_tensors(path: str, entry: dict, keep=None) -> dict[str, tuple[int,
     return out
 
 
-def export_plan_leaves(path: str, entry: dict, keep=None) -> list[Exported]:
+def consolidate_plan_leaves(path: str, entry: dict, keep=None) -> list[Consolidated]:
     """Full tensors (true shapes) of every leaf of a DBuffer-like entry."""
     plan, out = entry["plan"], []
     for leaves, dtype in ((plan["leaves"], entry["dtype"]), (plan["replicated"], entry["replicated_dtype"])):
@@ -171,5 +171,5 @@ def export_plan_leaves(path: str, entry: dict, keep=None) -> list[Exported]:
             if keep is not None and leaf["path"] not in keep:
                 continue
             flat, pieces = full_tensor(fmt.leaf_fqn(path, leaf["path"]), numel_of(leaf["shape"]), fmt.dtype_from_name(dtype))
-            out.append(Exported(fmt.path_parts(leaf["path"]), "", flat.view(tuple(leaf["shape"])), pieces))
+            out.append(Consolidated(fmt.path_parts(leaf["path"]), "", flat.view(tuple(leaf["shape"])), pieces))
     return out

@@ -63,17 +63,51 @@ VERSION = 1
 
 
 class CheckpointError(RaggedError):
-    """A checkpoint could not be written or read (raised on every rank alike)."""
+    """A checkpoint could not be written or read (raised on every rank alike).
+
+    Examples:
+        >>> import os, tempfile, ragged as rg
+        >>> try:
+        ...     rg.checkpoint.read_manifest(os.path.join(tempfile.mkdtemp(), "nothing-here"))
+        ... except rg.checkpoint.CheckpointError as err:           # the base of both kinds below
+        ...     print(type(err).__name__)
+        CheckpointCorruptError
+    """
 
 
 class CheckpointCorruptError(CheckpointError):
     """The files on disk are not a complete, intact ragged checkpoint (missing, truncated,
-    or altered files; an unpublished directory)."""
+    or altered files; an unpublished directory).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = rg.checkpoint.save(path, {"x": torch.arange(4.0)}, rg.checkpoint.SingleProcess())
+        >>> data = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+        >>> with open(data[0], "r+b") as f:
+        ...     _ = f.write(b"garbage")                            # alter a data file
+        >>> rg.checkpoint.consolidate(path)
+        Traceback (most recent call last):
+        ...
+        ragged.checkpoint._format.CheckpointCorruptError: ...
+    """
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint is intact but does not fit the state it is loaded into (other tree,
-    other shapes, other dtypes, other kinds of leaves)."""
+    other shapes, other dtypes, other kinds of leaves).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> comm = rg.checkpoint.SingleProcess()
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = rg.checkpoint.save(path, {"x": torch.zeros(4)}, comm)
+        >>> try:
+        ...     rg.checkpoint.load(path, {"x": torch.zeros(5)}, comm)
+        ... except rg.checkpoint.CheckpointMismatchError as err:
+        ...     print(isinstance(err, ValueError), "['x']" in str(err))
+        True True
+    """
 
 
 _ERROR_TYPES = {cls.__name__: cls for cls in (CheckpointError, CheckpointCorruptError, CheckpointMismatchError)}
@@ -321,7 +355,7 @@ def locate(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointCorruptError(
                 f"{path!r} is a file, not a checkpoint directory: rg.checkpoint.save writes a directory "
-                "(rg.checkpoint.export writes single files, which torch.load(..., weights_only=True) reads)."
+                "(rg.checkpoint.consolidate writes single files, which torch.load(..., weights_only=True) reads)."
             )
         return path
     for old in old_siblings(path):

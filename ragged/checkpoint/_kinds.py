@@ -13,11 +13,11 @@ from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import (
     EntryKind,
-    Exported,
+    Consolidated,
     LoadSite,
     compare_dtypes,
     compare_plans,
-    export_plan_leaves,
+    consolidate_plan_leaves,
     full_tensor,
     numel_of,
     plan_leaf_tensors,
@@ -123,8 +123,8 @@ class DBufferKind(EntryKind):
         data = torch.zeros(leaf.plan.shard_size, dtype=leaf.data.dtype, device=leaf.data.device)
         return leaf.replace(data=data, replicated=torch.zeros_like(leaf.replicated))
 
-    def export(self, path, entry):
-        return export_plan_leaves(path, entry)
+    def consolidate(self, path, entry):
+        return consolidate_plan_leaves(path, entry)
 
 
 class TensorKind(EntryKind):
@@ -158,9 +158,9 @@ class TensorKind(EntryKind):
     def allocate(self, leaf, entry):
         return torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
 
-    def export(self, path, entry):
+    def consolidate(self, path, entry):
         flat, pieces = full_tensor(path, numel_of(entry["shape"]), fmt.dtype_from_name(entry["dtype"]))
-        return [Exported([], "", flat.view(tuple(entry["shape"])), pieces)]
+        return [Consolidated([], "", flat.view(tuple(entry["shape"])), pieces)]
 
 
 class PerRankKind(EntryKind):
@@ -207,11 +207,11 @@ class PerRankKind(EntryKind):
     def allocate(self, leaf, entry):
         return PerRank(torch.empty_like(leaf.value))
 
-    def export(self, path, entry):
+    def consolidate(self, path, entry):
         out = []
         for r, shape in enumerate(entry["shapes"]):
             flat, pieces = full_tensor(fmt.per_rank_fqn(path, r), numel_of(shape), fmt.dtype_from_name(entry["dtype"]))
-            out.append(Exported([], f"@rank{r}", flat.view(tuple(shape)), pieces))
+            out.append(Consolidated([], f"@rank{r}", flat.view(tuple(shape)), pieces))
         return out
 
 
@@ -248,8 +248,8 @@ class ValueKind(EntryKind):
     def allocate(self, leaf, entry):
         return self._value(entry)
 
-    def export(self, path, entry):
-        return [Exported([], "", self._value(entry), [])]
+    def consolidate(self, path, entry):
+        return [Consolidated([], "", self._value(entry), [])]
 
     @staticmethod
     def _value(entry):

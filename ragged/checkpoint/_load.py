@@ -1,4 +1,4 @@
-"""`load` (into any world size / granularity) and `export` (one consolidated file)."""
+"""`load` (into any world size / granularity) and `consolidate` (one file of full tensors)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ragged.checkpoint._kinds import kind_named
 from ragged.checkpoint._metadata import METADATA, check_metadata, read_metadata
 from ragged.checkpoint._save import check_comm, describe_state, flatten_state
 
-__all__ = ["load", "export", "read_manifest", "LOAD_STEPS"]
+__all__ = ["load", "consolidate", "read_manifest", "LOAD_STEPS"]
 
 #: The steps of the load protocol (see [Note: protocol steps] in ``_dcp.py``): the checkpoint
 #: opened and checked on this rank, every rank agreed, this rank's data read.
@@ -33,6 +33,16 @@ def read_manifest(path) -> dict[str, Any]:
 
     Raises:
         CheckpointCorruptError: no published checkpoint at ``path``, or a damaged manifest.
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 2)}, world_size=1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = rg.checkpoint.save(path, {"p": rg.shard(plan, {"w": torch.ones(4, 2)}, rank=0), "step": 7},
+        ...                        rg.checkpoint.SingleProcess())
+        >>> manifest = rg.checkpoint.read_manifest(path)
+        >>> manifest["world_size"], sorted(manifest["entries"])
+        (1, ["['p']", "['step']"])
     """
     return fmt.read_manifest(fmt.locate(os.path.abspath(os.fspath(path))))
 
@@ -125,6 +135,19 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
             the directory, a symlink, metadata that is not DCP's): see docs/checkpointing.md.
         CheckpointMismatchError: the checkpoint does not fit ``like_state``; the message lists
             every differing key path with saved and expected shape / dtype / kind.
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> params = {"w": torch.arange(12.0).view(6, 2)}
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> plan2 = rg.make_plan(params, world_size=2)
+        >>> _ = rg.collectives.simulate(2, lambda c: rg.checkpoint.save(path, {"p": rg.shard(plan2, params, c)}, c))
+        >>> plan3 = rg.make_plan(params, world_size=3)                 # resume on 3 ranks
+        >>> def resume(comm):
+        ...     state = rg.checkpoint.load(path, {"p": rg.shard(plan3, {"w": torch.zeros(6, 2)}, comm)}, comm)
+        ...     return torch.equal(rg.gather(state["p"], comm)["w"], params["w"])
+        >>> rg.collectives.simulate(3, resume)
+        [True, True, True]
     """
     check_comm(comm, "load")
     path = os.path.abspath(os.fspath(path))
@@ -177,7 +200,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     return treedef.unflatten(new_leaves)
 
 
-def export(
+def consolidate(
     path, out_file=None, *, prefix: str | None = None, leaf_names: bool = False, verify: bool = True
 ) -> dict[str, Any]:
     """Consolidates a checkpoint into one flat state dict of full tensors (single process).
@@ -190,7 +213,7 @@ def export(
     Args:
         path: a checkpoint written by :func:`save` (any world size).
         out_file: if given, the dict is also written there with ``torch.save`` (atomically).
-        prefix: export only the entries under this dotted prefix, named relative to it (e.g.
+        prefix: only the entries under this dotted prefix, named relative to it (e.g.
             ``prefix="params"`` gives keys that ``nn.Module.load_state_dict`` accepts).
         leaf_names: name each DBuffer leaf by its own path in the DBuffer's plan only (the
             DBuffer's place in the state dropped). For FSDP unit shards
@@ -214,10 +237,10 @@ def export(
         ...                   replicated=torch.empty(0), plan=plan, rank=0)
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
         >>> _ = rg.checkpoint.save(path, {"params": dbuf, "step": 3}, comm)
-        >>> rg.checkpoint.export(path)
+        >>> rg.checkpoint.consolidate(path)
         {'params.w': tensor([[0., 1.],
                 [2., 3.]]), 'step': 3}
-        >>> rg.checkpoint.export(path, prefix="params")
+        >>> rg.checkpoint.consolidate(path, prefix="params")
         {'w': tensor([[0., 1.],
                 [2., 3.]])}
     """
@@ -241,18 +264,18 @@ def export(
                 continue
             kind = kind_named(entry, p)
             own = leaf_names and kind.holds_leaves
-            for item in kind.export(p, entry):
+            for item in kind.consolidate(p, entry):
                 name = ".".join(item.parts if own else rel + item.parts) or (parts[-1] if parts else "state")
                 name += item.suffix
                 if name in out:
-                    raise CheckpointMismatchError(f"two entries of {path!r} export under the same name {name!r}.")
+                    raise CheckpointMismatchError(f"two entries of {path!r} consolidate under the same name {name!r}.")
                 out[name] = item.value
                 pieces += item.pieces
     except _MALFORMED as exc:
         raise CheckpointCorruptError(f"checkpoint {where!r}: the manifest is malformed ({exc!r}).") from None
     if head is not None and not out:
         raise RaggedKeyError(f"checkpoint {path!r} has no entry under {prefix!r}; entries are {list(manifest['entries'])}.")
-    dcp_load(where, pieces, metadata, SingleProcess(), f"export({path!r})")
+    dcp_load(where, pieces, metadata, SingleProcess(), f"consolidate({path!r})")
     if out_file is not None:
         out_file = os.fspath(out_file)
         tmp = out_file + ".tmp"

@@ -23,7 +23,7 @@ from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
-from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, export_plan_leaves, plan_leaf_tensors
+from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, consolidate_plan_leaves, plan_leaf_tensors
 
 __all__ = ["Packed", "bind_packed", "bind_muon", "PackedKind"]
 
@@ -31,7 +31,18 @@ __all__ = ["Packed", "bind_packed", "bind_muon", "PackedKind"]
 @dataclasses.dataclass(frozen=True, slots=True)
 class Packed:
     """A packed DBuffer (see [Note: packed DBuffers in a checkpoint]) and the key paths of the
-    leaves it holds (in plan order)."""
+    leaves it holds (in plan order).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+        >>> def fn(comm):
+        ...     state = rg.optim.muon(0.1, comm=comm).init(rg.shard(rg.make_plan(params, world_size=1), params, comm))
+        ...     packed = rg.checkpoint.bind_muon(state).inner_states["adam"][0].mu
+        ...     return type(packed).__name__, packed.paths, packed.dbuf.data.numel()
+        >>> rg.collectives.simulate(1, fn)[0]          # AdamW's part holds only the bias
+        ('Packed', ("['b']",), 4)
+    """
 
     dbuf: DBuffer
     paths: tuple[str, ...]
@@ -58,6 +69,18 @@ def bind_packed(opt_state, labels: Callable, compact) -> Any:
         opt_state: the optimizer state.
         labels: the ``LeafLayout -> label`` function given to ``multi_transform``.
         compact: the labels given as ``compact=`` to ``multi_transform``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+        >>> label = lambda leaf: "mat" if len(leaf.shape) == 2 else "vec"
+        >>> opt = rg.optim.multi_transform({"mat": rg.optim.sgd(0.1), "vec": rg.optim.adam(0.1)}, label, compact=("vec",))
+        >>> def fn(comm):
+        ...     state = opt.init(rg.shard(rg.make_plan(params, world_size=1), params, comm))
+        ...     bound = rg.checkpoint.bind_packed(state, label, ("vec",))
+        ...     return bound.inner_states["vec"][0].mu.paths, rg.checkpoint.unbind(bound).inner_states["vec"][0].mu.data.numel()
+        >>> rg.collectives.simulate(1, fn)[0]
+        (("['b']",), 4)
     """
     from ragged.optim._combine import MultiTransformState
 
@@ -170,5 +193,5 @@ class PackedKind(EntryKind):
         d = leaf.dbuf
         return Packed(d.replace(data=torch.zeros_like(d.data), replicated=torch.zeros_like(d.replicated)), leaf.paths)
 
-    def export(self, path, entry):
-        return export_plan_leaves(path, entry, keep=set(entry["paths"]))
+    def consolidate(self, path, entry):
+        return consolidate_plan_leaves(path, entry, keep=set(entry["paths"]))

@@ -31,7 +31,7 @@ from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
-from ragged.checkpoint._entry import EntryKind, Exported, compare_plans, full_tensor
+from ragged.checkpoint._entry import EntryKind, Consolidated, compare_plans, full_tensor
 from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
@@ -53,6 +53,15 @@ class Quant8:
         moments: a ``ragged.optim.Quant8Moments`` (this rank's compact state).
         params: the DBuffer the moments were initialised from (gives plan and rank).
         min_size: the ``min_size`` the optimizer was built with.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(8, 64)}
+        >>> local = rg.shard(rg.make_plan(params, {"w": rg.spec.Blocks(4, 32)}, world_size=1), params, rank=0)
+        >>> bound = rg.checkpoint.bind_quant8(rg.optim.adamw_8bit(1e-3, min_size=1).init(local), local, min_size=1)
+        >>> q = bound[0].moments
+        >>> type(q).__name__, q.params is local, q.min_size
+        ('Quant8', True, 1)
     """
 
     moments: Any
@@ -100,7 +109,21 @@ def bind_quant8(opt_state, params, *, min_size: int = 4096):
 
 def unbind(state):
     """``state`` with every :class:`Quant8` replaced by its moments and every ``Packed`` by its
-    DBuffer (undoes :func:`bind_quant8`, ``bind_packed`` and ``bind_muon``)."""
+    DBuffer (undoes :func:`bind_quant8`, ``bind_packed`` and ``bind_muon``).
+
+    Args:
+        state: a state with :class:`Quant8` / ``Packed`` leaves (or none: it is returned as is).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(8, 64)}
+        >>> plan = rg.make_plan(params, {"w": rg.spec.Blocks(4, 32)}, world_size=1)
+        >>> local = rg.shard(plan, params, rank=0)
+        >>> state = rg.optim.adamw_8bit(1e-3, min_size=1).init(local)
+        >>> bound = rg.checkpoint.bind_quant8(state, local, min_size=1)
+        >>> type(bound[0].moments).__name__, type(rg.checkpoint.unbind(bound)[0].moments).__name__
+        ('Quant8', 'Quant8Moments')
+    """
     from ragged.checkpoint._packed import Packed
 
     def one(x):
@@ -214,7 +237,7 @@ class Quant8Kind(EntryKind):
         moments = type(moments)(*[torch.zeros_like(t) for t in moments])
         return Quant8(moments, leaf.params, leaf.min_size)
 
-    def export(self, path, entry):
+    def consolidate(self, path, entry):
         """Codes and fp32 moments in the leaf's shape, scales 1-D (one per block, band-major)."""
         out = []
         shapes = {l["path"]: tuple(l["shape"]) for l in entry["plan"]["leaves"] + entry["plan"]["replicated"]}
@@ -224,5 +247,5 @@ class Quant8Kind(EntryKind):
                 scales = part.endswith("scales")
                 dtype = torch.uint8 if part.endswith("codes") else torch.float32
                 flat, pieces = full_tensor(fqn(path, leaf_path, part), k["blocks"] if scales else k["numel"], dtype)
-                out.append(Exported(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
+                out.append(Consolidated(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
         return out

@@ -63,7 +63,13 @@ __all__ = ["Collectives", "Handle", "ReduceOp", "REDUCE_OPS", "PLAN_CHECKS", "Do
 class CallScope(NamedTuple):
     """What a transform declared for the collectives it is about to issue (see [Note: what a
     collective call carries]): ``identity``, a hash every rank must share (operation and plan
-    fingerprints), and ``text``, the same in words (error messages)."""
+    fingerprints), and ``text``, the same in words (error messages).
+
+    Examples:
+        >>> from ragged.collectives import CallScope
+        >>> CallScope(identity=1234, text="gather of plan 3f2a").text
+        'gather of plan 3f2a'
+    """
 
     identity: int
     text: str
@@ -119,6 +125,20 @@ class poison_on_error:  # noqa: N801 - used as a context manager, like contextli
 
 @runtime_checkable
 class Handle(Protocol):
+    """What an ``async_op=True`` collective returns: ``wait()`` blocks until the op is done
+    (its output is then valid). A comm's handles may also have ``is_completed()``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> def fn(comm):
+        ...     out = torch.empty(2)
+        ...     handle = comm.all_gather_into(out, torch.full((1,), float(comm.rank)), async_op=True)
+        ...     handle.wait()
+        ...     return out.tolist()
+        >>> rg.collectives.simulate(2, fn)
+        [[0.0, 1.0], [0.0, 1.0]]
+    """
+
     def wait(self) -> None: ...
 
 
@@ -185,6 +205,15 @@ class Collectives(Protocol):
     """One shard group (and, for HSDP, its replica group), seen from one rank.
 
     See [Note: shard group and replica group].
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> def fn(comm):                                  # any backend: simulated here, torch.distributed in a job
+        ...     x = torch.full((2,), float(comm.rank + 1))
+        ...     comm.all_reduce(x, op="sum")
+        ...     return comm.rank, comm.world_size, x.tolist()
+        >>> rg.collectives.simulate(2, fn)
+        [(0, 2, [3.0, 3.0]), (1, 2, [3.0, 3.0])]
     """
 
     @property

@@ -126,6 +126,12 @@ class SimulatedCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` for one simulated rank (see :func:`simulate`).
 
     Async ops complete immediately; their handle's ``wait()`` does nothing.
+
+    Examples:
+        >>> import ragged as rg
+        >>> comms = rg.collectives.simulate(3, lambda comm: comm)   # one per rank (threads)
+        >>> [type(c).__name__ for c in comms], [c.rank for c in comms]
+        (['SimulatedCollectives', 'SimulatedCollectives', 'SimulatedCollectives'], [0, 1, 2])
     """
 
     def __init__(self, rank, shard_group: _Group, replica_rank=0, replica_group: _Group | None = None, world_group=None):

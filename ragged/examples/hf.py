@@ -119,10 +119,9 @@ def train(args) -> dict:
     opt = _optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
     step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
-                          compute_dtype=DTYPES[args.compute_dtype],
-                          reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
-                          donate=not args.no_donate)
+                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
+                                                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
+                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     n_params = sum(u.plan.numel for u in units)

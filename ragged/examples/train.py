@@ -65,13 +65,13 @@ def _optimizer(args, comm, units, no_decay: tuple[type, ...]):
              "no_decay": rg.optim.adamw(lr, b2=0.98)},  # norms and embeddings: few or row-wise, fp32 moments
             units.param_groups({no_decay: "no_decay"}, default="decay"), compact=("no_decay",))
     elif args.optimizer == "sgd":
-        core = rg.optim.sgd(lr, momentum=0.9)
+        core = rg.optim.sgd(lr, momentum=0.9, donate=not args.no_donate)
     else:
         def matrices(leaf):
             return len(leaf.shape) in (2, 3) and "emb" not in leaf.path and "head" not in leaf.path
 
         core = rg.optim.muon(0.02, comm=comm, weight_decay=args.weight_decay, muon_filter=matrices,
-                             adam=rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay))
+                             adam=rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate))
     if args.clip > 0:
         return rg.optim.chain(rg.optim.clip_by_global_norm(args.clip, comm=comm), core)
     return core
@@ -104,10 +104,9 @@ def train(args) -> dict:
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
                           micro_batches=args.micro_batches,
-                          compute_dtype=DTYPES[args.compute_dtype],
-                          reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
-                          donate=not args.no_donate)
+                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
+                                                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
+                          prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     n_params = sum(u.plan.numel for u in units)
     console = None

@@ -2,8 +2,8 @@
 placeholders left on the module; export of full parameters), and a training step that threads
 ``(shards, opt_state)``.
 
-``fsdp.shard``, ``fsdp.gather`` and ``fsdp.global_norm`` are ``rg.shard``, ``rg.gather`` and
-``rg.global_norm``, which take :class:`Units` as a layout (see [Note: one verb, any layout])."""
+The verbs ``rg.shard``, ``rg.gather``, ``rg.reduce_scatter`` and ``rg.global_norm`` take
+:class:`Units` as a layout (see [Note: one verb, any layout])."""
 
 from ragged.fsdp._units import REST as REST
 from ragged.fsdp._units import Unit as Unit
@@ -17,10 +17,6 @@ from ragged.fsdp._state import TrainState as TrainState
 from ragged.fsdp._trainable import trainable_shards as trainable_shards
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
-from ragged.transforms import gather as gather
-from ragged.transforms import global_norm as global_norm
-from ragged.transforms import reduce_scatter as reduce_scatter
-from ragged.transforms import shard as shard
 from ragged.fsdp._data import DataGroup as DataGroup
 from ragged.fsdp._layout import MixedPrecision as MixedPrecision
 from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad

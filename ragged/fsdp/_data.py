@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import picked_leaves
 from ragged.transforms._reduce_scatter import all_reduce_leaves
 
@@ -23,23 +23,30 @@ __all__ = ["DataGroup", "data_groups_option", "reduce_over_data_groups"]
 
 class DataGroup(NamedTuple):
     """One extra data axis of a step: its ``comm`` and ``is_replicated(path) -> bool`` (the
-    parameters that hold a copy on every rank of it, paths as in the units)."""
+    parameters that hold a copy on every rank of it, paths as in the units).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp, parallel, spec
+        >>> mplan = spec.make_mesh_plan({"router": torch.empty(2, 4), "experts": torch.empty(2, 4, 4)},
+        ...                             {"router": None, "experts": {"ep": spec.Shard(0)}}, mesh=spec.Mesh((1, 2), ("dp", "ep")))
+        >>> def fn(mc):
+        ...     (group,) = parallel.data_groups(mplan, mc, ("ep",))
+        ...     return isinstance(group, fsdp.DataGroup), group.is_replicated("['router']"), group.is_replicated("['experts']")
+        >>> parallel.simulate_mesh(mplan.mesh, fn)[0]
+        (True, True, False)
+    """
 
     comm: Any
     is_replicated: Callable[[str], bool]
 
 
-def data_groups_option(data_groups: Sequence, data_axes: Sequence | None, where: str) -> tuple[DataGroup, ...]:
-    """The ``data_groups=`` argument of ``where`` as DataGroups (``data_axes=`` is its old name).
+def data_groups_option(data_groups: Sequence, where: str) -> tuple[DataGroup, ...]:
+    """The ``data_groups=`` argument of ``where`` as DataGroups.
 
     Raises:
         RaggedTypeError: an entry that is not a ``(comm, is_replicated)`` pair.
-        RaggedValueError: both names given.
     """
-    if data_axes is not None:
-        if data_groups:
-            raise RaggedValueError(f"{where}: pass data_groups= (data_axes= is its old name), not both.")
-        data_groups = data_axes
     out = []
     for entry in data_groups:
         try:

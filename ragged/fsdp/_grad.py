@@ -351,8 +351,8 @@ def value_and_grad(
         >>> x = torch.arange(8.0).view(4, 2)
         >>> loss_fn = lambda p, x: ((x @ p["w"].T + p["b"]) ** 2).mean()
         >>> def run(comm):
-        ...     loss, grads = fsdp.value_and_grad(units, loss_fn, comm)(fsdp.shard(units, params, comm), x[2 * comm.rank:][:2])
-        ...     return loss, fsdp.gather(units, grads, comm)
+        ...     loss, grads = fsdp.value_and_grad(units, loss_fn, comm)(rg.shard(units, params, comm), x[2 * comm.rank:][:2])
+        ...     return loss, rg.gather(units, grads, comm)
         >>> (loss, g), _ = rg.collectives.simulate(2, run)
         >>> want = torch.func.grad(loss_fn)(params, x)
         >>> round(loss, 4) == round(loss_fn(params, x).item(), 4), torch.allclose(g["w"], want["w"])

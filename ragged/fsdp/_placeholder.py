@@ -31,7 +31,20 @@ LOCK = threading.RLock()
 
 
 class ShardedParameterError(RaggedError, RuntimeError):
-    """A torch call read the values of a module parameter that ``rg.fsdp.init`` sharded."""
+    """A torch call read the values of a module parameter that ``rg.fsdp.init`` sharded.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Linear(2, 2)
+        >>> units = fsdp.make_units(model, world_size=1)
+        >>> state = rg.collectives.simulate(1, lambda comm: fsdp.init(units, model, rg.optim.sgd(0.1), comm))[0]
+        >>> try:
+        ...     model(torch.ones(2))                     # the module holds placeholders now
+        ... except fsdp.ShardedParameterError as err:
+        ...     print(str(err)[:55])
+        parameters 'weight', 'bias' are sharded by rg.fsdp.init
+    """
 
 
 # calls that only read metadata (names as ``func.__name__``; properties as ``(property, "__get__")``)
@@ -127,7 +140,7 @@ def _message(func, args, kwargs) -> str:
     return (f"parameter{'s' if len(names) > 1 else ''} {', '.join(map(repr, names)) or '?'} "
             f"{'are' if len(names) > 1 else 'is'} sharded by rg.fsdp.init: the module keeps a placeholder without "
             f"values, and a torch call{f' ({what})' if what else ''} used it. Fix: pass the parameters the step gives the "
-            "loss (torch.func.functional_call(model, params, ...)); full values: rg.fsdp.gather / rg.fsdp.export "
+            "loss (torch.func.functional_call(model, params, ...)); full values: rg.gather(units, shards, comm) / rg.fsdp.export "
             "(model.load_state_dict(full, assign=True) puts them back).")
 
 

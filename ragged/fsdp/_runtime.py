@@ -70,7 +70,7 @@ from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._reducing import Gradients
 from ragged.fsdp._observed import Counters, Observer
 from ragged.fsdp._schedule import CollectiveSchedule, Program
-from ragged.transforms import all_gather_flat
+from ragged.transforms._flat import _all_gather_flat_start
 
 __all__ = ["Run", "Context", "Cursor", "ENGINE_THREADS_MSG"]
 
@@ -286,7 +286,7 @@ class Run:
             for plan, out, data, what in parts:
                 u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
                 self.seen.issued(what)
-                works.append(all_gather_flat(plan, out, u.source[-1], self.comm, async_op=True, label=what))
+                works.append(_all_gather_flat_start(plan, out, u.source[-1], self.comm, label=what))
             streams.access(GATHER, ("shard", i))
             if u.block is not None:
                 streams.access(GATHER, u.block.key, write=True)

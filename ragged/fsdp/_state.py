@@ -131,7 +131,7 @@ def _gather(units: Units, shards: dict[str, DBuffer], comm, dtype: torch.dtype |
     """``rg.gather(units, shards, comm, dtype)``: the full parameter tree (e.g. ``{name:
     tensor}`` for a module), not differentiable; each unit's leaves are views of that unit's
     gathered buffer."""
-    check_not_donated(shards, "fsdp.gather")
+    check_not_donated(shards, "gather")
     with torch.no_grad():
         return units.merge({u.name: transforms.gather(shards[u.name], comm, dtype=dtype) for u in units})
 
@@ -143,24 +143,23 @@ def _reduce_scatter(units: Units, grads, comm, op: str = "mean", dtype: torch.dt
     ``grads`` are ignored)."""
     trees = units.split(grads)
     return {u.name: transforms.reduce_scatter(u.trainable_plan, {p: trees[u.name][p] for p in u.trainable_paths}, comm,
-                                              op, dtype)
+                                              op=op, dtype=dtype)
             for u in units if u.trainable_plan is not None}
 
 
-def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(), data_axes=None) -> torch.Tensor:
+def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=()) -> torch.Tensor:
     """``rg.global_norm(units, grads, comm, data_groups=...)``: the L2 norm of a whole model's
     gradients ``{unit name: DBuffer}``, equal on every rank.
 
-    Without ``data_groups`` it is :func:`ragged.optim.global_norm` over ``comm``. With the
+    Without ``data_groups`` it is :func:`ragged.optim.tree_norm` over ``comm``. With the
     ``data_groups`` of :func:`make_step` (e.g. expert parallelism), the other ranks of each data
     group hold other parameters (their experts) as well as copies of the replicated ones (router,
     norms): each element is weighted by 1 / (its number of copies over the data groups), and the
     weighted sums are all-reduced over ``comm`` and over every data group, so every element counts
     once. For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    rg.global_norm(units, g, comm, data_groups=data_groups))``. ``data_axes=`` is the old name of
-    ``data_groups=``.
+    rg.global_norm(units, g, comm, data_groups=data_groups))``.
     """
-    groups = data_groups_option(data_groups, data_axes, "global_norm")
+    groups = data_groups_option(data_groups, "global_norm")
     sharded = replicated = 0.0
     for u in units:
         if u.trainable_plan is None:

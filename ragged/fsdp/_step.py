@@ -82,13 +82,12 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedValueError
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._state import TrainState
 from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
 from ragged.fsdp._units import Units
-from ragged.fsdp._donate import check_not_donated, donate
+from ragged.fsdp._donate import check_not_donated, donate, step_donation
 from ragged.fsdp._trainable import check_opt_state, check_trainable, trainable_shards, with_trainable
 from ragged.fsdp._unused import freeze_unused, restore_unused
 from ragged.optim import apply_updates
@@ -105,7 +104,7 @@ class Step:
     only caches that do not change results (up to the order of floating-point sums): the schedule
     every rank agreed on (see [Note: a collective order that does not depend on data]) and a local
     memory hint. With ``donate=True`` the input state is marked donated: passing it to a step or to
-    ``rg.fsdp.gather`` again raises.
+    ``rg.gather`` again raises.
     """
 
     value_and_grad: ValueAndGrad
@@ -114,15 +113,11 @@ class Step:
     data_groups: tuple = ()
     skip_unused: bool = True
 
-    data_axes = property(lambda self: self.data_groups, doc="Deprecated name of ``data_groups``.")
-
     units = property(lambda self: self.value_and_grad.units)
     loss_fn = property(lambda self: self.value_and_grad.loss_fn)
     comm = property(lambda self: self.value_and_grad.comm)
     micro_batches = property(lambda self: self.value_and_grad.micro_batches)
     policy = property(lambda self: self.value_and_grad.policy)
-    compute_dtype = property(lambda self: self.value_and_grad.policy.compute_dtype)
-    reduce_dtype = property(lambda self: self.value_and_grad.policy.reduce_dtype)
     module = property(lambda self: self.value_and_grad.module)
 
     def __call__(self, state: TrainState, batch):
@@ -155,17 +150,14 @@ def make_step(
     *,
     micro_batches: int = 1,
     policy: MixedPrecision | None = None,
-    compute_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
     max_inflight_reduce: int = 1,
-    donate: bool = False,
+    donate: bool | None = None,
     trace: bool = False,
     data_groups: Sequence[tuple[Any, Callable[[str], bool]]] = (),
     module: torch.nn.Module | None = None,
     skip_unused: bool = True,
-    data_axes: Sequence[tuple[Any, Callable[[str], bool]]] | None = None,
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
 
@@ -186,10 +178,8 @@ def make_step(
         micro_batches: gradient accumulation: ``batch`` (this rank's) is split into this many
             equal micro-batches along dim 0; gradients are averaged.
         policy: a :class:`ragged.fsdp.MixedPrecision` (``compute_dtype``, ``reduce_dtype``).
-        compute_dtype, reduce_dtype: the same as ``policy=MixedPrecision(compute_dtype=...,
-            reduce_dtype=...)`` (not together with ``policy``). Defaults: gather in the plans'
-            dtype; reduce-scatter in the plans' (master) dtype, e.g. fp32 reductions of bf16
-            gradients; the gradient shard is in the plan's dtype.
+            Default: gather in the plans' dtype; reduce-scatter in the plans' (master) dtype,
+            e.g. fp32 reductions of bf16 gradients; the gradient shard is in the plan's dtype.
         prefetch: start the next unit's all-gather before the current unit computes.
         reshard_after_forward: free each unit's parameters after its forward (re-gather in
             backward); ``False`` keeps them from forward to backward (more memory, fewer gathers).
@@ -197,9 +187,10 @@ def make_step(
             holds its unit's flat gradient; 1 waits unit k's when unit k-1's starts).
         donate: like ``jax.jit(donate_argnums=...)``: the new shards are written into the
             input state's shard buffers (no allocation); the old state must not be used after
-            the call (passing it to this step again raises). Pair with
-            ``rg.optim.adamw(..., donate=True)``, whose update reuses the gradient buffers (which
-            the step owns) and the moments.
+            the call (passing it to this step again raises). Decided by the optimizer
+            (``rg.optim.adamw(..., donate=True)`` reuses the moments and the gradient buffers,
+            which the step owns): ``None`` follows ``optimizer.donates``, a value that disagrees
+            raises (see [Note: one donate decision per step] in ``_donate.py``).
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
         data_groups: the other data axes (e.g. expert parallelism), as :class:`DataGroup`
             ``(comm, is_replicated)`` pairs (see ``_data.py``): after the reduce-scatter over
@@ -221,7 +212,6 @@ def make_step(
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
             gradient] in ``_unused.py``). ``False``: it is updated as if its gradient were zero.
-        data_axes: the old name of ``data_groups``.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -234,6 +224,7 @@ def make_step(
         RaggedValueError: ``loss_fn`` never read the parameters (on every rank, on the first
             step, before any parameter changes; see :data:`ragged.fsdp._grad.UNUSED_PARAMS_MSG`).
         PlanMismatchError: the ranks' collectives cannot follow one schedule.
+        RaggedValueError: ``donate`` disagrees with ``optimizer.donates``.
 
     Examples:
         >>> import copy, torch, ragged as rg
@@ -251,20 +242,17 @@ def make_step(
         ...     step = fsdp.make_step(units, loss_fn, opt, comm, module=module)
         ...     rows = slice(4 * comm.rank, 4 * comm.rank + 4)
         ...     state, metrics = step(state, (x[rows], y[rows]))
-        ...     return metrics["loss"], fsdp.gather(units, state.shards, comm)["0.bias"]
+        ...     return metrics["loss"], rg.gather(units, state.shards, comm)["0.bias"]
         >>> (loss0, b0), (loss1, b1) = rg.collectives.simulate(2, run)
         >>> ref = torch.nn.functional.mse_loss(model(x), y)
         >>> ref.backward()
         >>> abs(loss0 - ref.item()) < 1e-6, torch.allclose(b0, model[0].bias - 0.1 * model[0].bias.grad)
         (True, True)
     """
-    if policy is None:
-        policy = MixedPrecision(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-    elif compute_dtype is not None or reduce_dtype is not None:
-        raise RaggedValueError("make_step: pass either policy= or compute_dtype= / reduce_dtype=, not both.")
-    data_groups = data_groups_option(data_groups, data_axes, "make_step")
+    data_groups = data_groups_option(data_groups, "make_step")
     grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
                           module=module, trace=trace)
-    return Step(value_and_grad=grad, optimizer=optimizer, donate=donate, data_groups=data_groups, skip_unused=skip_unused)
+    return Step(value_and_grad=grad, optimizer=optimizer, donate=step_donation(donate, optimizer), data_groups=data_groups,
+                skip_unused=skip_unused)
 

@@ -9,7 +9,7 @@ from ragged.optim._base import Schedule as Schedule
 from ragged.optim._base import apply_updates as apply_updates
 from ragged.optim._base import identity as identity
 from ragged.optim._clipping import clip_by_global_norm as clip_by_global_norm
-from ragged.optim._clipping import global_norm as global_norm
+from ragged.optim._clipping import tree_norm as tree_norm
 from ragged.optim._combine import MaskedState as MaskedState
 from ragged.optim._finite import ApplyIfFiniteState as ApplyIfFiniteState
 from ragged.optim._finite import NonFiniteError as NonFiniteError
@@ -21,7 +21,6 @@ from ragged.optim._combine import leaf_masks as leaf_masks
 from ragged.optim._combine import masked as masked
 from ragged.optim._combine import multi_transform as multi_transform
 from ragged.optim._muon import MuonMatrix as MuonMatrix
-from ragged.optim._muon import MuonUnit as MuonUnit
 from ragged.optim._muon import ScaleByMuonState as ScaleByMuonState
 from ragged.optim._muon import default_muon_filter as default_muon_filter
 from ragged.optim._muon import muon as muon

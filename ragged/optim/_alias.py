@@ -23,6 +23,8 @@ def sgd(
     momentum: float | None = None,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    *,
+    donate: bool = False,
 ) -> GradientTransformation:
     """Stochastic gradient descent with optional (Nesterov) momentum.
 
@@ -34,6 +36,8 @@ def sgd(
         momentum: momentum decay, or ``None`` for plain SGD.
         nesterov: use Nesterov momentum.
         weight_decay: L2 coefficient added to the gradient (torch.optim.SGD semantics).
+        donate: write the update into the gradient buffer passed to ``update`` (the gradients
+            must not be read after it; the momentum trace is new each step).
 
     Examples:
         >>> import torch, ragged as rg
@@ -52,19 +56,19 @@ def sgd(
         _check_beta("sgd: momentum", momentum)
     parts = []
     if weight_decay:
-        parts.append(add_decayed_weights(weight_decay))
+        parts.append(add_decayed_weights(weight_decay, donate=donate))
     if momentum is not None and momentum != 0:
         parts.append(trace(momentum, nesterov=nesterov))
     elif nesterov:
         raise RaggedValueError("nesterov=True needs a momentum > 0 (as in torch.optim.SGD).")
-    parts.append(scale_by_learning_rate(learning_rate))
+    parts.append(scale_by_learning_rate(learning_rate, donate=donate))
     opt = chain(*parts)
 
     def init(params):
         check_floating(params, "sgd")
         return opt.init(params)
 
-    return GradientTransformation(init, opt.update)
+    return GradientTransformation(init, opt.update, donates=opt.donates)
 
 
 def adam(

@@ -45,6 +45,14 @@ Schedule = Callable[[Any], Any]
 class GradientTransformation(NamedTuple):
     """A pair ``(init, update)`` of pure functions; see the module docstring for the contract.
 
+    ``donates`` says that ``update`` writes into the buffers of the state and of the updates it
+    is given (the in-place mode of ``donate=True``, e.g. ``adamw(..., donate=True)``: the old
+    state must not be read after the call). Combinators carry it (``chain``, ``masked``,
+    ``multi_transform``, ``apply_if_finite``: true when any part donates), and
+    :func:`ragged.fsdp.make_step` reads it: a step donates exactly when its optimizer does (see
+    [Note: one donate decision per step] in ``ragged/fsdp/_donate.py``). To wrap an update (e.g.
+    ``torch.compile``), keep it: ``opt._replace(update=torch.compile(opt.update))``.
+
     Examples:
         >>> import torch, ragged as rg
         >>> opt = rg.optim.sgd(0.1)
@@ -57,10 +65,17 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
+    donates: bool = False
 
 
 class EmptyState(NamedTuple):
-    """State of a stateless transformation."""
+    """State of a stateless transformation.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.identity().init(torch.zeros(2))
+        EmptyState()
+    """
 
 
 def identity() -> GradientTransformation:

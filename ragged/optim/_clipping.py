@@ -22,7 +22,7 @@ def _is_dbuffer(x) -> bool:
 
 def _global_sq(tree, comm, *, agree_finite: bool = False):
     """``(sum of squares over all ranks, some rank non-finite)`` of ``tree``: see
-    :func:`global_norm`. With ``agree_finite`` the second value is a bool every rank agrees on
+    :func:`tree_norm`. With ``agree_finite`` the second value is a bool every rank agrees on
     (a flag for the parts that are not all-reduced rides in the same all-reduce), else None."""
     sharded, local = [], []
     for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
@@ -56,8 +56,11 @@ def _global_sq(tree, comm, *, agree_finite: bool = False):
     return total, bool(flag.reshape(()) > 0) or not bool(torch.isfinite(shard_sq))
 
 
-def global_norm(tree, *, comm=None) -> torch.Tensor:
+def tree_norm(tree, *, comm=None) -> torch.Tensor:
     """The L2 norm of every element of ``tree``, across all ranks of ``comm``.
+
+    Layout-free: it sees only the tree and one comm. For a whole model over a layout (units
+    with data groups, a mesh plan), :func:`ragged.global_norm` weighs out copies on other axes.
 
     Sharded parts (``DBuffer.data``) are summed locally, then all-reduced once (one scalar);
     replicated parts (``DBuffer.replicated`` and plain tensors) are the same on every rank
@@ -69,7 +72,7 @@ def global_norm(tree, *, comm=None) -> torch.Tensor:
 
     Examples:
         >>> import torch, ragged as rg
-        >>> float(rg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
+        >>> float(rg.optim.tree_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
         5.0
     """
     return torch.sqrt(_global_sq(tree, comm)[0])
@@ -80,14 +83,14 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
 
     Same formula as ``torch.nn.utils.clip_grad_norm_``: the factor is
     ``min(1, max_norm / (norm + 1e-6))``. The norm is global over the shard group (see
-    :func:`global_norm`: one all-reduce of one scalar; replicated leaves count once).
+    :func:`tree_norm`: one all-reduce of one scalar; replicated leaves count once).
 
     Args:
         max_norm: the largest allowed norm.
         comm: the shard group's collectives, or ``None`` for a single rank.
-        norm: ``norm(updates) -> 0-d tensor`` replacing :func:`global_norm` over ``comm``, for
-            updates spread over more than the shard group (e.g. ``rg.fsdp.global_norm`` with the
-            step's ``data_axes`` under expert parallelism). It must be equal on every rank.
+        norm: ``norm(updates) -> 0-d tensor`` replacing :func:`tree_norm` over ``comm``, for
+            updates spread over more than the shard group (e.g. ``rg.global_norm(units, ...)`` with
+            the step's ``data_groups`` under expert parallelism). It must be equal on every rank.
         error_if_nonfinite: raise :class:`~ragged.optim.NonFiniteError` when the norm is NaN
             or inf (torch's ``clip_grad_norm_(error_if_nonfinite=True)``), on every rank alike
             (a NaN anywhere, replicated leaves included, is seen by all: its flag rides in the

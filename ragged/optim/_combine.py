@@ -62,7 +62,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms))
 
 
 # ---- masks -------------------------------------------------------------------------------
@@ -188,7 +188,13 @@ def _resolve_mask(mask, cache: _MaskCache | None, updates):
 
 
 class MaskedState(NamedTuple):
-    """State of :func:`masked`: the inner transform's state."""
+    """State of :func:`masked`: the inner transform's state.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.masked(rg.optim.trace(0.9), {"a": True, "b": False}).init({"a": torch.zeros(1), "b": torch.zeros(1)})
+        MaskedState(inner_state=TraceState(trace={'a': tensor([0.]), 'b': tensor([0.])}))
+    """
 
     inner_state: Any
 
@@ -226,11 +232,18 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         out = pytree.map(lambda u, g, k: torch.where(k, u, g.to(torch.promote_types(u.dtype, g.dtype))), new, updates, m)
         return out, MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=inner.donates)
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label (a dict)."""
+    """State of :func:`multi_transform`: one inner state per label (a dict).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.multi_transform({"x": rg.optim.scale(2.0), "y": rg.optim.trace(0.5)}, {"a": "x", "b": "y"})
+        >>> opt.init({"a": torch.zeros(1), "b": torch.zeros(1)})
+        MultiTransformState(inner_states={'x': EmptyState(), 'y': TraceState(trace={'a': tensor([0.]), 'b': tensor([0.])})})
+    """
 
     inner_states: Any
 
@@ -318,4 +331,4 @@ def multi_transform(
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)
         return out, MultiTransformState(inner_states=new_states)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms.values()))

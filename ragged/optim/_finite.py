@@ -31,7 +31,17 @@ __all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_non
 
 class NonFiniteError(RaggedError, RuntimeError):
     """The gradients hold NaN or inf and the transformation was asked to refuse them (raised
-    on every rank, before any parameter changes)."""
+    on every rank, before any parameter changes).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.clip_by_global_norm(1.0, comm=None, error_if_nonfinite=True)
+        >>> try:
+        ...     opt.update(torch.tensor([float("nan")]), opt.init(None))
+        ... except rg.optim.NonFiniteError as err:
+        ...     print(type(err).__name__, isinstance(err, rg.RaggedError))
+        NonFiniteError True
+    """
 
 
 def _is_dbuffer(x) -> bool:
@@ -100,6 +110,13 @@ class ApplyIfFiniteState(NamedTuple):
         last_finite: whether the last step's updates were finite on every rank (bool).
         total_notfinite: steps with non-finite updates in total (int64).
         inner_state: the inner transformation's state.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.apply_if_finite(rg.optim.scale(1.0), 3, comm=None)
+        >>> _, state = opt.update(torch.tensor([float("nan")]), opt.init(torch.zeros(1)))
+        >>> state.notfinite_count.item(), state.last_finite.item(), state.total_notfinite.item()
+        (1, False, 1)
     """
 
     notfinite_count: torch.Tensor
@@ -164,4 +181,4 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=inner.donates)

@@ -44,7 +44,7 @@ from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_l
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon", "muon_load", "MuonMatrix", "MuonUnit",
+__all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon", "muon_load", "MuonMatrix",
            "default_muon_filter"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -83,6 +83,12 @@ def default_muon_filter(leaf: LeafLayout) -> bool:
 
     Embeddings and output heads are 2-D too: exclude them with your own filter, e.g.
     ``lambda leaf: default_muon_filter(leaf) and "embed" not in leaf.path``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4), "experts": torch.empty(2, 4, 4), "b": torch.empty(4)}, world_size=1)
+        >>> {l.path: rg.optim.default_muon_filter(l) for l in plan.leaves}
+        {"['b']": False, "['experts']": True, "['w']": True}
     """
     return len(leaf.shape) in (2, 3) and leaf.numel > 0
 
@@ -92,6 +98,12 @@ class MuonMatrix:
     """One Muon matrix: ``rows x cols`` elements at global buffer offset ``start``, on rank ``owner``.
 
     ``matrix`` is the expert index inside a 3-D leaf (0 for a 2-D leaf).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> load = rg.optim.muon_load(rg.make_plan({"w": torch.empty(8, 4), "e": torch.empty(2, 4, 4)}, world_size=2))
+        >>> sorted((m.path, m.matrix, m.rows, m.cols, m.numel) for m in load["assignments"])
+        [("['e']", 0, 4, 4, 16), ("['e']", 1, 4, 4, 16), ("['w']", 0, 8, 4, 32)]
     """
 
     path: str
@@ -109,9 +121,6 @@ class MuonMatrix:
     @property
     def stop(self) -> int:
         return self.start + self.numel
-
-
-MuonUnit = MuonMatrix  # deprecated name (a *unit* is an FSDP unit)
 
 
 def _ns_cost(rows: int, cols: int, steps: int) -> float:
@@ -162,7 +171,7 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
         muon_filter: which leaves are Muon matrices.
         ns_steps: Newton-Schulz iterations (scales the cost).
 
-    ``assignments``: every :class:`MuonMatrix` (with its owner; old key ``"units"``); ``flops[r]``:
+    ``assignments``: every :class:`MuonMatrix` (with its owner); ``flops[r]``:
     rank r's cost, ``max(flops) - min(flops)`` is at most the largest matrix's (list scheduling).
 
     Examples:
@@ -180,7 +189,7 @@ def muon_load(plans, muon_filter=default_muon_filter, *, ns_steps: int = 5) -> d
     for x in assignments:
         flops[x.owner] += x.cost
         count[x.owner] += 1
-    return {"assignments": assignments, "flops": flops, "matrices": count, "units": assignments}
+    return {"assignments": assignments, "flops": flops, "matrices": count}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +263,15 @@ def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:
 
 
 class ScaleByMuonState(NamedTuple):
-    """State of :func:`scale_by_muon`: the momentum buffer, like the params."""
+    """State of :func:`scale_by_muon`: the momentum buffer, like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4)}, world_size=1)
+        >>> state = rg.optim.scale_by_muon(comm=None).init(rg.shard(plan, {"w": torch.ones(4, 4)}, rank=0))
+        >>> type(state.momentum).__name__, state.momentum.data.abs().sum().item()
+        ('DBuffer', 0.0)
+    """
 
     momentum: Any
 
@@ -286,6 +303,15 @@ def scale_by_muon(
         muon_filter: ``LeafLayout -> bool``: which leaves are Muon matrices.
         num_waves: how many groups of matrices to pipeline (communication of one group
             overlaps Newton-Schulz of another).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4, 4)}, world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(4, 4)}, rank=0)
+        >>> opt = rg.optim.scale_by_muon(comm=None)
+        >>> u, _ = opt.update(p.replace(data=torch.eye(4).reshape(-1)), opt.init(p), p)
+        >>> [round(s, 2) for s in torch.linalg.svdvals(u.views()["w"]).tolist()]   # Newton-Schulz: all equal, near 1
+        [0.82, 0.82, 0.82, 0.82]
     """
     _check_beta("momentum", momentum)
     if ns_steps < 1 or ns_steps >= 100:

@@ -220,6 +220,19 @@ def scale_by_adam_8bit(
             update, compiled or eager] in ``ragged/optim/_quant8_fused.py``).
 
     The params must be a DBuffer or a pytree of DBuffers.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64)}, spec.Blocks(32, 32), world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(64, 64)}, rank=0)
+        >>> opt = rg.optim.scale_by_adam_8bit(min_size=1)
+        >>> state = opt.init(p)
+        >>> state.moments.mu_codes.dtype, state.moments.mu_codes.numel()
+        (torch.uint8, 4096)
+        >>> u, state = opt.update(p.replace(data=torch.ones(4096)), state, p)
+        >>> round(float(u.data[0]), 4)   # Adam's first step: g / (|g| + eps)
+        1.0
     """
     _check_beta("b1", b1)
     _check_beta("b2", b2)
@@ -231,7 +244,7 @@ def scale_by_adam_8bit(
         return _step(updates, state, None, b1=b1, b2=b2, eps=eps, decay=None, lr=None, min_size=min_size,
                      donate=donate, kernel=kernel)
 
-    return GradientTransformation(lambda params: _init(params, min_size), update)
+    return GradientTransformation(lambda params: _init(params, min_size), update, donates=donate)
 
 
 def adamw_8bit(
@@ -295,9 +308,23 @@ def adamw_8bit(
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return updates, (adam, decay_state, new_lr_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def state_nbytes(state) -> int:
-    """Bytes of every tensor in an optimizer state (step counters included)."""
+    """Bytes of every tensor in an optimizer state (step counters included).
+
+    Args:
+        state: any pytree (an ``opt.init`` result).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64)}, spec.Blocks(32, 32), world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(64, 64)}, rank=0)
+        >>> rg.optim.state_nbytes(rg.optim.adamw(1e-3).init(p))       # two fp32 moments + an int64 step count
+        32776
+        >>> rg.optim.state_nbytes(rg.optim.adamw_8bit(1e-3, min_size=1).init(p)) < 32776 // 3
+        True
+    """
     return sum(t.numel() * t.element_size() for t in pytree.leaves(state) if isinstance(t, torch.Tensor))

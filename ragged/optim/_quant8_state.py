@@ -66,6 +66,14 @@ class Quant8Moments(NamedTuple):
         nu_fp32: fp32 second moment of those.
         mu_rep: fp32 first moment of the replicated buffer.
         nu_rep: fp32 second moment of the replicated buffer.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64)}, spec.Blocks(32, 32), world_size=1)
+        >>> m = rg.optim.scale_by_adam_8bit(min_size=1).init(rg.shard(plan, {"w": torch.zeros(64, 64)}, rank=0)).moments
+        >>> m.mu_codes.dtype, m.mu_codes.numel(), m.mu_scales.numel()    # one fp32 scale per 32x32 block
+        (torch.uint8, 4096, 4)
     """
 
     mu_codes: torch.Tensor
@@ -80,7 +88,16 @@ class Quant8Moments(NamedTuple):
 
 class ScaleByAdam8bitState(NamedTuple):
     """State of :func:`ragged.optim.scale_by_adam_8bit`: step count and one :class:`Quant8Moments`
-    per DBuffer of the params tree (same tree structure, DBuffers replaced)."""
+    per DBuffer of the params tree (same tree structure, DBuffers replaced).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64)}, spec.Blocks(32, 32), world_size=1)
+        >>> state = rg.optim.scale_by_adam_8bit(min_size=1).init(rg.shard(plan, {"w": torch.zeros(64, 64)}, rank=0))
+        >>> state.count, type(state.moments).__name__
+        (tensor(0), 'Quant8Moments')
+    """
 
     count: torch.Tensor
     moments: Any
@@ -238,6 +255,16 @@ def adam8bit_leaf_state(moments: Quant8Moments, dbuf: DBuffer, *, min_size: int 
     and ``{path: {"mu", "nu"}}`` for fp32 ones. Concatenating one leaf's entries over ranks in
     rank order gives the whole leaf's state (codes in element order, scales band-major), which
     is what the world-size-independence tests compare.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(64, 64), "b": torch.empty(64)},
+        ...                     {"w": spec.Blocks(32, 32), "b": spec.Rows(1)}, world_size=1)
+        >>> p = rg.shard(plan, {"w": torch.zeros(64, 64), "b": torch.zeros(64)}, rank=0)
+        >>> state = rg.optim.scale_by_adam_8bit(min_size=1000).init(p)
+        >>> {k: sorted(v) for k, v in rg.optim.adam8bit_leaf_state(state.moments, p, min_size=1000).items()}
+        {"['w']": ['mu_codes', 'mu_scales', 'nu_codes', 'nu_scales'], "['b']": ['mu', 'nu']}
     """
     lay = shard_layout(dbuf, min_size)
     out: dict[str, dict] = {}

@@ -36,13 +36,26 @@ AddDecayedWeightsState = EmptyState
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: ``count`` updates applied so far (0-d int64)."""
+    """State of :func:`scale_by_schedule`: ``count`` updates applied so far (0-d int64).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.scale_by_schedule(lambda count: 0.1)
+        >>> opt.update(torch.ones(1), opt.init(torch.zeros(1)))[1]
+        ScaleByScheduleState(count=tensor(1))
+    """
 
     count: torch.Tensor
 
 
 class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`: step count and first/second moments like the params."""
+    """State of :func:`scale_by_adam`: step count and first/second moments like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> rg.optim.scale_by_adam().init(torch.zeros(2))
+        ScaleByAdamState(count=tensor(0), mu=tensor([0., 0.]), nu=tensor([0., 0.]))
+    """
 
     count: torch.Tensor
     mu: Any
@@ -50,7 +63,14 @@ class ScaleByAdamState(NamedTuple):
 
 
 class TraceState(NamedTuple):
-    """State of :func:`trace`: the momentum buffer, like the params."""
+    """State of :func:`trace`: the momentum buffer, like the params.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> opt = rg.optim.trace(0.9)
+        >>> opt.update(torch.ones(2), opt.init(torch.zeros(2)))[1]
+        TraceState(trace=tensor([1., 1.]))
+    """
 
     trace: Any
 
@@ -102,7 +122,7 @@ def scale(step_size: float, *, donate: bool = False) -> GradientTransformation:
         del params
         return pytree.map(lambda u: _mul(u, step_size, donate), updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> GradientTransformation:
@@ -128,7 +148,7 @@ def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> Gradie
         updates = pytree.map(lambda u: _mul(u, factor, donate), updates)
         return updates, ScaleByScheduleState(count=state.count + 1)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_learning_rate(
@@ -230,7 +250,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
         return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def scale_by_adamw(
@@ -247,6 +267,15 @@ def scale_by_adamw(
     Same results and the same state structure (a 3-tuple of those transforms' states) as the
     chain, with one read of each buffer and at most three allocations per buffer (none with
     ``donate=True``; see :func:`scale_by_adam`). :func:`ragged.optim.adamw` uses it.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> fused = rg.optim.scale_by_adamw(0.1, weight_decay=0.5)
+        >>> chained = rg.optim.chain(rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.5),
+        ...                          rg.optim.scale_by_learning_rate(0.1))
+        >>> p, g = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])
+        >>> torch.allclose(fused.update(g, fused.init(p), p)[0], chained.update(g, chained.init(p), p)[0])
+        True
     """
     _check_beta("b1", b1)
     _check_beta("b2", b2)
@@ -286,7 +315,7 @@ def scale_by_adamw(
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return unflat(0), (ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2)), decay_state, new_lr_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -351,4 +380,4 @@ def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> G
             return pytree.map(lambda u, p: u.add_(p.to(u.dtype) * weight_decay), updates, params), state
         return pytree.map(lambda u, p: u + p.to(u.dtype) * weight_decay, updates, params), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, donates=donate)

@@ -30,6 +30,13 @@ class MeshComm:
         axes: ``axis name -> Collectives`` of this rank's group along that axis.
         world: a Collectives over every rank of the mesh (rank = row-major mesh rank), or None.
         device_mesh: the torch ``DeviceMesh`` it was built from (for DTensor export), or None.
+
+    Examples:
+        >>> from ragged import parallel, spec
+        >>> def fn(mc):
+        ...     return dict(mc.coords), mc["tp"].world_size, mc["dp"].rank
+        >>> parallel.simulate_mesh(spec.Mesh((2, 2), ("dp", "tp")), fn)
+        [({'dp': 0, 'tp': 0}, 2, 0), ({'dp': 0, 'tp': 1}, 2, 0), ({'dp': 1, 'tp': 0}, 2, 1), ({'dp': 1, 'tp': 1}, 2, 1)]
     """
 
     mesh: Mesh

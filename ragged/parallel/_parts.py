@@ -93,10 +93,3 @@ def parts(mplan: MeshPlan, params, coords: Mapping[str, int]):
             )
         out.append(part_of(t, ml, coords))
     return optree.tree_unflatten(mplan.treedef, out)
-
-
-def local_params(mplan: MeshPlan, params, coords: Mapping[str, int]):
-    """Deprecated name of :func:`parts` ("local" is this rank's FSDP piece; a TP/EP position's
-    share of a leaf is its part)."""
-    check_mplan(mplan, "local_params")
-    return parts(mplan, params, coords)

@@ -25,7 +25,7 @@ import optree
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedValueError
 from ragged.fsdp._data import DataGroup
 from ragged.parallel._parts import check_mplan, parts
 from ragged.spec._mesh_plan import MeshPlan
@@ -36,7 +36,7 @@ from ragged.transforms._reduce_scatter import all_reduce_leaves, reduce_square_s
 from ragged.transforms._reduce_scatter import reduce_scatter as reduce_scatter_plan
 from ragged.transforms._shard import shard as shard_plan
 
-__all__ = ["gather", "full_params", "to_dtensor", "data_groups", "step_data_axes", "check_mesh_plan"]
+__all__ = ["full_params", "to_dtensor", "data_groups", "check_mesh_plan"]
 
 
 def _check_mesh(mplan: MeshPlan, mcomm, where):
@@ -117,23 +117,7 @@ def _gather(mplan: MeshPlan, dbuf: DBuffer, mcomm, dtype: torch.dtype | None = N
     plan's FSDP axis only. Differentiable like ``rg.gather`` (backward: reduce-scatter over the
     FSDP axis)."""
     _check_mesh(mplan, mcomm, "gather")
-    return gather_plan(dbuf, mcomm[mplan.fsdp_axis], dtype)
-
-
-def gather(*args, fsdp_axis: str | None = None, **kwargs):
-    """``rg.gather``, which takes a mesh plan first: ``parallel.gather(mplan, dbuf, mcomm, dtype)``.
-
-    The old form ``parallel.gather(dbuf, mcomm, dtype=None, *, fsdp_axis="dp")`` still works
-    (deprecated: it cannot see the plan's own FSDP axis, so ``fsdp_axis`` must be repeated).
-    """
-    if args and isinstance(args[0], DBuffer):
-        dbuf, mcomm, *rest = args
-        return gather_plan(dbuf, mcomm["dp" if fsdp_axis is None else fsdp_axis], *rest, **kwargs)
-    if fsdp_axis is not None:
-        raise RaggedTypeError("parallel.gather(mplan, dbuf, mcomm): fsdp_axis= is the plan's own (mplan.fsdp_axis).")
-    from ragged.transforms import gather as gather_any
-
-    return gather_any(*args, **kwargs)
+    return gather_plan(dbuf, mcomm[mplan.fsdp_axis], dtype=dtype)
 
 
 def _reduce_scatter(
@@ -268,12 +252,6 @@ def data_groups(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple[DataGroup,
                 f"{mplan.fsdp_axis!r} is the step's own comm."
             )
     return tuple(DataGroup(mcomm[a], _ReplicatedOn(mplan, a)) for a in axes)
-
-
-def step_data_axes(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple[DataGroup, ...]:
-    """Deprecated name of :func:`data_groups` (a *data axis* is a mesh axis, named by a string;
-    the step takes data groups)."""
-    return data_groups(mplan, mcomm, axes)
 
 
 def _unshard_axis(pieces: list[torch.Tensor], dim: int, groups: int) -> torch.Tensor:

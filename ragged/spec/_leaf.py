@@ -35,7 +35,15 @@ class LeafLayout:
             replicated leaf, in the replicated buffer every rank holds.
         numel: number of elements.
         granule: smallest piece (elements) a rank boundary may not cut.
-        granularity: the granularity the leaf was planned with (``spec`` is its old name).
+        granularity: the granularity the leaf was planned with.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import spec
+        >>> plan = rg.make_plan({"w": torch.empty(6, 4, device="meta")}, spec.Rows(3), world_size=2, align=1)
+        >>> leaf = plan.leaves[0]
+        >>> leaf.path, leaf.shape, leaf.offset, leaf.numel, leaf.granule, leaf.granularity
+        ("['w']", (6, 4), 0, 24, 12, Rows(n=3))
     """
 
     path: str
@@ -48,12 +56,6 @@ class LeafLayout:
     granularity: Granularity
 
     replace = dataclasses.replace
-
-    @property
-    def spec(self) -> Granularity:
-        """Deprecated name of :attr:`granularity` (a *spec* is what the caller wrote for a leaf:
-        a granularity for ``make_plan``, placements for ``make_mesh_plan``)."""
-        return self.granularity
 
     @property
     def stop(self) -> int:
@@ -75,6 +77,12 @@ class LocalPiece:
         start: first element of the leaf held (in the leaf's flattened order).
         stop: one past the last element held.
         local_offset: where the piece starts inside the rank's shard of S elements.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(5, 2), "b": torch.empty(3)}, world_size=2, align=1)
+        >>> [(p.leaf.path, p.start, p.stop, p.local_offset) for p in plan.local_pieces(1)]   # rank 1's pieces
+        [("['w']", 4, 10, 0)]
     """
 
     leaf: LeafLayout

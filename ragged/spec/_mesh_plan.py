@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import optree
@@ -65,6 +64,15 @@ class MeshLeaf:
         shards: ``(axis, dim, groups, axis_size)`` for every ``Shard`` axis, in mesh order
             (``dim`` non-negative).
         replicated_on: non-FSDP axes on which the leaf is replicated.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> mplan = spec.make_mesh_plan({"w": torch.empty(8, 4, device="meta")}, {"w": spec.Shard(0)},
+        ...                             mesh=spec.Mesh((2, 2), ("dp", "tp")))
+        >>> leaf = mplan.leaf("['w']")
+        >>> leaf.shape, leaf.part_shape, leaf.shards, leaf.replicated_on
+        ((8, 4), (4, 4), (('tp', 0, 1, 2),), ())
     """
 
     path: str
@@ -80,18 +88,6 @@ class MeshLeaf:
 
     def sharded_on(self, axis: str) -> bool:
         return any(a == axis for a, *_ in self.shards)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        """Deprecated name of :attr:`part_shape` ("local" is this rank's FSDP piece)."""
-        return self.part_shape
-
-    def local_index(self, coords: Mapping[str, int], *, dtype=torch.int64) -> torch.Tensor:
-        """Deprecated: :func:`ragged.parallel.part_index` (a tensor op, so it lives in
-        ``ragged.parallel``; ``spec`` holds no tensor data)."""
-        from ragged.parallel._parts import part_index
-
-        return part_index(self, coords, dtype=dtype)
 
     def fingerprint_fields(self) -> tuple:
         return (self.path, self.index, self.shape, self.part_shape, str(self.dtype), repr(self.granularity),
@@ -110,6 +106,16 @@ class MeshPlan:
         leaves: one :class:`MeshLeaf` per params leaf, in tree order.
         plan: the FSDP layout of the parts (``world_size == mesh.axis_size(fsdp_axis)``).
         treedef: the params tree structure.
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> params = {"w": torch.empty(8, 4, device="meta"), "b": torch.empty(4, device="meta")}
+        >>> mplan = spec.make_mesh_plan(params, {"w": spec.Shard(0), "b": None}, mesh=spec.Mesh((2, 2), ("dp", "tp")))
+        >>> mplan.fsdp_axis, mplan.other_axes, mplan.part_shapes()
+        ('dp', ('tp',), {'w': (4, 4), 'b': (4,)})
+        >>> mplan.plan.world_size                         # the FSDP plan of the parts, over "dp"
+        2
     """
 
     mesh: Mesh
@@ -160,14 +166,6 @@ class MeshPlan:
         return optree.tree_unflatten(
             self.treedef, [torch.empty(l.part_shape, dtype=l.dtype, device="meta") for l in self.leaves]
         )
-
-    def local_shapes(self):
-        """Deprecated name of :meth:`part_shapes`."""
-        return self.part_shapes()
-
-    def local_meta(self):
-        """Deprecated name of :meth:`part_meta`."""
-        return self.part_meta()
 
     def __rich__(self):
         """A table: one row per leaf with its global shape, placements, part shape and granule."""

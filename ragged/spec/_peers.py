@@ -81,6 +81,13 @@ class PeerPadding:
         numel: elements of the unit's leaves.
         padding: ``W * per_device - numel``.
         overhead: ``padding / numel`` (0.0 for an empty unit).
+
+    Examples:
+        >>> import torch
+        >>> from ragged import spec
+        >>> p = spec.peer_padding({"experts": torch.empty(3, 8, device="meta")}, world_size=4)["fsdp2"]
+        >>> p.peer, p.per_device, p.numel, p.padding     # FSDP2 pads dim 0 to a multiple of W: 4 rows of 8
+        ('fsdp2', 8, 24, 8)
     """
 
     peer: str

@@ -55,6 +55,15 @@ class LayoutPlan:
         treedef: the parameter tree's structure, to rebuild trees from leaves.
         buffers: ``((offset_b, S_b), ...)``, see [Note: buffers of a plan]; default (and
             whenever one buffer is given) ``((0, shard_size),)``.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(5, 4, device="meta"), "b": torch.empty(3, device="meta")},
+        ...                     world_size=2, align=1)
+        >>> plan.world_size, plan.shard_size, plan.padding, plan.buffers
+        (2, 12, 1, ((0, 12),))
+        >>> [(l.path, l.offset, l.numel, l.granule) for l in plan.leaves]
+        [("['b']", 0, 3, 1), ("['w']", 4, 20, 4)]
     """
 
     leaves: tuple[LeafLayout, ...]

@@ -8,7 +8,11 @@ unit is one all-gather per buffer, from a slice of the shard into a slice of the
 (still zero copy), and the reduce-scatter the mirror. :func:`all_gather_flat` and
 :func:`reduce_scatter_flat` issue them as ONE coalesced launch through the comm's
 ``all_gather_into_coalesced`` / ``reduce_scatter_into_coalesced`` (one gloo p2p batch; one NCCL
-group), or one call per buffer for a comm without them. A single-buffer plan makes exactly
+group), or one call per buffer for a comm without them. Both are synchronous; the asynchronous
+form is ragged's one style, a ``*_start`` that returns what its ``*_wait`` completes
+(``gather_start`` / ``gather_wait``, ``reduce_scatter_start`` / ``reduce_scatter_wait``), built
+on this module's private ``_all_gather_flat_start`` / ``_reduce_scatter_flat_start`` (a handle
+with ``wait()``), which the training step's runtime uses too. A single-buffer plan makes exactly
 the one ``comm.all_gather_into`` / ``comm.reduce_scatter_into`` call it always made. Every
 consumer that moves a whole unit's flat buffer (``gather``, ``reduce_scatter``, gather's
 backward, ``rg.fsdp``'s step) goes through these two functions.
@@ -22,7 +26,7 @@ from ragged._errors import RaggedValueError
 from ragged.collectives._base import completed
 from ragged.spec._plan import LayoutPlan
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "buffer_views"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "buffer_views"]  # and the runtime's two *_start
 
 
 class _Handles:
@@ -65,14 +69,17 @@ def _check(plan: LayoutPlan, flat: torch.Tensor, local: torch.Tensor, comm, wher
         )
 
 
-def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, comm, *, async_op: bool = False,
-                    label: str | None = None):
+def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, comm, *, label: str | None = None) -> None:
     """``out`` (the ``m * S`` gathered buffer) <- every rank's ``local`` shard (``S`` elements),
     one coalesced launch for all of the plan's buffers. See [Note: one launch per unit,
     whatever its buffers].
 
-    Returns:
-        A handle with ``wait()`` when ``async_op``, else ``None`` (done).
+    Args:
+        plan: the plan both buffers are laid out by.
+        out: the flat ``plan.buffer_numel`` output.
+        local: this rank's ``plan.shard_size`` elements.
+        comm: the shard group's collectives.
+        label: what the call carries besides the plan's identity, compared across ranks.
 
     Examples:
         >>> import torch, ragged as rg
@@ -86,16 +93,33 @@ def all_gather_flat(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, co
         >>> rg.collectives.simulate(2, fn)[0]   # per buffer: rank 0's piece, then rank 1's
         [[0.0, 1.0], [0.0, 1.0]]
     """
+    _all_gather_flat(plan, out, local, comm, False, label)
+
+
+def _all_gather_flat_start(plan: LayoutPlan, out: torch.Tensor, local: torch.Tensor, comm, *, label: str | None = None):
+    """:func:`all_gather_flat` started: returns a handle with ``wait()``."""
+    return _all_gather_flat(plan, out, local, comm, True, label)
+
+
+def _all_gather_flat(plan, out, local, comm, async_op, label):
     _check(plan, out, local, comm, "all_gather_flat")
     return _launch(plan, comm, "all_gather_into", [(o, i) for o, i in buffer_views(plan, out, local)], async_op,
                    label=label)
 
 
 def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *, op: str = "sum",
-                        async_op: bool = False, label: str | None = None):
+                        label: str | None = None) -> None:
     """``out`` (this rank's ``S`` elements) <- its ranges of the reduction over the shard group
     of every rank's ``flat`` (``m * S``), one coalesced launch for all buffers. The transpose of
     :func:`all_gather_flat`.
+
+    Args:
+        plan: the plan both buffers are laid out by.
+        out: this rank's ``plan.shard_size`` elements.
+        flat: this rank's full ``plan.buffer_numel`` contribution.
+        comm: the shard group's collectives.
+        op: ``"sum"`` or ``"mean"`` over the shard group.
+        label: what the call carries besides the plan's identity, compared across ranks.
 
     Examples:
         >>> import torch, ragged as rg
@@ -109,6 +133,16 @@ def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor,
         >>> rg.collectives.simulate(2, fn)
         [True, True]
     """
+    _reduce_scatter_flat(plan, out, flat, comm, op, False, label)
+
+
+def _reduce_scatter_flat_start(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *, op: str = "sum",
+                               label: str | None = None):
+    """:func:`reduce_scatter_flat` started: returns a handle with ``wait()``."""
+    return _reduce_scatter_flat(plan, out, flat, comm, op, True, label)
+
+
+def _reduce_scatter_flat(plan, out, flat, comm, op, async_op, label):
     _check(plan, flat, out, comm, "reduce_scatter_flat")
     return _launch(plan, comm, "reduce_scatter_into", [(o, i) for i, o in buffer_views(plan, flat, out)], async_op,
                    op=op, label=label)

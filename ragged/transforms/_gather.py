@@ -35,10 +35,10 @@ import torch
 from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, poisons
-from ragged.transforms._flat import all_gather_flat, reduce_scatter_flat
+from ragged.transforms._flat import _all_gather_flat_start, reduce_scatter_flat
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["gather", "gather_start", "gather_wait", "GatherPending", "all_gather_flat"]
+__all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
 
 
 class GatherPending(NamedTuple):
@@ -50,6 +50,15 @@ class GatherPending(NamedTuple):
         handle: the collective's handle.
         plan: the layout.
         source: the S-element tensor being sent (kept alive until the op completes).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(2, 3)}, world_size=2)
+        >>> def fn(comm):
+        ...     pending = rg.gather_start(rg.shard(plan, {"w": torch.ones(2, 3)}, comm), comm)
+        ...     return pending.buffer.shape == (plan.buffer_numel,), pending.plan == plan
+        >>> rg.collectives.simulate(2, fn)[0]
+        (True, True)
     """
 
     buffer: torch.Tensor
@@ -74,7 +83,7 @@ class _GatherStart(torch.autograd.Function):
     def forward(src, comm, box, out, plan):
         if out is None:
             out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
-        box.handle = all_gather_flat(plan, out, src, comm, async_op=True)
+        box.handle = _all_gather_flat_start(plan, out, src, comm)
         return out
 
     @staticmethod
@@ -158,7 +167,7 @@ def _check_cast(have: torch.dtype, dtype) -> None:
 
 
 @poisons("comm")
-def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> GatherPending:
+def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
     Args:
@@ -171,6 +180,17 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
 
     Returns:
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.arange(6.0).view(3, 2)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def fn(comm):
+        ...     pending = rg.gather_start(rg.shard(plan, params, comm), comm, dtype=torch.float64)
+        ...     # ... compute that overlaps the all-gather ...
+        ...     return rg.gather_wait(pending)["w"].dtype
+        >>> rg.collectives.simulate(2, fn)
+        [torch.float64, torch.float64]
     """
     _check_dbuf(dbuf, comm, "gather")
     _check_cast(dbuf.data.dtype, dtype)
@@ -189,13 +209,27 @@ def gather_start(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: 
 
 
 def gather_wait(pending: GatherPending):
-    """Completes :func:`gather_start`; returns the same tree as :func:`gather`."""
+    """Completes :func:`gather_start`; returns the same tree as :func:`gather`.
+
+    Args:
+        pending: what :func:`gather_start` returned (wait on it once).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> params = {"w": torch.randn(4, 2), "b": torch.randn(2)}
+        >>> plan = rg.make_plan(params, world_size=2)
+        >>> def fn(comm):
+        ...     full = rg.gather_wait(rg.gather_start(rg.shard(plan, params, comm), comm))
+        ...     return all(torch.equal(full[k], params[k]) for k in params)
+        >>> rg.collectives.simulate(2, fn)
+        [True, True]
+    """
     pending.handle.wait()
     return unflatten(pending.plan, pending.buffer, pending.replicated if pending.plan.replicated else None)
 
 
 @poisons("comm")
-def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
+def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 
     See [Note: gather is one collective and zero per-leaf work] and [Note: gather's backward]:
@@ -226,4 +260,4 @@ def gather(dbuf: DBuffer, comm, dtype: torch.dtype | None = None, *, out: torch.
         >>> rg.collectives.simulate(2, step)
         [True, True]
     """
-    return gather_wait(gather_start(dbuf, comm, dtype, out=out))
+    return gather_wait(gather_start(dbuf, comm, dtype=dtype, out=out))

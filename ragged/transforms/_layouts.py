@@ -13,24 +13,25 @@ layout                             sharded value (``shards``)              comm
 :class:`~ragged.spec.MeshPlan`     a ``DBuffer`` of ``mplan.plan``         a ``parallel.MeshComm``
 =================================  ======================================  ==========================
 
-``shard(layout, params, comm)``, ``gather(layout, shards, comm, dtype)``,
-``reduce_scatter(layout, grads, comm, op, dtype)`` and ``global_norm(layout, grads, comm)``;
-a DBuffer carries its plan, so ``gather(dbuf, comm, dtype)`` is the same as
-``gather(dbuf.plan, dbuf, comm, dtype)`` (the public contract's form). Options that only one
-layout has are keywords passed through (``out=`` for a plan, ``data_axes=`` for a mesh plan,
-``data_groups=`` for units).
+``shard(layout, params, comm)``, ``gather(layout, shards, comm, *, dtype=None)``,
+``reduce_scatter(layout, grads, comm, *, op="mean", dtype=None)`` and ``global_norm(layout,
+grads, comm)``; a DBuffer carries its plan, so ``gather(dbuf, comm, *, dtype=None)`` (the
+public contract's form) is the same as ``gather(dbuf.plan, dbuf, comm, dtype=...)``. Each verb
+tells its call shape by the type of its first argument (``isinstance``), never by sniffing a
+later one; options are keyword-only, and those only one layout has pass through (``out=`` for
+a plan, ``data_axes=`` for a mesh plan, ``data_groups=`` for units).
 
 The implementations for ``Units`` and ``MeshPlan`` live with their layouts (``ragged.fsdp``,
 ``ragged.parallel``, which import ``transforms``) and register here with
 :func:`register_layout`, so ``transforms`` never imports upward; ``import ragged`` registers
-both. ``fsdp.shard``, ``parallel.shard`` (and ``gather``, ``reduce_scatter``, ``global_norm``)
-are these same functions.
+both. The verbs have this one name (``rg.shard``, ...): ``fsdp`` and ``parallel`` hold no
+second.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 
@@ -115,9 +116,19 @@ def shard(layout, params, comm=None, *, rank: int | None = None):
     return ops.shard(layout, params, comm)
 
 
-def gather(layout, shards=None, comm=None, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None):
-    """The full parameters from this rank's shards: ``gather(layout, shards, comm, dtype)``, or
-    ``gather(dbuf, comm, dtype)`` (a DBuffer carries its plan).
+@overload
+def gather(dbuf: DBuffer, comm, /, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None): ...
+
+
+@overload
+def gather(layout, shards, comm, /, *, dtype: torch.dtype | None = None): ...
+
+
+def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+    """The full parameters from this rank's shards: ``gather(dbuf, comm, *, dtype=None,
+    out=None)`` (a :class:`~ragged.DBuffer` carries its plan: the public contract's form) or
+    ``gather(layout, shards, comm, *, dtype=None)`` (any layout, see [Note: one verb, any
+    layout]), the two call shapes told apart by the type of the first argument alone.
 
     For a plan: :func:`ragged.transforms._gather.gather` (differentiable, views into one
     gathered buffer; ``out=`` reuses that buffer). For units: the model's whole tree, not
@@ -125,11 +136,17 @@ def gather(layout, shards=None, comm=None, dtype: torch.dtype | None = None, *, 
     (differentiable).
 
     Args:
-        layout: a ``LayoutPlan``, ``fsdp.Units`` or ``spec.MeshPlan``; or a ``DBuffer``.
-        shards: what :func:`shard` returned for ``layout`` (absent in the DBuffer form).
+        dbuf: this rank's shard of a plan (first form).
+        layout: a ``LayoutPlan``, ``fsdp.Units`` or ``spec.MeshPlan`` (second form).
+        shards: what :func:`shard` returned for ``layout``.
         comm: the layout's comm.
-        dtype: compute dtype (the shard is cast, then gathered).
-        out: a flat ``plan.buffer_numel`` buffer to gather into (a plan's DBuffer only).
+        dtype: compute dtype (the shard is cast, then gathered); keyword-only.
+        out: a flat ``plan.buffer_numel`` buffer to gather into (the DBuffer form only).
+
+    Raises:
+        RaggedTypeError: another number of positional arguments than the form takes (a
+            dtype passed positionally, say), or a first argument that is neither a DBuffer
+            nor a layout.
 
     Examples:
         >>> import torch, ragged as rg
@@ -137,20 +154,27 @@ def gather(layout, shards=None, comm=None, dtype: torch.dtype | None = None, *, 
         >>> plan = rg.make_plan(params, world_size=2)
         >>> def step(comm):
         ...     d = rg.shard(plan, params, comm)
-        ...     a, b = rg.gather(d, comm), rg.gather(plan, d, comm)
-        ...     return all(torch.equal(a[k], params[k]) and torch.equal(b[k], params[k]) for k in params)
+        ...     a, b = rg.gather(d, comm), rg.gather(plan, d, comm, dtype=torch.float64)
+        ...     return all(torch.equal(a[k], params[k]) and torch.equal(b[k], params[k].double()) for k in params)
         >>> rg.collectives.simulate(2, step)
         [True, True]
     """
-    if isinstance(layout, DBuffer):  # gather(dbuf, comm, dtype=None, *, out=None)
-        if shards is None:
-            return _gather.gather(layout, comm, dtype, out=out)
-        if comm is not None and (dtype is not None or not isinstance(comm, torch.dtype)):
+    if args and isinstance(args[0], DBuffer):
+        if len(args) != 2:
             raise RaggedTypeError(
-                "gather: the first argument is a DBuffer, so the call is gather(dbuf, comm, dtype); with a layout "
-                "first it is gather(layout, shards, comm, dtype)."
+                f"gather: the first argument is a DBuffer, so the call is gather(dbuf, comm, *, dtype=None, out=None) "
+                f"(two positional arguments), got {len(args)}. With a layout first it is gather(layout, shards, comm); "
+                "pass a dtype as dtype=."
             )
-        return _gather.gather(layout, shards, comm if comm is not None else dtype, out=out)
+        dbuf, comm = args
+        return _gather.gather(dbuf, comm, dtype=dtype, out=out)
+    if len(args) != 3:
+        raise RaggedTypeError(
+            f"gather: the call is gather(layout, shards, comm, *, dtype=None) (three positional arguments) or "
+            f"gather(dbuf, comm, *, dtype=None) with a DBuffer first; got {len(args)} positional argument(s)"
+            + (f", the first a {type(args[0]).__name__}." if args else ".")
+        )
+    layout, shards, comm = args
     if isinstance(layout, LayoutPlan):
         if not isinstance(shards, DBuffer):
             raise RaggedTypeError(f"gather(plan, shards, comm): shards must be the plan's DBuffer, got {type(shards).__name__}.")
@@ -159,28 +183,31 @@ def gather(layout, shards=None, comm=None, dtype: torch.dtype | None = None, *, 
                 f"gather: the DBuffer is of {shards.plan!r}, not of the plan given ({layout!r}). Fix: pass the plan "
                 "the DBuffer was sharded with (or just gather(dbuf, comm))."
             )
-        return _gather.gather(shards, comm, dtype, out=out)
+        return _gather.gather(shards, comm, dtype=dtype, out=out)
     ops = layout_ops(layout, "gather")
     if out is not None:
         raise RaggedTypeError(f"gather: out= is for one DBuffer of a LayoutPlan, not for a {type(layout).__name__}.")
     return ops.gather(layout, shards, comm, dtype)
 
 
-def reduce_scatter(layout, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, **options):
+def reduce_scatter(layout, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, **options):
     """This rank's shards of the reduction over every rank of every rank's ``grads``.
 
     For a plan: :func:`ragged.transforms._reduce_scatter.reduce_scatter` (options
     ``replicated=``, ``out=``); for units: ``{unit name: DBuffer}`` from the model's whole
     gradient tree; for a mesh plan: over the FSDP axis, then over ``data_axes=`` (see
-    ``ragged.parallel``).
+    ``ragged.parallel``). One call shape: the layout first (a DBuffer is not a layout).
 
     Args:
         layout: a ``LayoutPlan``, ``fsdp.Units`` or ``spec.MeshPlan``.
         grads: full-shape gradients shaped like the params (for a plan also one flat tensor).
         comm: the layout's comm.
-        op: ``"mean"`` or ``"sum"``.
-        dtype: reduce dtype; the result is in the plan's dtype.
+        op: ``"mean"`` or ``"sum"`` (keyword-only).
+        dtype: reduce dtype; the result is in the plan's dtype (keyword-only).
         **options: the layout's own options.
+
+    Raises:
+        RaggedTypeError: ``layout`` is not a layout.
 
     Examples:
         >>> import torch, ragged as rg
@@ -194,7 +221,7 @@ def reduce_scatter(layout, grads, comm, op: str = "mean", dtype: torch.dtype | N
         {"['a']": [3.0, 3.0, 3.0, 3.0], "['b']": [3.0, 3.0, 0.0, 0.0]}
     """
     if isinstance(layout, LayoutPlan):
-        return _reduce_scatter.reduce_scatter(layout, grads, comm, op, dtype, **options)
+        return _reduce_scatter.reduce_scatter(layout, grads, comm, op=op, dtype=dtype, **options)
     return layout_ops(layout, "reduce_scatter").reduce_scatter(layout, grads, comm, op, dtype, **options)
 
 
@@ -215,7 +242,7 @@ def global_norm(layout, grads, comm, **options) -> torch.Tensor:
     Each element counts once: padding is zero, replicated leaves are counted once, and copies
     over other axes are weighted out (units: ``data_groups=``, the step's; a mesh plan: every
     non-FSDP axis). For ``rg.optim.clip_by_global_norm(max_norm, comm=comm, norm=lambda g:
-    rg.global_norm(layout, g, comm))``. (:func:`ragged.optim.global_norm` is the layout-free
+    rg.global_norm(layout, g, comm))``. (:func:`ragged.optim.tree_norm` is the layout-free
     norm of a tree over one comm.)
 
     Examples:

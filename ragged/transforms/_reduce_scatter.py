@@ -23,7 +23,7 @@ import torch
 from ragged._dbuffer import DBuffer, segments
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
-from ragged.transforms._flat import reduce_scatter_flat
+from ragged.transforms._flat import _reduce_scatter_flat_start
 from ragged.spec._concat import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -33,7 +33,19 @@ _OPS = ("mean", "sum")
 
 
 class ReduceScatterPending(NamedTuple):
-    """A reduce-scatter in flight (from :func:`reduce_scatter_start`)."""
+    """A reduce-scatter in flight (from :func:`reduce_scatter_start`): pass it to
+    :func:`reduce_scatter_wait` once; its fields are the wait's inputs (the output shard, the
+    replicated buffer, the handles, and what the wait finishes with).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     pending = rg.reduce_scatter_start(plan, {"w": torch.ones(4)}, comm, op="sum")
+        ...     return pending.output.shape, pending.op
+        >>> rg.collectives.simulate(2, fn)[0]
+        (torch.Size([2]), 'sum')
+    """
 
     output: torch.Tensor
     replicated: torch.Tensor
@@ -162,7 +174,7 @@ def _pack(segs, leaves, numel, dtype, device):
 
 @poisons("comm")
 def reduce_scatter_start(
-    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
 ) -> ReduceScatterPending:
     """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
 
@@ -172,6 +184,16 @@ def reduce_scatter_start(
     :func:`reduce_scatter_wait` (not overlapped).
 
     Args: as :func:`reduce_scatter`.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(4)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     pending = rg.reduce_scatter_start(plan, {"w": torch.full((4,), comm.rank + 1.0)}, comm)
+        ...     # ... compute that overlaps the reduce-scatter ...
+        ...     return rg.reduce_scatter_wait(pending).data.tolist()
+        >>> rg.collectives.simulate(2, fn)   # the mean of 1 and 2
+        [[1.5, 1.5], [1.5, 1.5]]
     """
     return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out)
 
@@ -234,7 +256,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    handles = [reduce_scatter_flat(plan, out, flat, comm, op="sum", async_op=True, label=label)]
+    handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]
     if rep.numel():
         kw = {} if label is None else {"label": f"{label} (replicated leaves)"}
         handles.append(comm.all_reduce(rep, op="sum", async_op=True, **kw))
@@ -243,7 +265,20 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
 
 @poisons("pending.comm")
 def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
-    """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`."""
+    """Completes :func:`reduce_scatter_start`; returns the same DBuffer as :func:`reduce_scatter`.
+
+    Args:
+        pending: what :func:`reduce_scatter_start` returned (wait on it once).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> plan = rg.make_plan({"w": torch.empty(2, 2)}, world_size=2, align=1)
+        >>> def fn(comm):
+        ...     g = {"w": torch.full((2, 2), float(comm.rank))}
+        ...     return rg.reduce_scatter_wait(rg.reduce_scatter_start(plan, g, comm, op="sum")).views()["w"].tolist()
+        >>> rg.collectives.simulate(2, fn)
+        [[[1.0, 1.0]], [[1.0, 1.0]]]
+    """
     out, rep, handles, plan, comm, op, zero_padding, source, pooled = pending
     for h in handles:
         h.wait()
@@ -271,7 +306,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
 
 @poisons("comm")
 def reduce_scatter(
-    plan: LayoutPlan, grads, comm, op: str = "mean", dtype: torch.dtype | None = None, *, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
 ) -> DBuffer:
     """This rank's shard of the reduction (over every rank) of every rank's ``grads``.
 
@@ -308,4 +343,4 @@ def reduce_scatter(
         >>> rg.collectives.simulate(2, step)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out))
+    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op=op, dtype=dtype, replicated=replicated, out=out))

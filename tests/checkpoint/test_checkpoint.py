@@ -1,4 +1,4 @@
-"""Checkpoint save / load / export on the simulated backend (threads; real files, real DCP).
+"""Checkpoint save / load / consolidate on the simulated backend (threads; real files, real DCP).
 
 The gloo multi-process versions live in tests/distributed/test_checkpoint_gloo.py.
 """
@@ -145,15 +145,15 @@ def test_per_rank_values(tmp_path):
     assert [g.tolist() for g in got] == [[10 * r, 10 * r + 1, 10 * r + 2] for r in range(3)]
     with pytest.raises(CheckpointMismatchError, match=re.escape("a PerRank value saved by 3 ranks cannot load on 2 ranks")):
         simulate(2, load_fn)
-    exported = rg.checkpoint.export(path)
+    exported = rg.checkpoint.consolidate(path)
     assert exported["rng@rank2"].tolist() == [20, 21, 22]
 
 
-def test_export_consolidates_and_loads_into_a_module(tmp_path):
+def test_consolidate_writes_one_file_that_loads_into_a_module(tmp_path):
     path = tmp_path / "ckpt"
     _, full = _save(path, 3, "blocks")
     out = tmp_path / "model.pt"
-    flat = rg.checkpoint.export(path, out)
+    flat = rg.checkpoint.consolidate(path, out)
     assert flat["step"] == 5 and flat["lr"] == 0.25 and flat["name"] == "run-1"
     torch.testing.assert_close(flat["params.layers.1.w"], full["params"]["layers"][1]["w"], rtol=0, atol=0)
     torch.testing.assert_close(flat["opt.0.mu.emb"], full["mu"]["emb"], rtol=0, atol=0)
@@ -170,7 +170,7 @@ def test_export_consolidates_and_loads_into_a_module(tmp_path):
         layer.w = torch.nn.Parameter(torch.zeros(shape))
         layer.b = torch.nn.Parameter(torch.zeros(shape[1]))
         model.layers.append(layer)
-    model.load_state_dict(rg.checkpoint.export(path, prefix="params"))
+    model.load_state_dict(rg.checkpoint.consolidate(path, prefix="params"))
     torch.testing.assert_close(model.layers[0].w.detach(), full["params"]["layers"][0]["w"], rtol=0, atol=0)
 
 
@@ -355,7 +355,7 @@ def test_damaged_checkpoints_are_refused_and_live_state_untouched(tmp_path, dama
     for like, b in zip(likes, before):
         assert torch.equal(like["params"].data, b)
     with pytest.raises(expect[0]):
-        rg.checkpoint.export(path)
+        rg.checkpoint.consolidate(path)
 
 
 def test_load_returns_new_tensors(tmp_path):
@@ -371,7 +371,7 @@ def test_load_returns_new_tensors(tmp_path):
 
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointCorruptError, match="the directory does not exist"):
-        rg.checkpoint.export(tmp_path / "nope")
+        rg.checkpoint.consolidate(tmp_path / "nope")
 
 
 def test_ranks_passing_different_like_states_fail_together(tmp_path):

@@ -41,7 +41,7 @@ def test_save_load_any_plans(case):
             return rg.checkpoint.load(path, {"p": rg.shard(plan_b, zeros, rank=comm.rank)}, comm)["p"]
 
         dbufs = rg.collectives.simulate(m_b, load)
-        exported = rg.checkpoint.export(path, prefix="p")
+        exported = rg.checkpoint.consolidate(path, prefix="p")
     got, want = full_leaves(dbufs), tree_leaves_by_path(params)
     assert got.keys() == want.keys()
     for p in want:
@@ -73,4 +73,4 @@ def test_empty_and_scalar_leaves(tmp_path):
     for k, v in params.items():
         assert got[f"['{k}']"].shape == v.shape and torch.equal(got[f"['{k}']"], v)
     assert out[0][1].shape == (0, 2)
-    assert rg.checkpoint.export(path)["p.a"].shape == (0, 5)
+    assert rg.checkpoint.consolidate(path)["p.a"].shape == (0, 5)

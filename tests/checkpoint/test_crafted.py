@@ -60,7 +60,7 @@ def _refused(path, plan, pattern):
     with pytest.raises(CheckpointCorruptError, match=pattern):
         _load_everywhere(path, plan)
     with pytest.raises(CheckpointCorruptError, match=pattern):
-        rg.checkpoint.export(path)
+        rg.checkpoint.consolidate(path)
 
 
 class _Payload:
@@ -161,7 +161,7 @@ def test_metadata_disagreeing_with_manifest_is_refused(tmp_path):
 def test_load_of_a_file_says_it_is_a_file(tmp_path):
     path, plan = _saved(tmp_path)
     out = tmp_path / "model.pt"
-    rg.checkpoint.export(path, out)
+    rg.checkpoint.consolidate(path, out)
     with pytest.raises(CheckpointCorruptError, match=re.escape(f"{str(out)!r} is a file, not a checkpoint directory")):
         _load_everywhere(out, plan)
     with pytest.raises(CheckpointCorruptError, match="is a file, not a checkpoint directory"):

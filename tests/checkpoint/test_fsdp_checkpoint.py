@@ -1,5 +1,5 @@
 """Checkpointing the FSDP training step's state (``ragged.fsdp.TrainState``: one DBuffer per
-unit + the optimizer state): resume on another world size, export to the module's state dict."""
+unit + the optimizer state): resume on another world size, consolidate into the module's state dict."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_fsdp_state_resumes_on_another_world_size(tmp_path):
         ref = _run(comm, model, _init(comm, model), batches)
         units = _units(model, comm.world_size)
         clone = lambda tree: {k: v.clone() for k, v in tree.items()}  # noqa: E731
-        return clone(fsdp.gather(units, state.shards, comm)), clone(fsdp.gather(units, ref.shards, comm))
+        return clone(rg.gather(units, state.shards, comm)), clone(rg.gather(units, ref.shards, comm))
 
     resumed, reference = simulate(4, second)[0]
     for name, ref in reference.items():
@@ -77,14 +77,14 @@ def test_fsdp_state_resumes_on_another_world_size(tmp_path):
         torch.testing.assert_close(resumed[name], ref, msg=name)
 
     # One file with the module's own parameter names, loadable without ragged.
-    exported = rg.checkpoint.export(path, prefix="train.shards", leaf_names=True)
+    exported = rg.checkpoint.consolidate(path, prefix="train.shards", leaf_names=True)
     assert sorted(exported) == sorted(n for n, _ in model.named_parameters())
     fresh = _model()
     fresh.load_state_dict(exported)
 
     def gathered(comm):
         loaded = rg.checkpoint.load(path, {"train": _init(comm, model), "step": 0}, comm)
-        return {k: v.clone() for k, v in fsdp.gather(_units(model, 1), loaded["train"].shards, comm).items()}
+        return {k: v.clone() for k, v in rg.gather(_units(model, 1), loaded["train"].shards, comm).items()}
 
     for name, value in simulate(1, gathered)[0].items():
         torch.testing.assert_close(dict(fresh.named_parameters())[name].detach(), value, rtol=0, atol=0)

@@ -1,5 +1,5 @@
 """A checkpoint written by an older ragged (every entry kind, no manifest checksum) loads and
-exports with this one, at its world size and others, bit for bit."""
+consolidations with this one, at its world size and others, bit for bit."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_fixture_is_a_legacy_checkpoint():
     assert kinds == {"dbuffer", "tensor", "per_rank", "quant8", "packed", "plan", "value"}
 
 
-def test_legacy_export():
-    flat = rg.checkpoint.export(FIXTURE)
+def test_legacy_consolidate():
+    flat = rg.checkpoint.consolidate(FIXTURE)
     for k, v in SCALARS.items():
         assert flat.get(k) == v  # None is an empty pytree node, not an entry
     assert math.isnan(flat["loss"])
@@ -47,7 +47,7 @@ def test_legacy_export():
 
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_legacy_loads_at_any_world_size_and_round_trips(tmp_path, m):
-    """Load the old checkpoint on m ranks, save it again with this ragged: the new export equals
+    """Load the old checkpoint on m ranks, save it again with this ragged: the new consolidation equals
     the old one bit for bit (every kind's data carried exactly)."""
     src = tmp_path / "legacy"
     shutil.copytree(FIXTURE, src)  # the fixture stays read-only
@@ -71,7 +71,7 @@ def test_legacy_loads_at_any_world_size_and_round_trips(tmp_path, m):
             rg.checkpoint.save(again, state, comm)
 
         simulate(m, other)
-    old, new = rg.checkpoint.export(src), rg.checkpoint.export(again)
+    old, new = rg.checkpoint.consolidate(src), rg.checkpoint.consolidate(again)
     if m != 2:
         old = {k: v for k, v in old.items() if not k.startswith("rng@")}
     _same(old, new)

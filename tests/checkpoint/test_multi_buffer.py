@@ -1,6 +1,6 @@
 """Checkpoints of multi-buffer plans: saved with one buffer count, loaded with another (and
 another world size / granularity), on the simulated backend with real files and real DCP;
-export of a multi-buffer checkpoint to one file. The gloo version is in
+consolidation of a multi-buffer checkpoint into one file. The gloo version is in
 tests/distributed/test_buffers_gloo.py."""
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def test_save_with_one_buffer_count_load_with_another(tmp_path, save, load):
     assert (splan.num_buffers, lplan.num_buffers) != (1, 1)
 
 
-def test_export_of_a_multi_buffer_checkpoint(tmp_path):
+def test_consolidate_a_multi_buffer_checkpoint(tmp_path):
     full = full_trees()
     plan = _plan(full["params"], 3, "rows", "leaf")
     path = tmp_path / "ckpt"
     simulate(3, lambda c: rg.checkpoint.save(path, {"params": rg.shard(plan, full["params"], rank=c.rank)}, c))
-    exported = rg.checkpoint.export(path, prefix="params")
+    exported = rg.checkpoint.consolidate(path, prefix="params")
     from ragged.checkpoint._format import path_parts
 
     want = {".".join(path_parts(p)): t for p, t in tree_leaves_by_path(full["params"]).items()}

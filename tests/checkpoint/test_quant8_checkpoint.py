@@ -79,7 +79,7 @@ def test_8bit_state_into_another_layout_with_the_same_blocks(tmp_path):
     for leaf in ("['w1']", "['w2']"):
         for part in saved[leaf]:
             assert torch.equal(loaded[leaf][part], saved[leaf][part]), (leaf, part)
-    exported = rg.checkpoint.export(path)
+    exported = rg.checkpoint.consolidate(path)
     torch.testing.assert_close(exported["opt.0.moments.w1.mu_codes"].reshape(-1), saved["['w1']"]["mu_codes"], rtol=0, atol=0)
     torch.testing.assert_close(exported["opt.0.moments.w2.nu_scales"], saved["['w2']"]["nu_scales"], rtol=0, atol=0)
     torch.testing.assert_close(exported["opt.0.moments.b1.mu"], saved["['b1']"]["mu"], rtol=0, atol=0)

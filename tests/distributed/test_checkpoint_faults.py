@@ -160,7 +160,7 @@ def _check_survivors(results, m, victim, stamp):
 def _published_step(path) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the old checkpoint found aside
-        flat = rg.checkpoint.export(path)
+        flat = rg.checkpoint.consolidate(path)
     from tests.checkpoint._util import full_trees
 
     want = full_trees(flat["step"])["params"]["emb"]

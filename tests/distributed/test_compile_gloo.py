@@ -64,7 +64,7 @@ def _refused(what):
     units = fsdp.make_units(model, world_size=c.world_size)
     opt = CASE.make_optimizer()
     state = fsdp.init(units, model, opt, c)
-    before = {k: v.clone() for k, v in fsdp.gather(units, state.shards, c).items()}
+    before = {k: v.clone() for k, v in rg.gather(units, state.shards, c).items()}
     if what == "functional":  # functional_call of a compiled model, the step not given the module
         step = fsdp.make_step(units, loss_fn(model), opt, c)
     else:  # a compiled function inside the loss (not a module of the bound model)
@@ -77,7 +77,7 @@ def _refused(what):
         message = str(e)
     else:
         message = None
-    return message, max_diff(fsdp.gather(units, state.shards, c), before)[0]
+    return message, max_diff(rg.gather(units, state.shards, c), before)[0]
 
 
 @pytest.mark.parametrize("what", ["functional", "function"],

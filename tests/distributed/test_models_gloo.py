@@ -194,8 +194,8 @@ def _value_and_grad_vs_func_grad():
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss_fn = lambda p, b: cross_entropy(logits_of(model, b[0], p), b[1])  # noqa: E731
     f = fsdp.value_and_grad(units, loss_fn, c, micro_batches=2)
-    loss, grads = f(fsdp.shard(units, params, c), (tokens[2 * c.rank: 2 * c.rank + 2], targets[2 * c.rank: 2 * c.rank + 2]))
-    full = fsdp.gather(units, grads, c)
+    loss, grads = f(rg.shard(units, params, c), (tokens[2 * c.rank: 2 * c.rank + 2], targets[2 * c.rank: 2 * c.rank + 2]))
+    full = rg.gather(units, grads, c)
     want = torch.func.grad(loss_fn)(params, (tokens, targets))
     return abs(loss - loss_fn(params, (tokens, targets)).item()), max_diff(full, want)
 

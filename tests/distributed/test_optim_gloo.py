@@ -54,5 +54,5 @@ def test_muon_matches_torch_muon(workers):
     for full, load in results:
         for k in ref:
             torch.testing.assert_close(full[k], ref[k], rtol=1e-10, atol=1e-10, msg=lambda m: f"{k}: {m}")
-        biggest = max(u.cost for u in load["units"])
+        biggest = max(u.cost for u in load["assignments"])
         assert max(load["flops"]) - min(load["flops"]) <= biggest

@@ -146,7 +146,7 @@ def test_checkpoint_2x2_loads_on_4x1_and_1x1(workers4, kind, tmp_path):
 def test_fsdp_make_step_with_expert_parallelism(workers4, clip):
     """FSDP x EP through rg.fsdp.make_step(data_axes=parallel.data_groups(...)) on 4 gloo
     ranks (2x2 DeviceMesh) equals float64 single-process torch.optim.AdamW; with global-norm
-    clipping over the whole mesh (rg.fsdp.global_norm), torch's clip_grad_norm_ + SGD."""
+    clipping over the whole mesh (rg.global_norm(units, ...)), torch's clip_grad_norm_ + SGD."""
     out = workers4.run(_ep_step, STEPS, clip)
     ref, _, ref_losses = reference_train("ep", STEPS, n_batches=batches_per_step("ep", spec.Mesh((2, 2), ("dp", "ep"))),
                                          clip=clip)

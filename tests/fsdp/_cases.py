@@ -44,7 +44,7 @@ class Case:
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
-            return rg.optim.sgd(self.lr)
+            return rg.optim.sgd(self.lr, donate=self.donate)
         return rg.optim.adamw(self.lr, weight_decay=self.weight_decay, donate=self.donate)
 
     def config(self) -> GPTConfig:
@@ -78,7 +78,8 @@ def fsdp_run(comm, case: Case, *, trace: bool = False, save: str | None = None):
     state = fsdp.init(units, model, opt, comm)
     loss = loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing)
     step = fsdp.make_step(units, loss, opt, comm, micro_batches=case.micro_batches,
-                          compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype, prefetch=case.prefetch,
+                          policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),
+                          prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
                           max_inflight_reduce=case.max_inflight_reduce)
     task, metrics = case.task(), []
@@ -89,7 +90,7 @@ def fsdp_run(comm, case: Case, *, trace: bool = False, save: str | None = None):
         metrics.append(m)
     if save is not None:
         rg.checkpoint.save(save, state, comm)
-    full = fsdp.gather(units, state.shards, comm)
+    full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, metrics
 
 
@@ -249,7 +250,7 @@ def train_sharded(comm, model, batches, *, groups=None, module=True, lr=1e-2, we
     for batch in batches:
         state, m = step(state, rank_slice(batch, comm.rank, comm.world_size))
         metrics.append(m)
-    return {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}, metrics
+    return {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}, metrics
 
 
 def train_reference(model, batches, *, lr=1e-2, weight_decay=0.1):

@@ -15,10 +15,10 @@ import re
 
 import torch
 
+import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
-from ragged.optim import GradientTransformation
 
 # ragged's own code (not the example models, whose graph breaks are the user's)
 RAGGED_CODE = re.compile(r"ragged/(?:fsdp|collectives|transforms|optim|spec|checkpoint|parallel)/|ragged/_\w+\.py")
@@ -60,7 +60,7 @@ def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "i
     units = fsdp.make_units(model, world_size=comm.world_size)
     opt = case.make_optimizer()
     if compile_update:
-        opt = GradientTransformation(opt.init, torch.compile(opt.update, backend=backend))
+        opt = opt._replace(update=torch.compile(opt.update, backend=backend))
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(model, checkpoint=case.activation_checkpointing), opt, comm,
                           micro_batches=case.micro_batches, module=None if functional else model)
@@ -68,7 +68,7 @@ def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "i
     for s in range(case.steps):
         state, metrics = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
         losses.append(metrics["loss"])
-    full = fsdp.gather(units, state.shards, comm)
+    full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, losses, step.value_and_grad.memo.digest, metrics
 
 

@@ -135,12 +135,12 @@ def _refused(comm):
     units = fsdp.make_units(model, world_size=comm.world_size)
     opt = CASE.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
-    before = {k: v.clone() for k, v in fsdp.gather(units, state.shards, comm).items()}
+    before = {k: v.clone() for k, v in rg.gather(units, state.shards, comm).items()}
     step = fsdp.make_step(units, loss_fn(model), opt, comm)  # functional_call of the compiled blocks, no module=
     batch = rank_slice(CASE.task().batch(0, CASE.batch), comm.rank, comm.world_size)
     with pytest.raises(rg.RaggedError) as info:
         step(state, batch)
-    after = fsdp.gather(units, state.shards, comm)
+    after = rg.gather(units, state.shards, comm)
     return str(info.value), max_diff(after, before)[0]
 
 

@@ -258,7 +258,7 @@ def test_plain_pytree_with_user_grouping_matches_reference():
         rows = slice(4 * comm.rank, 4 * comm.rank + 4)
         for _ in range(3):
             state, m = step(state, (x[rows], y[rows]))
-        return fsdp.gather(units, state.shards, comm), m["trace"]
+        return rg.gather(units, state.shards, comm), m["trace"]
 
     ref = {k: [{n: t.clone().requires_grad_() for n, t in layer.items()} for layer in v] for k, v in params.items()}
     leaves = [t for layer in ref["layers"] for t in layer.values()]
@@ -293,7 +293,7 @@ def test_unused_parameter_gets_zero_gradient():
         step = fsdp.make_step(units, loss, opt, comm)
         for _ in range(2):
             state, _ = step(state, x[4 * comm.rank : 4 * comm.rank + 4])
-        return fsdp.gather(units, state.shards, comm)
+        return rg.gather(units, state.shards, comm)
 
     ref = {k: {n: t.clone().requires_grad_() for n, t in v.items()} for k, v in params.items()}
     for _ in range(2):
@@ -348,7 +348,7 @@ def test_tied_weights():
         step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm)
         for s in range(case.steps):
             state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
-        return fsdp.gather(units, state.shards, comm)
+        return rg.gather(units, state.shards, comm)
 
     ref = tied()
     opt = torch.optim.AdamW(ref.parameters(), lr=case.lr, weight_decay=case.weight_decay)
@@ -404,14 +404,14 @@ def test_backward_code_that_reads_parameters_gathers_them():
         step = fsdp.make_step(units, loss, opt, comm)
         for _ in range(2):
             state, _ = step(state, rank_slice((x, y), comm.rank, comm.world_size))
-        return fsdp.gather(units, state.shards, comm)
+        return rg.gather(units, state.shards, comm)
 
     for got in rg.collectives.simulate(2, run):
         for k in params:
             torch.testing.assert_close(got[k], ref[k].detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
+def test_global_norm_of_units_equals_tree_norm_without_data_groups():
     case = Case(replicate_vectors=True)
     model = case.model()
     specs = lambda path, t: rg.spec.Replicate() if t.dim() == 1 else None  # noqa: E731
@@ -420,7 +420,7 @@ def test_global_norm_of_units_equals_optim_global_norm_without_data_axes():
 
     def fn(comm):
         shards = rg.shard(units, model, comm)
-        return rg.global_norm(units, shards, comm), rg.optim.global_norm(shards, comm=comm)
+        return rg.global_norm(units, shards, comm), rg.optim.tree_norm(shards, comm=comm)
 
     for mine, theirs in rg.collectives.simulate(2, fn):
         torch.testing.assert_close(mine, want.to(mine.dtype), rtol=1e-12, atol=0)

@@ -18,6 +18,7 @@ def _train(case, comm, device, *, streams=None, steps_dtype=None):
     """(params after training, losses) of ``case`` through rg.fsdp.make_step on ``device``."""
     import copy
 
+    import ragged as rg
     from ragged import fsdp
     from ragged.examples.gpt import loss_fn
     from ragged.fsdp import _runtime
@@ -30,14 +31,14 @@ def _train(case, comm, device, *, streams=None, steps_dtype=None):
         units = fsdp.make_units(model, world_size=comm.world_size)
         opt = case.make_optimizer()
         state = fsdp.init(units, model, opt, comm)
-        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, compute_dtype=case.compute_dtype,
-                              reduce_dtype=case.reduce_dtype)
+        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm,
+                              policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype))
         task, losses = case.task(), []
         for s in range(case.steps):
             x, y = task.batch(s, case.batch)
             state, m = step(state, (x.to(device), y.to(device)))
             losses.append(m["loss"])
-        return {k: v.detach().cpu().clone() for k, v in fsdp.gather(units, state.shards, comm).items()}, losses
+        return {k: v.detach().cpu().clone() for k, v in rg.gather(units, state.shards, comm).items()}, losses
     finally:
         _runtime.streams_for = saved
 

@@ -65,7 +65,7 @@ def test_shard_then_gather_is_identity_simulated():
     params = dict(model.named_parameters())
 
     def run(comm):
-        return fsdp.gather(units, fsdp.shard(units, model, comm), comm)
+        return rg.gather(units, rg.shard(units, model, comm), comm)
 
     for full in rg.collectives.simulate(3, run):
         for k, v in params.items():

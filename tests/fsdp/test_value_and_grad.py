@@ -12,7 +12,7 @@ import torch
 import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
-from tests.fsdp._cases import (Case, cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
+from tests.fsdp._cases import (cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
                                train_sharded)
 
 
@@ -40,8 +40,8 @@ def test_value_and_grad_equals_func_grad_of_the_unsharded_loss(world_size, micro
 
     def run(comm):
         f = fsdp.value_and_grad(units, _loss, comm, micro_batches=micro_batches)
-        loss, grads = f(fsdp.shard(units, params, comm), rank_slice(batch, comm.rank, world_size))
-        return loss, fsdp.gather(units, grads, comm)
+        loss, grads = f(rg.shard(units, params, comm), rank_slice(batch, comm.rank, world_size))
+        return loss, rg.gather(units, grads, comm)
 
     want = torch.func.grad(_loss)(params, batch)
     for loss, got in rg.collectives.simulate(world_size, run):
@@ -67,7 +67,7 @@ def test_collectives_are_the_same_on_every_rank_whatever_the_routing():
         for batch in batches:
             state, _ = step(state, rank_slice(batch, comm.rank, comm.world_size))
             digests.append(step.value_and_grad.memo.digest)
-        return digests, fsdp.gather(units, state.shards, comm)
+        return digests, rg.gather(units, state.shards, comm)
 
     (d0, p0), (d1, p1) = rg.collectives.simulate(2, run)
     assert d0 == d1 and len(set(d0)) >= 2
@@ -115,7 +115,7 @@ def test_momentum_state_of_unused_leaves_is_kept_like_torch_sgd():
         for flag in flags:
             state, m = step(state, (x[2 * comm.rank:][:2], flag))
             unused.append(m["unused_leaves"])
-        return unused, fsdp.gather(units, state.shards, comm)
+        return unused, rg.gather(units, state.shards, comm)
 
     ref = {k: [{n: t.clone().requires_grad_() for n, t in layer.items()} for layer in v] for k, v in params.items()}
     leaves = [t for layer in ref["layers"] for t in layer.values()]
@@ -131,28 +131,20 @@ def test_momentum_state_of_unused_leaves_is_kept_like_torch_sgd():
                 torch.testing.assert_close(got["layers"][i][n], ref["layers"][i][n].detach(), rtol=1e-12, atol=1e-14)
 
 
-def test_mixed_precision_policy_equals_the_keyword_arguments():
-    kw = dict(dtype=torch.float32, steps=2, lr=0.5, optimizer="sgd")
+def test_mixed_precision_is_one_policy_argument():
+    """``policy=MixedPrecision(...)`` is the one way to set the step's dtypes (the
+    ``compute_dtype=`` / ``reduce_dtype=`` second spelling is gone); bf16 numerics are checked
+    against fp32 in tests/fsdp/test_step_sim.py."""
     policy = fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    case = Case(**kw)
-    model = case.model()
-    units = fsdp.make_units(model, world_size=2)
-
-    def run(comm, **step_kw):
-        from ragged.examples.gpt import loss_fn
-        opt = case.make_optimizer()
-        state = fsdp.init(units, model.state_dict(), opt, comm)  # the shared model stays whole
-        step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, **step_kw)
-        for s in range(case.steps):
-            state, _ = step(state, rank_slice(case.task().batch(s, case.batch), comm.rank, 2))
-        return step.compute_dtype, fsdp.gather(units, state.shards, comm)
-
-    (dt_a, a), _ = rg.collectives.simulate(2, run, policy=policy)
-    (dt_b, b), _ = rg.collectives.simulate(2, run, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert dt_a == dt_b == torch.bfloat16 and max_diff(a, b)[0] == 0.0
-    with pytest.raises(ValueError, match="either policy= or compute_dtype="):
-        rg.collectives.simulate(2, lambda c: fsdp.make_step(units, _loss, rg.optim.sgd(0.1), c, policy=policy,
-                                                            compute_dtype=torch.bfloat16))
+    units = fsdp.make_units(_params(), world_size=1)
+    comm = rg.collectives.simulate(1, lambda c: c)[0]  # make_step only reads its world size
+    step = fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, policy=policy)
+    assert step.policy is policy and step.value_and_grad.policy is policy
+    assert fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm).policy == fsdp.MixedPrecision()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'compute_dtype'"):
+        fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, compute_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="policy must be a rg.fsdp.MixedPrecision"):
+        fsdp.make_step(units, _loss, rg.optim.sgd(0.1), comm, policy=torch.bfloat16)
     with pytest.raises(TypeError, match="MixedPrecision.compute_dtype must be a floating torch.dtype"):
         fsdp.MixedPrecision(compute_dtype=torch.int32)
 
@@ -166,11 +158,12 @@ def test_a_donated_state_is_refused():
     def run(comm, donate):
         opt = rg.optim.adamw(0.1, donate=donate)
         state = fsdp.init(units, params, opt, comm)
-        step = fsdp.make_step(units, _loss, opt, comm, donate=donate)
+        step = fsdp.make_step(units, _loss, opt, comm)  # donates as the optimizer does
+        assert step.donate is donate
         new, _ = step(state, batch(comm))
         new, _ = step(new, batch(comm))  # the state a call returned is fine
         msgs = []
-        for read in (lambda: step(state, batch(comm)), lambda: fsdp.gather(units, state.shards, comm)):
+        for read in (lambda: step(state, batch(comm)), lambda: rg.gather(units, state.shards, comm)):
             try:
                 read()
             except rg.RaggedValueError as e:
@@ -234,3 +227,50 @@ def test_module_binding_is_restored_after_the_step_also_on_error():
         return restored and {k: id(v) for k, v in model.named_parameters(remove_duplicate=False)} == own
 
     assert rg.collectives.simulate(2, run) == [True, True]
+
+
+def _data_group_pairs(comm):
+    params = {"w": torch.arange(12.0).view(6, 2), "b": torch.ones(2)}
+    units = fsdp.make_units(params, world_size=2, groups=lambda p: p)
+    shards = rg.shard(units, params, comm)
+    pred = lambda path: path == "['b']"  # noqa: E731
+    pair, group = (comm, pred), fsdp.DataGroup(comm, pred)
+    norms = [rg.global_norm(units, shards, comm, data_groups=[g]) for g in (pair, group)]
+    opt = rg.optim.sgd(0.1)
+    step = fsdp.make_step(units, lambda p, x: (x @ p["w"].T + p["b"].sum()).square().mean(), opt, comm,
+                          data_groups=[pair])
+    _, metrics = step(fsdp.TrainState(shards, opt.init(shards)), torch.ones(2, 2))
+    return bool(norms[0] == norms[1]), step.data_groups == (group,), metrics["loss"] > 0
+
+
+def test_data_groups_are_taken_as_pairs():
+    """``data_groups=`` entries may be plain ``(comm, is_replicated)`` pairs: the step and
+    ``rg.global_norm`` hold them as DataGroups (moved from tests/test_old_names.py); anything else
+    is refused."""
+    for checks in rg.collectives.simulate(2, _data_group_pairs):
+        assert all(checks), checks
+    units = fsdp.make_units({"w": torch.ones(2, 2)}, world_size=1)
+    with pytest.raises(rg.RaggedTypeError, match=r"make_step: data_groups entries are \(comm, is_replicated"):
+        fsdp.make_step(units, lambda p, x: p["w"].sum(), rg.optim.sgd(0.1), None, data_groups=[object()])
+
+
+@pytest.mark.parametrize("make", [lambda d: rg.optim.adamw(0.1, donate=d), lambda d: rg.optim.sgd(0.1, donate=d),
+                                  lambda d: rg.optim.adamw_8bit(0.1, donate=d),
+                                  lambda d: rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=None),
+                                                           rg.optim.adamw(0.1, weight_decay=0.1, mask=lambda l: True,
+                                                                          donate=d))],
+                         ids=["adamw", "sgd", "adamw_8bit", "chain-masked"])
+def test_one_donate_decision_per_step(make):
+    """The step donates exactly when its optimizer updates in place (see [Note: one donate
+    decision per step]); an explicit ``donate=`` that disagrees is refused at make_step, and a
+    wrapped update keeps the decision with ``_replace``."""
+    units = fsdp.make_units(_params(), world_size=1)
+    comm = rg.collectives.simulate(1, lambda c: c)[0]  # make_step only reads its world size
+    for d in (False, True):
+        opt = make(d)
+        assert opt.donates is d and opt._replace(update=lambda *a: opt.update(*a)).donates is d
+        assert fsdp.make_step(units, _loss, opt, comm).donate is d
+        assert fsdp.make_step(units, _loss, opt, comm, donate=d).donate is d
+        with pytest.raises(rg.RaggedValueError, match=rf"make_step: donate={not d}, but the optimizer "
+                                                      rf"{'updates' if d else 'does not update'} in place"):
+            fsdp.make_step(units, _loss, opt, comm, donate=not d)

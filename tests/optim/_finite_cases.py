@@ -129,7 +129,7 @@ def run_clip_nonfinite(comm, where):
         local = rg.apply_updates(local, updates)
     except rg.RaggedError as exc:
         return type(exc).__name__, str(exc), torch.equal(local.data, before)
-    return None, float(rg.optim.global_norm(local, comm=comm)), False
+    return None, float(rg.optim.tree_norm(local, comm=comm)), False
 
 
 def check_apply_if_finite(results, schedule):

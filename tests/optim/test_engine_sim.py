@@ -23,7 +23,7 @@ def test_matches_torch(name, world_size):
 def _norm(comm):
     params = _params()
     plan = rg.make_plan(params, SPECS, world_size=comm.world_size)
-    return rg.optim.global_norm(rg.shard(plan, params, comm), comm=comm)
+    return rg.optim.tree_norm(rg.shard(plan, params, comm), comm=comm)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])

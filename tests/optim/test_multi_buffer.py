@@ -116,7 +116,7 @@ def test_global_norm_and_group_ops_on_multi_buffer_plans():
         plan = rg.testing.with_buffers(rg.make_plan(params, SPECS, world_size=comm.world_size))
         d = rg.shard(plan, params, comm)
         e = d.scale(2.0).add(d, alpha=-1.0).cast(torch.float32).cast(torch.float64)
-        return float(d.global_norm(comm)), float(rg.optim.global_norm(e, comm=comm)), plan.num_buffers
+        return float(d.global_norm(comm)), float(rg.optim.tree_norm(e, comm=comm)), plan.num_buffers
 
     want = float(torch.sqrt(sum((p ** 2).sum() for p in rg.pytree.leaves(_params()))))
     for a, b, n in rg.collectives.simulate(3, fn):

@@ -80,4 +80,5 @@ def test_units_pytree_matches_torch_muon(reference, world_size):
         for k, ref in reference.items():
             torch.testing.assert_close(full[k], ref, rtol=1e-10, atol=1e-10, msg=lambda m: f"{k}: {m}")
         assert sum(load["matrices"]) == 6
-        assert max(load["flops"]) - min(load["flops"]) <= max(u.cost for u in load["units"])
+        assert max(load["flops"]) - min(load["flops"]) <= max(u.cost for u in load["assignments"])
+        assert load["assignments"] and all(isinstance(u, rg.optim.MuonMatrix) for u in load["assignments"])

@@ -33,7 +33,7 @@ def test_adamw_on_shards_equals_unsharded(inputs):
     states = [plain.init(s) for s in shards]
     for step in range(2):
         grads = _grads(params, step)
-        norm = rg.optim.global_norm(grads)
+        norm = rg.optim.tree_norm(grads)
         factor = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
         u, ref_state = ref_opt.update(grads, ref_state, ref)
         ref = rg.apply_updates(ref, u)

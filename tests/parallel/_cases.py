@@ -283,7 +283,7 @@ def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
     """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
     the all-to-all dispatch inside the loss, ``parallel.data_groups`` for the router's
     EP all-reduce; with ``clip``: SGD after ``clip_by_global_norm`` with the mesh-wide norm
-    (``rg.fsdp.global_norm`` over the data axes). Returns ``(EP-local params, losses, coords,
+    (``rg.global_norm(units, ...)`` over the data axes). Returns ``(EP-local params, losses, coords,
     mesh plan)``."""
     from ragged import fsdp
 
@@ -307,4 +307,4 @@ def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
     for s in range(steps):
         state, metrics = step(state, moe_batch(s, _data_index(mc)))
         losses.append(metrics["loss"])
-    return fsdp.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords), mplan
+    return rg.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords), mplan

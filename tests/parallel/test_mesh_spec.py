@@ -211,3 +211,20 @@ def test_property_global_tiles_never_straddle_any_boundary(case):
         _, counts = torch.unique(tile, return_counts=True)
         assert bool((counts == r * c).all()), (rank, counts.tolist())  # every tile touched is held whole
     assert len(covered) == math.prod(leaf.shape)
+
+
+def test_part_shapes_part_meta_and_part_index_agree():
+    """A leaf's part shape, ``part_shapes()``, ``part_meta()`` and the elements ``part_index``
+    picks are one account of what a mesh position holds (moved from tests/test_old_names.py)."""
+    params = {"router": torch.arange(8.0).view(2, 4), "experts": torch.arange(32.0).view(2, 4, 4)}
+    mplan = spec.make_mesh_plan(params, {"router": None, "experts": {"ep": spec.Shard(0)}},
+                                mesh=spec.Mesh((1, 2), ("dp", "ep")))
+    leaf = mplan.leaf("['experts']")
+    assert leaf.part_shape == (1, 4, 4)
+    assert mplan.part_shapes() == {"router": (2, 4), "experts": (1, 4, 4)}
+    assert {k: (t.shape, t.device.type) for k, t in mplan.part_meta().items()} == {
+        "router": ((2, 4), "meta"), "experts": ((1, 4, 4), "meta")}
+    coords = {"dp": 0, "ep": 1}
+    got = parallel.parts(mplan, params, coords)
+    assert torch.equal(got["experts"], params["experts"][1:]) and torch.equal(got["router"], params["router"])
+    assert torch.equal(params["experts"].reshape(-1)[parallel.part_index(leaf, coords)].view(1, 4, 4), got["experts"])

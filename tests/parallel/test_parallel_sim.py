@@ -121,7 +121,7 @@ def _norm(mc, mplan, params):
 
 @pytest.mark.parametrize("case", ["tp", "ep", "mixed_2x2x2"])
 def test_global_norm_counts_every_global_element_once(case):
-    """parallel.global_norm of a sharded model equals the norm of its global tensors: TP/EP
+    """rg.global_norm(mplan, ...) of a sharded model equals the norm of its global tensors: TP/EP
     shards summed across ranks, replicated leaves counted once (strided, Replicate, 3 axes)."""
     if case == "mixed_2x2x2":
         params = _mixed_params()
@@ -219,7 +219,7 @@ def _tp_with_fsdp_step(mc, mplan):
     for s in range(STEPS):
         state, metrics = step(state, tp_batch(s, mc.coords["dp"]))
         losses.append(metrics["loss"])
-    return fsdp.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords)
+    return rg.gather(units, state.shards, mc["dp"]), losses, dict(mc.coords)
 
 
 def test_fsdp_make_step_on_tp_local_units():
@@ -254,7 +254,7 @@ def test_fsdp_make_step_with_expert_parallelism(data_axes):
 
 
 def test_fsdp_make_step_with_expert_parallelism_and_clipping():
-    """Global-norm clipping under FSDP x EP: rg.fsdp.global_norm over the data axes gives the norm
+    """Global-norm clipping under FSDP x EP: rg.global_norm(units, ...) over the data axes gives the norm
     of the whole model on every rank, so SGD after clipping equals torch's clip_grad_norm_ + SGD
     (the clip is active: far below the gradient norm)."""
     from tests.parallel._cases import ep_fsdp_step_train

@@ -29,7 +29,7 @@ def baselines(params, specs, m, max_buffers, **options):
     K = 8 if max_buffers == "auto" else max_buffers
     out = {"one": one.padding}
     key = {f"[{k!r}]": k for k in params}
-    spec_of = {key[l.path]: l.spec for l in one.leaves}
+    spec_of = {key[l.path]: l.granularity for l in one.leaves}
     groups: dict[int, list[str]] = {}
     for leaf in one.leaves:
         groups.setdefault(leaf.granule, []).append(key[leaf.path])

@@ -21,6 +21,13 @@ def test_blocks_never_cross_a_rank_boundary():
                 assert (k * S - leaf.offset) % leaf.granule == 0
 
 
+def test_each_leaf_keeps_the_granularity_it_was_planned_with():
+    plan = rg.make_plan({"router": meta(2, 4), "experts": meta(2, 4, 4)},
+                        {"router": spec.Rows(2), "experts": spec.Blocks(2, 4)}, world_size=2)
+    assert {l.path: l.granularity for l in plan.leaves} == {"['router']": spec.Rows(2), "['experts']": spec.Blocks(2, 4)}
+    assert not hasattr(plan.leaves[0], "spec")  # one name: a spec is what the caller wrote
+
+
 def test_dict_insertion_order_does_not_matter():
     a = rg.make_plan({"x": meta(4, 4), "y": meta(9)}, world_size=2)
     b = rg.make_plan({"y": meta(9), "x": meta(4, 4)}, world_size=2)

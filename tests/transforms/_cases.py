@@ -47,13 +47,13 @@ def plan_through_verbs(comm):
     equal_trees(d, shard_plan(plan, params, comm))
     equal_trees(rg.gather(plan, d, comm), gather_plan(d, comm))
     equal_trees(rg.gather(d, comm), gather_plan(d, comm))  # the contract's form
-    equal_trees(rg.gather(d, comm, torch.float32), gather_plan(d, comm, torch.float32))
+    equal_trees(rg.gather(d, comm, dtype=torch.float32), gather_plan(d, comm, dtype=torch.float32))
     g = layout_grads(comm.rank)
     equal_trees(rg.reduce_scatter(plan, g, comm, op="sum"), reduce_scatter_plan(plan, g, comm, op="sum"))
     norm = rg.global_norm(plan, d, comm)
     want = torch.sqrt(sum((t.double() ** 2).sum() for t in params.values()))
     torch.testing.assert_close(norm, want, rtol=1e-12, atol=0)
-    torch.testing.assert_close(norm, rg.optim.global_norm(d, comm=comm), rtol=1e-12, atol=0)
+    torch.testing.assert_close(norm, rg.optim.tree_norm(d, comm=comm), rtol=1e-12, atol=0)
     return True
 
 
@@ -71,6 +71,6 @@ def units_through_verbs(comm):
     gtrees = units.split(g)
     reduced = rg.reduce_scatter(units, g, comm, op="mean")
     equal_trees(reduced, {u.name: reduce_scatter_plan(u.plan, gtrees[u.name], comm, op="mean") for u in units})
-    torch.testing.assert_close(rg.global_norm(units, reduced, comm), rg.optim.global_norm(reduced, comm=comm),
+    torch.testing.assert_close(rg.global_norm(units, reduced, comm), rg.optim.tree_norm(reduced, comm=comm),
                                rtol=1e-12, atol=0)
     return True

@@ -53,7 +53,7 @@ def test_explicit_integer_gather_and_float_casts_work():
     def fn(comm):
         d = rg.shard(plan, PARAMS, rank=comm.rank)
         ints = rg.gather(d.replace(data=d.data.to(torch.int32), replicated=d.replicated.to(torch.int32)), comm)
-        half = rg.gather(d, comm, torch.bfloat16)
+        half = rg.gather(d, comm, dtype=torch.bfloat16)
         return ints["w"].dtype, half["w"].dtype
 
     assert simulate(2, fn) == [(torch.int32, torch.bfloat16)] * 2

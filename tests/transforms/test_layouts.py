@@ -26,8 +26,7 @@ def test_units_through_the_verbs(world_size):
     assert all(rg.collectives.simulate(world_size, units_through_verbs))
 
 
-# The FSDP axis is "fsdp" and comes second: the verbs take it from the mesh plan (the old
-# parallel.gather(dbuf, mcomm) defaulted to "dp" and could not see it).
+# The FSDP axis is "fsdp" and comes second: the verbs take it from the mesh plan.
 MESH = spec.Mesh((2, 2), ("tp", "fsdp"))
 
 
@@ -52,10 +51,10 @@ def test_mesh_plan_through_the_verbs_on_its_own_fsdp_axis():
     assert all(parallel.simulate_mesh(MESH, _mesh_body))
 
 
-def test_the_namespaces_share_one_verb():
+def test_one_verb_one_name():
+    """The verbs live in ``rg`` only: ``fsdp`` and ``parallel`` hold no second name for them."""
     for ns in (fsdp, parallel):
-        assert ns.shard is rg.shard and ns.global_norm is rg.global_norm and ns.reduce_scatter is rg.reduce_scatter
-    assert fsdp.gather is rg.gather
+        assert not any(hasattr(ns, verb) for verb in ("shard", "gather", "reduce_scatter", "global_norm")), ns
 
 
 def _misuse(comm):
@@ -71,7 +70,11 @@ def _misuse(comm):
                  lambda: rg.gather(d, params, comm),
                  lambda: rg.reduce_scatter(d, params, comm),
                  lambda: rg.global_norm(plan, rg.shard(other, params, comm), comm),
-                 lambda: rg.gather(units, rg.shard(units, params, comm), comm, out=torch.empty(1))):
+                 lambda: rg.gather(units, rg.shard(units, params, comm), comm, out=torch.empty(1)),
+                 lambda: rg.gather(d, comm, torch.float64),
+                 lambda: rg.gather(plan, d, comm, torch.float64),
+                 lambda: rg.gather({"not": "a layout"}, d, comm),
+                 lambda: rg.gather(plan, d)):
         try:
             call()
             said.append(None)
@@ -85,7 +88,21 @@ def test_misuse_is_refused_with_the_fix():
     assert "the layout must be a LayoutPlan (rg.make_plan), fsdp.Units (rg.fsdp.make_units) or" in said[0], said[0]
     assert "not of the plan given" in said[1] and "gather(dbuf, comm)" in said[1], said[1]
     assert "rank= is for a LayoutPlan" in said[2], said[2]
-    assert "gather(dbuf, comm, dtype)" in said[3], said[3]
+    assert "the call is gather(dbuf, comm, *, dtype=None, out=None) (two positional arguments), got 3" in said[3], said[3]
     assert "A DBuffer carries its plan: reduce_scatter(dbuf.plan, ...)" in said[4], said[4]
     assert "grads must be a DBuffer of the plan" in said[5], said[5]
     assert "out= is for one DBuffer of a LayoutPlan" in said[6], said[6]
+    # one call shape per type of the first argument; dtype (and op) are keywords, never sniffed
+    assert "got 3. With a layout first it is gather(layout, shards, comm); pass a dtype as dtype=." in said[7], said[7]
+    assert "gather(layout, shards, comm, *, dtype=None) (three positional arguments)" in said[8], said[8]
+    assert "got 4 positional argument(s), the first a LayoutPlan." in said[8], said[8]
+    assert "the layout must be a LayoutPlan" in said[9] and said[9].startswith("gather:"), said[9]
+    assert "got 2 positional argument(s), the first a LayoutPlan." in said[10], said[10]
+
+
+def test_positional_op_or_dtype_is_a_type_error():
+    plan = rg.make_plan(layout_params(), world_size=1)
+    with pytest.raises(TypeError, match="takes 3 positional arguments but 4 were given"):
+        rg.reduce_scatter(plan, layout_grads(0), None, "sum")
+    with pytest.raises(TypeError, match="takes 2 positional arguments but 3 were given"):
+        rg.gather_start(rg.shard(plan, layout_params(), rank=0), None, torch.float64)

@@ -28,7 +28,7 @@ unset PYTHONPATH
 
 [[ -x $PY ]] || PYENV_VERSION=${PYENV_PY:-3.12.1} python3.12 -m venv "$VENV"
 "$PY" -m pip install -q --disable-pip-version-check "torch==$V" numpy rich safetensors "transformers>=5" peft \
-    pytest hypothesis >> "$LOG" 2>&1
+    pytest hypothesis "setuptools>=68" >> "$LOG" 2>&1
 "$PY" -m pip uninstall -q -y optree >> "$LOG" 2>&1 || true
 if "$PY" -c "import optree" 2> /dev/null; then say "error: optree is still importable in $VENV"; exit 1; fi
 say "1. venv $VENV: $("$PY" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")'), no optree"

@@ -11,7 +11,8 @@
 #      (paired ratios with bootstrap CIs) and peak allocated / reserved memory;
 #   3. memory: bench/memory.py, one rank's peak at W=8 on torch's fake process group, on the GPU;
 #   4. calibrate: bench/calibrate.py, the per-call cost of all-gather / reduce-scatter at W=1 NCCL.
-# All stages share one deadline (BUDGET seconds, default 420, then the report): a stage gets at
+# All stages share one deadline (BUDGET seconds, default 420 on the GPU, 1800 with --dry-run;
+# then the report): a stage gets at
 # most its own limit and never more than what is left. A failing stage does not stop the
 # others; the exit status is non-zero if any failed. OUTDIR gets five files: gpu-check.tar.gz
 # (every log, JUnit and JSON file; re-packed after each stage, so a killed run keeps what was
@@ -32,7 +33,7 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d -t ragged-gpu-check.XXXXXX)
 SITE=$WORK/site
 START=$SECONDS
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-$((DRY ? 1800 : 420))}  # the device's: 420 s of stages + the report, in the 540 s call
 
 # 0. what this Python lacks, from the carried wheels, offline; PYTHONPATH: this checkout, then them
 NEEDS="import torch, optree, numpy, rich, pytest, hypothesis"
@@ -106,7 +107,7 @@ if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
         --json "$W/step.jsonl" --markdown
     stage memory 300 "$PY" bench/memory.py --models tiny --world 8 --checkpointing on --warmup 1 \
         --json "$W/memory.jsonl" --markdown
-    stage calibrate 120 "$PY" bench/calibrate.py --sizes-mib 1 --iters 3 --backend gloo --json "$W/calibrate.jsonl"
+    stage calibrate 200 "$PY" bench/calibrate.py --sizes-mib 1 --iters 3 --backend gloo --json "$W/calibrate.jsonl"
 else
     nvidia-smi > "$W/nvidia-smi.txt" 2>&1 || true
     stage cuda-tests 150 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
@@ -118,7 +119,7 @@ else
         --json "$W/memory.jsonl" --markdown
     stage calibrate 45 "$PY" bench/calibrate.py --sizes-mib 1 16 256 --iters 20 --json "$W/calibrate.jsonl"
 fi
-BUDGET=$((BUDGET + 60)) stage report 30 "$PY" scripts/gpu_report.py "$W" --dry-run $DRY
+BUDGET=$((BUDGET + 60)) stage report 60 "$PY" scripts/gpu_report.py "$W" --dry-run $DRY
 cp "$W/summary.json" "$W/summary.md" "$OUT/" 2>/dev/null
 pack
 rm -rf "$WORK"

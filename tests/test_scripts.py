@@ -110,7 +110,7 @@ def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     out = tmp_path / "gpu"
     env = dict(os.environ, PYTHON=sys.executable)
     run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run", str(out)],
-                         capture_output=True, text=True, timeout=600, env=env)
+                         capture_output=True, text=True, timeout=1500, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["env.txt", "gpu-check.tar.gz", "stages.jsonl", "summary.json",
                                                       "summary.md"]

@@ -5,19 +5,19 @@ out by ``rg.make_plan`` and moved, in the same processes and the same run, by:
 
 all-gather
   * ``rg.gather``                 ragged (default path on gloo: p2p batch_isend_irecv, leaves are views)
-  * ``raw all_gather_into_tensor`` the native op on a flat buffer of the same m*S elements
+  * ``raw all_gather_single``    the native op on a flat buffer of the same m*S elements
   * ``raw p2p``                    the fastest raw path we know (batch_isend_irecv into the output)
   * ``raw all_to_all_single``     all-gather through all_to_all (needs the input replicated m times)
   * ``FSDP2-style``               per-param Shard(0) chunks (dim 0 padded to a multiple of m):
                                   copy-in of every param's shard into one send buffer,
-                                  all_gather_into_tensor, then ``split_with_sizes_copy`` copy-out
+                                  all_gather_single, then ``split_with_sizes_copy`` copy-out
                                   into per-param full tensors (what FSDP2 does)
 reduce-scatter
   * ``rg.reduce_scatter (flat)``  gradient already in the plan's flat layout: no copy
   * ``rg.reduce_scatter (tree)``  a pytree of full gradients: one packing copy-in
-  * ``raw reduce_scatter_tensor`` native op on the same m*S elements
+  * ``raw reduce_scatter_single`` native op on the same m*S elements
   * ``raw all_to_all + sum``      the fastest raw path (all_to_all_single then local sum)
-  * ``FSDP2-style``               ``torch._chunk_cat`` copy-in to rank-major + reduce_scatter_tensor
+  * ``FSDP2-style``               ``torch._chunk_cat`` copy-in to rank-major + reduce_scatter_single
 
 ``rg.gather (fresh buffer)`` allocates its output each call, as does ``raw p2p, fresh output
 buffer``: the pair shows what first touch of fresh memory costs (see the Note "reusing gather
@@ -85,6 +85,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
     import torch.distributed as dist
 
     import ragged as rg
+    from ragged import _compat  # torch 2.11's or 2.13's name of the flat all-gather / reduce-scatter
 
     warnings.filterwarnings("ignore")
     comm = rg.collectives.from_torch()  # the defaults: handshake="header", plan_check="first_use"
@@ -142,7 +143,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
 
         def fsdp2_ag():
             torch.cat([fs_local[n] for n in names], out=fs_send)  # copy-in
-            dist.all_gather_into_tensor(fs_out, fs_send)
+            _compat.all_gather_single(fs_out, fs_send)
             torch.split_with_sizes_copy(fs_out.view(m, fs_S), [fs_numel[n] for n in names], dim=1,
                                         out=[fs_full[n] for n in names])  # copy-out
 
@@ -158,7 +159,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
 
         def fsdp2_rs():
             torch._chunk_cat([fs_grads[n] for n in names], dim=0, num_chunks=m, out=fs_rs_in.view(m, fs_S))
-            dist.reduce_scatter_tensor(fs_rs_out, fs_rs_in)
+            _compat.reduce_scatter_single(fs_rs_out, fs_rs_in)
 
         methods = {
             "ag": {
@@ -166,7 +167,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
                 "rg.gather (out= reused, no per-call check)": lambda: rg.gather(dbuf, comm_none, out=ag_out),
                 "rg.gather (out= reused, plan_check=every_call)": lambda: rg.gather(dbuf, comm_every, out=ag_out),
                 "rg.gather (fresh buffer)": lambda: rg.gather(dbuf, comm),
-                "raw all_gather_into_tensor": lambda: dist.all_gather_into_tensor(ag_out, flat_in),
+                "raw all_gather_single": lambda: _compat.all_gather_single(ag_out, flat_in),
                 "raw p2p (batch_isend_irecv)": p2p_ag,
                 "raw p2p, fresh output buffer": p2p_ag_fresh,
                 "raw all_to_all_single": a2a_ag,
@@ -180,7 +181,7 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
                     plan, flat_grad, comm_every, op="sum", out=rs_out),
                 "rg.reduce_scatter (flat grad)": lambda: rg.reduce_scatter(plan, flat_grad, comm, op="sum"),
                 "rg.reduce_scatter (pytree grads)": lambda: rg.reduce_scatter(plan, grads, comm, op="sum"),
-                "raw reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(rs_out, flat_grad),
+                "raw reduce_scatter_single": lambda: _compat.reduce_scatter_single(rs_out, flat_grad),
                 "raw all_to_all + sum": a2a_rs,
                 "FSDP2-style (chunk_cat copy-in + RS)": fsdp2_rs,
             },

@@ -1,60 +1,127 @@
 #!/usr/bin/env bash
-# The prepared check for a machine with one CUDA GPU (issue 18), in well under 8 minutes:
-#   1. the CUDA tests (pytest -m cuda): W=1 NCCL through the real step against torch.optim.AdamW
-#      in float64, the collectives on their own streams, the same result without side streams,
-#      bf16 compute with fp32 reductions, the fake-process-group memory harness on the GPU;
-#   2. bench/step.py at W=1 on CUDA (NCCL): ragged vs FSDP2 vs unsharded, step time (paired
-#      ratios with bootstrap CIs) and peak allocated / reserved memory, fp32 and bf16;
-#   3. bench/memory.py: one rank's peak memory at W=8 on torch's fake process group, on the GPU
-#      (dense, moe, moe-few; activation checkpointing on and off);
-#   4. everything as JSON and markdown under OUTDIR (summary.json, summary.md, per-stage logs).
-# Every stage runs under its own time limit; a failing stage does not stop the others; the exit
-# status is non-zero if any failed.
+# The prepared check for the lent GPU machine as it is (docs/gpu.md): Python 3.12 at
+# /opt/torch/.venv/bin/python3 with torch 2.11 and no optree, nothing to fetch, one command of at
+# most 10 minutes, at most 8 files back from $OUT. In priority order, so that a cut-off run is
+# still worth it:
+#   0. offline install of the carried wheels (.gpu-wheels/, from scripts/gpu_wheels.sh) into a
+#      folder of its own, and the torch, CUDA, driver and GPU found (env.txt);
+#   1. cuda-tests: pytest -m cuda (W=1 NCCL step against float64 torch.optim.AdamW with the
+#      collectives' streams on and off, bf16 compute / fp32 reduce, the memory harness on the GPU);
+#   2. step-fp32, step-bf16: bench/step.py at W=1 on NCCL, ragged vs FSDP2 vs unsharded: step time
+#      (paired ratios with bootstrap CIs) and peak allocated / reserved memory;
+#   3. memory: bench/memory.py, one rank's peak at W=8 on torch's fake process group, on the GPU;
+#   4. calibrate: bench/calibrate.py, the per-call cost of all-gather / reduce-scatter at W=1 NCCL.
+# All stages share one deadline (BUDGET seconds, default 420 on the GPU, 1800 with --dry-run;
+# then the report): a stage gets at
+# most its own limit and never more than what is left. A failing stage does not stop the
+# others; the exit status is non-zero if any failed. OUTDIR gets five files: gpu-check.tar.gz
+# (every log, JUnit and JSON file; re-packed after each stage, so a killed run keeps what was
+# done), stages.jsonl, env.txt, summary.json, summary.md.
 #   bash scripts/gpu_check.sh OUTDIR             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run [OUTDIR] # on the CPU: every piece starts, tiny sizes, no CUDA
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}
+ROOT=$PWD
+if [[ -n "${PYTHON:-}" ]]; then PY=$PYTHON
+elif [[ -x /opt/torch/.venv/bin/python3 ]]; then PY=/opt/torch/.venv/bin/python3
+else PY=python3; fi
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 OUT=${1:-gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d -t ragged-gpu-check.XXXXXX)
+SITE=$WORK/site
+START=$SECONDS
+BUDGET=${BUDGET:-$((DRY ? 1800 : 420))}  # the device's: 420 s of stages + the report, in the 540 s call
+
+# 0. what this Python lacks, from the carried wheels, offline; PYTHONPATH: this checkout, then them
+NEEDS="import torch, optree, numpy, rich, pytest, hypothesis"
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "$NEEDS" 2> /dev/null && compgen -G ".gpu-wheels/*.whl" > /dev/null; then
+    echo "installing, offline: $(cd .gpu-wheels && ls *.whl | tr '\n' ' ')"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+        --target "$SITE" .gpu-wheels/*.whl || { echo "gpu_check.sh: the offline install of .gpu-wheels/ failed" >&2; exit 2; }
+fi
+if ! "$PY" -c "$NEEDS" 2> "$WORK/imports.log"; then
+    echo "gpu_check.sh: $PY cannot import what ragged and its tests need ($(tail -n 1 "$WORK/imports.log")); run" \
+         "bash scripts/gpu_wheels.sh where pip reaches the registry and carry .gpu-wheels (docs/gpu.md)" >&2
+    exit 2
+fi
+"$PY" - > "$OUT/env.txt" 2>&1 <<'PYEOF'
+import platform, subprocess, sys
+import optree, torch
+print(f"python {platform.python_version()} ({sys.executable}); torch {torch.__version__}; CUDA {torch.version.cuda}; "
+      f"optree {optree.__version__} from {optree.__file__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU: {torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability "
+          f"{p.major}.{p.minor}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        print(f"driver (nvidia-smi): {smi}")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"driver: nvidia-smi did not answer ({e})")
+else:
+    print("GPU: none visible to torch")
+PYEOF
+cat "$OUT/env.txt"
 if [[ $DRY == 0 ]] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check.sh: no CUDA device here; run it on the GPU machine, or check the pieces with --dry-run" >&2
     exit 2
 fi
-: > "$OUT/stages.jsonl"
+cp "$OUT/env.txt" "$WORK/env.txt"
+: > "$WORK/stages.jsonl"
 
-stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit, logs to OUT/NAME.log
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS rc
-    echo "== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    tail -n 3 "$OUT/$name.log" | sed 's/^/   /'
-    printf '{"stage": "%s", "rc": %d, "seconds": %d, "command": "%s"}\n' "$name" "$rc" "$((SECONDS - t0))" "$*" \
-        >> "$OUT/stages.jsonl"
-    echo "   -> rc=$rc in $((SECONDS - t0)) s"
+pack() {  # everything so far into OUT (atomic: a run killed mid-pack keeps the previous archive)
+    cp "$WORK/stages.jsonl" "$OUT/stages.jsonl"
+    tar czf "$OUT/.gpu-check.tar.gz" -C "$WORK" --exclude site --exclude imports.log . && \
+        mv "$OUT/.gpu-check.tar.gz" "$OUT/gpu-check.tar.gz"
 }
 
-if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU in about a minute
-    stage cuda-tests 300 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$OUT/cuda-tests.xml" -p no:cacheprovider
+stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit (capped by the deadline)
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - (SECONDS - START))) t0=$SECONDS rc
+    if ((left < limit)); then limit=$left; fi
+    if ((limit < 10)); then
+        echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"
+        printf '{"stage": "%s", "rc": 124, "seconds": 0, "command": "skipped: budget spent"}\n' "$name" >> "$WORK/stages.jsonl"
+        pack
+        return
+    fi
+    echo "== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+    rc=$?
+    tail -n 3 "$WORK/$name.log" | sed 's/^/   /'
+    printf '{"stage": "%s", "rc": %d, "seconds": %d, "command": "%s"}\n' "$name" "$rc" "$((SECONDS - t0))" "$*" \
+        >> "$WORK/stages.jsonl"
+    echo "   -> rc=$rc in $((SECONDS - t0)) s"
+    pack
+}
+
+W=$WORK
+if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
+    stage cuda-tests 300 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
     stage step-fp32 200 "$PY" bench/step.py --model tiny --world 1 --repeats 2 --warmup 1 --backend gloo \
-        --json "$OUT/step.jsonl" --markdown
+        --json "$W/step.jsonl" --markdown
     stage memory 300 "$PY" bench/memory.py --models tiny --world 8 --checkpointing on --warmup 1 \
-        --json "$OUT/memory.jsonl" --markdown
+        --json "$W/memory.jsonl" --markdown
+    stage calibrate 200 "$PY" bench/calibrate.py --sizes-mib 1 --iters 3 --backend gloo --json "$W/calibrate.jsonl"
 else
-    nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-    stage cuda-tests 150 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$OUT/cuda-tests.xml" -p no:cacheprovider
-    stage step-fp32 90 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 \
-        --json "$OUT/step.jsonl" --markdown
-    stage step-bf16 90 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 --policy bf16 \
-        --json "$OUT/step.jsonl" --markdown
-    stage memory 240 "$PY" bench/memory.py --models dense moe moe-few --world 8 --checkpointing on off --warmup 1 \
-        --json "$OUT/memory.jsonl" --markdown
+    nvidia-smi > "$W/nvidia-smi.txt" 2>&1 || true
+    stage cuda-tests 150 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
+    stage step-fp32 75 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 \
+        --json "$W/step.jsonl" --markdown
+    stage step-bf16 75 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 --policy bf16 \
+        --json "$W/step.jsonl" --markdown
+    stage memory 100 "$PY" bench/memory.py --models dense moe moe-few --world 8 --checkpointing on off --warmup 1 \
+        --json "$W/memory.jsonl" --markdown
+    stage calibrate 45 "$PY" bench/calibrate.py --sizes-mib 1 16 256 --iters 20 --json "$W/calibrate.jsonl"
 fi
-stage report 60 "$PY" scripts/gpu_report.py "$OUT" --dry-run $DRY
-cat "$OUT/summary.md" 2>/dev/null | head -n 60
+BUDGET=$((BUDGET + 60)) stage report 60 "$PY" scripts/gpu_report.py "$W" --dry-run $DRY
+cp "$W/summary.json" "$W/summary.md" "$OUT/" 2>/dev/null
+pack
+rm -rf "$WORK"
+cat "$OUT/summary.md" 2>/dev/null | head -n 80
 ! grep -q '"rc": [1-9]' "$OUT/stages.jsonl"

@@ -1,6 +1,7 @@
 """Collects what ``scripts/gpu_check.sh`` wrote under OUTDIR into ``summary.json`` and ``summary.md``:
 the machine, each stage's exit status and time, the CUDA tests' outcome, the step tables
-(``bench/step.py --json``) and the memory table (``bench/memory.py --json``).
+(``bench/step.py --json``), the memory table (``bench/memory.py --json``) and the per-call
+cost of the collectives at W=1 (``bench/calibrate.py --json``).
 
     python3 scripts/gpu_report.py OUTDIR [--dry-run 0|1]
 """
@@ -63,8 +64,10 @@ def main(argv=None) -> int:
     stages = _lines(os.path.join(out, "stages.jsonl"))
     steps = _lines(os.path.join(out, "step.jsonl"))
     cells = _lines(os.path.join(out, "memory.jsonl"))
+    calls = _lines(os.path.join(out, "calibrate.jsonl"))
     tests = _tests(os.path.join(out, "cuda-tests.xml"))
-    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "memory": cells}
+    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "memory": cells,
+               "calibrate": calls}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -80,6 +83,11 @@ def main(argv=None) -> int:
     if cells:
         rows = [row(c["model"], c["checkpointing"], c, c.get("units", "default")) for c in cells]
         md += ["", "## One rank's peak memory, fake process group", "", memory_markdown(rows)]
+    if calls:
+        md += ["", "## One collective call at W=1 (bench/calibrate.py; no link is crossed)", "",
+               "| backend | collective | MiB | raw us | ragged us |", "|---|---|---|---|---|"]
+        md += [f"| {c['backend']} | {c['collective']} | {c['mib']} | {c['raw_us']:.0f} | {c['ragged_us']:.0f} |"
+               for c in calls]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"wrote {os.path.join(out, 'summary.json')} and summary.md")

@@ -6,13 +6,13 @@
 
 Rules (the promise of README "Install"):
 
-* torch: any installed torch that meets ``pyproject.toml``'s bound (``torch>=2.13``) is kept,
+* torch: any installed torch inside ``pyproject.toml``'s range (``torch>=2.11,<2.15``) is kept,
   whatever its build (CPU, CUDA, ROCm). Only when there is no torch at all is ``torch==2.13.0``
   installed, from ``$TORCH_INDEX_URL`` when set (``https://download.pytorch.org/whl/cpu`` is
-  the CPU-only build; plain PyPI gives the CUDA build on Linux, several GB). A torch older
-  than the bound is never replaced: the script stops and says how to upgrade it.
+  the CPU-only build; plain PyPI gives the CUDA build on Linux, several GB). A torch outside
+  the range is never replaced: the script stops with one line saying how to install one inside.
 * the other requirements of ``pyproject.toml`` (and its ``--extra``): installed when missing or
-  older than their bound, with the installed torch pinned so that pip cannot swap it.
+  outside their bounds, with the installed torch pinned so that pip cannot swap it.
 * ragged itself: installed in editable mode (``pip install --no-deps -e .``) only when
   ``import ragged`` does not work from outside the checkout; an install from another checkout
   is left alone (``scripts/main.sh`` and ``scripts/test.sh`` run this checkout regardless).
@@ -72,15 +72,16 @@ def missing(reqs: list[str]) -> tuple[list[tuple[str, str | None]], str | None]:
     for the requirements not met."""
     todo, torch_version = [], None
     for req in reqs:
-        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?:>=\s*([0-9.]+))?\s*", req)
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?:>=\s*([0-9.]+))?\s*(?:,\s*<\s*([0-9.]+))?\s*", req)
         if not m:
             raise SystemExit(f"error: scripts/install_missing.py cannot read the requirement {req!r} "
-                             "(only 'name' and 'name>=version' are supported).")
-        name, low = m.group(1), m.group(2)
+                             "(only 'name', 'name>=version' and 'name>=low,<high' are supported).")
+        name, low, high = m.groups()
         have = _installed(name)
         if name == "torch":
             torch_version = have
-        if have is None or (low and _version_tuple(have) < _version_tuple(low)):
+        if have is None or (low and _version_tuple(have) < _version_tuple(low)) or (
+                high and _version_tuple(have) >= _version_tuple(high)):
             todo.append((req, have))
     return todo, torch_version
 
@@ -127,8 +128,8 @@ def main(argv=None) -> int:
     if torch_todo and torch_version is not None:
         raise SystemExit(
             f"error: torch {torch_version} is installed and ragged needs {torch_todo[0]}; this script does not "
-            f"replace a torch you have. Upgrade it yourself: {sys.executable} -m pip install {TORCH_PIN} "
-            f"(CPU-only build: add --index-url {CPU_INDEX})."
+            f"replace a torch you have. Install one inside the range yourself: {sys.executable} -m pip install "
+            f"{TORCH_PIN} (CPU-only build: add --index-url {CPU_INDEX})."
         )
     if importlib.util.find_spec("pip") is None:
         if todo or location is None:

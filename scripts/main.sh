@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: install what is missing (scripts/install_missing.py: torch==2.13.0 only when there
-# is no torch at all; a torch >= 2.13 you have is kept), then train the example GPT with the
+# is no torch at all; a torch inside >=2.11,<2.15 you have is kept), then train the example GPT with the
 # functional FSDP step on 2 gloo ranks (a couple of minutes). It ends with a verdict line and
 # exits 1 when the loss did not fall.
 #   bash scripts/main.sh                       # defaults embedded in ragged/examples/train.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what is missing for ragged and its test extras (scripts/install_missing.py: torch==2.13.0
-# only when there is no torch at all; a torch >= 2.13 you have is kept), then run the whole suite:
+# only when there is no torch at all; a torch inside >=2.11,<2.15 you have is kept), then run the whole suite:
 # unit, property, doctest, multi-process gloo tests, README blocks and notebooks.
 #   bash scripts/test.sh                  # what CI runs (.ci/run)
 #   bash scripts/test.sh tests/test_cli.py -x     # pytest arguments pass through

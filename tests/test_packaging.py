@@ -17,9 +17,16 @@ def test_the_folder_holding_a_clone_named_ragged_imports_the_package(tmp_path):
         shutil.copy(os.path.join(ROOT, name), clone / name)
     shutil.copytree(os.path.join(ROOT, "ragged"), clone / "ragged", ignore=shutil.ignore_patterns("__pycache__"))
     venv = tmp_path / "venv"
-    # system site-packages: torch & co. are there, and pip (the one installed) builds with the installed setuptools
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    # this interpreter's site-packages seen through a .pth file: torch & co. are there, and pip (the one
+    # installed) builds with the installed setuptools. (--system-site-packages would give the base
+    # interpreter's when this one is itself a venv, as in scripts/compat_check.sh.)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    inner = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+    with open(os.path.join(inner, "_outer_site.pth"), "w") as f:
+        f.write("".join(p + "\n" for p in outer))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(clone)],
                          env=env, capture_output=True, text=True, timeout=600)

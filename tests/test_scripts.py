@@ -5,6 +5,7 @@ import importlib.metadata
 import importlib.util
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -25,25 +26,38 @@ def installer(monkeypatch):
 
 def test_reads_the_requirements_of_pyproject(installer):
     runtime, test = installer.requirements(None), installer.requirements("test")
-    assert "torch>=2.13" in runtime and set(runtime) < set(test) and "transformers>=5" in test
+    assert "torch>=2.11,<2.15" in runtime and set(runtime) < set(test) and "transformers>=5" in test
 
 
 def test_nothing_missing_installs_nothing(installer, monkeypatch):
-    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "optree>=0.13"])
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.11,<2.15", "optree>=0.13"])
     assert installer.main([]) == 0 and installer.calls == []
 
 
-def test_a_torch_that_is_there_is_never_replaced(installer, monkeypatch):
-    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=99", "optree>=0.13"])
-    with pytest.raises(SystemExit, match="does not replace a torch you have. Upgrade it yourself: .*--index-url "
-                                         "https://download.pytorch.org/whl/cpu"):
+@pytest.mark.parametrize("torch_version", ["2.10.2", "2.15.0", "3.0.0+cu130"])
+def test_a_torch_outside_the_range_is_never_replaced(installer, monkeypatch, torch_version):
+    real = installer._installed
+    monkeypatch.setattr(installer, "_installed", lambda name: torch_version if name == "torch" else real(name))
+    with pytest.raises(SystemExit) as info:
         installer.main([])
+    assert str(info.value) == (
+        f"error: torch {torch_version} is installed and ragged needs torch>=2.11,<2.15; this script does not replace "
+        f"a torch you have. Install one inside the range yourself: {sys.executable} -m pip install torch==2.13.0 "
+        "(CPU-only build: add --index-url https://download.pytorch.org/whl/cpu).")
     assert installer.calls == []
+
+
+@pytest.mark.parametrize("torch_version", ["2.11.0", "2.12.1", "2.14.1+cu130"])
+def test_a_torch_inside_the_range_is_kept(installer, monkeypatch, torch_version):
+    real = installer._installed
+    monkeypatch.setattr(installer, "_installed", lambda name: torch_version if name == "torch" else real(name))
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.11,<2.15", "optree>=0.13"])
+    assert installer.main([]) == 0 and installer.calls == []
 
 
 def test_missing_packages_are_installed_with_the_torch_pinned(installer, monkeypatch):
     pins = []
-    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "no-such-package-for-ragged>=1"])
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.11,<2.15", "no-such-package-for-ragged>=1"])
     monkeypatch.setattr(installer, "pip", lambda args, what: (installer.calls.append(args),
                                                               pins.append(open(args[args.index("-c") + 1]).read())))
     assert installer.main([]) == 0
@@ -52,7 +66,7 @@ def test_missing_packages_are_installed_with_the_torch_pinned(installer, monkeyp
 
 
 def test_no_torch_installs_the_pin_from_the_chosen_index(installer, monkeypatch):
-    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13"])
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.11,<2.15"])
     monkeypatch.setattr(installer, "_installed", lambda name: None)
     monkeypatch.setenv("TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu")
     assert installer.main([]) == 0
@@ -71,7 +85,7 @@ def test_a_failed_install_stops_with_one_line(installer, monkeypatch, capsys):
 
 
 def test_check_lists_what_is_missing(installer, monkeypatch, capsys):
-    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.13", "no-such-package-for-ragged>=1"])
+    monkeypatch.setattr(installer, "requirements", lambda extra: ["torch>=2.11,<2.15", "no-such-package-for-ragged>=1"])
     assert installer.main(["--check"]) == 1
     assert capsys.readouterr().out == "missing: no-such-package-for-ragged>=1\n" and installer.calls == []
 
@@ -88,16 +102,25 @@ def test_main_sh_refuses_a_bad_value_before_training():
 @pytest.mark.slow
 def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     """scripts/gpu_check.sh --dry-run on the CPU: the CUDA tests are collected (and skip), the step
-    bench, the memory harness and the report each start and finish, and the report is written."""
+    bench, the memory harness, the calibration and the report each start and finish, and what
+    comes back fits the device tool's limit (at most 8 files in OUTDIR, the logs packed)."""
     import json
+    import tarfile
 
     out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable)
     run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run", str(out)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1500, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "gpu-check.tar.gz", "stages.jsonl", "summary.json",
+                                                      "summary.md"]
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["stage"] for s in summary["stages"]] == ["cuda-tests", "step-fp32", "memory"]
+    assert [s["stage"] for s in summary["stages"]] == ["cuda-tests", "step-fp32", "memory", "calibrate"]
     assert all(s["rc"] == 0 for s in summary["stages"])
-    assert summary["cuda_tests"]["tests"] >= 5 and summary["step"] and summary["memory"]
+    assert summary["cuda_tests"]["tests"] >= 5 and summary["step"] and summary["memory"] and summary["calibrate"]
     md = (out / "summary.md").read_text()
-    assert "## Training step" in md and "fake process group" in md
+    assert "## Training step" in md and "fake process group" in md and "## One collective call at W=1" in md
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    assert {"cuda-tests.log", "cuda-tests.xml", "step.jsonl", "memory.jsonl", "calibrate.jsonl", "summary.md"} <= names
+    assert "torch " in (out / "env.txt").read_text()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ragged import _compat
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
 from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
@@ -212,7 +213,7 @@ class TorchCollectives(BufferOps):
                 return self._result(_Work([]), async_op)
             algo = self.ag_algorithm
             if algo == "native":
-                return self._result(_Work(paths.native(self, dist.all_gather_into_tensor, outs, ins), None, self._ledgers),
+                return self._result(_Work(paths.native(self, _compat.all_gather_single, outs, ins), None, self._ledgers),
                                     async_op)
             works, finish = [], []
             for o, i in zip(outs, ins):
@@ -237,7 +238,7 @@ class TorchCollectives(BufferOps):
             if self.rs_algorithm == "native":
                 nccl = "nccl" in self.backend
                 torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-                works = paths.native(self, dist.reduce_scatter_tensor, outs, ins, op=torch_op)
+                works = paths.native(self, _compat.reduce_scatter_single, outs, ins, op=torch_op)
                 finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
                 return self._result(_Work(works, finish, self._ledgers), async_op)
             works, finish = [], []

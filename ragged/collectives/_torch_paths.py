@@ -3,15 +3,16 @@ collectives (coalesced on NCCL), point-to-point batches and ``all_to_all_single`
 at a time; ``comm`` is the :class:`~ragged.collectives._torch.TorchCollectives` issuing them.
 
 [Note: gloo all-gather and reduce-scatter paths]
-On gloo the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are slow (gloo's
-reduce-scatter is a clone + a full all-reduce + a copy of the own chunk) and warn in torch
-2.13. ``"header"`` moves data point to point (see [Note: the data paths of the header
+On gloo the native flat all-gather / reduce-scatter (``all_gather_single`` /
+``reduce_scatter_single``, called through ``ragged/_compat.py``: see [Note: torch 2.11 to 2.14]
+there) are slow (gloo's reduce-scatter is a clone + a full all-reduce + a copy of the own chunk).
+``"header"`` moves data point to point (see [Note: the data paths of the header
 protocol] in ``_p2p.py``). Under ``"none"`` / ``"deferred"`` on gloo the measured fastest
 paths are: all-gather ``"p2p"`` (one ``batch_isend_irecv`` into the output; ``all_to_all_single``
 would need the input materialised m times, it rejects a stride-0 ``expand``), reduce-scatter
 ``"all_to_all"`` (``all_to_all_single`` into an m*S scratch buffer, then one local sum; it also
 works under ``torch.func.grad`` where gloo's ``reduce_scatter_single`` does not, torch-notes).
-NCCL uses the native ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (coalesced for
+NCCL uses the native ``all_gather_single`` / ``reduce_scatter_single`` (coalesced for
 several buffers, ``AVG`` for mean). ``algorithm=`` forces a path under ``"none"`` / ``"deferred"``.
 
 [Note: coalesced collectives of several buffers]
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ragged import _compat
 from ragged.collectives import _p2p
 
 __all__ = ["gather_one", "scatter_one", "native"]
@@ -57,16 +59,15 @@ def gather_one(comm, output, input, algo):
 
 
 def native(comm, fn, outs, ins, **kw):
-    """Works of one native collective per buffer: coalesced into one launch on NCCL when
-    there are several (torch's coalescing manager records ``all_gather_single`` /
-    ``reduce_scatter_single``); one op per buffer elsewhere (gloo has no coalescing group)."""
+    """Works of one native collective ``fn`` (``_compat.all_gather_single`` or
+    ``_compat.reduce_scatter_single``) per buffer: coalesced into one launch on NCCL when there
+    are several (the coalescing manager records ``fn``, the function this torch expects);
+    one op per buffer elsewhere (gloo has no coalescing group)."""
     if len(outs) == 1 or "nccl" not in comm.backend:
         return [fn(o, i, group=comm.group, async_op=True, **kw) for o, i in zip(outs, ins)]
-    single = {dist.all_gather_into_tensor: dist.all_gather_single,
-              dist.reduce_scatter_tensor: dist.reduce_scatter_single}[fn]
     with dist._coalescing_manager(group=comm.group, device=comm._device, async_ops=True) as cm:
         for o, i in zip(outs, ins):
-            single(o, i, group=comm.group, **kw)
+            fn(o, i, group=comm.group, **kw)
     return [cm]
 
 

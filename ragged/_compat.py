@@ -1,0 +1,57 @@
+"""The torch APIs ragged calls where torch 2.11 and 2.14 differ, chosen once, at import.
+
+Every call of such an API in ragged goes through this module; nothing else in the package
+looks at ``torch.__version__`` or probes for a torch function.
+
+[Note: torch 2.11 to 2.14]
+ragged supports torch ``>=2.11,<2.15`` (``pyproject.toml``; the whole suite runs on 2.11.0 and
+2.14.1 with ``scripts/compat_check.sh``, on 2.13.0 in CI). What differs in that range and what
+ragged does about it:
+
+* **The flat all-gather and reduce-scatter.** torch 2.13 added ``all_gather_single`` /
+  ``reduce_scatter_single`` and deprecated ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+  (a ``FutureWarning`` per call site; the old names are thin wrappers that call the new ones).
+  torch 2.11 and 2.12 have only the old names. Both pairs take the same arguments
+  ``(output, input[, op], group=, async_op=)``, so :data:`all_gather_single` /
+  :data:`reduce_scatter_single` bind the new function when ``torch.distributed`` has it and the
+  old one otherwise: no warning on 2.13+, no missing attribute on 2.11. Inside
+  ``torch.distributed._coalescing_manager`` (NCCL, several buffers in one launch) torch
+  records the op by identity (2.13 compares with ``all_gather_single``, 2.11 with
+  ``all_gather_into_tensor``): the function bound here is the one the installed torch expects.
+* **Older torch.** Below 2.11 nothing is tested; importing ragged raises :class:`ImportError`
+  naming the range instead of failing later in some collective. Above the range (2.15+)
+  ragged imports: the bound in ``pyproject.toml`` says what was tested, an import does not
+  refuse what may well work.
+
+Examples:
+    >>> import torch.distributed as dist
+    >>> from ragged import _compat
+    >>> _compat.all_gather_single in (getattr(dist, "all_gather_single", None), dist.all_gather_into_tensor)
+    True
+    >>> _compat.TORCH_RANGE
+    ('2.11', '2.15')
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.torch_version import TorchVersion
+
+__all__ = ["TORCH_RANGE", "all_gather_single", "reduce_scatter_single"]
+
+TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
+
+if TorchVersion(torch.__version__) < TORCH_RANGE[0]:
+    raise ImportError(
+        f"ragged needs torch >= {TORCH_RANGE[0]} (tested: >={TORCH_RANGE[0]},<{TORCH_RANGE[1]}); this is torch "
+        f"{torch.__version__}. Upgrade it: pip install 'torch>={TORCH_RANGE[0]},<{TORCH_RANGE[1]}'."
+    )
+
+#: ``all_gather_single(output, input, group=None, async_op=False)``: torch 2.13+'s
+#: ``all_gather_single``, else ``all_gather_into_tensor`` (see [Note: torch 2.11 to 2.14]).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: ``reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)``: torch 2.13+'s
+#: ``reduce_scatter_single``, else ``reduce_scatter_tensor`` (see [Note: torch 2.11 to 2.14]).
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

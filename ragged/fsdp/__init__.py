@@ -16,6 +16,7 @@ from ragged.fsdp._placeholder import tied_names as tied_names
 from ragged.fsdp._state import TrainState as TrainState
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
+from ragged.fsdp._pretrained import save_pretrained as save_pretrained
 from ragged.transforms import gather as gather
 from ragged.transforms import global_norm as global_norm
 from ragged.transforms import reduce_scatter as reduce_scatter

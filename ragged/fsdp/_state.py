@@ -13,7 +13,9 @@ and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.
 * a mapping ``{parameter name: tensor}``: ``dict(model.named_parameters())``,
   ``model.state_dict()`` (an OrderedDict; buffers and tied aliases in it are ignored) or a
   loaded checkpoint; every parameter name of the units must be there;
-* for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike).
+* for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike);
+* ``rg.checkpoint.pretrained(path)``, a Hugging Face directory: each rank reads only its own
+  element ranges (see [Note: loading pretrained weights by rank] in ``fsdp/_pretrained.py``).
 
 Misuse is refused before any communication, with a short message naming the fix.
 """
@@ -34,6 +36,7 @@ from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
+from ragged.fsdp._pretrained import is_pretrained, load_shards
 from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
@@ -201,8 +204,8 @@ def init(
     Args:
         units: from :func:`ragged.fsdp.make_units`.
         params: the module the units were made from, a mapping ``{name: tensor}`` (e.g.
-            ``model.state_dict()``) or, for pytree units, the pytree; see [Note: what fsdp.init
-            accepts]. Equal on every rank.
+            ``model.state_dict()``), ``rg.checkpoint.pretrained(path)`` or, for pytree units, the
+            pytree; see [Note: what fsdp.init accepts]. Equal on every rank.
         optimizer: a ``rg.optim`` GradientTransformation.
         comm: the shard group's collectives.
         init_fn: for a module built on ``meta``: ``init_fn(module)`` fills the parameters and
@@ -212,7 +215,8 @@ def init(
             initialising a meta module unit by unit].
         seed: seeds the meta initialisation (with each module's name): equal parameters on
             every rank and every world size.
-        device: where a meta module's shards and buffers are made (default: ``comm.device``).
+        device: where a meta module's (or a pretrained directory's) shards and buffers are made
+            (default: ``comm.device``).
         release_module: after sharding a module, replace its parameters by placeholders (default;
             always for a meta module), so that no full copy of the weights is left on the rank.
             ``False`` keeps the module's own tensors (one more model copy per rank).
@@ -249,6 +253,12 @@ def init(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
+    if is_pretrained(params):
+        if init_fn is not None:
+            raise RaggedValueError("init_fn is for a module built on meta; a pretrained directory has the values. "
+                                   "Fix: drop init_fn.")
+        shards = load_shards(units, params, comm, device=device)
+        return TrainState(shards, optimizer.init(trainable_shards(units, shards)))
     module = params if isinstance(params, torch.nn.Module) else None
     meta = module is not None and any(p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
     if (init_fn is not None or device is not None) and not meta:

@@ -198,6 +198,7 @@ def init(
     seed: int = 0,
     device: torch.device | str | None = None,
     release_module: bool = True,
+    module: torch.nn.Module | None = None,
 ) -> TrainState:
     """Shards ``params`` and initialises ``optimizer`` over the shards.
 
@@ -220,6 +221,9 @@ def init(
         release_module: after sharding a module, replace its parameters by placeholders (default;
             always for a meta module), so that no full copy of the weights is left on the rank.
             ``False`` keeps the module's own tensors (one more model copy per rank).
+        module: with ``params = rg.checkpoint.pretrained(path)``, the module (built on ``meta``)
+            the units were made from: its meta buffers are computed (as for a meta module) and
+            its parameters replaced by placeholders, so a step can run it.
 
     Returns:
         ``TrainState(shards, optimizer.init(shards))``.
@@ -253,20 +257,24 @@ def init(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
-    if is_pretrained(params):
-        if init_fn is not None:
-            raise RaggedValueError("init_fn is for a module built on meta; a pretrained directory has the values. "
-                                   "Fix: drop init_fn.")
-        shards = load_shards(units, params, comm, device=device)
-        return TrainState(shards, optimizer.init(trainable_shards(units, shards)))
-    module = params if isinstance(params, torch.nn.Module) else None
-    meta = module is not None and any(p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
-    if (init_fn is not None or device is not None) and not meta:
+    pretrained = is_pretrained(params)
+    if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
+        raise RaggedTypeError("module= is the meta module the units were made from, for params = "
+                              "rg.checkpoint.pretrained(path) (its buffers are computed, its parameters released).")
+    if not pretrained:
+        module = params if isinstance(params, torch.nn.Module) else None
+    meta = not pretrained and module is not None and any(
+        p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
+    if (init_fn is not None and not meta) or (device is not None and not (meta or pretrained)):
         raise RaggedValueError(f"{'init_fn' if init_fn is not None else 'device'} is for a module built on meta, but "
                                f"params has real values (their shards stay on their device). Fix: drop "
                                f"{'init_fn' if init_fn is not None else 'device'}, or build the model under "
                                "torch.device('meta').")
-    if not meta:
+    if pretrained:
+        device = torch.device(device) if device is not None else comm.device
+        shards = load_shards(units, params, comm, device=device)
+        buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
+    elif not meta:
         shards = _shard(units, params, comm)
         buffers = {}
     else:
@@ -283,7 +291,7 @@ def init(
             shards[u.name] = transforms.shard(u.plan, tree, comm)
             del tree
         buffers = materialize_buffers(module, fn, seed=seed, device=device)
-    if module is not None and (release_module or meta):
+    if module is not None and (release_module or meta or pretrained):
         _barrier(comm)  # simulated ranks share the module: every rank has read it before anyone releases it
         with LOCK:
             for name, values in buffers.items():

@@ -167,7 +167,6 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
     Examples:
         >>> import os, tempfile, torch, ragged as rg
         >>> from ragged import fsdp
-        >>> from safetensors.torch import load_file
         >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         >>> ref = {k: v.clone() for k, v in model.state_dict().items()}
         >>> units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
@@ -178,8 +177,9 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
         >>> _ = rg.collectives.simulate(2, run)
         >>> sorted(os.listdir(d))
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
-        >>> torch.equal(load_file(os.path.join(d, "model-00002-of-00002.safetensors"))["1.weight"], ref["1.weight"].bfloat16())
-        True
+        >>> saved = rg.checkpoint.pretrained(d)["1.weight"]
+        >>> saved.file, torch.equal(saved.read().view(saved.shape), ref["1.weight"].bfloat16())
+        ('model-00002-of-00002.safetensors', True)
     """
     from ragged.checkpoint._dcp import agree
     from ragged.checkpoint._format import write_json_atomic

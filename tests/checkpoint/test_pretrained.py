@@ -191,3 +191,19 @@ def test_file_truncated_after_the_header_was_read(tmp_path):
     os.truncate(path / "model.safetensors", os.path.getsize(path / "model.safetensors") - 4)
     with pytest.raises(CheckpointCorruptError, match=re.escape("model.safetensors: '1.bias': the file ended after")):
         weights["1.bias"].read()  # the last tensor in the file
+
+
+def test_frozen_leaves_load_and_get_no_optimizer_state(tmp_path):
+    path = _sharded(tmp_path)
+    model = _model()
+    model[0].requires_grad_(False)
+    units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
+
+    def run(comm):
+        state = fsdp.init(units, rg.checkpoint.pretrained(path), rg.optim.adamw(1e-3), comm)
+        moments = [d.plan for d in rg.pytree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, rg.DBuffer))
+                   if isinstance(d, rg.DBuffer)]
+        return fsdp.export(units, state.shards, comm, rank0_only=False), moments
+    full, moments = rg.collectives.simulate(2, run)[0]
+    assert moments and all(plan == units["1"].plan for plan in moments)  # frozen unit "0": no optimizer state
+    assert all(torch.equal(full[k], v.bfloat16().double()) for k, v in model.state_dict().items())

@@ -267,6 +267,9 @@ def pretrained(path: str | os.PathLike, *, rename: Mapping[str, str | None] | Ca
                "safetensors" if pickled else ""))
     refs: dict[str, TensorRef] = {}
     for file in files:
+        if file not in entries:
+            key = next(k for k, v in weight_map.items() if v == file)
+            raise CheckpointCorruptError(f"{INDEX}: maps {key!r} to {file!r}, which is not in the directory")
         full = os.path.join(root, file)
         _, header = read_header(full)
         for key, e in header.items():

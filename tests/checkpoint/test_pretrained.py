@@ -178,6 +178,14 @@ def test_index_and_headers_disagree(tmp_path):
     _one_line(exc, "b.safetensors: '1.weight' is in this file but model.safetensors.index.json maps it to 'a.safetensors'")
 
 
+def test_index_naming_a_missing_file(tmp_path):
+    path = _sharded(tmp_path)
+    os.remove(path / "b.safetensors")
+    with pytest.raises(CheckpointCorruptError) as exc:
+        rg.checkpoint.pretrained(path)
+    _one_line(exc, "model.safetensors.index.json: maps '1.", "to 'b.safetensors', which is not in the directory")
+
+
 def test_pickle_checkpoints_are_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(CheckpointCorruptError) as exc:

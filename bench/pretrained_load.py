@@ -8,7 +8,10 @@ gloo ranks builds the model on ``meta``, makes the units (fp32 master), resets i
 rg.optim.adamw(...), comm)`` and reads ``VmHWM``: rise = peak - RSS before. The state is the bytes
 of its shards + optimizer state tensors; the bound is 1.2 x state + 64 MiB.
 
-Run:  OMP_NUM_THREADS=1 python3 bench/pretrained_load.py [--world-size 4] [--layers 24] [--keep DIR]
+``--compare`` then measures, in the same processes, transformers' own ``from_pretrained`` (fp32)
+on every rank followed by ``fsdp.init(units, model, ...)``.
+
+Run:  OMP_NUM_THREADS=1 python3 bench/pretrained_load.py [--world-size 4] [--layers 24] [--save] [--compare]
 """
 
 from __future__ import annotations
@@ -76,6 +79,20 @@ def _worker(rank, world, port, path, args, out):
         t0 = time.perf_counter()
         fsdp.save_pretrained(units, state.shards, comm, target, dtype=torch.bfloat16)
         row.update(save_rise=_status("VmHWM") - before, save_seconds=time.perf_counter() - t0)
+    if args.compare:  # transformers' own load on every rank, then fsdp.init from the module
+        del state
+        import gc
+
+        gc.collect()
+        comm.all_reduce(torch.zeros(1))
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        t0 = time.perf_counter()
+        full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        state = fsdp.init(fsdp.make_units(full, world_size=world), full, rg.optim.adamw(1e-4), comm)
+        row.update(hf_rise=_status("VmHWM") - before, hf_seconds=time.perf_counter() - t0)
+        del state, full
     out.put(row)
     dist.barrier()
     dist.destroy_process_group()
@@ -88,6 +105,8 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--save", action="store_true", help="also time fsdp.save_pretrained (bf16) of the loaded state")
+    p.add_argument("--compare", action="store_true",
+                   help="also: transformers' from_pretrained (fp32) on every rank + fsdp.init(units, model)")
     p.add_argument("--keep", default=None, help="directory to write the model into (kept); default: a temporary one")
     args = p.parse_args(argv)
 
@@ -132,6 +151,10 @@ def main(argv=None):
             if args.save:
                 line += f" {r['save_rise'] / mib:.0f} MiB | {r['save_seconds']:.1f} s |"
             print(line)
+        if args.compare:
+            print("\n| rank | from_pretrained + fsdp.init: peak RSS rise | time |\n|---|---|---|")
+            for r in rows:
+                print(f"| {r['rank']} | {r['hf_rise'] / mib:.0f} MiB | {r['hf_seconds']:.1f} s |")
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

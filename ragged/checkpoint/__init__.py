@@ -16,3 +16,5 @@ from ragged.checkpoint._quant8 import unbind as unbind
 from ragged.checkpoint._load import load as load
 from ragged.checkpoint._load import read_manifest as read_manifest
 from ragged.checkpoint._save import save as save
+from ragged.checkpoint._pretrained import Pretrained as Pretrained
+from ragged.checkpoint._pretrained import pretrained as pretrained

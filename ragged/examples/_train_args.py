@@ -44,7 +44,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--hf", choices=["llama", "mixtral"], default=None,
                    help="a Hugging Face model of these sizes instead (config only, built on meta; ragged.examples.hf)")
     g.add_argument("--save-pretrained", default=None, metavar="DIR",
-                   help="with --hf: save_pretrained the trained model here (default: a temporary directory)")
+                   help="with --hf: fsdp.save_pretrained the trained model here, by rank (default: a temporary directory)")
+    g.add_argument("--from-pretrained", default=None, metavar="DIR",
+                   help="with --hf: start from this Hugging Face directory (its config.json replaces the size flags; "
+                        "each rank reads only its own byte ranges)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int_at_least(1), default=300, help="optimizer steps")
     g.add_argument("--batch", type=int_at_least(1), default=32,
@@ -118,6 +121,8 @@ def check_args(args) -> None:
                          "the model does not mix with functional_call).")
     if args.save_pretrained and not args.hf:
         raise UsageError("--save-pretrained saves a Hugging Face model: add --hf llama|mixtral (or drop it).")
+    if args.from_pretrained and not args.hf:
+        raise UsageError("--from-pretrained loads a Hugging Face model: add --hf llama|mixtral (or drop it).")
     experts_used = args.moe or args.hf == "mixtral"
     if not experts_used and (args.experts is not None or args.top_k is not None):
         raise UsageError("--experts and --top-k set up MoE blocks: add --moe (or --hf mixtral), or drop them.")

@@ -9,13 +9,15 @@
    embeddings, final norm and head form ``"rest"``;
 3. ``state = fsdp.init(units, model, opt, comm)``: each unit is materialised alone, initialised
    by HF's own ``_init_weights`` (seeded per module: equal on every rank and world size) and
-   sharded; the rotary ``inv_freq`` buffers are computed; the module keeps placeholders;
+   sharded; the rotary ``inv_freq`` buffers are computed; the module keeps placeholders. With
+   ``--from-pretrained DIR`` the config comes from ``DIR/config.json`` and ``fsdp.init(units,
+   rg.checkpoint.pretrained(DIR), opt, comm, module=model)`` reads each rank's own byte ranges;
 4. ``fsdp.make_step(units, loss_fn(model), opt, comm)``, a few steps on the synthetic task of
    ``ragged.examples.data``;
-5. ``full = fsdp.export(units, state.shards, comm, module=model, device="cpu")`` (rank 0: the
-   whole state dict, tied ``lm_head.weight`` included);
-6. ``model.save_pretrained(path, state_dict=dict(full))`` (``--save-pretrained DIR``, default a
-   temporary directory), reloaded with ``from_pretrained(path)`` and compared.
+5. ``fsdp.save_pretrained(units, state.shards, comm, path, module=model)`` (``--save-pretrained
+   DIR``, default a temporary directory): one unit gathered at a time, one file per unit;
+6. the check: rank 0 reloads it with ``from_pretrained(path)`` and compares it with
+   ``fsdp.export(units, state.shards, comm, module=model, device="cpu")`` (the whole state dict).
 
 ``transformers`` is imported only when these functions run.
 
@@ -112,12 +114,21 @@ def train(args) -> dict:
     comm = rg.collectives.from_torch()
     if args.batch % world or (args.batch // world) % args.micro_batches:
         raise SystemExit(f"--batch {args.batch} must split into {world} ranks x {args.micro_batches} micro-batches.")
-    cfg = config(args.hf, vocab_size=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn,
-                 seq=args.seq, experts=args.experts, top_k=args.top_k)
+    if args.from_pretrained:
+        weights = rg.checkpoint.pretrained(args.from_pretrained)  # headers and config.json only
+        cfg = transformers.AutoConfig.from_pretrained(args.from_pretrained, local_files_only=True)  # JSON only
+        if cfg.model_type not in KINDS:
+            raise SystemExit(f"--from-pretrained {args.from_pretrained}: model_type {cfg.model_type!r}, not one of {KINDS}.")
+    else:
+        cfg = config(args.hf, vocab_size=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn,
+                     seq=args.seq, experts=args.experts, top_k=args.top_k)
     model = build(cfg)  # meta: nothing allocated, nothing initialised yet
     units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
     opt = _optimizer(args, comm, units, no_decay_types(model))
-    state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
+    if args.from_pretrained:  # each rank reads its own byte ranges; buffers computed, model keeps placeholders
+        state = fsdp.init(units, weights, opt, comm, module=model, seed=args.seed)
+    else:
+        state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
     step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
                           policy=fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
                                                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
@@ -136,12 +147,16 @@ def train(args) -> dict:
         state, m = step(state, batch)
         history.append({"step": s, "loss": m["loss"], "peak_gathered_bytes": m["peak_gathered_bytes"]})
         say(f"step {s}: loss {m['loss']:.4f}", flush=True)
-    full = fsdp.export(units, state.shards, comm, module=model, device="cpu")  # rank 0 only
     summary = {"model": type(model).__name__, "world_size": world, "params": n_params, "steps": args.steps,
                "first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None, "ln_vocab": math.log(cfg.vocab_size)}
+    with tempfile.TemporaryDirectory() as tmp:
+        where = args.save_pretrained or tmp
+        fsdp.save_pretrained(units, state.shards, comm, where, module=model)  # by rank: one unit gathered at a time
+        full = fsdp.export(units, state.shards, comm, module=model, device="cpu")  # rank 0 only: the check
+        if rank == 0:
+            summary.update(_reload(where, full, transformers), saved_to=args.save_pretrained)
     if rank == 0:
-        summary.update(_save_and_reload(model, full, args.save_pretrained, transformers))
         say(f"exported {len(full)} tensors; save_pretrained -> {summary['saved_to'] or 'a temporary directory'}; "
             f"from_pretrained reloads them with max |diff| {summary['reload_max_diff']:.1e}")
         if args.json:
@@ -150,15 +165,10 @@ def train(args) -> dict:
     return summary
 
 
-def _save_and_reload(model, full: dict, path: str | None, transformers) -> dict:
-    """save_pretrained + from_pretrained of the exported state dict; the largest difference."""
-    with tempfile.TemporaryDirectory() as tmp:
-        where = path or tmp
-        os.makedirs(where, exist_ok=True)
-        model.save_pretrained(where, state_dict=dict(full))  # save_pretrained pops keys from the dict it gets
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
-                                                                     dtype=next(iter(full.values())).dtype)
-        got = reloaded.state_dict()
-        diff = max((got[k].double() - v.double()).abs().max().item() for k, v in full.items())
-        files = sorted(os.listdir(where))
-    return {"exported": len(full), "saved_to": path, "saved_files": files, "reload_max_diff": diff}
+def _reload(where: str, full: dict, transformers) -> dict:
+    """from_pretrained of the saved directory against the exported state dict: the largest difference."""
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
+                                                                 dtype=next(iter(full.values())).dtype)
+    got = reloaded.state_dict()
+    diff = max((got[k].double() - v.double()).abs().max().item() for k, v in full.items())
+    return {"exported": len(full), "saved_files": sorted(os.listdir(where)), "reload_max_diff": diff}

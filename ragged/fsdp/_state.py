@@ -13,7 +13,9 @@ and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.
 * a mapping ``{parameter name: tensor}``: ``dict(model.named_parameters())``,
   ``model.state_dict()`` (an OrderedDict; buffers and tied aliases in it are ignored) or a
   loaded checkpoint; every parameter name of the units must be there;
-* for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike).
+* for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike);
+* ``rg.checkpoint.pretrained(path)``, a Hugging Face directory: each rank reads only its own
+  element ranges (see [Note: loading pretrained weights by rank] in ``fsdp/_pretrained.py``).
 
 Misuse is refused before any communication, with a short message naming the fix.
 """
@@ -34,6 +36,7 @@ from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
+from ragged.fsdp._pretrained import is_pretrained, load_shards
 from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
@@ -194,14 +197,15 @@ def init(
     seed: int = 0,
     device: torch.device | str | None = None,
     release_module: bool = True,
+    module: torch.nn.Module | None = None,
 ) -> TrainState:
     """Shards ``params`` and initialises ``optimizer`` over the shards.
 
     Args:
         units: from :func:`ragged.fsdp.make_units`.
         params: the module the units were made from, a mapping ``{name: tensor}`` (e.g.
-            ``model.state_dict()``) or, for pytree units, the pytree; see [Note: what fsdp.init
-            accepts]. Equal on every rank.
+            ``model.state_dict()``), ``rg.checkpoint.pretrained(path)`` or, for pytree units, the
+            pytree; see [Note: what fsdp.init accepts]. Equal on every rank.
         optimizer: a ``rg.optim`` GradientTransformation.
         comm: the shard group's collectives.
         init_fn: for a module built on ``meta``: ``init_fn(module)`` fills the parameters and
@@ -211,10 +215,14 @@ def init(
             initialising a meta module unit by unit].
         seed: seeds the meta initialisation (with each module's name): equal parameters on
             every rank and every world size.
-        device: where a meta module's shards and buffers are made (default: ``comm.device``).
+        device: where a meta module's (or a pretrained directory's) shards and buffers are made
+            (default: ``comm.device``).
         release_module: after sharding a module, replace its parameters by placeholders (default;
             always for a meta module), so that no full copy of the weights is left on the rank.
             ``False`` keeps the module's own tensors (one more model copy per rank).
+        module: with ``params = rg.checkpoint.pretrained(path)``, the module (built on ``meta``)
+            the units were made from: its meta buffers are computed (as for a meta module) and
+            its parameters replaced by placeholders, so a step can run it.
 
     Returns:
         ``TrainState(shards, optimizer.init(shards))``.
@@ -248,14 +256,24 @@ def init(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
-    module = params if isinstance(params, torch.nn.Module) else None
-    meta = module is not None and any(p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
-    if (init_fn is not None or device is not None) and not meta:
+    pretrained = is_pretrained(params)
+    if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
+        raise RaggedTypeError("module= is the meta module the units were made from, for params = "
+                              "rg.checkpoint.pretrained(path) (its buffers are computed, its parameters released).")
+    if not pretrained:
+        module = params if isinstance(params, torch.nn.Module) else None
+    meta = not pretrained and module is not None and any(
+        p.is_meta and not isinstance(p, Placeholder) for p in module.parameters())
+    if (init_fn is not None and not meta) or (device is not None and not (meta or pretrained)):
         raise RaggedValueError(f"{'init_fn' if init_fn is not None else 'device'} is for a module built on meta, but "
                                f"params has real values (their shards stay on their device). Fix: drop "
                                f"{'init_fn' if init_fn is not None else 'device'}, or build the model under "
                                "torch.device('meta').")
-    if not meta:
+    if pretrained:
+        device = torch.device(device) if device is not None else comm.device
+        shards = load_shards(units, params, comm, device=device)
+        buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
+    elif not meta:
         shards = _shard(units, params, comm)
         buffers = {}
     else:
@@ -272,7 +290,7 @@ def init(
             shards[u.name] = transforms.shard(u.plan, tree, comm)
             del tree
         buffers = materialize_buffers(module, fn, seed=seed, device=device)
-    if module is not None and (release_module or meta):
+    if module is not None and (release_module or meta or pretrained):
         _barrier(comm)  # simulated ranks share the module: every rank has read it before anyone releases it
         with LOCK:
             for name, values in buffers.items():

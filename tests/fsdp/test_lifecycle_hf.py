@@ -127,6 +127,30 @@ def test_train_hf_subcommand_runs_the_whole_path(tmp_path, kind):
     summary, history = data["summary"], data["history"]
     assert summary["world_size"] == 2 and len(history) == 6 and "built on meta" in proc.stdout
     assert history[-1]["loss"] < history[0]["loss"]
-    assert summary["reload_max_diff"] == 0.0 and "model.safetensors" in summary["saved_files"]
+    assert summary["reload_max_diff"] == 0.0 and "model.safetensors.index.json" in summary["saved_files"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, local_files_only=True)
     assert type(reloaded).__name__ == {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[kind]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_hf_from_pretrained_starts_from_the_saved_weights(tmp_path):
+    from ragged.examples.data import SyntheticLM, rank_slice
+    from tests.checkpoint._hf_dirs import build
+
+    src, out, saved = tmp_path / "src", tmp_path / "metrics.json", tmp_path / "saved"
+    build("llama", torch.float32).save_pretrained(src, max_shard_size="8KB")  # transformers' own files
+    cmd = [sys.executable, "-m", "ragged", "train", "--hf", "llama", "--from-pretrained", str(src), "--nproc-per-node",
+           "2", "--steps", "1", "--seq", "16", "--batch", "4", "--quiet", "--json", str(out), "--save-pretrained",
+           str(saved)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tokens, targets = SyntheticLM(64, 16, seed=1).batch(0, 4)
+    with torch.no_grad():
+        ref = sum(torch.nn.functional.cross_entropy(model(input_ids=t).logits.flatten(0, 1), y.flatten())
+                  for t, y in (rank_slice((tokens, targets), r, 2) for r in range(2))) / 2
+    assert abs(summary["first_loss"] - ref.item()) < 1e-5, (summary["first_loss"], ref.item())
+    assert summary["reload_max_diff"] == 0.0 and len([f for f in summary["saved_files"] if f.endswith(".safetensors")]) == 3

@@ -1,0 +1,231 @@
+"""Hugging Face weights in and out by rank: :func:`load_shards` (what ``fsdp.init`` does with
+``rg.checkpoint.pretrained(path)``) and :func:`save_pretrained`.
+
+[Note: loading pretrained weights by rank]
+In a unit's plan every rank's piece of a sharded leaf is one contiguous element range of the
+flattened leaf (``plan.local_pieces(rank)``), so a rank fills its shard by reading exactly those
+ranges from the safetensors files (see [Note: reading safetensors by byte range]), cast into
+the plan's master dtype on copy through a bounded read buffer; replicated leaves
+(``spec.Replicate()``) are read whole. A rank's memory during the load is its shards plus that
+buffer: no rank ever holds a whole unit, let alone the model. Before anything is read or any
+collective runs, the whole directory is checked against the units, from the headers alone, so
+every rank raises the same :class:`CheckpointMismatchError` listing the missing and unexpected
+names, wrong shapes and dtypes that cannot be cast (floating-point files cast into any
+floating-point master dtype; otherwise the dtypes must be equal). A tied weight is one parameter
+of the units, under its first name (``model.embed_tokens.weight``), which is the one tensor
+transformers saves; a file that also holds the alias (``lm_head.weight``) lists it as
+unexpected: drop it with ``pretrained(path, rename={"lm_head.weight": None})``.
+
+[Note: saving pretrained weights by rank]
+``save_pretrained`` all-gathers one unit at a time (every rank holds at most one gathered unit)
+and rank 0 writes it as one safetensors file, straight from the gathered buffer (no copy per
+tensor unless a ``dtype`` cast is asked), then the index (``model.safetensors.index.json``,
+written last) and the module's ``config.json`` (its ``dtype`` set to the saved dtype). Names are
+the module's parameter names, which ``from_pretrained`` loads as they are, persistent buffers
+go into one more file; tied aliases are left out, as transformers does. An error while
+writing on rank 0 is raised on every rank once the gathers are done.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedTypeError
+from ragged.spec._concat import replicated_size
+from ragged.transforms import gather
+from ragged.transforms._check import check_comm, check_plan, poisons
+from ragged.fsdp._placeholder import tied_names
+from ragged.fsdp._units import Units
+
+__all__ = ["is_pretrained", "load_shards", "save_pretrained"]
+
+_SHOWN = 4
+
+
+def is_pretrained(params) -> bool:
+    """Whether ``params`` is ``rg.checkpoint.pretrained(...)`` (without importing
+    ``ragged.checkpoint``, which loads torch.distributed.checkpoint, when it was never used)."""
+    mod = sys.modules.get("ragged.checkpoint._pretrained")
+    return mod is not None and isinstance(params, mod.Pretrained)
+
+
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src == dst or (src.is_floating_point and dst.is_floating_point)
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:_SHOWN]) + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def check_weights(units: Units, weights, where: str) -> None:
+    """Refuses (:class:`CheckpointMismatchError`, the same on every rank: it reads headers only)
+    a pretrained mapping that does not fit ``units``, listing every problem by name and file."""
+    from ragged.checkpoint._format import CheckpointMismatchError
+
+    expected, problems = {}, []
+    for u in units:
+        for leaf in u.plan.leaves + u.plan.replicated:
+            expected[u.paths[leaf.index]] = (leaf, u.plan.dtype)
+    missing = [repr(p) for p in expected if p not in weights]
+    unexpected = [weights[k].where() for k in weights if k not in expected]
+    shapes, dtypes = [], []
+    for p, (leaf, master) in expected.items():
+        if p not in weights:
+            continue
+        ref = weights[p]
+        if tuple(ref.shape) != tuple(leaf.shape):
+            shapes.append(f"{ref.where()} is {tuple(ref.shape)}, {p!r} is {tuple(leaf.shape)}")
+        if not _castable(ref.dtype, master):
+            dtypes.append(f"{ref.where()} is {ref.dtype}, {p!r} is {master}")
+    if missing:
+        problems.append(f"{len(missing)} missing: {_listed(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_listed(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} wrong shapes: {_listed(shapes)}")
+    if dtypes:
+        problems.append(f"{len(dtypes)} dtypes that do not cast: {_listed(dtypes)}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{where}: {weights.path} does not fit the units: {'; '.join(problems)}. Fix: load the checkpoint of this "
+            "model (same config), map its names with pretrained(path, rename={key: name or None}), or make the units "
+            "from the model the checkpoint was saved from.")
+
+
+@poisons("comm")
+def load_shards(units: Units, weights, comm, *, device=None) -> dict[str, DBuffer]:
+    """``{unit name: DBuffer}`` of this rank, read from ``weights`` (``rg.checkpoint.pretrained``)
+    range by range (see [Note: loading pretrained weights by rank]).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> from ragged.checkpoint._safetensors import write_file
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_file(os.path.join(d, "model.safetensors"), {k: v.bfloat16() for k, v in model.state_dict().items()})
+        >>> units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
+        >>> def run(comm):
+        ...     state = fsdp.init(units, rg.checkpoint.pretrained(d), rg.optim.adamw(1e-3), comm)
+        ...     return fsdp.export(units, state.shards, comm)
+        >>> full = rg.collectives.simulate(2, run)[0]
+        >>> torch.equal(full["1.weight"], model[1].weight.bfloat16().double()), full["1.weight"].dtype
+        (True, torch.float64)
+    """
+    if not isinstance(units, Units):
+        raise RaggedTypeError(f"units must be rg.fsdp.make_units(model, world_size=...), got {type(units).__name__}.")
+    check_weights(units, weights, f"fsdp.init(units, {weights!r})")
+    device = torch.device(device) if device is not None else getattr(comm, "device", None) or torch.device("cpu")
+    shards = {}
+    with torch.no_grad():
+        for u in units:
+            plan = u.plan
+            check_comm(plan, comm, "fsdp.init")
+            check_plan(plan, comm, "fsdp.init")
+            rank = comm.rank
+            data = torch.zeros(plan.shard_size if rank < plan.world_size else 0, dtype=plan.dtype, device=device)
+            replicated = torch.zeros(replicated_size(plan), dtype=plan.dtype, device=device)
+            if rank < plan.world_size:
+                for piece in plan.local_pieces(rank):
+                    weights[u.paths[piece.leaf.index]].read(
+                        piece.start, piece.stop, out=data[piece.local_offset : piece.local_offset + piece.numel])
+            for leaf in plan.replicated:
+                weights[u.paths[leaf.index]].read(out=replicated[leaf.offset : leaf.stop])
+            shards[u.name] = DBuffer(data=data, replicated=replicated, plan=plan, rank=rank)
+    return shards
+
+
+def _buffers(module: torch.nn.Module, names) -> dict[str, torch.Tensor]:
+    aliases = tied_names(module)
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in names and k not in aliases}
+
+
+def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | os.PathLike, *,
+                    module: torch.nn.Module | None = None, dtype: torch.dtype | None = None) -> None:
+    """Writes the model as a Hugging Face directory (safetensors shards, one per unit, plus
+    ``model.safetensors.index.json`` and, with ``module``, its ``config.json``): see [Note:
+    saving pretrained weights by rank]. Every rank calls it.
+
+    Args:
+        units: the units ``shards`` was made for.
+        shards: ``state.shards``.
+        comm: the shard group's collectives.
+        path: the directory (made if absent; files of the same names are replaced).
+        module: the module the units were made from: its persistent buffers are saved too, and
+            its ``config`` (when it has one) with ``config.save_pretrained``.
+        dtype: the saved dtype (default: each unit's master dtype, so ``from_pretrained(path,
+            dtype=that)`` gives the parameters bit for bit).
+
+    Raises:
+        CheckpointError: writing failed on rank 0 (raised on every rank).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> ref = {k: v.clone() for k, v in model.state_dict().items()}
+        >>> units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
+        >>> d = tempfile.mkdtemp()
+        >>> def run(comm):
+        ...     state = fsdp.init(units, model.state_dict(), rg.optim.sgd(0.1), comm)
+        ...     fsdp.save_pretrained(units, state.shards, comm, d, dtype=torch.bfloat16)
+        >>> _ = rg.collectives.simulate(2, run)
+        >>> sorted(os.listdir(d))
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+        >>> saved = rg.checkpoint.pretrained(d)["1.weight"]
+        >>> saved.file, torch.equal(saved.read().view(saved.shape), ref["1.weight"].bfloat16())
+        ('model-00002-of-00002.safetensors', True)
+    """
+    from ragged.checkpoint._dcp import agree
+    from ragged.checkpoint._format import write_json_atomic
+    from ragged.checkpoint._safetensors import write_file
+    from ragged.checkpoint._pretrained import INDEX
+
+    path = os.fspath(path)
+    writer = comm.rank == 0 and getattr(comm, "replica_rank", 0) == 0
+    names = {p for u in units for p in u.paths}
+    buffers = _buffers(module, names) if module is not None else {}
+    count = len(units) + (1 if buffers else 0)
+    file_of = lambda i: f"model-{i + 1:05d}-of-{count:05d}.safetensors"  # noqa: E731
+    weight_map, total, failure = {}, 0, None
+    if writer:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            failure = exc
+    with torch.no_grad():
+        for i, u in enumerate(units):  # one gathered unit alive at a time
+            full = gather(shards[u.name], comm, dtype=dtype)
+            if writer and failure is None:
+                try:
+                    total += write_file(os.path.join(path, file_of(i)), {p: full[p] for p in u.paths})
+                    weight_map.update(dict.fromkeys(u.paths, file_of(i)))
+                except Exception as exc:  # noqa: BLE001 - raised on every rank by agree below
+                    failure = exc
+            del full
+    if writer and failure is None:
+        try:
+            if buffers:
+                total += write_file(os.path.join(path, file_of(count - 1)), {k: v.detach() for k, v in buffers.items()})
+                weight_map.update(dict.fromkeys(buffers, file_of(count - 1)))
+            config = getattr(module, "config", None)
+            if callable(getattr(config, "save_pretrained", None)):
+                config = copy.deepcopy(config)
+                config.dtype = dtype if dtype is not None else units[0].plan.dtype
+                config.save_pretrained(path)
+                generation = getattr(module, "generation_config", None)
+                if callable(getattr(generation, "save_pretrained", None)):
+                    generation.save_pretrained(path)
+            write_json_atomic(os.path.join(path, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+
+    def outcome():
+        if failure is not None:
+            raise failure
+    agree(comm, f"save_pretrained({path!r})", "write", outcome)

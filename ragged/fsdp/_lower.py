@@ -442,7 +442,7 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
         >>> mem.persistent_bytes, sorted(mem.by_category.items())
         (152, [('optimizer.count', 8), ('optimizer.mu', 48), ('optimizer.nu', 48), ('param_shards', 48), ('replicated', 0)])
         >>> [(c.kind, c.calls, c.bytes) for c in lowered.cost_analysis().collectives]
-        [('all_gather', 4, 16384), ('all_reduce', 1, 96), ('reduce_scatter', 2, 8192)]
+        [('all_gather', 3, 65536), ('all_reduce', 2, 104), ('reduce_scatter', 2, 49152)]
     """
     if step.data_groups:
         raise RaggedValueError("step.lower: steps with data_groups (expert parallelism) are not lowered yet: their "

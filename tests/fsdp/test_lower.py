@@ -93,3 +93,42 @@ def test_lower_refuses_bad_inputs():
         step.lower(batch_shapes=torch.empty(3, 4, device="meta"))
     with pytest.raises(ValueError, match="activation_bytes"):
         step.lower(activation_bytes=-1)
+
+
+def _abstract_step(m=8, **kw):
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+    units = fsdp.make_units(model, world_size=m, groups=[str(i) for i in range(4)])
+    return fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(m), **kw)
+
+
+def test_time_model_limits_and_overlap():
+    from ragged.fsdp._lower_time import Link
+
+    lowered = _abstract_step().lower()
+    cost = lowered.cost_analysis()
+    link = Link(alpha=1e-4, bandwidth=1e8)
+    comm_only = lowered.estimate_time(link)
+    ag, rs, ar = cost.get("all_gather"), cost.get("reduce_scatter"), cost.get("all_reduce")
+    assert ar.calls == 2  # the plan check (two int64) and the end-of-call agreement
+    want = (ag.calls * link.seconds("all_gather", ag.bytes // ag.calls, 8)
+            + rs.calls * link.seconds("reduce_scatter", rs.bytes // rs.calls, 8)
+            + link.seconds("all_reduce", 16, 8) + link.seconds("all_reduce", ar.bytes - 16, 8))
+    assert comm_only.seconds == pytest.approx(want, rel=1e-9)  # every collective once, nothing to overlap
+    free_net = lowered.estimate_time(Link(alpha=0.0, bandwidth=float("inf")), compute=1e-3)
+    assert free_net.seconds == pytest.approx(free_net.parts["compute"]) == pytest.approx(4 * 3 * 1e-3)
+    both = lowered.estimate_time(link, compute=2e-3)
+    assert max(both.parts["compute"], comm_only.seconds) <= both.seconds < both.parts["compute"] + comm_only.seconds
+    serial = _abstract_step(prefetch=False).lower().estimate_time(link, compute=2e-3)
+    assert serial.seconds > both.seconds  # prefetch hides gathers behind compute
+
+
+def test_peer_rules_on_one_configuration():
+    from ragged.fsdp._lower_peers import compare
+
+    rows = {r.system: r for r in compare(_abstract_step(m=64).lower())}
+    # 256 x 256 weights and 256 biases over 64 ranks: FSDP2 pads nothing (256 rows), ZeRO-3 nothing (256 | 65536)
+    assert rows["fsdp2"].by_category["param_shards"] == rows["zero3"].by_category["param_shards"] == 4 * 4 * (256 * 257) // 64
+    assert rows["fsdp2"].by_category["optimizer.step"] == 4 * 8  # a 0-d float32 step per parameter
+    assert rows["zero3"].by_category["grad_partition"] == rows["zero3"].by_category["param_shards"]
+    assert rows["fsdp2"].gather_bytes == rows["zero3"].gather_bytes
+    assert rows["ragged"].persistent_bytes == rows["ragged"].by_category["param_shards"] * 3 + 8

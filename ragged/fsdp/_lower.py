@@ -290,13 +290,14 @@ class Lowered:
             peaks["gathered"] = max(peaks["gathered"], live["gathered"])
             peaks["grad_buffers"] = max(peaks["grad_buffers"], live["grad_buffers"])
 
-        def cast(i):
-            lay = lays[i]
-            return lay.reduce_dtype is not None and lay.reduce_dtype != lay.dtype
+        def rdtype(i):  # the reduce-scatter's dtype: the policy's, else the plan's (master) dtype
+            return lays[i].reduce_dtype or lays[i].grad_plan.dtype
+
+        def cast(i):  # the flat gradient (compute dtype) is copied into the reduce dtype
+            return rdtype(i) != lays[i].dtype
 
         def rcopy(i):
-            gp = lays[i].grad_plan
-            return gp.buffer_numel * _itemsize(lays[i].reduce_dtype) if cast(i) else 0
+            return lays[i].grad_plan.buffer_numel * _itemsize(rdtype(i)) if cast(i) else 0
 
         def gather(i):
             if i not in alive:
@@ -417,7 +418,7 @@ class Lowered:
 
 
 def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSchedule | None = None,
-          activation_bytes: int | None = None, max_ranks: int = 64) -> Lowered:
+          activation_bytes: int | None = None, max_ranks: int = 8) -> Lowered:
     """Lowers ``step`` (see [Note: lowering a step]); ``step.lower(...)`` calls this.
 
     Args:

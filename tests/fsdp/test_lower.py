@@ -78,7 +78,7 @@ def test_abstract_comm_lowers_at_ten_thousand_ranks():
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
     S = sum(u.plan.shard_size for u in units)
     assert mem.by_category["param_shards"] == 4 * S and mem.by_category["optimizer.mu"] == 4 * S
-    assert len(mem.per_rank) == 64 and mem.max_rank in mem.per_rank
+    assert len(mem.per_rank) == 8 and mem.max_rank in mem.per_rank and any("8 of 10240" in a for a in mem.assumed)
     assert cost.get("reduce_scatter").bytes == sum(4 * u.plan.buffer_numel for u in units)
     assert any("schedule" in a for a in cost.assumed)
     with pytest.raises(ValueError, match="abstract"):

@@ -63,7 +63,7 @@ def predict(model: str, world: int, checkpoint: bool, batch: int) -> dict:
     opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
     step = fsdp.make_step(units, lambda p, b: None, opt, rg.collectives.abstract(world, rank=min(1, world - 1)),
                           donate=True)
-    lowered = step.lower(schedule=schedule, activation_bytes=activations)
+    lowered = step.lower(schedule=schedule, activation_bytes=activations, max_ranks=max(2, world))
     mem = lowered.memory_analysis()
     peers = {r.system: r for r in compare(lowered)}
     return dict(state=mem.per_rank[min(1, world - 1)], peak=mem.peak_bytes, peak_at=" ".join(mem.peak_at),

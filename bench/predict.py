@@ -75,7 +75,7 @@ def _mib(n) -> str:
 
 
 def _err(p, m) -> str:
-    return f"{(p - m) / m:+.1%}" if m else "-"
+    return f"{(p - m) / m:+.1%} ({p - m:+,} B)" if m else "-"
 
 
 COLUMNS = ("model", "AC", "W", "ragged state MiB pred / meas", "err", "ragged peak MiB pred / meas", "err",

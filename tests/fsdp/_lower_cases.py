@@ -117,6 +117,7 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         "rank": comm.rank,
         "state": storage_by_category(state),
         "predicted_state": {k: v for k, v in lowered.state_bytes[comm.rank].items() if v},
+        "given_state": {k: v for k, v in step.lower(state).state_bytes[comm.rank].items() if v},
         "calls": counter.records(),
         "objects": counter.calls[("object", "mesh")],
         "predicted_calls": {(c.kind, c.axis): (c.calls, c.bytes) for c in cost.collectives},

@@ -32,7 +32,7 @@ CASES = {
 
 def check(out):
     for o in out:
-        assert o["state"] == o["predicted_state"], f"rank {o['rank']}"
+        assert o["state"] == o["predicted_state"] == o["given_state"], f"rank {o['rank']}"
         assert o["calls"] == o["predicted_calls"], f"rank {o['rank']}"
         assert o["objects"] == o["predicted_objects"]
         got, want = o["metrics"], o["predicted"]

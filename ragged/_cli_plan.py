@@ -102,6 +102,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="explain units whose padding exceeds this percentage")
     p.add_argument("--visualize", action="store_true", help="draw the plan of one unit of each kind")
     p.add_argument("--width", type=int_at_least(40), default=None, help="console width (default: the terminal's)")
+    p.add_argument("--predict", action="store_true",
+                   help="lower a training step at each world size: per-rank memory and communication, ragged vs the "
+                        "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw", help="with --predict")
+    p.add_argument("--compute-dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
+                   help="with --predict: the gathered (compute) dtype")
+    p.add_argument("--json", action="store_true", help="with --predict: print the results as JSON")
     p.set_defaults(func=run_plan)
 
 
@@ -161,6 +168,14 @@ def run_plan(args) -> int:
     console = Console(width=args.width)
     dtype = getattr(torch, _DTYPES[args.dtype])
     source = args.model or args.shapes
+    if args.predict:
+        from ragged._cli_predict import run_predict
+
+        args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
+        try:
+            return run_predict(args, console)
+        except ValueError as err:  # a malformed --shapes file
+            raise UsageError(f"--shapes {source}: {err}") from None
     try:
         units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
     except ValueError as err:  # a malformed --shapes file (JSON or format)

@@ -10,3 +10,5 @@ from ragged.collectives._simulated import simulate as simulate
 from ragged.collectives._torch import TorchCollectives as TorchCollectives
 from ragged.collectives._torch import from_torch as from_torch
 from ragged._errors import CollectiveError as CollectiveError
+from ragged.collectives._abstract import AbstractCollectives as AbstractCollectives
+from ragged.collectives._abstract import abstract as abstract

@@ -24,3 +24,10 @@ from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
 from ragged.fsdp._grad import value_and_grad as value_and_grad
 from ragged.fsdp._step import Step as Step
 from ragged.fsdp._step import make_step as make_step
+from ragged.fsdp._lower import Collective as Collective
+from ragged.fsdp._lower import CostAnalysis as CostAnalysis
+from ragged.fsdp._lower import Lowered as Lowered
+from ragged.fsdp._lower import MemoryAnalysis as MemoryAnalysis
+from ragged.fsdp._lower_time import Link as Link
+from ragged.fsdp._lower_time import Network as Network
+from ragged.fsdp._lower_time import TimeEstimate as TimeEstimate

@@ -141,6 +141,13 @@ class Step:
             new_state = donate(state, new_state)
         return new_state, {"loss": result.loss, **result.metrics, "unused_leaves": sum(map(len, result.unused.values()))}
 
+    def lower(self, state_shapes=None, batch_shapes=None, **options):
+        """Memory and communication of this step per rank, without running it: see
+        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activation_bytes``, ``max_ranks``)."""
+        from ragged.fsdp._lower import lower
+
+        return lower(self, state_shapes, batch_shapes, **options)
+
 
 def make_step(
     units: Units,

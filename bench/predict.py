@@ -1,0 +1,114 @@
+"""Prediction vs measurement: ``step.lower(...)`` against bench/memory.py's fake process group.
+
+For each model, world size W and activation-checkpointing setting:
+
+* measured: ``bench/memory.py``'s cell (one process per method, rank 1 of a W-rank fake process
+  group, every allocation real): ragged's and FSDP2's live bytes at the measured step's start
+  ("state") and its peak (``bench/_measure.LiveBytes``);
+* predicted: the same ragged configuration (``bench/_methods.RaggedMethod``: every block and the
+  rest as units, fp32, ``rg.optim.adamw(donate=True)``) built on ``rg.collectives.abstract(W,
+  rank=1)`` and lowered with the schedule and the saved-activation bytes of one real step at
+  W = 1 (simulated backend, same per-rank batch: activations do not depend on W), so nothing in
+  the prediction is measured at W; FSDP2's persistent bytes by its rule (``_lower_peers``).
+
+The error columns are (predicted - measured) / measured. Usage::
+
+    python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off
+    python3 bench/predict.py --models tiny --world 8           # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch  # noqa: E402
+
+
+def _learn(comm, cfg, checkpoint, batch):
+    """One real step at W = 1: the learnt schedule and the saved-activation bytes."""
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM
+    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    units = fsdp.make_units(model, world_size=1)
+    opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
+    state = fsdp.init(units, model, opt, comm)
+    step = fsdp.make_step(units, loss_fn(model, checkpoint=checkpoint), opt, comm, donate=True)
+    task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
+    for s in range(2):
+        state, metrics = step(state, task.batch(s, batch))
+    return step.value_and_grad.memo.schedule, int(metrics["saved_activation_bytes"])
+
+
+def predict(model: str, world: int, checkpoint: bool, batch: int) -> dict:
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.gpt import GPT, GPTConfig
+    from ragged.fsdp._lower_peers import compare
+
+    from bench.step import CONFIGS
+
+    cfg = CONFIGS[model]
+    (schedule, activations), = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
+    meta = GPT(GPTConfig(**cfg), device="meta")
+    units = fsdp.make_units(meta, world_size=world)
+    opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
+    step = fsdp.make_step(units, lambda p, b: None, opt, rg.collectives.abstract(world, rank=min(1, world - 1)),
+                          donate=True)
+    lowered = step.lower(schedule=schedule, activation_bytes=activations, max_ranks=max(2, world))
+    mem = lowered.memory_analysis()
+    peers = {r.system: r for r in compare(lowered)}
+    return dict(state=mem.per_rank[min(1, world - 1)], peak=mem.peak_bytes, peak_at=" ".join(mem.peak_at),
+                activations=activations, fsdp2_state=peers["fsdp2"].persistent_bytes)
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _err(p, m) -> str:
+    return f"{(p - m) / m:+.1%} ({p - m:+,} B)" if m else "-"
+
+
+COLUMNS = ("model", "AC", "W", "ragged state MiB pred / meas", "err", "ragged peak MiB pred / meas", "err",
+           "fsdp2 state MiB rule / meas", "err", "activations MiB (W=1)", "ragged peak at (pred / meas)")
+
+
+def main(argv=None) -> int:
+    from bench.memory import run_cell
+    from bench.step import CONFIGS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=["dense", "moe"])
+    ap.add_argument("--world", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--checkpointing", nargs="+", choices=("on", "off"), default=["on", "off"])
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    args = ap.parse_args(argv)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    print(f"== prediction vs fake process group, torch {torch.__version__}, CPU ==", flush=True)
+    for model in args.models:
+        for ac in args.checkpointing:
+            for world in args.world:
+                p = predict(model, world, ac == "on", args.batch)
+                cell = run_cell(model, world, ac == "on", batch=args.batch, warmup=1)
+                a, b = cell["ragged"]["step"], cell["fsdp2"]["step"]
+                row = [model, ac, str(world), f"{_mib(p['state'])} / {_mib(a['start'])}", _err(p["state"], a["start"]),
+                       f"{_mib(p['peak'])} / {_mib(a['peak'])}", _err(p["peak"], a["peak"]),
+                       f"{_mib(p['fsdp2_state'])} / {_mib(b['start'])}", _err(p["fsdp2_state"], b["start"]),
+                       _mib(p["activations"]), f"{p['peak_at']} / {a['where']}"]
+                lines.append("| " + " | ".join(row) + " |")
+                print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

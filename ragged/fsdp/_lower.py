@@ -1,0 +1,371 @@
+"""``step.lower(...)``: what a step costs per rank (memory, collectives), without running it.
+
+[Note: lowering a step]
+Like ``jax.jit(f).lower(...)``, a :class:`~ragged.fsdp.Step` lowers on abstract inputs: no process,
+no memory (meta tensors), any world size (``rg.collectives.abstract(world_size=10_240)``).
+Everything comes from values the step already holds and that decide what a real call does:
+
+* persistent bytes: the ``TrainState`` the step threads, built on ``meta`` by the same code as
+  :func:`ragged.fsdp.init` (each unit's ``S``-element shard in the plan's dtype, its replicated
+  buffer, and ``optimizer.init`` over :func:`~ragged.fsdp._trainable.trainable_shards`: a partly
+  frozen unit's state covers its ``trainable_plan`` only, a unit where nothing trains has none).
+  Optimizer leaves are grouped by their field in the state (``mu``, ``nu``, ``count``,
+  ``mu_codes``, ``mu_scales`` ...). The state may depend on the rank (8-bit codes cover only the
+  elements a rank holds): every rank is evaluated up to ``max_ranks``, else an even sample of them
+  (named in ``ranks``);
+* collectives: the :func:`~ragged.fsdp._schedule.program` of the step's collective schedule (the
+  learnt one once the step has run, else an assumed one, see :func:`lower`), per micro-batch,
+  counted at the ``Collectives`` boundary the way the runtime issues them: one all-gather call per
+  unit gather (coalesced over a multi-buffer plan: one call, its bytes the sum of the outputs),
+  one reduce-scatter call per trainable unit per micro-batch over its ``trainable_plan`` in the
+  reduce dtype (bytes: the input, ``m * S``), one all-reduce of the replicated gradients when the
+  unit has any, the HSDP all-reduces over the replica axis, the end-of-call agreement (a float64
+  all-reduce of ``5 + units + trained leaves`` elements) and the plan check (an all-reduce of two
+  int64, four on a deferred-handshake comm); a learning call's exchange of observations is an
+  ``all_gather_object``, counted in ``objects`` (its pickled size is not predicted);
+* peak: the program's gathers, frees and reduce-scatters walked in the runtime's order, with the
+  flat gradient buffer of a unit alive from its first gradient's segment until its reduce-scatter
+  is waited (at the latest: ``max_inflight_reduce`` later; the runtime may finish one earlier), and
+  the saved activations the caller gives (``activation_bytes``: ragged cannot know them from
+  shapes; 0 is assumed otherwise, and the analysis says so), growing linearly over forward
+  entries and shrinking over backward segments.
+
+What is assumed is listed in ``assumed`` of every analysis. Not modelled: collectives the
+optimizer issues itself (``clip_by_global_norm``, Muon), data groups (refused), a first call's
+schedule exchange and reruns (``lower(schedule=CollectiveSchedule.initial(n))`` shows a first
+call), the optimizer update's temporaries and the allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._pytree import flatten_with_keystr
+from ragged.fsdp._schedule import CollectiveSchedule, program
+from ragged.fsdp._trainable import trainable_shards
+
+__all__ = ["Lowered", "MemoryAnalysis", "CostAnalysis", "Collective", "lower", "assumed_schedule"]
+
+_FIELD = re.compile(r"\.([A-Za-z_]\w*)")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective kind on one mesh axis, per step: ``calls`` and ``bytes`` (sent per rank, as
+    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor)."""
+
+    kind: str
+    axis: str
+    calls: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CostAnalysis:
+    """Collectives per step (see [Note: lowering a step]).
+
+    Attributes:
+        collectives: one :class:`Collective` per (kind, axis), sorted.
+        objects: ``all_gather_object`` calls per step (host objects; sizes not predicted).
+        per_unit: ``{unit: {"gathers": calls, "gather_bytes": .., "reduces": .., "reduce_bytes": ..}}``.
+        assumed: what the counts rest on.
+    """
+
+    collectives: tuple[Collective, ...]
+    objects: int
+    per_unit: dict
+    assumed: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def get(self, kind: str, axis: str = "shard") -> Collective:
+        """The record of ``kind`` on ``axis`` (zero calls when the step issues none)."""
+        return next((c for c in self.collectives if (c.kind, c.axis) == (kind, axis)), Collective(kind, axis, 0, 0))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryAnalysis:
+    """Bytes per rank (see [Note: lowering a step]).
+
+    Attributes:
+        persistent_bytes: the largest evaluated rank's ``TrainState`` storage.
+        by_category: that rank's persistent bytes by category (``param_shards``, ``replicated``,
+            ``optimizer.<field>``).
+        per_rank: ``{rank: persistent bytes}`` of the evaluated ranks; ``max_rank`` / ``min_rank``
+            and ``min_bytes`` summarise it.
+        peak_bytes: persistent bytes plus the most transient bytes alive at one point of the step.
+        peak_at: ``(unit, phase)`` where the peak is reached.
+        peak_parts: the transient bytes at the peak by kind (``gathered``, ``grad_buffers``,
+            ``reduce_copies``, ``grad_shards``, ``activations``).
+        peak_gathered_bytes, peak_grad_bytes: the step's metrics of those names, predicted
+            (``peak_grad_bytes``: reduce-scatters waited as late as the runtime may; ``peak_grad_bytes_low``:
+            each done by the next point, the least it can reach: the metric lies between them).
+        assumed: which numbers are assumed, not derived.
+    """
+
+    persistent_bytes: int
+    by_category: dict
+    per_rank: dict
+    max_rank: int
+    min_rank: int
+    min_bytes: int
+    peak_bytes: int
+    peak_at: tuple[str, str]
+    peak_parts: dict
+    peak_gathered_bytes: int
+    peak_grad_bytes: int
+    peak_grad_bytes_low: int
+    assumed: tuple[str, ...] = ()
+
+
+def assumed_schedule(units) -> CollectiveSchedule:
+    """The schedule assumed for a step that has not run: every unit read once in unit order, its
+    backward reading it again (a learnt schedule replaces it: a unit read at both ends, like a
+    ``rest`` unit holding the embedding and the head, appears twice there)."""
+    n = len(units)
+    order = tuple(range(n))
+    return CollectiveSchedule(forward=order, needs=tuple(frozenset({u}) for u in order), reduce_at=order,
+                              learning=False)
+
+
+def _category(path: str) -> str:
+    fields = _FIELD.findall(path)
+    if fields and fields[-1] in ("data", "replicated"):  # a DBuffer's children: name it by its field
+        fields = fields[:-1]
+    return "optimizer." + (fields[-1] if fields else "state")
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _state_bytes(units, optimizer, rank: int, dtype_of) -> dict[str, int]:
+    """Persistent bytes of ``rank``'s TrainState by category, built on meta."""
+    shards, out = {}, {"param_shards": 0, "replicated": 0}
+    for u in units:
+        p = u.plan
+        dt = dtype_of(p)
+        shards[u.name] = DBuffer(data=torch.empty(p.shard_size, dtype=dt, device="meta"),
+                                 replicated=torch.empty(p.replicated_numel, dtype=dt, device="meta"), plan=p, rank=rank)
+        out["param_shards"] += p.shard_size * _itemsize(dt)
+        out["replicated"] += p.replicated_numel * _itemsize(dt)
+    paths, leaves, _ = flatten_with_keystr(optimizer.init(trainable_shards(units, shards)))
+    for path, leaf in zip(paths, leaves):
+        key = _category(path)
+        out[key] = out.get(key, 0) + _tensor_bytes(leaf)
+    return out
+
+
+def _given_state_bytes(state) -> dict[str, int]:
+    shards, opt_state = state
+    out = {"param_shards": sum(_tensor_bytes(d.data) for d in shards.values()),
+           "replicated": sum(_tensor_bytes(d.replicated) for d in shards.values())}
+    paths, leaves, _ = flatten_with_keystr(opt_state)
+    for path, leaf in zip(paths, leaves):
+        key = _category(path)
+        out[key] = out.get(key, 0) + _tensor_bytes(leaf)
+    return out
+
+
+def _sample_ranks(m: int, max_ranks: int) -> tuple[int, ...]:
+    if m <= max_ranks:
+        return tuple(range(m))
+    return tuple(sorted({round(k * (m - 1) / (max_ranks - 1)) for k in range(max_ranks)}))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Lowered:
+    """A lowered step: see [Note: lowering a step]. Built by :func:`lower` (``step.lower(...)``)."""
+
+    step: object = dataclasses.field(repr=False)
+    schedule: CollectiveSchedule
+    state_bytes: dict  # {rank: {category: bytes}}
+    activation_bytes: int | None = None
+    schedule_assumed: bool = False
+
+    @property
+    def units(self):
+        return self.step.units
+
+    @property
+    def layouts(self):
+        return self.step.value_and_grad.layouts
+
+    @property
+    def program(self):
+        frozen = frozenset(lay.index for lay in self.layouts if lay.grad_plan is None)
+        return program(self.schedule, reshard=self.step.value_and_grad.reshard_after_forward,
+                       prefetch=self.step.value_and_grad.prefetch, frozen=frozen)
+
+    def _assumed(self) -> tuple[str, ...]:
+        out = []
+        if self.schedule_assumed:
+            out.append("schedule: each unit read once, in unit order (the step has not run; pass schedule= the learnt "
+                       "step.value_and_grad.memo.schedule of a small run)")
+        out.append("optimizer: issues no collectives of its own")
+        return tuple(out)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def cost_analysis(self) -> CostAnalysis:
+        """Collectives per step of the steady state (see [Note: lowering a step])."""
+        step, prog = self.step, self.program
+        comm, k = step.comm, step.micro_batches
+        replicas = comm.num_replicas
+        gathers = [0] * len(self.layouts)
+        for _, g in prog.forward:
+            for i in g:
+                gathers[i] += 1
+        for i in prog.start_prefetch:
+            gathers[i] += 1
+        for _, _, g in prog.backward:
+            for i in g:
+                gathers[i] += 1
+        table: dict[tuple[str, str], list[int]] = {}
+
+        def add(kind, axis, calls, nbytes):
+            if calls:
+                row = table.setdefault((kind, axis), [0, 0])
+                row[0] += calls
+                row[1] += nbytes
+
+        per_unit = {}
+        for lay, n_g in zip(self.layouts, gathers):
+            gb = lay.nbytes  # the gathered buffer in the compute dtype
+            add("all_gather", "shard", k * n_g, k * n_g * gb)
+            unit = {"gathers": k * n_g, "gather_bytes": k * n_g * gb, "reduces": 0, "reduce_bytes": 0}
+            gp = lay.grad_plan
+            if gp is not None:
+                rsize = _itemsize(lay.reduce_dtype or gp.dtype)
+                add("reduce_scatter", "shard", k, k * gp.buffer_numel * rsize)
+                rep = gp.replicated_numel * rsize
+                if gp.replicated:
+                    add("all_reduce", "shard", k, k * rep)
+                if replicas > 1:
+                    add("all_reduce", "replica", k * (1 + bool(gp.replicated)), k * (gp.shard_size * rsize + rep))
+                unit.update(reduces=k, reduce_bytes=k * (gp.buffer_numel * rsize + (rep if gp.replicated else 0)))
+            per_unit[lay.name] = unit
+        # the plan check: two int64 (four with a deferred-handshake comm's ledger digest), skipped on one rank
+        digest = getattr(comm, "ledger_digest", None)
+        check = 16 * (2 if callable(digest) and digest() is not None else 1)
+        if comm.world_size * replicas > 1:
+            add("all_reduce", "shard", 1, check)
+            if replicas > 1:
+                add("all_reduce", "replica", 1, check)
+        agree = 8 * (5 + len(self.layouts) + sum(len(lay.trained) for lay in self.layouts))  # the end-of-call agreement
+        add("all_reduce", "shard", 1, agree)
+        if replicas > 1:
+            add("all_reduce", "replica", 1, agree)
+        objects = 1 if self.schedule.learning else 0  # a learning call exchanges what every rank observed
+        records = tuple(Collective(kd, ax, c, b) for (kd, ax), (c, b) in sorted(table.items()))
+        return CostAnalysis(collectives=records, objects=objects, per_unit=per_unit, assumed=self._assumed())
+
+    # ---- memory -----------------------------------------------------------------------------
+    def timeline(self, *, early: bool = False):
+        """The step's transient memory, point by point: see :func:`ragged.fsdp._lower_timeline.timeline`."""
+        from ragged.fsdp._lower_timeline import timeline
+
+        return timeline(self, early=early)
+
+    def memory_analysis(self) -> MemoryAnalysis:
+        """Persistent and peak bytes per rank (see [Note: lowering a step])."""
+        totals = {r: sum(v.values()) for r, v in self.state_bytes.items()}
+        top = max(totals, key=lambda r: (totals[r], -r))
+        low = min(totals, key=lambda r: (totals[r], r))
+        persistent = totals[top]
+        points, peaks = self.timeline()
+        unit, phase, parts = max(points, key=lambda p: sum(p[2].values()))
+        parts = {key: int(round(v)) for key, v in parts.items()}
+        assumed = list(self._assumed())
+        if self.activation_bytes is None:
+            assumed.append("activations: 0 bytes (not derivable from shapes; pass activation_bytes=, e.g. the "
+                           "saved_activation_bytes metric of a small real step)")
+        else:
+            assumed.append(f"activations: {self.activation_bytes} bytes per micro-batch (given), linear over entries")
+        assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (an upper bound)")
+        if len(totals) < self.units.world_size:
+            assumed.append(f"per rank: {len(totals)} of {self.units.world_size} ranks evaluated ({sorted(totals)})")
+        return MemoryAnalysis(persistent_bytes=persistent, by_category=dict(self.state_bytes[top]), per_rank=totals,
+                              max_rank=top, min_rank=low, min_bytes=totals[low], peak_bytes=persistent + sum(parts.values()),
+                              peak_at=(unit, phase), peak_parts=parts, peak_gathered_bytes=peaks["gathered"],
+                              peak_grad_bytes=peaks["grad_buffers"],
+                              peak_grad_bytes_low=self.timeline(early=True)[1]["grad_buffers"], assumed=tuple(assumed))
+
+    def estimate_time(self, network, **kwargs):
+        """Step time from an alpha-beta ``network`` (see ``ragged/fsdp/_lower_time.py``)."""
+        from ragged.fsdp._lower_time import estimate_time
+
+        return estimate_time(self, network, **kwargs)
+
+
+def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSchedule | None = None,
+          activation_bytes: int | None = None, max_ranks: int = 8) -> Lowered:
+    """Lowers ``step`` (see [Note: lowering a step]); ``step.lower(...)`` calls this.
+
+    Args:
+        step: a :class:`~ragged.fsdp.Step` (its comm may be ``rg.collectives.abstract(...)``).
+        state_shapes: ``None`` (build the state on meta: every rank's), or a ``TrainState`` (real or
+            meta) whose tensors are counted as this comm's rank's.
+        batch_shapes: this rank's batch (tensors or meta tensors): checked against
+            ``micro_batches``; the data itself is never read.
+        schedule: the collective schedule (default: the step's learnt one when it has run, else
+            :func:`assumed_schedule`).
+        activation_bytes: bytes saved for backward per micro-batch (default: unknown, 0 assumed).
+        max_ranks: evaluate every rank up to this many, else this many evenly spread ranks.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=1024, groups=["0", "1"])
+        >>> step = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(1024))
+        >>> lowered = step.lower()
+        >>> mem = lowered.memory_analysis()
+        >>> mem.persistent_bytes, sorted(mem.by_category.items())
+        (152, [('optimizer.count', 8), ('optimizer.mu', 48), ('optimizer.nu', 48), ('param_shards', 48), ('replicated', 0)])
+        >>> [(c.kind, c.calls, c.bytes) for c in lowered.cost_analysis().collectives]
+        [('all_gather', 3, 65536), ('all_reduce', 2, 104), ('reduce_scatter', 2, 49152)]
+    """
+    if step.data_groups:
+        raise RaggedValueError("step.lower: steps with data_groups (expert parallelism) are not lowered yet: their "
+                               "gradient all-reduces over the data groups are not counted. Fix: lower the step "
+                               "without data_groups= and add those all-reduces by hand.")
+    if max_ranks < 2:
+        raise RaggedValueError(f"step.lower: max_ranks must be >= 2, got {max_ranks!r}.")
+    units = step.units
+    if batch_shapes is not None and step.micro_batches > 1:
+        for path, leaf in zip(*flatten_with_keystr(batch_shapes)[:2]):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] % step.micro_batches:
+                raise RaggedValueError(f"step.lower: batch{path} has shape {tuple(getattr(leaf, 'shape', ()))}; "
+                                       f"micro_batches={step.micro_batches} needs a divisible leading dimension.")
+    if state_shapes is None:
+        dtype_of = lambda plan: plan.dtype  # noqa: E731 - the shards' dtype is the plan's (fsdp.init)
+        state_bytes = {r: _state_bytes(units, step.optimizer, r, dtype_of)
+                       for r in _sample_ranks(units.world_size, max_ranks)}
+    elif isinstance(state_shapes, tuple) and len(state_shapes) == 2 and isinstance(state_shapes[0], dict):
+        state_bytes = {step.comm.rank: _given_state_bytes(state_shapes)}
+    else:
+        raise RaggedTypeError(f"step.lower: state_shapes must be None or a TrainState, got {type(state_shapes).__name__}.")
+    memo = step.value_and_grad.memo
+    assumed = False
+    if schedule is None:
+        if memo.schedule.learning:
+            schedule, assumed = assumed_schedule(units), True
+        else:
+            schedule = memo.schedule
+    if not isinstance(schedule, CollectiveSchedule) or len(schedule.reduce_at) != len(units):
+        raise RaggedValueError(f"step.lower: schedule must be a CollectiveSchedule over the step's {len(units)} units.")
+    if activation_bytes is not None and (not isinstance(activation_bytes, int) or activation_bytes < 0):
+        raise RaggedValueError(f"step.lower: activation_bytes must be a non-negative int, got {activation_bytes!r}.")
+    return Lowered(step=step, schedule=schedule, state_bytes=state_bytes, activation_bytes=activation_bytes,
+                   schedule_assumed=assumed)

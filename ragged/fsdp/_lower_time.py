@@ -1,0 +1,173 @@
+"""``lowered.estimate_time(network, ...)``: a step's time from an alpha-beta network and per-unit compute.
+
+[Note: the step-time model]
+Two queues, walked in the order the runtime issues its work (the lowered step's
+:func:`~ragged.fsdp._schedule.program`, per micro-batch):
+
+* compute: forward entry ``c`` runs unit ``forward[c]``'s forward (``compute[unit]`` seconds) once
+  its all-gather is done; backward segment ``s`` runs ``backward_factor`` times that (default 2, the
+  usual 2x of backward over forward; an assumption the caller may change);
+* network: every collective of the mesh axis in turn (one link per axis, collectives on it in issue
+  order, the reduce-scatters sharing it with the all-gathers), each ``alpha + (W - 1) / W * bytes /
+  bandwidth`` (an all-reduce twice that: reduce-scatter + all-gather), issued when the compute queue
+  reaches the point that issues it. So a prefetched gather overlaps the previous entry's compute,
+  a reduce-scatter the next segment's; ``max_inflight_reduce`` makes compute wait for the oldest.
+
+``alpha`` is the per-call latency and ``bandwidth`` the bus bandwidth of one axis: calibrate them
+from ``bench/collectives.py`` on the machine (two sizes give both), or pass a vendor's figures,
+labelled as assumed. The result's ``parts`` say where the time goes: ``compute``, ``comm`` (the
+network busy time per kind), ``exposed_comm`` (the step minus compute: what overlap did not hide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ragged._errors import RaggedValueError
+from ragged.fsdp._lower import _itemsize
+
+__all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+    """One mesh axis: ``alpha`` seconds per call, ``bandwidth`` bytes per second."""
+
+    alpha: float
+    bandwidth: float
+
+    def seconds(self, kind: str, nbytes: int, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        one = self.alpha + (world - 1) / world * nbytes / self.bandwidth
+        return 2 * one if kind == "all_reduce" else one
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Network:
+    """Links per mesh axis (``shard``: the FSDP group; ``replica``: HSDP's replica group)."""
+
+    shard: Link
+    replica: Link | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TimeEstimate:
+    """``seconds`` of one step and its ``parts`` (see [Note: the step-time model])."""
+
+    seconds: float
+    parts: dict
+    assumed: tuple[str, ...] = ()
+
+
+def estimate_time(lowered, network: Network, *, compute=None, backward_factor: float = 2.0,
+                  optimizer_seconds: float = 0.0) -> TimeEstimate:
+    """The step time of ``lowered`` on ``network`` (see [Note: the step-time model]).
+
+    Args:
+        lowered: from ``step.lower(...)``.
+        network: a :class:`Network` (a :class:`Link` is taken as the shard axis).
+        compute: ``{unit name: forward seconds of one of its entries, per micro-batch}`` (missing: 0), or one number
+            for every unit; measure it at W=1 or derive it as flops / throughput.
+        backward_factor: backward seconds of a unit over its forward seconds.
+        optimizer_seconds: the optimizer update (not overlapped).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> from ragged.fsdp._lower_time import Link
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        >>> units = fsdp.make_units(model, world_size=8, groups=["0", "1"])
+        >>> step = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(8))
+        >>> t = step.lower().estimate_time(Link(alpha=1e-5, bandwidth=1e9), compute=1e-3)
+        >>> round(t.parts["compute"], 6), t.seconds > t.parts["compute"]
+        (0.006, True)
+    """
+    if isinstance(network, Link):
+        network = Network(shard=network)
+    if not isinstance(network, Network):
+        raise RaggedValueError(f"estimate_time: network must be a Network or a Link, got {type(network).__name__}.")
+    step, prog, sched, lays = lowered.step, lowered.program, lowered.schedule, lowered.layouts
+    comm = step.comm
+    W, R = comm.world_size, comm.num_replicas
+    if R > 1 and network.replica is None:
+        raise RaggedValueError("estimate_time: the step has replica groups (HSDP); pass Network(shard=..., replica=...).")
+    if compute is None:
+        fwd = [0.0] * len(lays)
+    elif isinstance(compute, (int, float)):
+        fwd = [float(compute)] * len(lays)
+    else:
+        unknown = set(compute) - {lay.name for lay in lays}
+        if unknown:
+            raise RaggedValueError(f"estimate_time: compute names units {sorted(unknown)} the step does not have.")
+        fwd = [float(compute.get(lay.name, 0.0)) for lay in lays]
+    clock = {"compute": 0.0, "net": 0.0}
+    busy: dict[str, float] = {}
+    done: dict[int, float] = {}
+    pending: list[float] = []
+    inflight = step.value_and_grad.max_inflight_reduce
+
+    def issue(kind, nbytes, link=network.shard, world=W):
+        t = link.seconds(kind, nbytes, world)
+        start = max(clock["net"], clock["compute"])
+        clock["net"] = start + t
+        busy[kind] = busy.get(kind, 0.0) + t
+        return clock["net"]
+
+    def gather(i):
+        done[i] = issue("all_gather", lays[i].nbytes)
+
+    def reduce(i):
+        gp = lays[i].grad_plan
+        rsize = _itemsize(lays[i].reduce_dtype or gp.dtype)
+        end = issue("reduce_scatter", gp.buffer_numel * rsize)
+        if gp.replicated:
+            end = issue("all_reduce", gp.replicated_numel * rsize)
+        if R > 1:
+            end = issue("all_reduce", (gp.shard_size + gp.replicated_numel) * rsize, network.replica, R)
+        pending.append(end)
+        while len(pending) > inflight:
+            clock["compute"] = max(clock["compute"], pending.pop(0))
+
+    def run(units, seconds):
+        ready = max([done.get(i, 0.0) for i in units], default=0.0)
+        clock["compute"] = max(clock["compute"], ready) + seconds
+
+    n = len(sched.forward)
+    if W * R > 1:  # the plan check before anything (two int64)
+        issue("all_reduce", 16)
+        if R > 1:
+            issue("all_reduce", 16, network.replica, R)
+    for _ in range(step.micro_batches):
+        for c, (_, gathers) in enumerate(prog.forward):
+            for i in gathers:
+                gather(i)
+            run([sched.forward[c]], fwd[sched.forward[c]])
+        for e in range(n, -1, -1):
+            reduces, _, gathers = prog.backward[e]
+            for i in reduces:
+                reduce(i)
+            for i in gathers:
+                gather(i)
+            if e == n:
+                for i in prog.start_prefetch:
+                    gather(i)
+            if e >= 1:
+                seg = set(sched.needs[e - 1]) | {sched.forward[e - 1]}
+                run(seg, backward_factor * fwd[sched.forward[e - 1]])
+        for i in prog.end:
+            reduce(i)
+    clock["compute"] = max([clock["compute"], clock["net"]] + pending)
+    agree = 8 * (5 + len(lays) + sum(len(lay.trained) for lay in lays))
+    clock["net"] = clock["compute"]
+    issue("all_reduce", agree)
+    if R > 1:
+        issue("all_reduce", agree, network.replica, R)
+    clock["compute"] = clock["net"] + optimizer_seconds
+    total = clock["compute"]
+    compute_total = step.micro_batches * (1 + backward_factor) * sum(fwd[u] for u in sched.forward) + optimizer_seconds
+    parts = {"compute": compute_total, "comm": dict(busy), "exposed_comm": total - compute_total}
+    assumed = [f"backward = {backward_factor:g} x forward per unit", "one link per mesh axis, collectives in issue order"]
+    if compute is None:
+        assumed.append("compute: 0 (pass compute= per unit: measured at W=1, or flops / throughput)")
+    return TimeEstimate(seconds=total, parts=parts, assumed=tuple(assumed) + tuple(lowered._assumed()))

@@ -100,7 +100,8 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
     opt = rg.optim.adamw_8bit(case.lr, min_size=256) if optimizer == "adamw8bit" else case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
-                          compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype, prefetch=case.prefetch,
+                          policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),
+                          prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward,
                           max_inflight_reduce=case.max_inflight_reduce)
     counter = Counter(comm)

@@ -138,6 +138,15 @@ class Cursor:
         self.marker, self.prefetch = None, []
 
 
+def _tracer(trace, cursor, layouts):
+    """The trace callback the run's parts share; it holds no reference to the run, so a finished
+    run (and the gradients it held) is freed at once, not at the next garbage collection."""
+    def log(event: str, i: int):
+        if trace is not None:
+            trace.append((event, layouts[i].name, cursor.phase))
+    return log
+
+
 class Run:
     """State of one call: see the module docstring. Its parts: the :class:`Context`, the
     :class:`Cursor`, one :class:`~ragged.fsdp._records.UnitRecord` per unit (and the indexes of
@@ -148,6 +157,7 @@ class Run:
         self.ctx, self.cursor = Context.of(layouts, schedule, program), Cursor()
         self.comm, self.shards = comm, shards
         self.trace = [] if trace else None
+        self.log = _tracer(self.trace, self.cursor, layouts)
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
         self.units = [UnitRecord(lay, shards[lay.name], comm.device) for lay in layouts]
@@ -158,7 +168,7 @@ class Run:
                       for i, u in enumerate(self.units) for j, (t, *_) in enumerate(u.spans)]
         self.seen, self.counts = Observer(), Counters()
         self.gradients = Gradients(layouts, [u.spans for u in self.units], pool=self.pool, streams=self.streams, comm=comm,
-                                   counts=self.counts, seen=self.seen, log=self._log,
+                                   counts=self.counts, seen=self.seen, log=self.log,
                                    max_inflight=max_inflight_reduce, lazy=lazy)
         self.streams.begin_call()
         self.reset()
@@ -173,10 +183,6 @@ class Run:
         self.gradients.new_micro_batch()
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _log(self, event: str, i: int):
-        if self.trace is not None:
-            self.trace.append((event, self.ctx.layouts[i].name, self.cursor.phase))
-
     # ---- what the interceptors call (see the module docstring) ------------------------------------
     def unit_of(self, t: torch.Tensor) -> int | None:
         """The unit whose gathered storage ``t`` is a view of (``None``: not a unit's)."""
@@ -293,7 +299,7 @@ class Run:
             u.handle = [streams.issued(GATHER, w) for w in works]
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
         self.counts.gathers += 1
-        self._log("gather_start", i)
+        self.log("gather_start", i)
 
     def _wait(self, i: int):
         u = self.units[i]
@@ -304,7 +310,7 @@ class Run:
                 self.streams.access(COMPUTE, u.block.key)
             u.handle = u.source = None
             u.state = UnitState.READY
-            self._log("gather_done", i)
+            self.log("gather_done", i)
 
     def _release(self, i: int):
         u = self.units[i]
@@ -315,7 +321,7 @@ class Run:
         u.state, u.served = UnitState.FREE, False
         if self.cursor.active == i:
             self.cursor.active = None
-        self._log("free", i)
+        self.log("free", i)
 
     def _plan_free(self, i: int):
         self.units[i].scheduled = False
@@ -388,7 +394,7 @@ class Run:
             self._wait(i)
             if self.cursor.active != i:
                 self.cursor.active = i
-                self._log("compute", i)
+                self.log("compute", i)
         finally:
             self.cursor.busy -= 1
 

@@ -44,7 +44,7 @@ def bundled_step(source, world_size: int, *, optimizer: str = "adamw", dtype: st
                             strategy=strategy, align=align, max_buffers=1 if strategy == "naive" else max_buffers)
     opt = rg.optim.adamw_8bit(1e-3) if optimizer == "adamw8bit" else rg.optim.adamw(1e-3)
     return fsdp.make_step(units, lambda params, batch: None, opt, rg.collectives.abstract(world_size),
-                          compute_dtype=getattr(torch, _DTYPES[compute_dtype]))
+                          policy=fsdp.MixedPrecision(compute_dtype=getattr(torch, _DTYPES[compute_dtype])))
 
 
 def predict_rows(step) -> dict:

@@ -184,6 +184,16 @@ class Pretrained(Mapping):
         path: the resolved directory.
         files: the safetensors files, in the index's order.
         config: ``config.json`` as a dict (``{}`` when there is none).
+
+    Examples:
+        >>> import tempfile, torch, transformers, ragged as rg
+        >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...                                num_attention_heads=2, num_key_value_heads=1)
+        >>> path = tempfile.mkdtemp()
+        >>> transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+        >>> weights = rg.checkpoint.pretrained(path)
+        >>> isinstance(weights, rg.checkpoint.Pretrained), tuple(weights["model.embed_tokens.weight"].shape)
+        (True, (32, 8))
     """
 
     def __init__(self, path: str, refs: dict, files: tuple[str, ...], config: dict):

@@ -42,6 +42,12 @@ class AbstractCollectives:
         world_size, rank: the shard group's size and this rank's index in it.
         num_replicas, replica_rank: the replica group's (HSDP; 1 and 0 for plain FSDP).
         device: the device the step would run on (``meta`` by default: nothing is allocated).
+
+    Examples:
+        >>> import ragged as rg
+        >>> comm = rg.collectives.abstract(10240, rank=3)
+        >>> comm.world_size, comm.rank, str(comm.device)
+        (10240, 3, 'meta')
     """
 
     world_size: int

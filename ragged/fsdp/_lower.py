@@ -61,7 +61,18 @@ def _itemsize(dtype: torch.dtype) -> int:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Collective:
     """One collective kind on one mesh axis, per step: ``calls`` and ``bytes`` (sent per rank, as
-    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor)."""
+    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
+        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
+        >>> c = lowered.cost_analysis().get("reduce_scatter")
+        >>> c.kind, c.axis, c.calls > 0, c.bytes > 0
+        ('reduce_scatter', 'shard', True, True)
+    """
 
     kind: str
     axis: str
@@ -78,6 +89,15 @@ class CostAnalysis:
         objects: ``all_gather_object`` calls per step (host objects; sizes not predicted).
         per_unit: ``{unit: {"gathers": calls, "gather_bytes": .., "reduces": .., "reduce_bytes": ..}}``.
         assumed: what the counts rest on.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
+        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
+        >>> {"all_gather", "reduce_scatter"} <= {c.kind for c in lowered.cost_analysis().collectives}
+        True
     """
 
     collectives: tuple[Collective, ...]
@@ -112,6 +132,16 @@ class MemoryAnalysis:
             (``peak_grad_bytes``: reduce-scatters waited as late as the runtime may; ``peak_grad_bytes_low``:
             each done by the next point, the least it can reach: the metric lies between them).
         assumed: which numbers are assumed, not derived.
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
+        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
+        >>> mem = lowered.memory_analysis()
+        >>> mem.persistent_bytes == sum(mem.by_category.values()), mem.peak_bytes >= mem.persistent_bytes
+        (True, True)
     """
 
     persistent_bytes: int
@@ -186,7 +216,17 @@ def _sample_ranks(m: int, max_ranks: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Lowered:
-    """A lowered step: see [Note: lowering a step]. Built by :func:`lower` (``step.lower(...)``)."""
+    """A lowered step: see [Note: lowering a step]. Built by :func:`lower` (``step.lower(...)``).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
+        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
+        >>> isinstance(lowered, fsdp.Lowered), lowered.memory_analysis().persistent_bytes > 0
+        (True, True)
+    """
 
     step: object = dataclasses.field(repr=False)
     schedule: CollectiveSchedule

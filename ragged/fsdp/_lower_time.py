@@ -31,7 +31,13 @@ __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Link:
-    """One mesh axis: ``alpha`` seconds per call, ``bandwidth`` bytes per second."""
+    """One mesh axis: ``alpha`` seconds per call, ``bandwidth`` bytes per second.
+
+    Examples:
+        >>> from ragged import fsdp
+        >>> round(fsdp.Link(alpha=1e-5, bandwidth=1e10).seconds("all_gather", 10**9, 2), 6)   # alpha + (W-1)/W * bytes / bw
+        0.05001
+    """
 
     alpha: float
     bandwidth: float
@@ -45,7 +51,13 @@ class Link:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Network:
-    """Links per mesh axis (``shard``: the FSDP group; ``replica``: HSDP's replica group)."""
+    """Links per mesh axis (``shard``: the FSDP group; ``replica``: HSDP's replica group).
+
+    Examples:
+        >>> from ragged import fsdp
+        >>> fsdp.Network(shard=fsdp.Link(alpha=1e-5, bandwidth=1e10)).replica is None
+        True
+    """
 
     shard: Link
     replica: Link | None = None
@@ -53,7 +65,19 @@ class Network:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TimeEstimate:
-    """``seconds`` of one step and its ``parts`` (see [Note: the step-time model])."""
+    """``seconds`` of one step and its ``parts`` (see [Note: the step-time model]).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
+        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
+        >>> link = fsdp.Link(alpha=1e-5, bandwidth=1e10)
+        >>> t = lowered.estimate_time(fsdp.Network(shard=link))
+        >>> isinstance(t, fsdp.TimeEstimate), t.seconds >= 0
+        (True, True)
+    """
 
     seconds: float
     parts: dict

@@ -11,6 +11,7 @@ it is done (``is_completed``) and waited (``wait``).
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 from ragged._errors import CollectiveError
@@ -43,13 +44,20 @@ class _Work:
     def wait(self) -> None:
         if self._done:
             return
+        watched = bool(self._ledgers) and not self.on_device
         try:
             for w in self._works:
-                w.wait()
+                if watched:
+                    _wait_watched(w, self._ledgers)
+                else:
+                    w.wait()
+        except CollectiveError:
+            raise
         except RuntimeError as e:
-            for led in self._ledgers or ():
-                if led is not None and led.failure is not None:
-                    raise CollectiveError(f"{led.failure} (the collective was aborted)", peer=led.failure.peer) from e
+            # a peer's abort may break this collective before this rank's watcher saw the poison
+            failure = next((f for led in self._ledgers or () if led is not None and (f := led.read_poison())), None)
+            if failure is not None:
+                raise CollectiveError(f"{failure} (the collective was aborted)", peer=failure.peer) from e
             raise
         if self._finish is not None:
             self._finish()
@@ -65,6 +73,67 @@ class _Work:
         if self._futures is None:
             self._futures = [future_of(w) for w in self._works]
         return all(f is True or (f is not None and f.done()) for f in self._futures)
+
+
+_WATCH_SLICE = 0.25  # seconds a host wait on a ledgered CPU work runs before it looks at the ledgers
+
+
+def _failure(ledgers):
+    return next((led.failure for led in ledgers or () if led is not None and led.failure is not None), None)
+
+
+def _wait_watched(work, ledgers) -> None:
+    """Waits a CPU work of ``handshake="deferred"``, looking at its ledgers every ``_WATCH_SLICE``.
+
+    A peer's poison reaches this process through the ledger's watcher, which fails the ledger and
+    aborts the group (see [Note: deferred agreement]). On gloo that abort closes the group's pairs,
+    which usually releases a collective blocked on them, but not always: gloo's native
+    reduce-scatter returns a work without a future whose ``wait`` ignores its timeout, and one in
+    ~40 lone-failure scenarios at W=4 under load stayed blocked in it after the abort. So the wait
+    itself ends within a slice of the ledger's failure, as NCCL's aborted work ends; and after the
+    comm's ``timeout`` it fails the comm and poisons the group, as NCCL's watchdog would. A work
+    with a future is waited in slices on this thread (a timed-out slice leaves it running); one
+    without is waited on a daemon thread, left behind if the comm fails."""
+    future = future_of(work)
+    if future is True:
+        return
+    if future is None:
+        finished, errors = threading.Event(), []
+
+        def run():
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                errors.append(e)
+            finished.set()
+
+        threading.Thread(target=run, name="ragged-wait", daemon=True).start()
+        ended = lambda: finished.wait(_WATCH_SLICE)  # noqa: E731
+    else:
+        def ended():
+            try:
+                work.wait(datetime.timedelta(seconds=_WATCH_SLICE))
+                return True
+            except RuntimeError:
+                if future.done():
+                    raise
+                return False
+
+    led = next(led for led in ledgers if led is not None)
+    deadline = time.monotonic() + led.timeout
+    while not ended():
+        if _failure(ledgers) is not None:
+            raise RuntimeError("the ledger failed while this collective waited")
+        if time.monotonic() > deadline:
+            msg = (f"rank {led.rank}: a collective waited {led.timeout:g} s for its peers (timeout= of the comm; "
+                   "handshake='deferred'): a peer stopped calling collectives, or issued other ones. Every "
+                   "rank must issue the same collectives in the same order; raise timeout= for slow steps.")
+            for other in ledgers:
+                if other is not None:
+                    other.poison(msg)
+            raise CollectiveError(msg)
+    if future is None and errors:
+        raise errors[0]
 
 
 def future_of(work):

@@ -20,7 +20,10 @@ labels) and verified later:
 Poison (``comm.poison(reason)``, or a failure seen by the periodic check) writes the reason
 to the c10d store under a key of the group; a daemon thread per ledger polls that key
 (``POLL_SECONDS``) and, when a peer set it, fails this ledger and aborts the process group, so
-a collective hung on a mismatch raises instead of waiting for NCCL's watchdog.
+a collective hung on a mismatch raises instead of waiting for NCCL's watchdog. On the CPU (gloo in
+NCCL's shape) the host's wait of a native work does not rely on that abort: it looks at the
+ledger between slices and ends at the comm's ``timeout`` (``_wait_watched`` in ``_handles.py``),
+which is what NCCL's abort and watchdog do to a device work.
 
 Guaranteed on NCCL: a mismatch of operation, dtype, size or identity is raised at the latest
 at the next agreement point (once per ``rg.fsdp`` step), on every rank, naming both sides; a
@@ -179,31 +182,35 @@ class Ledger:
         except Exception:  # noqa: BLE001 - best effort: the store may be gone with its host
             pass
 
+    def read_poison(self) -> CollectiveError | None:
+        """This ledger's failure, after looking in the store for a peer's poison now (the watcher
+        looks every ``POLL_SECONDS``; a collective that a peer's abort broke looks at once)."""
+        if self.failure is None:
+            try:
+                store = _store()
+                if store.check([self.key]):
+                    reason = store.get(self.key).decode("utf-8", "replace")
+                    if self.failure is None:
+                        self.failure = CollectiveError(f"a peer failed: {reason}")
+            except Exception:  # noqa: BLE001 - the store's host is gone: the group is failing anyway
+                pass
+        return self.failure
+
     def _start_watcher(self) -> None:
         me = weakref.ref(self)
-        key, interval = self.key, POLL_SECONDS
 
         def watch():
-            store = _store()
             while True:
-                time.sleep(interval)
+                time.sleep(POLL_SECONDS)
                 led = me()
                 if led is None or led.failure is not None:
                     return
-                try:
-                    found = store.check([key])
-                except Exception:  # noqa: BLE001 - the store's host is gone: the group is failing anyway
-                    return
-                if found:
-                    led = me()
-                    if led is None or led.failure is not None:
-                        return
-                    reason = store.get(key).decode("utf-8", "replace")
-                    led.failure = CollectiveError(f"a peer failed: {reason}")
+                if led.read_poison() is not None:
                     led._abort()
                     return
+                del led
 
-        self._watcher = threading.Thread(target=watch, name=f"ragged-watch-{key}", daemon=True)
+        self._watcher = threading.Thread(target=watch, name=f"ragged-watch-{self.key}", daemon=True)
         self._watcher.start()
 
     def _abort(self) -> None:

@@ -43,9 +43,12 @@ def _params(seed=0, dtype=torch.float32, rows=11):
 
 
 def _fresh_comm(**kw):
-    """A comm on a new group of every rank (every rank calls it, in the same order)."""
+    """A comm on a new group of every rank (every rank calls it, in the same order). With a comm
+    ``timeout``, the group's own timeout is a few seconds longer, so the collectives a scenario
+    leaves blocked end (NCCL's watchdog would end them) and the workers stay usable."""
     m = dist.get_world_size()
-    return rg.collectives.from_torch(dist.new_group(list(range(m))), **kw)
+    pg_timeout = {"timeout": datetime.timedelta(seconds=kw["timeout"] + 3)} if "timeout" in kw else {}
+    return rg.collectives.from_torch(dist.new_group(list(range(m)), **pg_timeout), **kw)
 
 
 def _outcome(fn, *args):
@@ -110,8 +113,8 @@ def _setup(**kw):
     return comm, r, m, r == m - 1, params, plan, rg.shard(plan, params, comm)
 
 
-def _mismatch(kind):
-    comm, r, m, odd, params, plan, d = _setup()
+def _mismatch(kind, transport=()):
+    comm, r, m, odd, params, plan, d = _setup(**dict(transport))
     grads = _params(seed=1 + r)
     other = rg.make_plan(params, {"emb": spec.Rows(1), "w": spec.Elements(1), "b": None}, world_size=m, strategy="naive")
     d_other = rg.shard(other, params, comm)
@@ -145,7 +148,36 @@ def _mismatch(kind):
             return comm.all_gather_into(out, d.data, label=f"gather unit {'layers.4' if odd else 'layers.3'} forward")
         raise AssertionError(kind)
 
-    return _outcome(body) + (t0,)
+    def checked():  # NCCL's shape checks at the next agreement point
+        out = body()
+        comm.verify()
+        return out
+
+    return _outcome(checked) + (t0,)
+
+
+# In NCCL's shape the same mismatches end as [Note: deferred agreement] says: equal-sized calls
+# that differ in operation or label are named at the next agreement point (comm.verify()); a rank
+# that skips a call or issues another collective leaves its peers waiting until the comm's timeout.
+# Calls of different sizes are not here: gloo aborts the process on them (NCCL: a hang or wrong
+# numbers until that check), which the Note lists as not guaranteed.
+NCCL_SHAPED_MISMATCH = {"op": "PlanMismatchError", "label": "PlanMismatchError",
+                        "other_collective": "CollectiveError", "skipped_call": "CollectiveError"}
+
+
+@pytest.mark.parametrize("kind", list(NCCL_SHAPED_MISMATCH))
+def test_mismatch_in_nccls_shape_ends_at_the_agreement_point_or_the_timeout(workers, kind):
+    res = workers.run(_mismatch, kind, tuple({**TRANSPORTS["nccl-shaped"], "timeout": 2.0}.items()))
+    m = len(res)
+    for r, (err, msg, t, t0) in enumerate(res):
+        assert err == NCCL_SHAPED_MISMATCH[kind], (r, err, msg)
+        if err == "PlanMismatchError":
+            assert "checked late" in msg and f"rank {r} called" in msg and f"rank {m - 1 if r < m - 1 else 0} called" in msg, msg
+            assert t - t0 < PROMPT
+        else:
+            assert "waited 2 s for its peers" in msg or "a peer failed" in msg, msg
+            assert t - t0 < 2.0 + PROMPT
+    _report(f"mismatch {kind} (nccl-shaped) W={m}", [t - t0 for _, _, t, t0 in res])
 
 
 @pytest.mark.parametrize("kind", ["other_collective", "skipped_call", "op", "dtype", "plan", "buffers", "label"])

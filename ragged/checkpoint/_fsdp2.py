@@ -211,12 +211,13 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
         return FSDP2Checkpoint(root, metadata, model_key, optimizer_key, refs, None, None, {})
     state_head, group_head = opt_head + "state.", opt_head + "param_groups."
     found: dict[str, dict[str, str]] = {}
-    for key in stored:
+    for key in sorted(stored):
         if key.startswith(state_head):
             fqn, _, name = key[len(state_head):].rpartition(".")
             if name not in (*MOMENTS, "step"):
+                why = " (AdamW with amsgrad=True, which ragged's adamw does not have)" if name == "max_exp_avg_sq" else ""
                 raise CheckpointMismatchError(f"DCP key {key!r}: optimizer state {name!r} is not AdamW's (exp_avg, "
-                                              "exp_avg_sq, step); ragged loads torch.optim.AdamW state only.")
+                                              f"exp_avg_sq, step){why}; ragged loads torch.optim.AdamW state only.")
             found.setdefault(fqn, {})[name] = key
         elif is_opt(key) and not key.startswith(group_head):
             raise CheckpointMismatchError(f"DCP key {key!r} is neither optimizer state nor a param group.")

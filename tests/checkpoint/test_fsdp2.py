@@ -83,7 +83,8 @@ def _torch_save(path, steps, layout="fsdp2", **adamw):
 
 def _ragged(comm, src, out, steps, layout):
     model = _net()
-    units = fsdp.make_units(model, world_size=comm.world_size, groups=["emb", "out"])
+    units = fsdp.make_units(model, world_size=comm.world_size, groups=["emb", "out"],
+                            specs=lambda path, t: rg.spec.Elements(1))  # pieces start and end mid-row
     opt = rg.optim.adamw(LR, weight_decay=WD)
     state = fsdp.init(units, rg.checkpoint.fsdp2(src, model_key=LAYOUTS[layout]["model_key"]), opt, comm)
     loss = lambda p, b: _loss(torch.func.functional_call(model, p, (b[0],)), b[1])  # noqa: E731

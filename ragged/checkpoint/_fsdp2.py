@@ -68,6 +68,23 @@ class FSDP2Checkpoint(Mapping):
         moments: ``{fqn: (exp_avg ref, exp_avg_sq ref)}``; ``None`` without optimizer state.
         step: the optimizer's step count (equal for every parameter); ``None`` without it.
         param_groups: ``{fqn: {name: value}}``: each parameter's group (``lr``, ``betas``, ...).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        >>> model = torch.nn.Linear(3, 2)
+        >>> opt = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.99))
+        >>> for _ in range(3):
+        ...     model(torch.ones(1, 3)).sum().backward(); opt.step()
+        >>> path = os.path.join(tempfile.mkdtemp(), "titan")
+        >>> _ = dcp.save({**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+        ...              checkpoint_id=path, no_dist=True)            # torchtitan: model keys at the top level
+        >>> ckpt = rg.checkpoint.fsdp2(path, model_key="")
+        >>> isinstance(ckpt, rg.checkpoint.FSDP2Checkpoint), sorted(ckpt), ckpt.step
+        (True, ['bias', 'weight'], 3)
+        >>> ckpt.moments["weight"][1], ckpt.param_groups["weight"]["betas"]
+        (DCPRef(key='optimizer.state.weight.exp_avg_sq', shape=(2, 3), dtype=torch.float32), (0.8, 0.99))
     """
 
     def __init__(self, path, metadata, model_key, optimizer_key, refs, moments, step, param_groups):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["Box", "boxes", "box_range"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -38,7 +40,7 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     shape = tuple(int(d) for d in shape)
     total = math.prod(shape)
     if not 0 <= start <= stop <= total:
-        raise ValueError(f"[{start}, {stop}) is not a range of a tensor of shape {shape} ({total} elements)")
+        raise RaggedValueError(f"[{start}, {stop}) is not a range of a tensor of shape {shape} ({total} elements)")
     if start == stop:
         return []
     if not shape:
@@ -63,7 +65,7 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
 
 def box_range(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
     """``[start, stop)`` of a box that is contiguous in the row-major order of ``shape`` (as
-    :func:`boxes` makes them); raises ValueError for a box that is not.
+    :func:`boxes` makes them); raises RaggedValueError (a ValueError) for a box that is not.
 
     Examples:
         >>> box_range((4, 3), ((1, 0), (2, 3)))
@@ -71,16 +73,16 @@ def box_range(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
         >>> box_range((4, 3), ((0, 0), (2, 2)))
         Traceback (most recent call last):
         ...
-        ValueError: box ((0, 0), (2, 2)) of shape (4, 3) is not one contiguous range
+        ragged._errors.RaggedValueError: box ((0, 0), (2, 2)) of shape (4, 3) is not one contiguous range
     """
     offsets, sizes = box
     if len(offsets) != len(shape) or len(sizes) != len(shape):
-        raise ValueError(f"box {box} does not have the {len(shape)} dimensions of shape {shape}")
+        raise RaggedValueError(f"box {box} does not have the {len(shape)} dimensions of shape {shape}")
     if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
-        raise ValueError(f"box {box} lies outside shape {shape}")
+        raise RaggedValueError(f"box {box} lies outside shape {shape}")
     lead = next((i for i, s in enumerate(sizes) if s != 1), len(sizes))
     if any(s != d for s, d in zip(sizes[lead + 1 :], shape[lead + 1 :])) or any(o for o in offsets[lead + 1 :]):
-        raise ValueError(f"box {box} of shape {shape} is not one contiguous range")
+        raise RaggedValueError(f"box {box} of shape {shape} is not one contiguous range")
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     start = sum(o * st for o, st in zip(offsets, strides))
     return start, start + math.prod(sizes)

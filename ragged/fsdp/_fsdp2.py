@@ -194,10 +194,12 @@ def load_fsdp2(units: Units, ckpt, optimizer, comm, *, device=None):
         dcp_load(ckpt.path, [c for c in chunks if c.tensor.numel()], ckpt.metadata, comm, f"fsdp.init({ckpt.path!r})")
     if ckpt.moments is None:
         return shards, None
-    fresh = optimizer.init(shards)
+    # the state's structure from the optimizer itself, over meta stand-ins (no memory for moments it would zero)
+    fresh = optimizer.init({k: d.replace(data=d.data.to("meta"), replicated=d.replicated.to("meta"))
+                            for k, d in shards.items()})
     if not (isinstance(fresh, tuple) and len(fresh) == 3 and isinstance(fresh[0], ScaleByAdamState)):
         raise _mismatch(f"{where}: the optimizer's state is not rg.optim.adamw's (ScaleByAdamState, ...).")
-    count = torch.full_like(fresh[0].count, ckpt.step)
+    count = torch.full((), ckpt.step, dtype=fresh[0].count.dtype, device=device)
     lr_state = ScaleByScheduleState(count.clone()) if isinstance(fresh[2], ScaleByScheduleState) else fresh[2]
     return shards, (ScaleByAdamState(count=count, mu=mus, nu=nus), fresh[1], lr_state)
 

@@ -67,7 +67,8 @@ class FSDP2Checkpoint(Mapping):
         model_key, optimizer_key: the prefixes of the model's and the optimizer's keys.
         moments: ``{fqn: (exp_avg ref, exp_avg_sq ref)}``; ``None`` without optimizer state.
         step: the optimizer's step count (equal for every parameter); ``None`` without it.
-        param_groups: ``{fqn: {name: value}}``: each parameter's group (``lr``, ``betas``, ...).
+        param_groups: ``{fqn: {name: value}}``: each parameter's group (``lr``, ``betas``, ...,
+            and ``key``: where it is stored, e.g. ``"optimizer.param_groups.0"``).
 
     Examples:
         >>> import os, tempfile, torch, ragged as rg
@@ -129,7 +130,8 @@ def _read_small(path: str, metadata, blobs: list[str], scalars: list[str]) -> di
 
 
 def _param_groups(entries: dict[str, Any], head: str, fqns: list[str]) -> dict[str, dict[str, Any]]:
-    """``{fqn: its group}`` from the ``param_groups`` entries (nested by index or flat by fqn)."""
+    """``{fqn: its group}`` from the ``param_groups`` entries (nested by index or flat by fqn);
+    each group also says where it is stored (``"key"``: its DCP key prefix)."""
     groups: dict[str, dict[str, Any]] = {}
     for key, value in entries.items():
         group, _, name = key[len(head):].rpartition(".")
@@ -142,9 +144,9 @@ def _param_groups(entries: dict[str, Any], head: str, fqns: list[str]) -> dict[s
                 raise CheckpointMismatchError(f"DCP key {head + group + '.params'!r} is not the group's list of "
                                               "parameter names (a param group of get_optimizer_state_dict).")
             for fqn in members:
-                by_fqn[fqn] = {k: v for k, v in values.items() if k != "params"}
+                by_fqn[fqn] = {k: v for k, v in values.items() if k != "params"} | {"key": head + group}
         else:  # flat (flatten_optimizer_state_dict=True): param_groups.<fqn>.<name>
-            by_fqn[group] = values
+            by_fqn[group] = values | {"key": head + group}
     lacking = [f for f in fqns if f not in by_fqn]
     if lacking:
         raise CheckpointMismatchError(f"no param group of {head[:-1]!r} holds {lacking[0]!r} ({len(lacking)} such "
@@ -153,14 +155,14 @@ def _param_groups(entries: dict[str, Any], head: str, fqns: list[str]) -> dict[s
         group = by_fqn[fqn]
         missing = [k for k in ADAMW_REQUIRED if k not in group]
         if missing:
-            raise CheckpointMismatchError(f"the param group of {fqn!r} lacks {missing} ({head}...): not an AdamW "
-                                          "state (ragged loads torch.optim.AdamW's).")
+            raise CheckpointMismatchError(f"the param group of {fqn!r} lacks {missing} ({group['key']}.*): not an "
+                                          "AdamW state (ragged loads torch.optim.AdamW's).")
         odd = {k: group[k] for k, v in _ADAMW_FLAGS.items() if group.get(k, v) != v}
         if group.get("weight_decay") and group.get("decoupled_weight_decay", True) is not True:
             odd["decoupled_weight_decay"] = group["decoupled_weight_decay"]
         if odd:
-            raise CheckpointMismatchError(f"the param group of {fqn!r} has {odd}: that is not torch.optim.AdamW's "
-                                          "update (ragged's adamw has no such option).")
+            raise CheckpointMismatchError(f"the param group of {fqn!r} ({group['key']}.*) has {odd}: that is not "
+                                          "torch.optim.AdamW's update (ragged's adamw has no such option).")
     return by_fqn
 
 

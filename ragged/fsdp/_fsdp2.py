@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import torch
 
@@ -49,9 +50,7 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 def is_fsdp2(params) -> bool:
-    """Whether ``params`` is ``rg.checkpoint.fsdp2(...)``."""
-    import sys
-
+    """Whether ``params`` is ``rg.checkpoint.fsdp2(...)`` (without importing ``ragged.checkpoint``)."""
     mod = sys.modules.get("ragged.checkpoint._fsdp2")
     return mod is not None and isinstance(params, mod.FSDP2Checkpoint)
 
@@ -109,7 +108,7 @@ def _check_optimizer(units: Units, ckpt, optimizer, where: str) -> None:
             same = len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in zip(a, b))
             if not same:
                 raise _mismatch(f"{where}: the param group of {p!r} has {k}={theirs[k]!r} "
-                                f"({ckpt.optimizer_key}.param_groups...{k}), the ragged optimizer {k}={ours[k]!r}"
+                                f"({group['key']}.{k}), the ragged optimizer {k}={ours[k]!r}"
                                 f"{' (its schedule at step ' + str(ckpt.step) + ')' if k == 'lr' and callable(hp['lr']) else ''}. "
                                 "Fix: build rg.optim.adamw with the checkpoint's hyperparameters.")
 

@@ -140,8 +140,9 @@ BAD = {
     "shape": (dict(model=Net(experts=4).double()), None, "'model.experts' is (3, 6, 5), 'experts' is (4, 6, 5)"),
     "amsgrad": (dict(), dict(amsgrad=True), "'optimizer.state.emb.weight.max_exp_avg_sq': optimizer state "
                 "'max_exp_avg_sq' is not AdamW's (exp_avg, exp_avg_sq, step) (AdamW with amsgrad=True"),
-    "maximize": (dict(), dict(maximize=True), "has {'maximize': True}: that is not torch.optim.AdamW's update"),
-    "lr": (dict(opt=rg.optim.adamw(2e-2, weight_decay=WD)), None, "has lr=0.01 (optimizer.param_groups...lr), the "
+    "maximize": (dict(), dict(maximize=True), "(optimizer.param_groups.0.*) has {'maximize': True}: that is not "
+                 "torch.optim.AdamW's update"),
+    "lr": (dict(opt=rg.optim.adamw(2e-2, weight_decay=WD)), None, "has lr=0.01 (optimizer.param_groups.0.lr), the "
            "ragged optimizer lr=0.02"),
     "betas": (dict(opt=rg.optim.adamw(LR, b2=0.99, weight_decay=WD)), None, "has betas=(0.9, 0.999)"),
     "weight-decay": (dict(opt=rg.optim.adamw(LR)), None, "has weight_decay=0.1"),
@@ -184,3 +185,35 @@ def test_metadata_that_runs_code_is_refused(tmp_path):
     (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
     with pytest.raises(CheckpointCorruptError, match="asks to load posix.system"):
         rg.checkpoint.fsdp2(path)
+
+
+def _scheduled(comm, path):
+    model = _net()
+    units = fsdp.make_units(model, world_size=comm.world_size, groups=["emb", "out"])
+    opt = rg.optim.adamw(lambda count: LR * 0.5 ** count.double(), weight_decay=WD)  # float64 like torch
+    state = fsdp.init(units, rg.checkpoint.fsdp2(path), opt, comm)
+    step = fsdp.make_step(units, lambda p, b: _loss(torch.func.functional_call(model, p, (b[0],)), b[1]), opt, comm)
+    for s in range(2, 4):
+        state, _ = step(state, rank_slice(_batch(s), comm.rank, comm.world_size))
+    return fsdp.export(units, state.shards, comm)
+
+
+def test_a_learning_rate_schedule_continues_from_the_step(tmp_path):
+    """torch's LambdaLR leaves ``lr * f(step)`` in the group: a ragged schedule equal to it at the
+    step is accepted and continues the run (and one that is not is refused)."""
+    path = str(tmp_path / "ckpt")
+    ref = _net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+    for s in range(4):
+        _torch_steps(ref, opt, [s])
+        sched.step()
+        if s == 1:
+            dcp.save({"model": get_model_state_dict(ref), "optimizer": get_optimizer_state_dict(ref, opt)},
+                     checkpoint_id=path, no_dist=True)
+    got = rg.collectives.simulate(2, lambda c: _scheduled(c, path))[0]
+    diff = max((got[k] - v).abs().max().item() for k, v in ref.named_parameters())
+    assert diff < 1e-10, diff
+    wrong = rg.collectives.simulate(2, lambda c: _refused(c, path, opt=rg.optim.adamw(lambda count: LR * 0.4 ** count.double(),
+                                                                                     weight_decay=WD)))
+    assert "has lr=0.0025" in wrong[0][1] and "(its schedule at step 2)" in wrong[0][1], wrong[0][1]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -166,8 +166,15 @@ def _param_groups(entries: dict[str, Any], head: str, fqns: list[str]) -> dict[s
     return by_fqn
 
 
+def _renamer(rename):
+    if rename is None:
+        return lambda k: k
+    return rename if callable(rename) else (lambda k: rename.get(k, k))
+
+
 def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: str = "optimizer",
-          optimizer: bool = True) -> FSDP2Checkpoint:
+          optimizer: bool = True, rename: Mapping[str, str | None] | Callable[[str], str | None] | None = None
+          ) -> FSDP2Checkpoint:
     """A lazy ``{fqn: tensor-like}`` of a DCP directory written by FSDP2 / torchtitan, with its
     AdamW moments and step (see [Note: what an FSDP2 checkpoint holds]), for
     ``fsdp.init(units, rg.checkpoint.fsdp2(path), rg.optim.adamw(...), comm)``.
@@ -179,6 +186,10 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
         optimizer_key: the key of ``get_optimizer_state_dict``'s output.
         optimizer: read the optimizer state (``False``: the weights only; ``fsdp.init`` then
             starts the optimizer afresh).
+        rename: ``{fqn: new name}`` or a function ``fqn -> new name`` (for the model's keys and
+            the optimizer's alike); ``None`` drops the entry: e.g. a tied alias
+            (``lm_head.weight``, which the units hold under its first name) or a persistent
+            buffer the units do not hold.
 
     Returns:
         An :class:`FSDP2Checkpoint`.
@@ -220,8 +231,16 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
     opt_head = _prefix(optimizer_key)
     model_head = _prefix(model_key)
     is_opt = (lambda k: k.startswith(opt_head)) if optimizer_key else (lambda k: False)
-    refs = {k[len(model_head):]: _ref(k, md) for k, md in stored.items()
-            if k.startswith(model_head) and not is_opt(k) and (model_key or isinstance(md, dcp_md.TensorStorageMetadata))}
+    rename_fn = _renamer(rename)
+    refs = {}
+    for k, md in stored.items():
+        if k.startswith(model_head) and not is_opt(k) and (model_key or isinstance(md, dcp_md.TensorStorageMetadata)):
+            new = rename_fn(k[len(model_head):])
+            if new is None:
+                continue
+            if new in refs:
+                raise CheckpointMismatchError(f"rename maps DCP keys {refs[new].key!r} and {k!r} both to {new!r}.")
+            refs[new] = _ref(k, md)
     if not refs:
         raise CheckpointMismatchError(f"checkpoint {root!r} has no keys under {model_key!r} (its keys start "
                                       f"{sorted({k.split('.')[0] for k in stored})[:6]}); pass model_key= (\"\" for "
@@ -252,6 +271,11 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
         raise CheckpointMismatchError(f"the optimizer's steps differ between parameters or are not counts: "
                                       f"{dict(list(steps.items())[:4])}; ragged keeps one step count per optimizer.")
     param_groups = _param_groups({k: small[k] for k in groups}, group_head, sorted(found))
-    moments = {fqn: tuple(_ref(names[m], stored[names[m]]) for m in MOMENTS) for fqn, names in found.items()}
+    moments, by_name = {}, {}
+    for fqn, names in found.items():
+        new = rename_fn(fqn)
+        if new is not None:
+            moments[new] = tuple(_ref(names[m], stored[names[m]]) for m in MOMENTS)
+            by_name[new] = param_groups[fqn]
     step = int(next(iter(steps.values()))) if steps else 0
-    return FSDP2Checkpoint(root, metadata, model_key, optimizer_key, refs, moments, step, param_groups)
+    return FSDP2Checkpoint(root, metadata, model_key, optimizer_key, refs, moments, step, by_name)

@@ -39,7 +39,8 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedTypeError
-from ragged.fsdp._pretrained import check_weights
+from ragged.fsdp._placeholder import tied_names
+from ragged.fsdp._pretrained import _buffers, check_weights
 from ragged.fsdp._units import Units
 from ragged.spec._concat import replicated_size
 from ragged.transforms._check import check_comm, check_plan, poisons
@@ -126,17 +127,19 @@ def _chunks(key: str, shape, flat: torch.Tensor, start: int, stop: int) -> list:
     return out
 
 
-def _unit_chunks(u, d: DBuffer, key_of, *, replicated: bool = True) -> list:
-    """The chunks of this rank's pieces of ``d`` (a DBuffer over ``u.plan``), keyed by
-    ``key_of(parameter name)``; replicated leaves whole (when ``replicated``)."""
+def _unit_chunks(u, d: DBuffer, keys_of, *, replicated: bool = True) -> list:
+    """The chunks of this rank's pieces of ``d`` (a DBuffer over ``u.plan``), under each key of
+    ``keys_of(parameter name)``; replicated leaves whole (when ``replicated``)."""
     out = []
     if d.rank < d.plan.world_size:
         for piece in d.plan.local_pieces(d.rank):
             flat = d.data[piece.local_offset : piece.local_offset + piece.numel]
-            out += _chunks(key_of(u.paths[piece.leaf.index]), piece.leaf.shape, flat, piece.start, piece.stop)
+            for key in keys_of(u.paths[piece.leaf.index]):
+                out += _chunks(key, piece.leaf.shape, flat, piece.start, piece.stop)
     if replicated:
         for leaf in d.plan.replicated:
-            out += _chunks(key_of(u.paths[leaf.index]), leaf.shape, d.replicated[leaf.offset : leaf.stop], 0, leaf.numel)
+            for key in keys_of(u.paths[leaf.index]):
+                out += _chunks(key, leaf.shape, d.replicated[leaf.offset : leaf.stop], 0, leaf.numel)
     return out
 
 
@@ -170,12 +173,12 @@ def load_fsdp2(units: Units, ckpt, optimizer, comm, *, device=None):
 
     where = f"fsdp.init(units, {ckpt!r})"
     _check_units(units, where)
-    check_weights(units, ckpt, where)
+    check_weights(units, ckpt, where, reader="rg.checkpoint.fsdp2")
     if ckpt.moments is not None:
         _check_optimizer(units, ckpt, optimizer, where)
     device = torch.device(device) if device is not None else getattr(comm, "device", None) or torch.device("cpu")
-    model = lambda p: ckpt[p].key  # noqa: E731
-    moment = lambda i: (lambda p: ckpt.moments[p][i].key)  # noqa: E731
+    model = lambda p: [ckpt[p].key]  # noqa: E731
+    moment = lambda i: (lambda p: [ckpt.moments[p][i].key])  # noqa: E731
     shards, mus, nus, chunks = {}, {}, {}, []
     for u in units:
         check_comm(u.plan, comm, "fsdp.init")
@@ -210,8 +213,8 @@ def _group(hp: dict, step: int) -> dict:
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
-def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=None, model_key: str = "model",
-               optimizer_key: str = "optimizer", flatten_optimizer: bool = False) -> list[str]:
+def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=None, module=None,
+               model_key: str = "model", optimizer_key: str = "optimizer", flatten_optimizer: bool = False) -> list[str]:
     """Writes ``state`` as the DCP checkpoint FSDP2 itself writes, so that a ``fully_shard``
     model at any world size loads it with plain ``dcp.load`` and continues (see [Note: saving
     for FSDP2]). Every rank calls it; each writes its own ranges.
@@ -223,6 +226,9 @@ def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=
         path: a new directory (DCP does not overwrite files of an earlier save).
         optimizer: the ``rg.optim.adamw`` that made ``state.opt_state``; ``None`` writes the
             model only.
+        module: the module the units were made from: its persistent buffers (rank 0) and its
+            tied aliases (``lm_head.weight``: the parameter's chunks once more) are written too,
+            as the ``get_model_state_dict`` that FSDP2 loads into holds them.
         model_key: the key of the model's state dict (``""``: top level, as torchtitan).
         optimizer_key: the key of the optimizer's state dict.
         flatten_optimizer: write the param group once per parameter
@@ -263,17 +269,24 @@ def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=
     hp = _adamw(optimizer, where) if optimizer is not None else None
     m, o = (f"{model_key}." if model_key else ""), f"{optimizer_key}."
     writer = comm.rank == 0 and getattr(comm, "replica_rank", 0) == 0
+    names = [p for u in units for p in u.paths]
+    aliases: dict[str, list[str]] = {}
     chunks = []
+    if module is not None:
+        for alias, first in tied_names(module).items():
+            aliases.setdefault(first, []).append(alias)
+        if writer:
+            for k, v in _buffers(module, set(names)).items():
+                chunks += _chunks(m + k, tuple(v.shape), v.detach().reshape(-1), 0, v.numel())
     for u in units:
-        chunks += _unit_chunks(u, shards[u.name], lambda p: m + p, replicated=writer)
+        chunks += _unit_chunks(u, shards[u.name], lambda p: [m + a for a in (p, *aliases.get(p, ()))], replicated=writer)
     if hp is not None:
         adam = opt_state[0]
         step = int(adam.count)
         for u in units:
-            chunks += _unit_chunks(u, adam.mu[u.name], lambda p: f"{o}state.{p}.exp_avg", replicated=writer)
-            chunks += _unit_chunks(u, adam.nu[u.name], lambda p: f"{o}state.{p}.exp_avg_sq", replicated=writer)
+            chunks += _unit_chunks(u, adam.mu[u.name], lambda p: [f"{o}state.{p}.exp_avg"], replicated=writer)
+            chunks += _unit_chunks(u, adam.nu[u.name], lambda p: [f"{o}state.{p}.exp_avg_sq"], replicated=writer)
         if writer:
-            names = [p for u in units for p in u.paths]
             group = _group(hp, step)
             for p in names:
                 chunks.append(Chunk(f"{o}state.{p}.step", (), (), torch.tensor(float(step), dtype=torch.float32)))

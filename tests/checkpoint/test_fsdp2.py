@@ -217,3 +217,62 @@ def test_a_learning_rate_schedule_continues_from_the_step(tmp_path):
     wrong = rg.collectives.simulate(2, lambda c: _refused(c, path, opt=rg.optim.adamw(lambda count: LR * 0.4 ** count.double(),
                                                                                      weight_decay=WD)))
     assert "has lr=0.0025" in wrong[0][1] and "(its schedule at step 2)" in wrong[0][1], wrong[0][1]
+
+
+class Tied(torch.nn.Module):
+    """Tied embedding and head, and a persistent buffer: FSDP2's model state dict holds all three
+    names (``emb.weight``, ``head.weight``, ``scale``), its optimizer state only ``emb.weight``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).tanh() * self.scale)
+
+
+def _tied():
+    torch.manual_seed(0)
+    return Tied().double()
+
+
+def _tied_ragged(comm, src, out):
+    model = _tied()
+    units = fsdp.make_units(model, world_size=comm.world_size, specs=lambda p, t: rg.spec.Elements(1))
+    opt = rg.optim.adamw(LR, weight_decay=WD)
+    ckpt = rg.checkpoint.fsdp2(src, rename={"head.weight": None, "scale": None})  # the alias, the buffer
+    state = fsdp.init(units, ckpt, opt, comm)
+    step = fsdp.make_step(units, lambda p, b: _loss(torch.func.functional_call(model, p, (b[0],)), b[1]), opt, comm)
+    for s in range(2, 4):
+        state, _ = step(state, rank_slice(_batch(s), comm.rank, comm.world_size))
+    fsdp.save_fsdp2(units, state, comm, out, optimizer=opt, module=model)
+
+
+def test_tied_weights_and_buffers_round_trip(tmp_path):
+    a, b = str(tmp_path / "torch"), str(tmp_path / "ragged")
+    model = _tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    _torch_steps(model, opt, range(2))
+    sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    assert sorted(sd["model"]) == ["emb.weight", "head.weight", "scale"] and list(sd["optimizer"]["state"]) == ["emb.weight"]
+    dcp.save(sd, checkpoint_id=a, no_dist=True)
+    with pytest.raises(CheckpointMismatchError, match=r"2 unexpected: 'model.scale', 'model.head.weight'. Fix: .* "
+                                                     r"with rg.checkpoint.fsdp2\(path, rename="):
+        rg.collectives.simulate(2, lambda c: fsdp.init(fsdp.make_units(_tied(), world_size=2), rg.checkpoint.fsdp2(a),
+                                                       rg.optim.adamw(LR, weight_decay=WD), c))
+    rg.collectives.simulate(3, lambda c: _tied_ragged(c, a, b))
+    back = Tied().double()
+    opt = torch.optim.AdamW(back.parameters(), lr=LR, weight_decay=WD)
+    sd = {"model": get_model_state_dict(back), "optimizer": get_optimizer_state_dict(back, opt)}
+    dcp.load(sd, checkpoint_id=b, no_dist=True)  # strict: every key of FSDP2's state dict is there
+    set_model_state_dict(back, sd["model"])
+    set_optimizer_state_dict(back, opt, sd["optimizer"])
+    _torch_steps(back, opt, range(4, 6))
+    ref = _tied()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    _torch_steps(ref, ref_opt, range(6))
+    assert back.head.weight is back.emb.weight and torch.equal(back.scale, ref.scale)
+    assert (back.emb.weight - ref.emb.weight).abs().max().item() < 1e-10

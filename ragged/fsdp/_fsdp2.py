@@ -86,32 +86,34 @@ def _check_units(units: Units, where: str) -> None:
                         "(not done yet). Fix: make the units with every parameter trainable.")
 
 
+def _same(a, b) -> bool:
+    """Equal hyperparameters (numbers, or tuples of them like ``betas``) within 1e-9 relative."""
+    a, b = (tuple(a), tuple(b)) if isinstance(a, (tuple, list)) else ((a,), (b,))
+    return len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in zip(a, b))
+
+
 def _check_optimizer(units: Units, ckpt, optimizer, where: str) -> None:
     hp = _adamw(optimizer, where)
-    names = {p: leaf.shape for u in units for leaf in u.plan.leaves + u.plan.replicated for p in [u.paths[leaf.index]]}
-    missing = [p for p in names if p not in ckpt.moments]
-    extra = [p for p in ckpt.moments if p not in names]
+    shapes = {u.paths[leaf.index]: leaf.shape for u in units for leaf in u.plan.leaves + u.plan.replicated}
+    missing = [p for p in shapes if p not in ckpt.moments]
+    extra = [p for p in ckpt.moments if p not in shapes]
     if missing or extra:
-        raise _mismatch(f"{where}: the optimizer state of {ckpt.path} does not cover the units' parameters: "
-                        f"{'missing ' + repr(missing[:4]) if missing else ''}{' unexpected ' + repr(extra[:4]) if extra else ''}"
-                        f" ({ckpt.optimizer_key}.state.<name>.exp_avg).")
-    for p, shape in names.items():
+        listed = "; ".join(f"{what} {names[:4]!r}" for what, names in (("missing", missing), ("unexpected", extra)) if names)
+        raise _mismatch(f"{where}: the optimizer state of {ckpt.path} does not cover the units' parameters: {listed} "
+                        f"({ckpt.optimizer_key}.state.<name>.exp_avg). Fix: map names with rg.checkpoint.fsdp2(path, "
+                        "rename=...), or load the weights only (optimizer=False).")
+    ours = {"lr": _lr_at(hp, ckpt.step), "betas": hp["betas"], "eps": hp["eps"], "weight_decay": hp["weight_decay"]}
+    scheduled = f" (its schedule at step {ckpt.step})" if callable(hp["lr"]) else ""
+    for p, shape in shapes.items():
         for ref in ckpt.moments[p]:
             if tuple(ref.shape) != tuple(shape):
                 raise _mismatch(f"{where}: {ref.where()} is {tuple(ref.shape)}, the parameter {p!r} is {tuple(shape)}.")
         group = ckpt.param_groups[p]
-        ours = {"lr": _lr_at(hp, ckpt.step), "betas": tuple(hp["betas"]), "eps": hp["eps"],
-                "weight_decay": hp["weight_decay"]}
-        theirs = {"lr": group["lr"], "betas": tuple(group["betas"]), "eps": group["eps"],
-                  "weight_decay": group["weight_decay"]}
         for k in _HYPER:
-            a, b = (ours[k], theirs[k]) if k == "betas" else ((ours[k],), (theirs[k],))
-            same = len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in zip(a, b))
-            if not same:
-                raise _mismatch(f"{where}: the param group of {p!r} has {k}={theirs[k]!r} "
-                                f"({group['key']}.{k}), the ragged optimizer {k}={ours[k]!r}"
-                                f"{' (its schedule at step ' + str(ckpt.step) + ')' if k == 'lr' and callable(hp['lr']) else ''}. "
-                                "Fix: build rg.optim.adamw with the checkpoint's hyperparameters.")
+            if not _same(ours[k], group[k]):
+                raise _mismatch(f"{where}: the param group of {p!r} has {k}={group[k]!r} ({group['key']}.{k}), the "
+                                f"ragged optimizer {k}={ours[k]!r}{scheduled if k == 'lr' else ''}. Fix: build "
+                                "rg.optim.adamw with the checkpoint's hyperparameters.")
 
 
 def _chunks(key: str, shape, flat: torch.Tensor, start: int, stop: int) -> list:

@@ -226,7 +226,7 @@ def init(
         release_module: after sharding a module, replace its parameters by placeholders (default;
             always for a meta module), so that no full copy of the weights is left on the rank.
             ``False`` keeps the module's own tensors (one more model copy per rank).
-        module: with ``params = rg.checkpoint.pretrained(path)``, the module (built on ``meta``)
+        module: with ``params = rg.checkpoint.pretrained(path)`` (or ``fsdp2(path)``), the module (built on ``meta``)
             the units were made from: its meta buffers are computed (as for a meta module) and
             its parameters replaced by placeholders, so a step can run it.
 
@@ -267,7 +267,8 @@ def init(
     pretrained = is_pretrained(params) or fsdp2
     if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
         raise RaggedTypeError("module= is the meta module the units were made from, for params = "
-                              "rg.checkpoint.pretrained(path) (its buffers are computed, its parameters released).")
+                              "rg.checkpoint.pretrained(path) or rg.checkpoint.fsdp2(path) (its buffers are computed, "
+                              "its parameters released).")
     if not pretrained:
         module = params if isinstance(params, torch.nn.Module) else None
     meta = not pretrained and module is not None and any(

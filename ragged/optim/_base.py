@@ -47,15 +47,17 @@ class GradientTransformation(NamedTuple):
 
     ``donates`` says that ``update`` writes into the buffers of the state and of the updates it
     is given (the in-place mode of ``donate=True``, e.g. ``adamw(..., donate=True)``: the old
-    state must not be read after the call). ``hyperparams``, where an optimizer has a
-    ``torch.optim`` counterpart, is what that optimizer's param group would hold
-    (:func:`ragged.optim.adamw`: ``{"optimizer": "AdamW", "lr", "betas", "eps", "weight_decay"}``,
-    ``lr`` a float or the schedule): checkpoint interop with FSDP2 checks a torch optimizer's
-    state against it (:func:`ragged.checkpoint.fsdp2`). Wrapping combinators drop it. Combinators carry it (``chain``, ``masked``,
+    state must not be read after the call). Combinators carry it (``chain``, ``masked``,
     ``multi_transform``, ``apply_if_finite``: true when any part donates), and
     :func:`ragged.fsdp.make_step` reads it: a step donates exactly when its optimizer does (see
     [Note: one donate decision per step] in ``ragged/fsdp/_donate.py``). To wrap an update (e.g.
     ``torch.compile``), keep it: ``opt._replace(update=torch.compile(opt.update))``.
+
+    ``hyperparams``, where an optimizer has a ``torch.optim`` counterpart, is what that
+    optimizer's param group would hold (:func:`ragged.optim.adamw`: ``{"optimizer": "AdamW",
+    "lr", "betas", "eps", "weight_decay"}``, ``lr`` a float or the schedule): checkpoint interop
+    with FSDP2 checks a torch optimizer's state against it and writes it
+    (:func:`ragged.checkpoint.fsdp2`, :func:`ragged.fsdp.save_fsdp2`). Combinators drop it.
 
     Examples:
         >>> import torch, ragged as rg

@@ -276,3 +276,14 @@ def test_tied_weights_and_buffers_round_trip(tmp_path):
     _torch_steps(ref, ref_opt, range(6))
     assert back.head.weight is back.emb.weight and torch.equal(back.scale, ref.scale)
     assert (back.emb.weight - ref.emb.weight).abs().max().item() < 1e-10
+
+
+def test_optimizer_state_missing_for_a_parameter_is_refused(tmp_path):
+    path = str(tmp_path / "partial")
+    model = _net()
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "out.bias"], lr=LR, weight_decay=WD)
+    _torch_steps(model, opt, range(1))
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path, no_dist=True)
+    got = rg.collectives.simulate(2, lambda c: _refused(c, path))
+    assert got[0] == got[1] and "does not cover the units' parameters: missing ['out.bias']" in got[0][1], got

@@ -18,3 +18,5 @@ from ragged.checkpoint._load import read_manifest as read_manifest
 from ragged.checkpoint._save import save as save
 from ragged.checkpoint._pretrained import Pretrained as Pretrained
 from ragged.checkpoint._pretrained import pretrained as pretrained
+from ragged.checkpoint._fsdp2 import FSDP2Checkpoint as FSDP2Checkpoint
+from ragged.checkpoint._fsdp2 import fsdp2 as fsdp2

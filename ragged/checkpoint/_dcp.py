@@ -10,6 +10,9 @@ all: every leaf is stored as a 1-D tensor of ``numel`` elements and each piece
 chunks directly (``WriteItem``/``ReadItem``), from a table of ``fqn -> [(start, tensor)]``.
 Resharding on load is DCP's own overlap computation
 (``create_read_items_for_chunk_list``): any saved chunking can be read into any other.
+The same planners move the N-D :class:`Chunk` s of another writer's checkpoints (FSDP2 /
+torchtitan, see [Note: a flat range as boxes] in ``_boxes.py``) and the small non-tensor values
+DCP stores as bytes (:class:`Blob`: an optimizer's param groups).
 
 [Note: the driver]
 ``torch.distributed.checkpoint.save``/``load`` need a torch ProcessGroup. ragged code talks to a
@@ -26,6 +29,7 @@ instead of leaving the others waiting in the next collective. The files are plai
 from __future__ import annotations
 
 import dataclasses
+import io
 import pickle
 import traceback
 from typing import Any, Callable
@@ -35,6 +39,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     ReadItem,
     SavePlan,
@@ -47,7 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ragged.checkpoint._format import CheckpointError, error_type
 from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached", "poison"]
+__all__ = ["Piece", "Chunk", "Blob", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached", "poison"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +64,35 @@ class Piece:
     start: int
     numel: int
     tensor: torch.Tensor  # 1-D; the source (save) or the destination view (load)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """One N-D box of a stored tensor: ``tensor`` (of the box's sizes) at ``offsets`` of the
+    tensor ``fqn`` of shape ``size`` (another writer's layout, e.g. FSDP2's row blocks)."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    size: tuple[int, ...]
+    tensor: torch.Tensor  # the source (save) or the destination view (load)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Blob:
+    """A non-tensor value DCP stores as bytes (``torch.save``): ``value`` on save; on load the
+    value read (``torch.load(weights_only=True)``: plain Python values only) goes to
+    ``into[fqn]``."""
+
+    fqn: str
+    value: Any = None
+    into: dict | None = None
+
+
+def _box(p: Piece | Chunk) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes, size)`` of a piece (1-D) or a chunk in its stored tensor."""
+    if isinstance(p, Piece):
+        return (p.start,), (p.tensor.numel(),), (p.numel,)
+    return tuple(p.offsets), tuple(p.tensor.shape), tuple(p.size)
 
 
 class SingleProcess:
@@ -198,28 +232,29 @@ def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
 
 # ---- save -------------------------------------------------------------------------------------
 class _PieceSavePlanner(DefaultSavePlanner):
-    """Writes the given pieces, nothing else (see [Note: ragged pieces as DCP chunks])."""
+    """Writes the given pieces, chunks and blobs, nothing else (see [Note: ragged pieces as DCP chunks])."""
 
-    def __init__(self, pieces: list[Piece]):
+    def __init__(self, pieces: list[Piece | Chunk | Blob]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._pieces = {(p.fqn, p.start): p for p in pieces}
+        self._blobs = {p.fqn: p for p in pieces if isinstance(p, Blob)}
+        self._pieces = {(p.fqn, _box(p)[0]): p for p in pieces if not isinstance(p, Blob)}
 
     def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict = {}
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for (fqn, start), piece in self._pieces.items():
-            n = piece.tensor.numel()
+        items = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in self._blobs]
+        for (fqn, offsets), piece in self._pieces.items():
+            _, sizes, size = _box(piece)
             items.append(
                 WriteItem(
-                    index=MetadataIndex(fqn, torch.Size([start])),
+                    index=MetadataIndex(fqn, torch.Size(offsets)),
                     type=WriteItemType.SHARD,
                     tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([n])),
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
                         properties=TensorProperties.create_from_tensor(piece.tensor),
-                        size=torch.Size([piece.numel]),
+                        size=torch.Size(size),
                     ),
                 )
             )
@@ -227,14 +262,19 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
-        return self._pieces[(write_item.index.fqn, write_item.index.offset[0])].tensor.detach()
+        if write_item.type == WriteItemType.BYTE_IO:
+            data = io.BytesIO()
+            torch.save(self._blobs[write_item.index.fqn].value, data)
+            data.seek(0)
+            return data
+        return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
 
-def dcp_save(path: str, pieces: list[Piece], comm, call: str) -> list[str]:
+def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> list[str]:
     """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it
     (``call`` names the checkpoint call for :func:`agree`).
 
-    Pieces with the same ``(fqn, start)`` on several ranks (replicated values) are written once.
+    Pieces with the same ``(fqn, offset)`` on several ranks (replicated values) are written once.
     Returns the names of the files this rank wrote (rank 0's list includes ``.metadata``).
     """
     planner = _PieceSavePlanner(pieces)
@@ -278,9 +318,10 @@ def dcp_save(path: str, pieces: list[Piece], comm, call: str) -> list[str]:
 
 # ---- load -------------------------------------------------------------------------------------
 class _PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads exactly the given destination pieces (any saved chunking; DCP computes overlaps)."""
+    """Reads exactly the given destination pieces, chunks and blobs (any saved chunking; DCP
+    computes overlaps)."""
 
-    def __init__(self, pieces: list[Piece]):
+    def __init__(self, pieces: list[Piece | Chunk | Blob]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._pieces = pieces
 
@@ -291,29 +332,41 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items: list[ReadItem] = []
-        self._by_index: dict[tuple[str, int], torch.Tensor] = {}
+        self._by_index: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._blobs: dict[str, Blob] = {}
         for piece in self._pieces:
+            if isinstance(piece, Blob):
+                self._blobs[piece.fqn] = piece
+                index = MetadataIndex(piece.fqn)
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size((0,)),
+                                      storage_index=index, storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+                continue
             if piece.tensor.numel() == 0:
                 continue
+            offsets, sizes, _ = _box(piece)
             md = self.metadata.state_dict_metadata[piece.fqn]
-            chunk = ChunkStorageMetadata(offsets=torch.Size([piece.start]), sizes=torch.Size([piece.tensor.numel()]))
-            self._by_index[(piece.fqn, piece.start)] = piece.tensor
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            self._by_index[(piece.fqn, offsets)] = piece.tensor
             items.extend(create_read_items_for_chunk_list(piece.fqn, md, [chunk]))
         return LoadPlan(items)
 
     def resolve_tensor(self, read_item: ReadItem):
-        dest = self._by_index[(read_item.dest_index.fqn, read_item.dest_index.offset[0])]
-        (offset,), (length,) = read_item.dest_offsets, read_item.lengths
-        return dest.narrow(0, offset, length)
+        dest = self._by_index[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, offset, length)
+        return dest
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
 
-    def load_bytes(self, read_item, value) -> None:  # ragged stores no byte items
-        raise CheckpointError(f"unexpected byte item {read_item.dest_index.fqn!r} in a ragged checkpoint.")
+    def load_bytes(self, read_item, value) -> None:
+        blob = self._blobs.get(read_item.dest_index.fqn)
+        if blob is None:  # ragged stores no byte items
+            raise CheckpointError(f"unexpected byte item {read_item.dest_index.fqn!r} in a ragged checkpoint.")
+        blob.into[blob.fqn] = torch.load(value, weights_only=True)
 
 
-def dcp_load(path: str, pieces: list[Piece], metadata: Metadata, comm, call: str) -> None:
+def dcp_load(path: str, pieces: list[Piece | Chunk | Blob], metadata: Metadata, comm, call: str) -> None:
     """Fills the destination ``pieces`` (this rank's) from the DCP checkpoint at ``path``.
 
     [Note: load plans are local]

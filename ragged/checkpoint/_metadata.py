@@ -14,6 +14,12 @@ every stored tensor a :class:`TensorStorageMetadata` of the size and dtype the m
 promises, its chunks inside it, every storage entry a plain name of a file the manifest lists
 (see [Note: what a checkpoint may name] in ``_format.py``) with its byte range inside that
 file, no storage transforms, no byte entries (ragged never writes them).
+
+A DCP directory another writer made (FSDP2, torchtitan: no ragged manifest) is checked by
+:func:`check_foreign` against the directory itself: N-D tensors with their chunks inside them,
+byte entries allowed (an optimizer's param groups; their values are read with
+``torch.load(weights_only=True)``), every storage entry a regular file of the directory with
+its byte range inside it, no transforms.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import io
 import os
 import pathlib
 import pickle
+import stat
 from contextlib import contextmanager
 
 import torch
@@ -32,7 +39,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._format import CheckpointCorruptError
 
-__all__ = ["read_metadata", "check_metadata", "reader"]
+__all__ = ["read_metadata", "check_metadata", "check_foreign", "reader"]
 
 METADATA = ".metadata"
 
@@ -41,6 +48,7 @@ _ALLOWED = {
     for name in (
         "Metadata",
         "TensorStorageMetadata",
+        "BytesStorageMetadata",
         "TensorProperties",
         "ChunkStorageMetadata",
         "MetadataIndex",
@@ -87,8 +95,39 @@ def read_metadata(path: str) -> dcp_md.Metadata:
     return metadata
 
 
-def _is_size(x, dims: int = 1) -> bool:
-    return isinstance(x, torch.Size) and len(x) == dims and all(isinstance(v, int) and v >= 0 for v in x)
+def _is_size(x, dims: int | None = 1) -> bool:
+    return (isinstance(x, torch.Size) and (dims is None or len(x) == dims)
+            and all(isinstance(v, int) and v >= 0 for v in x))
+
+
+def _check_tensor(fqn: str, md, dims: int | None) -> None:
+    """A tensor entry of ``dims`` dimensions (any if None) whose chunks lie inside it."""
+    if not isinstance(md, dcp_md.TensorStorageMetadata) or not _is_size(md.size, dims):
+        what = "a tensor" if dims is None else "a 1-D tensor (ragged stores only those)"
+        raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} is not {what}.")
+    if not isinstance(md.chunks, list) or not isinstance(md.properties, dcp_md.TensorProperties):
+        raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} has no chunk list.")
+    n = len(md.size)
+    for chunk in md.chunks:
+        ok = isinstance(chunk, dcp_md.ChunkStorageMetadata) and _is_size(chunk.offsets, n) and _is_size(chunk.sizes, n)
+        if not ok or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)):
+            raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} has a chunk outside the tensor.")
+
+
+def _check_storage(storage: dict, files: dict[str, int], listing: str) -> None:
+    """Every storage entry a plain name of one of ``files`` (``{name: size}``, what ``listing``
+    lists), its byte range inside that file, no transforms."""
+    for index, info in storage.items():
+        if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(info, dcp_fs._StorageInfo):
+            raise CheckpointCorruptError(f"{METADATA}: its storage table holds a {type(info).__name__}.")
+        name = fmt.check_name(info.relative_path, f"{METADATA}")
+        if name not in files or name == METADATA:
+            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} in {name!r}, a file {listing} does not list.")
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length))
+        if not ints or info.offset + info.length > files[name]:
+            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} outside the bytes of {name!r}.")
+        if info.transform_descriptors:
+            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} through transforms {info.transform_descriptors!r}.")
 
 
 def check_metadata(metadata: dcp_md.Metadata, files: dict, tensors: dict[str, tuple[int, str]]) -> None:
@@ -98,31 +137,33 @@ def check_metadata(metadata: dcp_md.Metadata, files: dict, tensors: dict[str, tu
     if not isinstance(stored, dict) or not isinstance(storage, dict):
         raise CheckpointCorruptError(f"{METADATA} lacks its tensor table or its storage table.")
     for fqn, md in stored.items():
-        if not isinstance(md, dcp_md.TensorStorageMetadata) or not _is_size(md.size):
-            raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} is not a 1-D tensor (ragged stores only those).")
-        if not isinstance(md.chunks, list):
-            raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} has no chunk list.")
-        for chunk in md.chunks:
-            ok = isinstance(chunk, dcp_md.ChunkStorageMetadata) and _is_size(chunk.offsets) and _is_size(chunk.sizes)
-            if not ok or chunk.offsets[0] + chunk.sizes[0] > md.size[0]:
-                raise CheckpointCorruptError(f"{METADATA}: entry {fqn!r} has a chunk outside the tensor.")
-    for index, info in storage.items():
-        if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(info, dcp_fs._StorageInfo):
-            raise CheckpointCorruptError(f"{METADATA}: its storage table holds a {type(info).__name__}.")
-        name = fmt.check_name(info.relative_path, f"{METADATA}")
-        if name not in files or name == METADATA:
-            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} in {name!r}, a file the manifest does not list.")
-        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length))
-        if not ints or info.offset + info.length > files[name]["size"]:
-            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} outside the bytes of {name!r}.")
-        if info.transform_descriptors:
-            raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} through transforms {info.transform_descriptors!r}.")
+        _check_tensor(fqn, md, 1)
+    _check_storage(storage, {name: f["size"] for name, f in files.items()}, "the manifest")
     for fqn, (numel, dtype) in tensors.items():
         md = stored.get(fqn)
         if md is None or tuple(md.size) != (numel,):
             raise CheckpointCorruptError(f"DCP metadata lacks {fqn!r} with {numel} elements that the manifest promises.")
         if md.properties.dtype != fmt.dtype_from_name(dtype):
             raise CheckpointCorruptError(f"DCP metadata stores {fqn!r} as {md.properties.dtype}; the manifest says {dtype}.")
+
+
+def check_foreign(metadata: dcp_md.Metadata, path: str) -> None:
+    """Checks the metadata of a DCP directory ``path`` that another writer made (see [Note:
+    reading .metadata safely]); raises CheckpointCorruptError."""
+    stored, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(stored, dict) or not isinstance(storage, dict):
+        raise CheckpointCorruptError(f"{METADATA} lacks its tensor table or its storage table.")
+    for fqn, md in stored.items():
+        if not isinstance(fqn, str):
+            raise CheckpointCorruptError(f"{METADATA}: an entry is named {fqn!r}, not by a string.")
+        if not isinstance(md, dcp_md.BytesStorageMetadata):
+            _check_tensor(fqn, md, None)
+    files = {}
+    for name in os.listdir(path):
+        st = os.lstat(os.path.join(path, name))
+        if stat.S_ISREG(st.st_mode):
+            files[name] = st.st_size
+    _check_storage(storage, files, f"the directory {path!r}")
 
 
 class _NoFollowFileSystem(dcp_fs.FileSystem):

@@ -62,7 +62,7 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_SHOWN]) + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
 
 
-def check_weights(units: Units, weights, where: str) -> None:
+def check_weights(units: Units, weights, where: str, reader: str = "pretrained") -> None:
     """Refuses (:class:`CheckpointMismatchError`, the same on every rank: it reads headers only)
     a pretrained mapping that does not fit ``units``, listing every problem by name and file."""
     from ragged.checkpoint._format import CheckpointMismatchError
@@ -93,7 +93,7 @@ def check_weights(units: Units, weights, where: str) -> None:
     if problems:
         raise CheckpointMismatchError(
             f"{where}: {weights.path} does not fit the units: {'; '.join(problems)}. Fix: load the checkpoint of this "
-            "model (same config), map its names with pretrained(path, rename={key: name or None}), or make the units "
+            f"model (same config), map its names with {reader}(path, rename={{key: name or None}}), or make the units "
             "from the model the checkpoint was saved from.")
 
 

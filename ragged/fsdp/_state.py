@@ -16,6 +16,10 @@ and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.
 * for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike);
 * ``rg.checkpoint.pretrained(path)``, a Hugging Face directory: each rank reads only its own
   element ranges (see [Note: loading pretrained weights by rank] in ``fsdp/_pretrained.py``).
+* ``rg.checkpoint.fsdp2(path)``, a DCP directory FSDP2 or torchtitan wrote: each rank reads its
+  own element ranges of the parameters and, when the directory holds AdamW state, of its moments,
+  and the optimizer state continues from the saved step (see [Note: loading an FSDP2 checkpoint
+  by rank] in ``fsdp/_fsdp2.py``).
 
 Misuse is refused before any communication, with a short message naming the fix.
 """
@@ -37,6 +41,7 @@ from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
 from ragged.fsdp._pretrained import is_pretrained, load_shards
+from ragged.fsdp._fsdp2 import is_fsdp2, load_fsdp2
 from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
@@ -204,8 +209,9 @@ def init(
     Args:
         units: from :func:`ragged.fsdp.make_units`.
         params: the module the units were made from, a mapping ``{name: tensor}`` (e.g.
-            ``model.state_dict()``), ``rg.checkpoint.pretrained(path)`` or, for pytree units, the
-            pytree; see [Note: what fsdp.init accepts]. Equal on every rank.
+            ``model.state_dict()``), ``rg.checkpoint.pretrained(path)``,
+            ``rg.checkpoint.fsdp2(path)`` (its AdamW state too) or, for pytree units, the pytree;
+            see [Note: what fsdp.init accepts]. Equal on every rank.
         optimizer: a ``rg.optim`` GradientTransformation.
         comm: the shard group's collectives.
         init_fn: for a module built on ``meta``: ``init_fn(module)`` fills the parameters and
@@ -220,12 +226,13 @@ def init(
         release_module: after sharding a module, replace its parameters by placeholders (default;
             always for a meta module), so that no full copy of the weights is left on the rank.
             ``False`` keeps the module's own tensors (one more model copy per rank).
-        module: with ``params = rg.checkpoint.pretrained(path)``, the module (built on ``meta``)
+        module: with ``params = rg.checkpoint.pretrained(path)`` (or ``fsdp2(path)``), the module (built on ``meta``)
             the units were made from: its meta buffers are computed (as for a meta module) and
             its parameters replaced by placeholders, so a step can run it.
 
     Returns:
-        ``TrainState(shards, optimizer.init(shards))``.
+        ``TrainState(shards, optimizer.init(shards))``; from ``rg.checkpoint.fsdp2(path)`` with
+        optimizer state, that state (moments and step count) instead.
 
     Raises:
         RaggedTypeError, RaggedKeyError, RaggedValueError: a misuse (the message names the fix),
@@ -256,10 +263,12 @@ def init(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
-    pretrained = is_pretrained(params)
+    fsdp2 = is_fsdp2(params)
+    pretrained = is_pretrained(params) or fsdp2
     if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
         raise RaggedTypeError("module= is the meta module the units were made from, for params = "
-                              "rg.checkpoint.pretrained(path) (its buffers are computed, its parameters released).")
+                              "rg.checkpoint.pretrained(path) or rg.checkpoint.fsdp2(path) (its buffers are computed, "
+                              "its parameters released).")
     if not pretrained:
         module = params if isinstance(params, torch.nn.Module) else None
     meta = not pretrained and module is not None and any(
@@ -271,7 +280,8 @@ def init(
                                "torch.device('meta').")
     if pretrained:
         device = torch.device(device) if device is not None else comm.device
-        shards = load_shards(units, params, comm, device=device)
+        shards, opt_state = (load_fsdp2(units, params, optimizer, comm, device=device) if fsdp2
+                             else (load_shards(units, params, comm, device=device), None))
         buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
     elif not meta:
         shards = _shard(units, params, comm)
@@ -297,4 +307,6 @@ def init(
                 owner = module.get_submodule(name) if name else module
                 owner._buffers.update(values)
             release(module)
+    if pretrained and opt_state is not None:
+        return TrainState(shards, opt_state)
     return TrainState(shards, optimizer.init(trainable_shards(units, shards)))

@@ -17,7 +17,7 @@ and zero gradients; every transform here maps (param 0, grad 0, state 0) to upda
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +53,12 @@ class GradientTransformation(NamedTuple):
     [Note: one donate decision per step] in ``ragged/fsdp/_donate.py``). To wrap an update (e.g.
     ``torch.compile``), keep it: ``opt._replace(update=torch.compile(opt.update))``.
 
+    ``hyperparams``, where an optimizer has a ``torch.optim`` counterpart, is what that
+    optimizer's param group would hold (:func:`ragged.optim.adamw`: ``{"optimizer": "AdamW",
+    "lr", "betas", "eps", "weight_decay"}``, ``lr`` a float or the schedule): checkpoint interop
+    with FSDP2 checks a torch optimizer's state against it and writes it
+    (:func:`ragged.checkpoint.fsdp2`, :func:`ragged.fsdp.save_fsdp2`). Combinators drop it.
+
     Examples:
         >>> import torch, ragged as rg
         >>> opt = rg.optim.sgd(0.1)
@@ -66,6 +72,7 @@ class GradientTransformation(NamedTuple):
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
     donates: bool = False
+    hyperparams: Mapping[str, Any] | None = None
 
 
 class EmptyState(NamedTuple):

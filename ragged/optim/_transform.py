@@ -315,7 +315,8 @@ def scale_by_adamw(
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return unflat(0), (ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2)), decay_state, new_lr_state)
 
-    return GradientTransformation(init, update, donates=donate)
+    hyperparams = {"optimizer": "AdamW", "lr": learning_rate, "betas": (b1, b2), "eps": eps, "weight_decay": weight_decay}
+    return GradientTransformation(init, update, donates=donate, hyperparams=hyperparams)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:

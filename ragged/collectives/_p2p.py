@@ -27,45 +27,16 @@ travel under one header per peer, as one message per buffer and peer.
 from __future__ import annotations
 
 import pickle
-import threading
 
 import torch
 
 from ragged._errors import RaggedValueError
 from ragged.collectives._header import Call
+from ragged.collectives._scratch import SCRATCH
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gather_object", "barrier"]
 
 _DIRECT_BYTES = 1 << 20
-
-
-class _Scratch:
-    """Receive buffers reused across calls, per (numel, dtype, device); a buffer in use by a
-    pending op is not handed out twice (first touch of fresh memory costs ~5x a warm copy).
-    Inside a ``torch.func`` transform a fresh buffer is handed out instead: the own chunk is
-    copied into it, and ``torch.func.grad`` refuses to mutate a tensor created outside."""
-
-    def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        if torch._C._are_functorch_transforms_active():
-            return torch.empty(numel, dtype=dtype, device=device)
-        with self._lock:
-            pool = self._free.get((numel, dtype, str(device)))
-            if pool:
-                return pool.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        with self._lock:
-            pool = self._free.setdefault((t.numel(), t.dtype, str(t.device)), [])
-            if len(pool) < 2:
-                pool.append(t)
-
-
-SCRATCH = _Scratch()
 
 
 def reduce_rows(chunks: torch.Tensor, op: str, out: torch.Tensor) -> None:

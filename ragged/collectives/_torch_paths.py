@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ragged import _compat
 from ragged.collectives import _p2p
+from ragged.collectives._scratch import SCRATCH
 
 __all__ = ["gather_one", "scatter_one", "native"]
 
@@ -42,10 +43,10 @@ def gather_one(comm, output, input, algo):
     works and what to run once they are waited (``None``: nothing)."""
     m, n = comm._world, input.numel()
     if algo == "all_to_all":
-        staged = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
+        staged = SCRATCH.take(m * n, input.dtype, input.device)
         staged.view(m, n).copy_(input.reshape(1, n).expand(m, n))
         w = dist.all_to_all_single(output, staged, group=comm.group, async_op=True)
-        return [w], lambda: _p2p.SCRATCH.give(staged)
+        return [w], lambda: SCRATCH.give(staged)
     ops = []
     for j in range(m):
         if j == comm._rank:
@@ -75,7 +76,7 @@ def scatter_one(comm, output, input, op):
     """Issues the reduce-scatter of one buffer by ``comm.rs_algorithm`` (``"all_to_all"`` or
     ``"p2p"``) into a scratch buffer: its works and the local reduction to run once waited."""
     m, n = comm._world, output.numel()
-    recv = _p2p.SCRATCH.take(m * n, input.dtype, input.device)
+    recv = SCRATCH.take(m * n, input.dtype, input.device)
     chunks = recv.view(m, n)
     if comm.rs_algorithm == "all_to_all":
         works = [dist.all_to_all_single(recv, input, group=comm.group, async_op=True)]
@@ -92,6 +93,6 @@ def scatter_one(comm, output, input, op):
 
     def finish():
         _p2p.reduce_rows(chunks, op, output)
-        _p2p.SCRATCH.give(recv)
+        SCRATCH.give(recv)
 
     return works, finish

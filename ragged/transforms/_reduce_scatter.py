@@ -15,12 +15,12 @@ all-reduced over every rank. The result is cast to ``plan.dtype`` (an S-element 
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, NamedTuple
 
 import torch
 
 from ragged._dbuffer import DBuffer, segments
+from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged.transforms._flat import _reduce_scatter_flat_start
@@ -135,33 +135,8 @@ def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: 
             buf[pos] = vals
 
 
-class _Pool:
-    """Packing buffers reused across calls (taken at start, returned at wait): fresh large
-    allocations cost a first touch per page on CPU (see [Note: reusing gather buffers])."""
-
-    def __init__(self):
-        self._free: dict = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel, dtype, device):
-        with self._lock:
-            pool = self._free.get((numel, dtype, str(device)))
-            if pool:
-                return pool.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, t):
-        with self._lock:
-            pool = self._free.setdefault((t.numel(), t.dtype, str(t.device)), [])
-            if len(pool) < 2:
-                pool.append(t)
-
-
-_POOL = _Pool()
-
-
 def _pack(segs, leaves, numel, dtype, device):
-    out = _POOL.take(numel, dtype, device)
+    out = SCRATCH.take(numel, dtype, device)
     if numel == 0:
         return out
     gap = max((n for leaf, n in segs if leaf is None), default=0)
@@ -283,7 +258,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     for h in handles:
         h.wait()
     if pooled:
-        _POOL.give(source)
+        SCRATCH.give(source)
     replicas = comm.num_replicas
     if replicas > 1:
         comm.all_reduce_replicas(out, op="sum")

@@ -67,11 +67,6 @@ class TorchCollectives(BufferOps):
         self.backend = str(dist.get_backend(shard_group)).lower()
         self._rank = dist.get_rank(shard_group)
         self._world = dist.get_world_size(shard_group)
-        if replica_group is not None:
-            self._replica_rank = dist.get_rank(replica_group)
-            self._replicas = dist.get_world_size(replica_group)
-        else:
-            self._replica_rank, self._replicas = 0, 1
         gloo = "gloo" in self.backend
         if handshake is None:  # a forced path is a native/p2p/all_to_all collective: checked deferred
             # torch's fake process group moves no data and its works never report completion: nothing to agree
@@ -119,7 +114,7 @@ class TorchCollectives(BufferOps):
 
     def __repr__(self) -> str:
         return (
-            f"TorchCollectives(rank={self._rank}, world_size={self._world}, replicas={self._replicas}, "
+            f"TorchCollectives(rank={self._rank}, world_size={self._world}, replicas={self.num_replicas}, "
             f"backend={self.backend!r}, handshake={self.handshake!r}, all_gather={self.ag_algorithm!r}, "
             f"reduce_scatter={self.rs_algorithm!r}, plan_check={self.plan_check!r}, timeout={self.timeout})"
         )
@@ -135,11 +130,11 @@ class TorchCollectives(BufferOps):
 
     @property
     def num_replicas(self) -> int:
-        return self._replicas
+        return 1 if self.replica_group is None else dist.get_world_size(self.replica_group)
 
     @property
     def replica_rank(self) -> int:
-        return self._replica_rank
+        return 0 if self.replica_group is None else dist.get_rank(self.replica_group)
 
     @property
     def device(self) -> torch.device:
@@ -271,7 +266,7 @@ class TorchCollectives(BufferOps):
 
     def all_reduce_replicas(self, tensor, *, op="sum", async_op=False, label=None):
         with poison_on_error(self):
-            return self._all_reduce(tensor, op, async_op, 1, self._replicas, label)
+            return self._all_reduce(tensor, op, async_op, 1, self.num_replicas, label)
 
     def all_to_all(self, output, input, output_splits, input_splits, *, async_op=False, label=None):
         with poison_on_error(self):
@@ -291,7 +286,7 @@ class TorchCollectives(BufferOps):
             if self._channels is not None:
                 args = self._call_args(label)
                 shard = _p2p.all_gather_object(self._channels[0], obj, args, self.timeout)
-                if self._replicas == 1:
+                if self.num_replicas == 1:
                     return shard
                 rows = _p2p.all_gather_object(self._channels[1], shard, args, self.timeout)
                 return [o for row in rows for o in row]
@@ -300,9 +295,9 @@ class TorchCollectives(BufferOps):
                 self.verify()  # objects are compared on the host: check what came before first
             shard = [None] * self._world
             dist.all_gather_object(shard, obj, group=self.group)
-            if self._replicas == 1:
+            if self.num_replicas == 1:
                 return shard
-            everything = [None] * self._replicas
+            everything = [None] * self.num_replicas
             dist.all_gather_object(everything, shard, group=self.replica_group)
             return [o for row in everything for o in row]
 
@@ -316,7 +311,7 @@ class TorchCollectives(BufferOps):
                 return
             self._check_alive()
             dist.barrier(group=self.group)
-            if self._replicas > 1:
+            if self.num_replicas > 1:
                 dist.barrier(group=self.replica_group)
 
     # ---- helpers ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ Usage (CPU, gloo; each under ~5 minutes on a quiet 2-core machine)::
     python3 bench/step.py --model hf-llama --world 2 --repeats 5   # HF LlamaForCausalLM, the sizes of "dense"
     python3 bench/step.py --model hf-llama --world 2 --lora        # fine-tuning with peft LoRA (r=8 on q/v)
     python3 bench/step.py --model moe --world 2 --auto-buffers --no-local --repeats 15   # max_buffers="auto" vs 1
+    python3 bench/step.py --model dense --world 2 --nccl-shaped --no-local                # NCCL's transport beside
 
 On a machine with >= W GPUs the same command uses NCCL, one GPU per rank.
 """
@@ -111,6 +112,10 @@ def _bench(rank, world, backend, opts):
                "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
     if opts.get("auto_buffers"):  # the same ragged step on units planned with max_buffers="auto"
         methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
+    if opts.get("nccl_shaped"):  # the same step over NCCL's transport: native collectives + the deferred ledger
+        shaped = rg.collectives.from_torch(handshake="deferred", algorithm="native")
+        counter.install_comm(shaped, "ragged-nccl-shaped")
+        methods["ragged-nccl-shaped"] = RaggedMethod(cfg, comm=shaped, checkpoint=ac, **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
@@ -332,6 +337,8 @@ def render(summary, console=None):
                           f"{summary['extra'].get('auto_padding', 0):,}): {paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x"
                           f" {_ci(summary, 'ragged-auto', 'ragged')}; ragged-auto/fsdp2: "
                           f"{paired_ratio(summary, 'ragged-auto', 'fsdp2'):.2f}x")
+        if "ragged-nccl-shaped" in ms:
+            t.caption += f"\n{nccl_shaped_text(summary)}"
     console.print(t)
     for name, m in ms.items():
         if m.get("peak_where"):
@@ -390,7 +397,17 @@ def markdown(summary) -> str:
         if "ragged-auto" in ms:
             lines.append(f"Paired ragged-auto/ragged: **{paired_ratio(summary, 'ragged-auto', 'ragged'):.3f}x** "
                          f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")
+        if "ragged-nccl-shaped" in ms:
+            lines.append(nccl_shaped_text(summary))
     return "\n".join(lines)
+
+
+def nccl_shaped_text(summary) -> str:
+    """The paired ratios of the step over NCCL's transport (``--nccl-shaped``)."""
+    return (f"Paired ragged-nccl-shaped/ragged (native collectives + the deferred ledger, on {summary.get('backend', '?')}): "
+            f"**{paired_ratio(summary, 'ragged-nccl-shaped', 'ragged'):.3f}x** {_ci(summary, 'ragged-nccl-shaped', 'ragged')}; "
+            f"ragged-nccl-shaped/fsdp2: {paired_ratio(summary, 'ragged-nccl-shaped', 'fsdp2'):.3f}x "
+            f"{_ci(summary, 'ragged-nccl-shaped', 'fsdp2')}.")
 
 
 def main(argv=None) -> int:
@@ -419,6 +436,9 @@ def main(argv=None) -> int:
     ap.add_argument("--auto-buffers", action="store_true",
                     help="also time ragged with units planned by make_units(max_buffers='auto') (method ragged-auto), "
                          "paired against the single-buffer ragged in the same repeats")
+    ap.add_argument("--nccl-shaped", action="store_true",
+                    help="also time ragged over NCCL's transport (from_torch(handshake='deferred', algorithm='native'): "
+                         "native collectives + the deferred ledger; method ragged-nccl-shaped), paired in the same repeats")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",
@@ -445,7 +465,8 @@ def main(argv=None) -> int:
     opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
                 keep_module=args.keep_module,
-                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers, lora=args.lora)
+                checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers, lora=args.lora,
+                nccl_shaped=args.nccl_shaped)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

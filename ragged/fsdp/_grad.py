@@ -236,7 +236,7 @@ class ValueAndGrad:
             "micro_batches": self.micro_batches,
             "schedule_reruns": attempt,
         }
-        if run.trace is not None:
+        if isinstance(run.trace, list):
             metrics["trace"] = run.trace
         return GradResult(verdict["loss"], grads, unused, metrics)
 

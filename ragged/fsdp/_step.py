@@ -143,7 +143,7 @@ class Step:
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
         """Memory and communication of this step per rank, without running it: see
-        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activation_bytes``, ``max_ranks``)."""
+        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``)."""
         from ragged.fsdp._lower import lower
 
         return lower(self, state_shapes, batch_shapes, **options)

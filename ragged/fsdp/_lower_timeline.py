@@ -50,8 +50,8 @@ def timeline(lowered, *, early: bool = False):
     """The step's transient memory, point by point: ``(points, peaks)``, ``points`` a list of
     ``(unit, phase, parts)`` where ``parts`` are the bytes alive by kind at that point (see
     [Note: lowering a step]): after a forward entry's gathers, while it computes; in a backward
-    segment before its first gradients take their buffers and after (``activations``: the
-    model's own bytes there, from ``lowered.activations``). ``early``: every reduce-scatter is done
+    segment before and after the runtime first acts inside it; at a reduce-scatter
+    (``activations``: the model's own bytes there, from ``lowered.activations``). ``early``: every reduce-scatter is done
     by the next point (the least memory the runtime can reach); default: waited only when
     ``max_inflight_reduce`` forces it (the most)."""
     step, sched, lays, act = lowered.step, lowered.schedule, lowered.layouts, lowered.activations
@@ -67,11 +67,9 @@ def timeline(lowered, *, early: bool = False):
         peaks["gathered"] = max(peaks["gathered"], live["gathered"])
         peaks["grad_buffers"] = max(peaks["grad_buffers"], live["grad_buffers"])
 
-    def rdtype(i):  # the reduce-scatter's dtype: the policy's, else the plan's (master) dtype
-        return lays[i].reduce_dtype or lays[i].grad_plan.dtype
-
-    def rcopy(i):  # the flat gradient (compute dtype) is copied into the reduce dtype
-        return lays[i].grad_plan.buffer_numel * _itemsize(rdtype(i)) if rdtype(i) != lays[i].dtype else 0
+    def rcopy(i):  # the flat gradient (compute dtype) copied into the reduce dtype (the policy's, else the master's)
+        dt = lays[i].reduce_dtype or lays[i].grad_plan.dtype
+        return lays[i].grad_plan.buffer_numel * _itemsize(dt) if dt != lays[i].dtype else 0
 
     def finish_oldest():
         i = pending.pop(0)

@@ -18,6 +18,7 @@ The error columns are (predicted - measured) / measured. Usage::
 
     python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off
     python3 bench/predict.py --models tiny --world 8           # seconds
+    python3 bench/predict.py --models moe --world 8 64 256 --checkpointing off on --diagnose
 """
 
 from __future__ import annotations
@@ -51,16 +52,41 @@ def _learn(comm, cfg, checkpoint, batch):
     return fsdp.profile_activations(step, state, task.batch(1, batch))
 
 
-def predict(model: str, world: int, checkpoint: bool, batch: int) -> dict:
+def _profile_at_world(rank, world, backend, opts):
+    """Diagnostic only (``--diagnose``): the same profile taken on the fake process group at W itself,
+    where the gathered weights are whatever the fake collectives left in the buffers."""
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM
+    from ragged.examples.gpt import GPTConfig
+
+    from bench._methods import RaggedMethod
+
+    cfg = opts["cfg"]
+    method = RaggedMethod(GPTConfig(**cfg), comm=rg.collectives.from_torch(), seed=0, device=torch.device("cpu"), lr=1e-3,
+                          policy="fp32", checkpoint=opts["checkpoint"])
+    task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
+    method.step(task.batch(0, opts["batch"]))
+    return fsdp.profile_activations(method.step_fn, method.state, task.batch(1, opts["batch"]))
+
+
+def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: bool = False) -> dict:
+    """The lowering's state and peak; ``at_world``: with the profile taken on the fake group at W (a
+    diagnostic: it splits the error into what the data changes and what the model misses)."""
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.gpt import GPT, GPTConfig
     from ragged.fsdp._lower_peers import compare
 
+    from bench._launch import launch
     from bench.step import CONFIGS
 
     cfg = CONFIGS[model]
-    (activations,) = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
+    if at_world:
+        opts = dict(cfg=cfg, checkpoint=checkpoint, batch=batch)
+        activations = launch(world, _profile_at_world, opts, backend="fake", fake_rank=min(1, world - 1), timeout=1800)[0]
+    else:
+        (activations,) = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
     meta = GPT(GPTConfig(**cfg), device="meta")
     units = fsdp.make_units(meta, world_size=world)
     opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
@@ -87,6 +113,7 @@ def _err(p, m) -> str:
 COLUMNS = ("model", "AC", "W", "ragged state MiB pred / meas", "err", "ragged peak MiB pred / meas", "err",
            "peak MiB, reduce-scatters waited late", "fsdp2 state MiB rule / meas", "err",
            "model's own MiB (W=1): saved / most", "ragged peak at (pred / meas)")
+DIAGNOSE = ("peak MiB, profiled at W (diagnostic)", "err")
 
 
 def main(argv=None) -> int:
@@ -98,8 +125,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--checkpointing", nargs="+", choices=("on", "off"), default=["on", "off"])
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also lower with the profile taken on the fake group at W (not a prediction: measured at W)")
     args = ap.parse_args(argv)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    cols = COLUMNS + (DIAGNOSE if args.diagnose else ())
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     print(f"== prediction vs fake process group, torch {torch.__version__}, CPU ==", flush=True)
     for model in args.models:
         for ac in args.checkpointing:
@@ -111,6 +141,9 @@ def main(argv=None) -> int:
                        f"{_mib(p['peak_low'])} / {_mib(a['peak'])}", _err(p["peak_low"], a["peak"]), _mib(p["peak"]),
                        f"{_mib(p['fsdp2_state'])} / {_mib(b['start'])}", _err(p["fsdp2_state"], b["start"]),
                        f"{_mib(p['activations'])} / {_mib(p['model_peak'])}", f"{p['peak_at']} / {a['where']}"]
+                if args.diagnose:
+                    d = predict(model, world, ac == "on", args.batch, at_world=True)
+                    row += [_mib(d["peak_low"]), _err(d["peak_low"], a["peak"])]
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))

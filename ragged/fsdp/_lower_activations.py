@@ -14,9 +14,10 @@ size), from its creation until it is freed (a ``TorchDispatchMode``; nothing is 
 allocator, so it reads the same on CPU and CUDA; memory a kernel allocates and frees inside
 itself is not seen). A dispatch mode changes one thing it measures: autograd then sums a
 leaf's gradient contributions (a fused expert weight read once per expert) out of place instead
-of in place; such a sum is counted as the in-place one it replaces. It keeps, at the program's points (per forward entry, per backward segment
-split where its first gradients take their buffers, per event), the most of those bytes alive at
-once. The lowering places them next to the runtime's buffers of the same point at any world size.
+of in place; such a sum is counted as the in-place one it replaces. It keeps, at the program's
+points (per forward entry; per backward segment, split where the runtime first acts inside it;
+per event), the most of those bytes alive at once. The lowering places them next to the
+runtime's buffers of the same point at any world size.
 """
 
 from __future__ import annotations

@@ -7,14 +7,18 @@ For each model, world size W and activation-checkpointing setting:
   ("state") and its peak (``bench/_measure.LiveBytes``);
 * predicted: the same ragged configuration (``bench/_methods.RaggedMethod``: every block and the
   rest as units, fp32, ``rg.optim.adamw(donate=True)``) built on ``rg.collectives.abstract(W,
-  rank=1)`` and lowered with the schedule and the saved-activation bytes of one real step at
-  W = 1 (simulated backend, same per-rank batch: activations do not depend on W), so nothing in
-  the prediction is measured at W; FSDP2's persistent bytes by its rule (``_lower_peers``).
+  rank=1)`` and lowered with ``fsdp.profile_activations`` of the same step at W = 1 (simulated
+  backend, one real step first, then the profile on the measured step's batch: the model's own
+  bytes do not depend on W), so nothing in the prediction is measured at W; the peak compared is
+  ``peak_bytes_low`` (reduce-scatters done by the next point: the fake group's collectives return
+  at once), ``peak_bytes`` (waited as late as the runtime may) is shown next to it; FSDP2's
+  persistent bytes by its rule (``_lower_peers``).
 
 The error columns are (predicted - measured) / measured. Usage::
 
     python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off
     python3 bench/predict.py --models tiny --world 8           # seconds
+    python3 bench/predict.py --models moe --world 8 64 256 --checkpointing off on --diagnose
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch  # noqa: E402
 
 
 def _learn(comm, cfg, checkpoint, batch):
-    """One real step at W = 1: the learnt schedule and the saved-activation bytes."""
+    """The model's own bytes at every point of the step at W = 1 (``fsdp.profile_activations``; its schedule
+    is the learnt one)."""
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.data import SyntheticLM
@@ -43,31 +48,58 @@ def _learn(comm, cfg, checkpoint, batch):
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(model, checkpoint=checkpoint), opt, comm, donate=True)
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
-    for s in range(2):
-        state, metrics = step(state, task.batch(s, batch))
-    return step.value_and_grad.memo.schedule, int(metrics["saved_activation_bytes"])
+    state, _ = step(state, task.batch(0, batch))
+    return fsdp.profile_activations(step, state, task.batch(1, batch))
 
 
-def predict(model: str, world: int, checkpoint: bool, batch: int) -> dict:
+def _profile_at_world(rank, world, backend, opts):
+    """Diagnostic only (``--diagnose``): the same profile taken on the fake process group at W itself,
+    where the gathered weights are whatever the fake collectives left in the buffers."""
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM
+    from ragged.examples.gpt import GPTConfig
+
+    from bench._methods import RaggedMethod
+
+    cfg = opts["cfg"]
+    method = RaggedMethod(GPTConfig(**cfg), comm=rg.collectives.from_torch(), seed=0, device=torch.device("cpu"), lr=1e-3,
+                          policy="fp32", checkpoint=opts["checkpoint"])
+    task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
+    method.step(task.batch(0, opts["batch"]))
+    return fsdp.profile_activations(method.step_fn, method.state, task.batch(1, opts["batch"]))
+
+
+def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: bool = False) -> dict:
+    """The lowering's state and peak; ``at_world``: with the profile taken on the fake group at W (a
+    diagnostic: it splits the error into what the data changes and what the model misses)."""
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.gpt import GPT, GPTConfig
     from ragged.fsdp._lower_peers import compare
 
+    from bench._launch import launch
     from bench.step import CONFIGS
 
     cfg = CONFIGS[model]
-    (schedule, activations), = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
+    if at_world:
+        opts = dict(cfg=cfg, checkpoint=checkpoint, batch=batch)
+        activations = launch(world, _profile_at_world, opts, backend="fake", fake_rank=min(1, world - 1), timeout=1800)[0]
+    else:
+        (activations,) = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
     meta = GPT(GPTConfig(**cfg), device="meta")
     units = fsdp.make_units(meta, world_size=world)
     opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
     step = fsdp.make_step(units, lambda p, b: None, opt, rg.collectives.abstract(world, rank=min(1, world - 1)),
                           donate=True)
-    lowered = step.lower(schedule=schedule, activation_bytes=activations, max_ranks=max(2, world))
+    lowered = step.lower(activations=activations, max_ranks=max(2, world))
     mem = lowered.memory_analysis()
+    unit, phase, _ = max(lowered.timeline(early=True)[0], key=lambda p: sum(p[2].values()))  # where peak_bytes_low is
+    low_at = f"{unit} {phase}"
     peers = {r.system: r for r in compare(lowered)}
-    return dict(state=mem.per_rank[min(1, world - 1)], peak=mem.peak_bytes, peak_at=" ".join(mem.peak_at),
-                activations=activations, fsdp2_state=peers["fsdp2"].persistent_bytes)
+    return dict(state=mem.per_rank[min(1, world - 1)], peak=mem.peak_bytes, peak_low=mem.peak_bytes_low, peak_at=low_at,
+                activations=activations.saved, model_peak=activations.peak, parts=mem.peak_parts,
+                fsdp2_state=peers["fsdp2"].persistent_bytes)
 
 
 def _mib(n) -> str:
@@ -79,7 +111,9 @@ def _err(p, m) -> str:
 
 
 COLUMNS = ("model", "AC", "W", "ragged state MiB pred / meas", "err", "ragged peak MiB pred / meas", "err",
-           "fsdp2 state MiB rule / meas", "err", "activations MiB (W=1)", "ragged peak at (pred / meas)")
+           "peak MiB, reduce-scatters waited late", "fsdp2 state MiB rule / meas", "err",
+           "model's own MiB (W=1): saved / most", "ragged peak at (pred / meas)")
+DIAGNOSE = ("peak MiB, profiled at W (diagnostic)", "err")
 
 
 def main(argv=None) -> int:
@@ -91,8 +125,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--checkpointing", nargs="+", choices=("on", "off"), default=["on", "off"])
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also lower with the profile taken on the fake group at W (not a prediction: measured at W)")
     args = ap.parse_args(argv)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    cols = COLUMNS + (DIAGNOSE if args.diagnose else ())
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     print(f"== prediction vs fake process group, torch {torch.__version__}, CPU ==", flush=True)
     for model in args.models:
         for ac in args.checkpointing:
@@ -101,9 +138,12 @@ def main(argv=None) -> int:
                 cell = run_cell(model, world, ac == "on", batch=args.batch, warmup=1)
                 a, b = cell["ragged"]["step"], cell["fsdp2"]["step"]
                 row = [model, ac, str(world), f"{_mib(p['state'])} / {_mib(a['start'])}", _err(p["state"], a["start"]),
-                       f"{_mib(p['peak'])} / {_mib(a['peak'])}", _err(p["peak"], a["peak"]),
+                       f"{_mib(p['peak_low'])} / {_mib(a['peak'])}", _err(p["peak_low"], a["peak"]), _mib(p["peak"]),
                        f"{_mib(p['fsdp2_state'])} / {_mib(b['start'])}", _err(p["fsdp2_state"], b["start"]),
-                       _mib(p["activations"]), f"{p['peak_at']} / {a['where']}"]
+                       f"{_mib(p['activations'])} / {_mib(p['model_peak'])}", f"{p['peak_at']} / {a['where']}"]
+                if args.diagnose:
+                    d = predict(model, world, ac == "on", args.batch, at_world=True)
+                    row += [_mib(d["peak_low"]), _err(d["peak_low"], a["peak"])]
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))

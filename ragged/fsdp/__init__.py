@@ -29,6 +29,8 @@ from ragged.fsdp._lower import Collective as Collective
 from ragged.fsdp._lower import CostAnalysis as CostAnalysis
 from ragged.fsdp._lower import Lowered as Lowered
 from ragged.fsdp._lower import MemoryAnalysis as MemoryAnalysis
+from ragged.fsdp._lower_activations import Activations as Activations
+from ragged.fsdp._lower_activations import profile_activations as profile_activations
 from ragged.fsdp._lower_time import Link as Link
 from ragged.fsdp._lower_time import Network as Network
 from ragged.fsdp._lower_time import TimeEstimate as TimeEstimate

@@ -106,7 +106,7 @@ class ValueAndGrad:
     reshard_after_forward: bool = True
     max_inflight_reduce: int = 1
     module: Any = None
-    trace: bool = False
+    trace: Any = False  # True: a list in the metrics; a callable: called per event (see value_and_grad)
     layouts: tuple = dataclasses.field(default=(), repr=False, compare=False)
     slots: tuple = dataclasses.field(default=(), repr=False, compare=False)
     memo: _Memo = dataclasses.field(default=None, repr=False, compare=False)
@@ -236,7 +236,7 @@ class ValueAndGrad:
             "micro_batches": self.micro_batches,
             "schedule_reruns": attempt,
         }
-        if run.trace is not None:
+        if isinstance(run.trace, list):
             metrics["trace"] = run.trace
         return GradResult(verdict["loss"], grads, unused, metrics)
 
@@ -335,7 +335,10 @@ def value_and_grad(
             ``module(...)``, and recomputation inside it works; its compiled modules are gathered
             at their boundary (see [Note: compiled regions] in ``_compiled.py``). One module
             object per rank.
-        trace: record ``(event, unit, phase)`` tuples in the step's metrics.
+        trace: record ``(event, unit, phase)`` tuples in the step's metrics (events: ``enter`` a forward
+            entry, ``event`` a backward event, ``gather_start`` / ``gather_done`` / ``free``, ``compute``,
+            ``grad_buffer``, ``reduce_start`` / ``reduce_done``); a callable is called as
+            ``trace(event, unit, cursor)`` instead (``fsdp.profile_activations``).
 
     Returns:
         A :class:`ValueAndGrad`; calling it on ``(shards, batch)`` gives ``(loss, grads)``: the

@@ -23,12 +23,14 @@ Everything comes from values the step already holds and that decide what a real 
   all-reduce of ``5 + units + trained leaves`` elements) and the plan check (an all-reduce of two
   int64, four on a deferred-handshake comm); a learning call's exchange of observations is an
   ``all_gather_object``, counted in ``objects`` (its pickled size is not predicted);
-* peak: the program's gathers, frees and reduce-scatters walked in the runtime's order, with the
-  flat gradient buffer of a unit alive from its first gradient's segment until its reduce-scatter
-  is waited (at the latest: ``max_inflight_reduce`` later; the runtime may finish one earlier), and
-  the saved activations the caller gives (``activation_bytes``: ragged cannot know them from
-  shapes; 0 is assumed otherwise, and the analysis says so), growing linearly over forward
-  entries and shrinking over backward segments.
+* peak: the program's gathers, frees and reduce-scatters walked in the runtime's order
+  (``_lower_timeline.walk``), with the flat gradient buffer of a unit alive from its first
+  gradient's segment until its reduce-scatter is waited (at the latest: ``max_inflight_reduce``
+  later; the runtime may finish one earlier), and the model's own bytes at each point
+  (``activations``: saved tensors, temporaries, leaf gradients), which do not depend on the world
+  size but not on shapes alone either: measured once on one device by
+  :func:`~ragged.fsdp.profile_activations` (see [Note: measuring activations on one device]);
+  0 is assumed without them, and the analysis says so.
 
 What is assumed is listed in ``assumed`` of every analysis. Not modelled: collectives the
 optimizer issues itself (``clip_by_global_norm``, Muon), data groups (refused), a first call's
@@ -46,6 +48,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
+from ragged.fsdp._lower_activations import Activations
 from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._trainable import trainable_shards
 
@@ -124,7 +127,10 @@ class MemoryAnalysis:
             ``optimizer.<field>``).
         per_rank: ``{rank: persistent bytes}`` of the evaluated ranks; ``max_rank`` / ``min_rank``
             and ``min_bytes`` summarise it.
-        peak_bytes: persistent bytes plus the most transient bytes alive at one point of the step.
+        peak_bytes: persistent bytes plus the most transient bytes alive at one point of the step,
+            reduce-scatters waited as late as ``max_inflight_reduce`` lets the runtime wait them.
+        peak_bytes_low: the same with every reduce-scatter done by the next point (a network that
+            keeps up, like torch's fake process group, whose collectives return at once).
         peak_at: ``(unit, phase)`` where the peak is reached.
         peak_parts: the transient bytes at the peak by kind (``gathered``, ``grad_buffers``,
             ``reduce_copies``, ``grad_shards``, ``activations``).
@@ -151,6 +157,7 @@ class MemoryAnalysis:
     min_rank: int
     min_bytes: int
     peak_bytes: int
+    peak_bytes_low: int
     peak_at: tuple[str, str]
     peak_parts: dict
     peak_gathered_bytes: int
@@ -231,7 +238,7 @@ class Lowered:
     step: object = dataclasses.field(repr=False)
     schedule: CollectiveSchedule
     state_bytes: dict  # {rank: {category: bytes}}
-    activation_bytes: int | None = None
+    activations: Activations | None = None
     schedule_assumed: bool = False
 
     @property
@@ -259,18 +266,15 @@ class Lowered:
     # ---- collectives ----------------------------------------------------------------------
     def cost_analysis(self) -> CostAnalysis:
         """Collectives per step of the steady state (see [Note: lowering a step])."""
-        step, prog = self.step, self.program
+        from ragged.fsdp._lower_timeline import walk
+
+        step = self.step
         comm, k = step.comm, step.micro_batches
         replicas = comm.num_replicas
-        gathers = [0] * len(self.layouts)
-        for _, g in prog.forward:
-            for i in g:
-                gathers[i] += 1
-        for i in prog.start_prefetch:
-            gathers[i] += 1
-        for _, _, g in prog.backward:
-            for i in g:
-                gathers[i] += 1
+        gathers = [0] * len(self.layouts)  # every micro-batch's
+        for action, *args in walk(self):
+            if action == "gather":
+                gathers[args[0]] += 1
         table: dict[tuple[str, str], list[int]] = {}
 
         def add(kind, axis, calls, nbytes):
@@ -282,8 +286,8 @@ class Lowered:
         per_unit = {}
         for lay, n_g in zip(self.layouts, gathers):
             gb = lay.nbytes  # the gathered buffer in the compute dtype
-            add("all_gather", "shard", k * n_g, k * n_g * gb)
-            unit = {"gathers": k * n_g, "gather_bytes": k * n_g * gb, "reduces": 0, "reduce_bytes": 0}
+            add("all_gather", "shard", n_g, n_g * gb)
+            unit = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": 0, "reduce_bytes": 0}
             gp = lay.grad_plan
             if gp is not None:
                 rsize = _itemsize(lay.reduce_dtype or gp.dtype)
@@ -325,21 +329,25 @@ class Lowered:
         persistent = totals[top]
         points, peaks = self.timeline()
         unit, phase, parts = max(points, key=lambda p: sum(p[2].values()))
+        early_points, early = self.timeline(early=True)
+        least = max(sum(p[2].values()) for p in early_points)
         parts = {key: int(round(v)) for key, v in parts.items()}
         assumed = list(self._assumed())
-        if self.activation_bytes is None:
-            assumed.append("activations: 0 bytes (not derivable from shapes; pass activation_bytes=, e.g. the "
-                           "saved_activation_bytes metric of a small real step)")
+        if self.activations is None:
+            assumed.append("activations: 0 bytes (not derivable from shapes; pass activations=fsdp.profile_activations("
+                           "...) of the same step on one device)")
         else:
-            assumed.append(f"activations: {self.activation_bytes} bytes per micro-batch (given), linear over entries")
-        assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (an upper bound)")
+            assumed.append("activations: measured per point on one device (fsdp.profile_activations); kernels' "
+                           "internal workspace and the optimizer update's temporaries not included")
+        assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (peak_bytes; "
+                       "peak_bytes_low: done by the next point)")
         if len(totals) < self.units.world_size:
             assumed.append(f"per rank: {len(totals)} of {self.units.world_size} ranks evaluated ({sorted(totals)})")
         return MemoryAnalysis(persistent_bytes=persistent, by_category=dict(self.state_bytes[top]), per_rank=totals,
                               max_rank=top, min_rank=low, min_bytes=totals[low], peak_bytes=persistent + sum(parts.values()),
-                              peak_at=(unit, phase), peak_parts=parts, peak_gathered_bytes=peaks["gathered"],
-                              peak_grad_bytes=peaks["grad_buffers"],
-                              peak_grad_bytes_low=self.timeline(early=True)[1]["grad_buffers"], assumed=tuple(assumed))
+                              peak_bytes_low=persistent + int(round(least)), peak_at=(unit, phase), peak_parts=parts,
+                              peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
+                              peak_grad_bytes_low=early["grad_buffers"], assumed=tuple(assumed))
 
     def estimate_time(self, network, **kwargs):
         """Step time from an alpha-beta ``network`` (see ``ragged/fsdp/_lower_time.py``)."""
@@ -349,7 +357,7 @@ class Lowered:
 
 
 def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSchedule | None = None,
-          activation_bytes: int | None = None, max_ranks: int = 8) -> Lowered:
+          activations: Activations | None = None, max_ranks: int = 8) -> Lowered:
     """Lowers ``step`` (see [Note: lowering a step]); ``step.lower(...)`` calls this.
 
     Args:
@@ -358,9 +366,10 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
             meta) whose tensors are counted as this comm's rank's.
         batch_shapes: this rank's batch (tensors or meta tensors): checked against
             ``micro_batches``; the data itself is never read.
-        schedule: the collective schedule (default: the step's learnt one when it has run, else
-            :func:`assumed_schedule`).
-        activation_bytes: bytes saved for backward per micro-batch (default: unknown, 0 assumed).
+        schedule: the collective schedule (default: the one ``activations`` were measured with, else the
+            step's learnt one when it has run, else :func:`assumed_schedule`).
+        activations: the model's own bytes per point, from :func:`~ragged.fsdp.profile_activations`
+            of this step built on one device (default: unknown, 0 assumed).
         max_ranks: evaluate every rank up to this many, else this many evenly spread ranks.
 
     Examples:
@@ -398,6 +407,8 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
         raise RaggedTypeError(f"step.lower: state_shapes must be None or a TrainState, got {type(state_shapes).__name__}.")
     memo = step.value_and_grad.memo
     assumed = False
+    if schedule is None and isinstance(activations, Activations):
+        schedule = activations.schedule
     if schedule is None:
         if memo.schedule.learning:
             schedule, assumed = assumed_schedule(units), True
@@ -405,7 +416,10 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
             schedule = memo.schedule
     if not isinstance(schedule, CollectiveSchedule) or len(schedule.reduce_at) != len(units):
         raise RaggedValueError(f"step.lower: schedule must be a CollectiveSchedule over the step's {len(units)} units.")
-    if activation_bytes is not None and (not isinstance(activation_bytes, int) or activation_bytes < 0):
-        raise RaggedValueError(f"step.lower: activation_bytes must be a non-negative int, got {activation_bytes!r}.")
-    return Lowered(step=step, schedule=schedule, state_bytes=state_bytes, activation_bytes=activation_bytes,
+    if activations is not None and (not isinstance(activations, Activations) or activations.schedule != schedule):
+        raise RaggedValueError("step.lower: activations must be fsdp.profile_activations(...) of a step with this "
+                               f"schedule, got {type(activations).__name__}" + (" measured with another schedule" if
+                                                                                 isinstance(activations, Activations) else "")
+                               + ". Fix: profile the same step on one device (or lower with schedule=activations.schedule).")
+    return Lowered(step=step, schedule=schedule, state_bytes=state_bytes, activations=activations,
                    schedule_assumed=assumed)

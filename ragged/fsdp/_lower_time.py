@@ -25,6 +25,7 @@ import dataclasses
 
 from ragged._errors import RaggedValueError
 from ragged.fsdp._lower import _itemsize
+from ragged.fsdp._lower_timeline import walk
 
 __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
 
@@ -111,7 +112,7 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         network = Network(shard=network)
     if not isinstance(network, Network):
         raise RaggedValueError(f"estimate_time: network must be a Network or a Link, got {type(network).__name__}.")
-    step, prog, sched, lays = lowered.step, lowered.program, lowered.schedule, lowered.layouts
+    step, sched, lays = lowered.step, lowered.schedule, lowered.layouts
     comm = step.comm
     W, R = comm.world_size, comm.num_replicas
     if R > 1 and network.replica is None:
@@ -138,9 +139,6 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
-    def gather(i):
-        done[i] = issue("all_gather", lays[i].nbytes)
-
     def reduce(i):
         gp = lays[i].grad_plan
         rsize = _itemsize(lays[i].reduce_dtype or gp.dtype)
@@ -157,30 +155,20 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         ready = max([done.get(i, 0.0) for i in units], default=0.0)
         clock["compute"] = max(clock["compute"], ready) + seconds
 
-    n = len(sched.forward)
     if W * R > 1:  # the plan check before anything (two int64)
         issue("all_reduce", 16)
         if R > 1:
             issue("all_reduce", 16, network.replica, R)
-    for _ in range(step.micro_batches):
-        for c, (_, gathers) in enumerate(prog.forward):
-            for i in gathers:
-                gather(i)
-            run([sched.forward[c]], fwd[sched.forward[c]])
-        for e in range(n, -1, -1):
-            reduces, _, gathers = prog.backward[e]
-            for i in reduces:
-                reduce(i)
-            for i in gathers:
-                gather(i)
-            if e == n:
-                for i in prog.start_prefetch:
-                    gather(i)
-            if e >= 1:
-                seg = set(sched.needs[e - 1]) | {sched.forward[e - 1]}
-                run(seg, backward_factor * fwd[sched.forward[e - 1]])
-        for i in prog.end:
-            reduce(i)
+    for action, *args in walk(lowered):  # the program in issue order (shared with the memory timeline)
+        if action == "gather":
+            done[args[0]] = issue("all_gather", lays[args[0]].nbytes)
+        elif action == "reduce":
+            reduce(args[0])
+        elif action == "forward":
+            run([sched.forward[args[0]]], fwd[sched.forward[args[0]]])
+        elif action == "backward":
+            s = args[0]
+            run(set(sched.needs[s]) | {sched.forward[s]}, backward_factor * fwd[sched.forward[s]])
     clock["compute"] = max([clock["compute"], clock["net"]] + pending)
     agree = 8 * (5 + len(lays) + sum(len(lay.trained) for lay in lays))
     clock["net"] = clock["compute"]

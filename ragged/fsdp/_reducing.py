@@ -106,6 +106,7 @@ class Gradients:
                     g[lo:hi].zero_()
                 u.written = [False] * len(u.spans)
                 self.counts.grad_taken(lay.grad_nbytes)
+                self.log("grad_buffer", i)
         r = u.rlate if late else u.rgrad
         if r is None:
             n = lay.grad_replicated_numel

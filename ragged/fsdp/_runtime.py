@@ -140,10 +140,15 @@ class Cursor:
 
 def _tracer(trace, cursor, layouts):
     """The trace callback the run's parts share; it holds no reference to the run, so a finished
-    run (and the gradients it held) is freed at once, not at the next garbage collection."""
-    def log(event: str, i: int):
-        if trace is not None:
-            trace.append((event, layouts[i].name, cursor.phase))
+    run (and the gradients it held) is freed at once, not at the next garbage collection. A list
+    gets ``(event, unit, phase)`` tuples; a callable is called as ``trace(event, unit, cursor)``
+    (``fsdp.profile_activations`` reads the cursor's ``phase`` and ``busy``)."""
+    def log(event: str, i: int | None):
+        name = layouts[i].name if i is not None else "-"
+        if callable(trace):
+            trace(event, name, cursor)
+        elif trace is not None:
+            trace.append((event, name, cursor.phase))
     return log
 
 
@@ -156,7 +161,7 @@ class Run:
     def __init__(self, layouts, units, shards, comm, *, schedule, program, lazy, max_inflight_reduce, trace):
         self.ctx, self.cursor = Context.of(layouts, schedule, program), Cursor()
         self.comm, self.shards = comm, shards
-        self.trace = [] if trace else None
+        self.trace = trace if callable(trace) else [] if trace else None
         self.log = _tracer(self.trace, self.cursor, layouts)
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
@@ -353,6 +358,7 @@ class Run:
 
     # ---- forward -----------------------------------------------------------------------------
     def _enter(self, c: int):
+        self.log("enter", self.ctx.schedule.forward[c])
         frees, gathers = self.ctx.program.forward[c]
         for i in frees:
             self._plan_free(i)
@@ -480,6 +486,8 @@ class Run:
         self.gradients.finish_completed()
         while self.cursor.event > max(e, 0):
             self.cursor.event -= 1
+            fwd = self.ctx.schedule.forward
+            self.log("event", fwd[self.cursor.event] if self.cursor.event < len(fwd) else None)
             reduces, frees, gathers = self.ctx.program.backward[self.cursor.event]
             for i in reduces:
                 self.gradients.reduce(i, f"reduce-scatter {self.ctx.layouts[i].name} backward event {self.cursor.event}")

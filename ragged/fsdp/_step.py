@@ -143,7 +143,7 @@ class Step:
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
         """Memory and communication of this step per rank, without running it: see
-        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activation_bytes``, ``max_ranks``)."""
+        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``)."""
         from ragged.fsdp._lower import lower
 
         return lower(self, state_shapes, batch_shapes, **options)
@@ -198,7 +198,7 @@ def make_step(
             (``rg.optim.adamw(..., donate=True)`` reuses the moments and the gradient buffers,
             which the step owns): ``None`` follows ``optimizer.donates``, a value that disagrees
             raises (see [Note: one donate decision per step] in ``_donate.py``).
-        trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]``.
+        trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]`` (see :func:`value_and_grad`).
         data_groups: the other data axes (e.g. expert parallelism), as :class:`DataGroup`
             ``(comm, is_replicated)`` pairs (see ``_data.py``): after the reduce-scatter over
             ``comm`` (the FSDP axis), the gradients of the parameters with ``is_replicated(path)``

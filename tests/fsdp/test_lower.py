@@ -1,16 +1,20 @@
 """``step.lower(...)`` against real steps on the simulated backend: the persistent bytes of every
 rank by category and every collective's calls and bytes exact, the gathered-buffer peak exact,
-the gradient-buffer peak within the predicted bounds (see [Note: lowering a step])."""
+the gradient-buffer peak within the predicted bounds (see [Note: lowering a step]); the model's
+own bytes measured by ``fsdp.profile_activations`` the same at every world size."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 import ragged as rg
 from ragged import fsdp
-from ragged.examples.gpt import GPT, GPTConfig
+from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 from tests.fsdp._cases import Case
+from ragged.fsdp._schedule import CollectiveSchedule
 from tests.fsdp._lower_cases import measured
 
 # (world size, case, optimizer, steps): the last step is counted; a step learning the schedule
@@ -91,8 +95,8 @@ def test_lower_refuses_bad_inputs():
     step = fsdp.make_step(units, lambda p, b: 0, rg.optim.sgd(0.1), rg.collectives.abstract(8), micro_batches=2)
     with pytest.raises(ValueError, match="micro_batches=2"):
         step.lower(batch_shapes=torch.empty(3, 4, device="meta"))
-    with pytest.raises(ValueError, match="activation_bytes"):
-        step.lower(activation_bytes=-1)
+    with pytest.raises(ValueError, match="activations"):
+        step.lower(activations=1 << 20)
 
 
 def _abstract_step(m=8, **kw):
@@ -132,3 +136,34 @@ def test_peer_rules_on_one_configuration():
     assert rows["zero3"].by_category["grad_partition"] == rows["zero3"].by_category["param_shards"]
     assert rows["fsdp2"].gather_bytes == rows["zero3"].gather_bytes
     assert rows["ragged"].persistent_bytes == rows["ragged"].by_category["param_shards"] * 3 + 8
+
+
+def _profile(comm, case):
+    model = case.model()
+    units = fsdp.make_units(model, world_size=comm.world_size)
+    opt = case.make_optimizer()
+    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing), opt, comm,
+                          micro_batches=case.micro_batches)
+    return fsdp.profile_activations(step, fsdp.init(units, model, opt, comm), case.task().batch(0, 4))  # one batch per rank
+
+
+@pytest.mark.parametrize("case", [Case(moe=True), Case(activation_checkpointing=True, micro_batches=2)],
+                         ids=["moe", "checkpointing-microbatches"])
+def test_activations_do_not_depend_on_the_world_size(case):
+    (one,) = rg.collectives.simulate(1, _profile, case)
+    assert 0 < one.saved < one.peak and len(one.backward) == len(one.schedule.forward)
+    assert rg.collectives.simulate(2, _profile, case) == [one, one]  # every point, the schedule too
+    lowered = _lowered_with(one, case)
+    mem = lowered.memory_analysis()
+    assert mem.peak_parts["activations"] > 0 and mem.peak_bytes >= mem.peak_bytes_low > mem.persistent_bytes
+    with pytest.raises(ValueError, match="another schedule"):
+        lowered.step.lower(activations=one, schedule=CollectiveSchedule.initial(len(lowered.units)))
+
+
+def _lowered_with(activations, case, m=64):
+    model = case.model()
+    meta = type(model)(model.cfg, device="meta")
+    units = fsdp.make_units(meta, world_size=m)
+    step = fsdp.make_step(units, lambda p, b: 0, case.make_optimizer(), rg.collectives.abstract(m),
+                          micro_batches=case.micro_batches)
+    return step.lower(activations=activations)

@@ -3,9 +3,10 @@ unit on use and reduce-scattering it as backward finishes with it.
 
 [Note: one agreement at the start of a call, one at the end]
 At the start the ranks agree, in one small all-reduce (``check_plans(..., every_call=True)``),
-on the units' plans, the options and the schedule's fingerprint, plus a digest of the
-collectives the previous call issued (so a rank that diverged there is reported here on every
-rank). At the end, one all-reduce of a small float64 vector carries the loss, whether any rank
+on the units' plans, the options and the schedule's fingerprint (and, on a deferred comm, the
+ledger's digest of the collectives since the last agreement, so a rank that diverged in the
+previous call is reported here on every rank; see [Note: what each agreement catches] in
+``ragged/transforms/_check.py``). At the end, one all-reduce of a small float64 vector carries the loss, whether any rank
 failed (``loss_fn`` raised, or returned no scalar that needs grad) or deviated from the schedule,
 which units got late gradients and, per leaf, whether any rank produced a gradient. Every rank
 then takes the same branch: a failure raises everywhere (the failing rank re-raises its own
@@ -83,14 +84,13 @@ def split_batch(batch, k: int):
 
 
 class _Memo:
-    """What a :class:`ValueAndGrad` carries between calls: the agreed collective schedule, the digest of the
-    last call's collectives and a local memory hint (which units keep leaf gradients). A cache:
-    with any value of it the results are the same, up to the order of floating-point sums (a
-    gradient that arrives late is reduce-scattered on its own and added); ranks agree on the
-    first two every call."""
+    """What a :class:`ValueAndGrad` carries between calls: the agreed collective schedule and a
+    local memory hint (which units keep leaf gradients). A cache: with any value of it the results
+    are the same, up to the order of floating-point sums (a gradient that arrives late is
+    reduce-scattered on its own and added); ranks agree on the schedule every call."""
 
     def __init__(self, num_units: int):
-        self.schedule, self.digest, self.lazy = CollectiveSchedule.initial(num_units), "", frozenset()
+        self.schedule, self.lazy = CollectiveSchedule.initial(num_units), frozenset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,12 +136,12 @@ class ValueAndGrad:
         memo, policy = self.memo, self.policy
         token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{policy.frozen_dtype}:{self.micro_batches}:"
                  f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
-                 f"{memo.schedule.fingerprint()}:{memo.digest}:{self.frozen_digest}")
+                 f"{memo.schedule.fingerprint()}:{self.frozen_digest}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         rng = _rng_state(self.comm.device)
         for attempt in range(MAX_ATTEMPTS):
             run, losses, failure = self._attempt(shards, micro)
-            memo.digest, memo.lazy = run.seen.digest.hexdigest(), frozenset(run.gradients.lazy)
+            memo.lazy = frozenset(run.gradients.lazy)
             try:
                 verdict = _agree(run, losses, failure, self.comm, data_groups)
                 seen = []

@@ -5,8 +5,6 @@ of a call, one at the end] in ``_grad.py``)."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from ragged.fsdp._schedule import Observation
@@ -24,10 +22,9 @@ class Observer:
         late: ``(unit, segment)`` gradients that arrived after the unit's reduce-scatter.
         deviations: what made this rank compute on zeros (for the error message).
         foreign: ``nn.Parameter``s requiring grad that forward read and the step does not own.
-        digest: every collective's label, folded; the next call's agreement checks it.
     """
 
-    __slots__ = ("used", "inserts", "needs", "missing", "late", "deviations", "foreign", "digest")
+    __slots__ = ("used", "inserts", "needs", "missing", "late", "deviations", "foreign")
 
     def __init__(self):
         self.used: set[int] = set()
@@ -37,11 +34,6 @@ class Observer:
         self.late: list = []
         self.deviations: list[str] = []
         self.foreign: dict[int, tuple] = {}
-        self.digest = hashlib.blake2b(digest_size=8)
-
-    def issued(self, label: str) -> None:
-        """Every collective of the program passes its label (unit, phase, position) here."""
-        self.digest.update(label.encode())
 
     def foreign_read(self, p: torch.Tensor) -> None:
         if id(p) not in self.foreign:

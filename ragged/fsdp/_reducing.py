@@ -190,7 +190,6 @@ class Gradients:
             if b is not None:
                 streams.access(COMPUTE, b.key, write=True)
         ready = streams.record(COMPUTE)
-        self.seen.issued(label)
         with streams.on(REDUCE):
             streams.wait(REDUCE, ready)
             for b in blocks:

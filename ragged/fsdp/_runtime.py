@@ -296,7 +296,6 @@ class Run:
             u.source, works = [], []
             for plan, out, data, what in parts:
                 u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
-                self.seen.issued(what)
                 works.append(_all_gather_flat_start(plan, out, u.source[-1], self.comm, label=what))
             streams.access(GATHER, ("shard", i))
             if u.block is not None:

@@ -45,6 +45,33 @@ A rank that raises in a transform before its collective (bad gradients, a plan o
 ranks than the comm has) would leave its peers waiting in that collective: the entry points are
 wrapped in :func:`poisons`, which poisons the comm (``comm.poison``) so that the peers raise
 :class:`~ragged.CollectiveError` "rank k failed: <the error>" promptly.
+
+[Note: what each agreement catches]
+Three agreements, each catching what the others cannot:
+
+* the **plan round** above (first use of a plan, every transform under ``"every_call"``, and
+  once per call of ``rg.fsdp``'s step, whose token adds the step's options, the schedule's
+  fingerprint and the frozen set): the only one that explains a difference leaf by leaf
+  (``tests/distributed/test_engine_gloo.py: test_plan_mismatch_raises_on_every_rank``) and that
+  sees options which change no call's size (a rank with ``micro_batches=2``:
+  ``test_fsdp_gloo.py: test_rank_switching_step_options_raises_on_every_rank``);
+* the **per-call identity** (a call's operation, dtype, sizes and label): checked by gloo's
+  headers before the data moves, by the simulated backend at its rendezvous, and under
+  ``"deferred"`` recorded by the ledger and verified at the next agreement point (the plan
+  round folds the ledger's digest in; ``comm.verify()``; the periodic device-side check, the
+  only check with no agreement point at all). It catches what a rank does after the plans were
+  agreed: another plan, dtype or op, a skipped or added call, another label
+  (``test_faults_gloo.py``: the mismatch scenarios in both transports;
+  ``test_deferred_periodic_check_needs_no_agreement_point``; ``test_models_gloo.py:
+  test_collectives_that_diverged_before_a_call_are_reported_by_then``);
+* the step's **end-of-call agreement** (``ragged/fsdp/_grad.py``): not about the calls issued
+  but about what the data did (a loss that raised on one rank, a rank that left the schedule,
+  late or missing gradients), so that every rank takes the same branch: raise, or rerun with
+  the learnt schedule (``test_faults_gloo.py: test_error_inside_fsdp_step_makes_every_peer_raise``).
+
+(A fourth, a digest of the labels of the step's collectives checked at the next call, went:
+the per-call identity already carries every label, in every handshake but ``"none"``, which
+asks for no checks.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``compiled_run(comm, case, compile=...)`` trains ``tests.fsdp._cases.Case``'s tiny GPT with
 ``rg.fsdp.make_step(..., module=model)`` with the model compiled (``"block"``: every block,
 ``"whole"``: the model, ``None``: eager) and returns the trained parameters, the losses, the
-digest of the collectives of the last call and its metrics. :func:`dynamo_logs` captures what
+all-gathers and reduce-scatters the last call issued (from its trace) and its metrics. :func:`dynamo_logs` captures what
 ``TORCH_LOGS=graph_breaks,recompiles`` prints.
 """
 
@@ -53,7 +53,8 @@ def compile_model(model, how: str | None, backend: str, *, wrap: bool = False):
 
 def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "inductor", wrap: bool = False,
                  functional: bool = False, compile_update: bool = False):
-    """``(params, losses, digest, metrics of the last step)``; ``functional``: the loss reads the
+    """``(params, losses, collectives, metrics of the last step)`` (``collectives``: the last step's
+    all-gathers and reduce-scatters from its trace, in issue order); ``functional``: the loss reads the
     parameters through ``functional_call`` and the step is not given the module;
     ``compile_update``: the optimizer's update compiled too (with ``backend``)."""
     model = compile_model(case.model(), compile, backend, wrap=wrap)
@@ -63,13 +64,14 @@ def compiled_run(comm, case, *, compile: str | None = "block", backend: str = "i
         opt = opt._replace(update=torch.compile(opt.update, backend=backend))
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(model, checkpoint=case.activation_checkpointing), opt, comm,
-                          micro_batches=case.micro_batches, module=None if functional else model)
+                          micro_batches=case.micro_batches, module=None if functional else model, trace=True)
     task, losses, metrics = case.task(), [], None
     for s in range(case.steps):
         state, metrics = step(state, rank_slice(task.batch(s, case.batch), comm.rank, comm.world_size))
         losses.append(metrics["loss"])
     full = rg.gather(units, state.shards, comm)
-    return {k: v.clone() for k, v in full.items()}, losses, step.value_and_grad.memo.digest, metrics
+    issued = tuple(e for e in metrics.pop("trace") if e[0] in ("gather_start", "reduce_start"))
+    return {k: v.clone() for k, v in full.items()}, losses, issued, metrics
 
 
 @contextlib.contextmanager

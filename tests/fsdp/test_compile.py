@@ -66,14 +66,14 @@ def test_compiled_model_trains_like_eager_and_torch_optim(eager, how, backend):
         runs = _sim(2, CASE, compile=how, backend=backend)
     assert not [m for _, m in records], records  # no graph break, no recompile at all: a dense model
     assert logs_arrive() == {"graph_break", "recompile"}  # and the capture sees them when there are some
-    for (params, losses, digest, metrics), (eparams, elosses, edigest, emetrics) in zip(runs, eager_runs):
+    for (params, losses, issued, metrics), (eparams, elosses, eissued, emetrics) in zip(runs, eager_runs):
         diff, where = max_diff(params, ref)
         assert diff < 1e-10, f"{where} differs from torch.optim by {diff}"
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
         assert max_diff(params, eparams)[0] < 1e-12
         assert metrics["schedule_reruns"] == 0
         if how == "block":  # every region is one unit: eager's collectives, in eager's order, and its memory
-            assert digest == edigest
+            assert issued == eissued
             assert metrics["peak_gathered_bytes"] == emetrics["peak_gathered_bytes"] < metrics["model_bytes"]
             assert metrics["num_gathers"] == emetrics["num_gathers"]
         else:  # one region reads every unit: all are gathered while it runs
@@ -97,10 +97,10 @@ def test_moe_and_checkpointing_inside_the_model_keep_eager_collectives():
     other = [m for kind, m in records if kind == "recompile" and "___check_type_id(self._modules['mlp']" not in m
              and THREAD_RACE not in m]
     assert not other, other
-    for (params, losses, digest, _), (_, _, edigest, _) in zip(runs, eager_runs):
+    for (params, losses, issued, _), (_, _, eissued, _) in zip(runs, eager_runs):
         assert max_diff(params, ref)[0] < 1e-10
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
-        assert digest == edigest
+        assert issued == eissued
 
 
 def test_torchtitan_style_compiled_blocks_train_like_eager(eager):
@@ -108,9 +108,9 @@ def test_torchtitan_style_compiled_blocks_train_like_eager(eager):
     follow the module given to ``make_units``."""
     eager_runs, _ = eager
     runs = _sim(2, CASE, compile="block", backend="aot_eager", wrap=True)
-    for (params, losses, digest, _), (eparams, elosses, edigest, _) in zip(runs, eager_runs):
+    for (params, losses, issued, _), (eparams, elosses, eissued, _) in zip(runs, eager_runs):
         assert max(abs(a - b) for a, b in zip(losses, elosses)) < 1e-12
-        assert digest == edigest
+        assert issued == eissued
         assert max(abs(p - eparams[k.replace("._orig_mod", "")]).max().item() for k, p in params.items()) < 1e-12
 
 

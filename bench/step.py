@@ -338,7 +338,7 @@ def render(summary, console=None):
                           f" {_ci(summary, 'ragged-auto', 'ragged')}; ragged-auto/fsdp2: "
                           f"{paired_ratio(summary, 'ragged-auto', 'fsdp2'):.2f}x")
         if "ragged-nccl-shaped" in ms:
-            t.caption += f"\n{nccl_shaped_text(summary)}"
+            t.caption += f"\n{nccl_shaped_text(summary, bold='')}"
     console.print(t)
     for name, m in ms.items():
         if m.get("peak_where"):
@@ -402,10 +402,10 @@ def markdown(summary) -> str:
     return "\n".join(lines)
 
 
-def nccl_shaped_text(summary) -> str:
+def nccl_shaped_text(summary, bold="**") -> str:
     """The paired ratios of the step over NCCL's transport (``--nccl-shaped``)."""
     return (f"Paired ragged-nccl-shaped/ragged (native collectives + the deferred ledger, on {summary.get('backend', '?')}): "
-            f"**{paired_ratio(summary, 'ragged-nccl-shaped', 'ragged'):.3f}x** {_ci(summary, 'ragged-nccl-shaped', 'ragged')}; "
+            f"{bold}{paired_ratio(summary, 'ragged-nccl-shaped', 'ragged'):.3f}x{bold} {_ci(summary, 'ragged-nccl-shaped', 'ragged')}; "
             f"ragged-nccl-shaped/fsdp2: {paired_ratio(summary, 'ragged-nccl-shaped', 'fsdp2'):.3f}x "
             f"{_ci(summary, 'ragged-nccl-shaped', 'fsdp2')}.")
 

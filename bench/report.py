@@ -204,7 +204,10 @@ step; copies = host time of the copies made for communication in one profiled st
 machine shared with other jobs the times are noisy; the memory and byte columns are not. The LoRA
 run (`--lora`) fine-tunes the HF Llama with peft's adapters (r=8 on q and v, the base frozen) in
 every method; its last line checks ragged's reduce-scatter bytes and optimizer state against what
-the adapters alone need.""", ["step", "step-lora"]),
+the adapters alone need. **ragged-nccl-shaped** (`--nccl-shaped`) is the same ragged step over the
+transport NCCL uses (`from_torch(handshake="deferred", algorithm="native")`: gloo's native
+collectives and the deferred ledger instead of the per-call headers), timed in the same repeats.""",
+     ["step", "step-moe", "step-lora"]),
 ]
 
 

@@ -200,11 +200,6 @@ def unpack(h: "Header", into) -> None:
             pos += n
 
 
-def header_of(call: Call, seq: int, world: int, sends, expects) -> Header:
-    """:func:`decode` of :func:`encode` (this rank's side of a comparison)."""
-    return decode(encode(call, seq, world, sends, expects)[1])
-
-
 def describe_fields(op, reduce, dtype, numel, label) -> str:
     op = OPS[op - 1] if isinstance(op, int) and 0 < op <= len(OPS) else op
     reduce = _REDUCE[reduce] if isinstance(reduce, int) and 0 <= reduce < len(_REDUCE) else reduce

@@ -111,9 +111,6 @@ class CollectiveSchedule:
         text = repr((self.forward, tuple(tuple(sorted(n)) for n in self.needs), self.reduce_at, self.learning))
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
-    def first_entry(self, unit: int) -> int:
-        return self.forward.index(unit)
-
     def observe(self, observations) -> CollectiveSchedule:
         """The schedule for the next call, from every rank's :class:`Observation` (pure: every
         rank computes the same value from the same list)."""

@@ -6,6 +6,7 @@ command-line values] in ``_cli.py``), and the run that plans every unit kind and
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import re
 import time
@@ -39,11 +40,7 @@ def parse_granularity(text: str):
         raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
     if a < 1:
         raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
-    if kind == "rows":
-        return spec.Rows(a)
-    if kind == "elements":
-        return spec.Elements(a)
-    return spec.Blocks(a, int(m.group(3)))
+    return spec.Blocks(a, int(m.group(3))) if kind == "blocks" else {"rows": spec.Rows, "elements": spec.Elements}[kind](a)
 
 
 def unit_specs(params, granularity):
@@ -63,17 +60,16 @@ def unit_specs(params, granularity):
     if not isinstance(granularity, spec.Blocks):
         return granularity, []
     leaves, treedef = pytree.flatten(params)
-    specs, notes = [], {}
+    specs, notes = [], collections.Counter()
     for leaf in leaves:
         shape = tuple(leaf.shape)
         if len(shape) < 2:
             specs.append(spec.Rows(1))
-            notes.setdefault("1-D leaves use Rows(1) (not block-tiled)", 0)
             notes["1-D leaves use Rows(1) (not block-tiled)"] += 1
         elif len(shape) >= 3 and math.prod(shape[:-2]) > 1 and shape[-2] % granularity.r:
             specs.append(spec.Rows(shape[-2]))
             key = f"stacked {shape} has {shape[-2]} rows per matrix, not a multiple of {granularity.r}: whole matrices Rows({shape[-2]})"
-            notes[key] = notes.get(key, 0) + 1
+            notes[key] += 1
         else:
             specs.append(granularity)
     return pytree.unflatten(treedef, specs), [f"{k} [{n} leaves]" for k, n in notes.items()]
@@ -131,11 +127,7 @@ def _world_sizes(text: str) -> list[int]:
             a, b = (int(x) for x in text.split(".."))
             if a < 1 or b < a:
                 raise ValueError
-            out, m = [], a
-            while m <= b:
-                out.append(m)
-                m *= 2
-            return out
+            return [a << k for k in range((b // a).bit_length())]
         m = int(text)
         if m < 1:
             raise ValueError
@@ -168,10 +160,10 @@ def run_plan(args) -> int:
     console = Console(width=args.width)
     dtype = getattr(torch, _DTYPES[args.dtype])
     source = args.model or args.shapes
+    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
     if args.predict:
         from ragged._cli_predict import run_predict
 
-        args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
         try:
             return run_predict(args, console)
         except ValueError as err:  # a malformed --shapes file
@@ -180,7 +172,6 @@ def run_plan(args) -> int:
         units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
     except ValueError as err:  # a malformed --shapes file (JSON or format)
         raise UsageError(f"--shapes {source}: {err}") from None
-    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
 
     kinds: dict[str, list] = {}
     for unit in units:

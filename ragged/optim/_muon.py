@@ -229,30 +229,26 @@ def _waves(plan: LayoutPlan, rank: int, matrices: tuple[MuonMatrix, ...], num_wa
         mine = plan.shard_ranges(rank)  # one global range per buffer (a matrix lies in one buffer)
         recv_at = 0
         for j in range(m):
-            k = 0
-            for u in group:  # what I hold of matrices owned by j
-                if u.owner != j:
-                    continue
-                for lo_me, hi_me, local in mine:
-                    lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
-                    if lo < hi:
-                        send_spans.append((local + lo - lo_me, hi - lo))
-                        k += hi - lo
-            send_splits.append(k)
-            k = 0
-            theirs = plan.shard_ranges(j)
-            for u in group:  # what j holds of matrices I own
-                if u.owner != rank:
-                    continue
-                for lo_j, hi_j, _ in theirs:
-                    lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
-                    if lo < hi:
-                        recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
-                        recv_at += hi - lo
-                        k += hi - lo
-            recv_splits.append(k)
+            sends = [(local, hi - lo) for u in group if u.owner == j for lo, hi, local in _overlaps(u, mine)]
+            send_spans += sends  # what I hold of matrices owned by j
+            send_splits.append(sum(n for _, n in sends))
+            recvs = [(owned_off[u.start] + lo - u.start, hi - lo)  # what j holds of matrices I own
+                     for u in group if u.owner == rank for lo, hi, _ in _overlaps(u, plan.shard_ranges(j))]
+            for o, n in recvs:
+                recv_spans.append((recv_at, o, n))
+                recv_at += n
+            recv_splits.append(sum(n for _, n in recvs))
         waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)
+
+
+def _overlaps(u: MuonMatrix, ranges):
+    """``(global lo, global hi, offset in the shard)`` of each part of matrix ``u`` that lies in
+    one of a rank's ``ranges`` (its :meth:`~ragged.spec.LayoutPlan.shard_ranges`)."""
+    for r in ranges:
+        lo, hi = max(u.start, r.start), min(u.stop, r.stop)
+        if lo < hi:
+            yield lo, hi, r.local_offset + lo - r.start
 
 
 def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:

@@ -184,9 +184,7 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         )
         reached("checksummed")
 
-        files = {}
-        for d in digests:
-            files.update(d)
+        files = {name_: digest for d in digests for name_, digest in d.items()}
         base = {
             "format": fmt.FORMAT,
             "version": fmt.VERSION,
@@ -200,10 +198,8 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         def publish():
             if me != 0:
                 return None
-            extra = {}
-            for name_ in os.listdir(tmp):  # e.g. the empty file of a rank with nothing to write
-                if name_ not in files and name_ != fmt.MANIFEST:
-                    extra[name_] = fmt.file_digest(os.path.join(tmp, name_))
+            extra = {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in os.listdir(tmp)
+                     if name_ not in files and name_ != fmt.MANIFEST}  # e.g. the empty file of a rank with nothing to write
             fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(base, files=dict(files, **extra))))
             fmt.fsync_dir(tmp)
             reached("manifest")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import pickle
 import traceback
 from typing import Any, Callable
@@ -163,11 +164,8 @@ def _exchange(comm, obj) -> list[Any]:
     send = torch.frombuffer(bytearray(data), dtype=torch.uint8).repeat(m).to(device)
     recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
     comm.all_to_all(recv, send, counts, [len(data)] * m)
-    raw, out, pos = recv.cpu().numpy().tobytes(), [], 0
-    for n in counts:
-        out.append(pickle.loads(raw[pos : pos + n]))
-        pos += n
-    return out
+    raw = recv.cpu().numpy().tobytes()
+    return [pickle.loads(raw[end - n : end]) for n, end in zip(counts, itertools.accumulate(counts))]
 
 
 def poison(comm, reason: str) -> None:

@@ -138,10 +138,10 @@ def check_like_state(updates, state_tree, where: str) -> None:
     got, want = pytree.structure(updates), pytree.structure(state_tree)
     if got == want:
         return
-    from ragged._dbuffer import DBuffer
+    from ragged._dbuffer import DBuffer, is_dbuffer
 
     def describe(tree):
-        leaves = pytree.leaves(tree, is_leaf=lambda x: isinstance(x, DBuffer))
+        leaves = pytree.leaves(tree, is_leaf=is_dbuffer)
         parts = []
         for x in leaves[:3]:
             if isinstance(x, DBuffer):

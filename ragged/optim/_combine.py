@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation
 from ragged.spec import LayoutPlan, LeafLayout
@@ -127,10 +127,6 @@ class _MaskCache:
         return hit
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def _label_tree(cache: _MaskCache, tree):
     """Maps every DBuffer in ``tree`` to its label buffers; other leaves are rejected."""
 
@@ -142,7 +138,7 @@ def _label_tree(cache: _MaskCache, tree):
             "Fix: pass a pytree of bools (like the params) as the mask for plain tensor trees."
         )
 
-    return pytree.map(one, tree, is_leaf=_is_dbuffer)
+    return pytree.map(one, tree, is_leaf=is_dbuffer)
 
 
 def leaf_labels(tree, label_fn: LeafFn, labels) -> Any:

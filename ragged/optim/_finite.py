@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation, first_tensor, zero_count
@@ -44,10 +44,6 @@ class NonFiniteError(RaggedError, RuntimeError):
     """
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in pytree.leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -63,7 +59,7 @@ def local_nonfinite(tensors, device=None) -> torch.Tensor:
 def nonfinite_report(tree, limit: int = 5) -> str:
     """Which leaves hold NaN / inf on this rank (key paths; DBuffers by their plan's leaves)."""
     found = []
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace="ragged", is_leaf=_is_dbuffer)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace="ragged", is_leaf=is_dbuffer)
     for accessor, leaf in zip(accessors, leaves):
         name = accessor.codify("")
         if isinstance(leaf, DBuffer):
@@ -83,7 +79,7 @@ def check_sharded_comm(updates, comm, where: str) -> None:
     taken per rank would differ between ranks."""
     if comm is not None:
         return
-    for leaf in pytree.leaves(updates, is_leaf=_is_dbuffer):
+    for leaf in pytree.leaves(updates, is_leaf=is_dbuffer):
         if isinstance(leaf, DBuffer) and leaf.plan.world_size > 1:
             raise RaggedValueError(
                 f"{where}: the updates are DBuffers sharded over world_size={leaf.plan.world_size} ranks but "

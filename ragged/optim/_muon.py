@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._alias import adamw
 from ragged.optim._base import GradientTransformation, Schedule, check_like_state
@@ -272,10 +272,6 @@ class ScaleByMuonState(NamedTuple):
     momentum: Any
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def scale_by_muon(
     *,
     comm,
@@ -317,7 +313,7 @@ def scale_by_muon(
     def waves_for(tree) -> list:
         """Per DBuffer of ``tree`` (flattened order): its exchange waves; owners are balanced
         jointly over all the buffers."""
-        bufs = pytree.leaves(tree, is_leaf=_is_dbuffer)
+        bufs = pytree.leaves(tree, is_leaf=is_dbuffer)
         key = tuple((d.plan, d.rank, d.data.device) for d in bufs)
         if key not in cache:
             for d in bufs:
@@ -401,7 +397,7 @@ def scale_by_muon(
         check_like_state(updates, state.momentum, "muon")
         buf = pytree.map(lambda b, g: torch.lerp(b, g.to(b.dtype), 1.0 - momentum), state.momentum, updates)
         direction = pytree.map(lambda g, b: torch.lerp(g.to(b.dtype), b, momentum), updates, buf) if nesterov else buf
-        bufs, treedef = pytree.flatten(direction, is_leaf=_is_dbuffer)
+        bufs, treedef = pytree.flatten(direction, is_leaf=is_dbuffer)
         out = [one(d, w) for d, w in zip(bufs, waves_for(direction))]
         return pytree.unflatten(treedef, out), ScaleByMuonState(momentum=buf)
 

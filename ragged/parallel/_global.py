@@ -25,7 +25,7 @@ import functools
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.spec._granularity import Replicate, Rows
 from ragged.spec._mesh_plan import MeshPlan
@@ -121,10 +121,6 @@ def _check(mplan, mcomm, where):
         )
 
 
-def _is_dbuf(x):
-    return isinstance(x, DBuffer)
-
-
 def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     """Every DBuffer of ``mplan.plan`` in ``tree`` moved to ``plan`` (default
     ``global_plan(mplan)``) over every rank of the mesh; other leaves unchanged.
@@ -170,7 +166,7 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
         rep = torch.zeros(replicated_size(gplan), dtype=flat.dtype, device=flat.device)
         return DBuffer(data=data, replicated=rep, plan=gplan, rank=world.rank)
 
-    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+    return pytree.map(convert, tree, is_leaf=is_dbuffer)
 
 
 def from_global(mplan: MeshPlan, tree, mcomm):
@@ -230,7 +226,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
         flat[dst.to(src.device)] = got
         return DBuffer(data=flat[:S].clone(), replicated=flat[S:].clone(), plan=mplan.plan, rank=fsdp_rank)
 
-    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+    return pytree.map(convert, tree, is_leaf=is_dbuffer)
 
 
 def _check_same_leaves(mplan: MeshPlan, gplan: LayoutPlan) -> None:

@@ -11,7 +11,7 @@ from ragged.optim._base import EmptyState, GradientTransformation
 from ragged.optim._finite import NonFiniteError, check_sharded_comm, local_nonfinite, nonfinite_report
 from ragged.optim._transform import _check_nonneg
 
-__all__ = ["ClipByGlobalNormState", "global_norm", "clip_by_global_norm"]
+__all__ = ["ClipByGlobalNormState", "tree_norm", "clip_by_global_norm"]
 
 ClipByGlobalNormState = EmptyState
 

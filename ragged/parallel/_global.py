@@ -95,20 +95,22 @@ def _local_map(mplan: MeshPlan, gplan: LayoutPlan, coords: tuple, canonical_only
     return cat(src), cat(dst)
 
 
-def _exchange_counts(world, counts: torch.Tensor) -> torch.Tensor:
+def _routes(mplan: MeshPlan, gplan: LayoutPlan, mcomm, canonical_only: bool):
+    """Where this rank's elements go in ``gplan`` (``to_global``) or come from (``from_global``):
+    ``(local positions sorted by their owner rank in gplan, per-owner counts, counts from every
+    rank, the offsets in this rank's gplan shard that the other ranks asked for)``; one exchange
+    of counts and one of offsets over ``mcomm.world`` (any number of buffers: ``plan.locate``)."""
+    world = mcomm.world
     W = world.world_size
-    recv = torch.empty(W, dtype=torch.int64)
-    world.all_to_all(recv, counts.to(torch.int64), [1] * W, [1] * W)
-    return recv
-
-
-def _sorted_by_owner(positions: torch.Tensor, plan: LayoutPlan, W: int):
-    """(order by owner, per-owner counts, offsets in the owners' shards) of global ``positions``
-    of ``plan`` (any number of buffers: ``plan.locate``)."""
-    owner, local = plan.locate(positions)
+    mine, positions = _local_map(mplan, gplan, _coords_key(mcomm.coords), canonical_only)
+    owner, local = gplan.locate(positions)
     order = torch.argsort(owner, stable=True)
     counts = torch.bincount(owner, minlength=W) if positions.numel() else torch.zeros(W, dtype=torch.int64)
-    return order, counts, local
+    recv_counts = torch.empty(W, dtype=torch.int64)
+    world.all_to_all(recv_counts, counts.to(torch.int64), [1] * W, [1] * W)
+    theirs = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+    world.all_to_all(theirs, local[order], recv_counts.tolist(), counts.tolist())
+    return mine[order], counts, recv_counts, theirs
 
 
 def _check(mplan, mcomm, where):
@@ -146,13 +148,8 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     W, Sg = world.world_size, gplan.shard_size
     if gplan.world_size != W:
         raise RaggedValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
-    src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
-    order, counts, local = _sorted_by_owner(dst, gplan, W)
-    src, send_pos = src[order], local[order]
-    recv_counts = _exchange_counts(world, counts)
-    n_in = int(recv_counts.sum())
-    recv_pos = torch.empty(n_in, dtype=torch.int64)
-    world.all_to_all(recv_pos, send_pos, recv_counts.tolist(), counts.tolist())
+    src, counts, recv_counts, recv_pos = _routes(mplan, gplan, mcomm, True)
+    n_in = recv_pos.numel()
 
     def convert(d):
         if not isinstance(d, DBuffer) or d.plan != mplan.plan:
@@ -210,13 +207,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
             )
         if gplan not in cache:
             _check_same_leaves(mplan, gplan)
-            dst, need = _local_map(mplan, gplan, _coords_key(mcomm.coords), False)
-            order, counts, local = _sorted_by_owner(need, gplan, W)
-            dst, local = dst[order], local[order]
-            recv_counts = _exchange_counts(world, counts)
-            req = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-            world.all_to_all(req, local, recv_counts.tolist(), counts.tolist())
-            cache[gplan] = (dst, counts, recv_counts, req)
+            cache[gplan] = _routes(mplan, gplan, mcomm, False)
         dst, counts, recv_counts, req = cache[gplan]
         src = d.data.detach()
         vals = src[req.to(src.device)]

@@ -170,7 +170,7 @@ def scale_by_learning_rate(
     return scale(sign * learning_rate, donate=donate)
 
 
-def _adam_step(g, m, v, *, b1, b2, eps, bc2_sqrt, step, decay, p, donate):
+def _adam_step(g, m, v, *, b1, b2, eps, bc1, bc2_sqrt, step, decay, p, donate):
     """One Adam step on one flat tensor: returns ``(update, new m, new v)``.
 
     ``update = step * m_hat / (sqrt(v_hat) + eps) + decay * p`` (``step``/``decay`` 0-d tensors
@@ -200,26 +200,6 @@ def _adam_step(g, m, v, *, b1, b2, eps, bc2_sqrt, step, decay, p, donate):
 def _bias_corrections(count, b1, b2):
     t = count.to(torch.float64)
     return 1.0 - b1**t, torch.sqrt(1.0 - b2**t)
-
-
-def _adam_init(params) -> ScaleByAdamState:
-    return ScaleByAdamState(count=zero_count(params), mu=pytree.map(torch.zeros_like, params),
-                            nu=pytree.map(torch.zeros_like, params))
-
-
-def _adam_tree(updates, state: ScaleByAdamState, params, *, lr, b1, b2, eps, decay, donate):
-    """:func:`_adam_step` on every leaf, ``update = -lr * m_hat / (sqrt(v_hat) + eps) + decay * p``
-    (``params`` read only when ``decay`` is not None): ``(updates, new state)``."""
-    count = state.count + 1
-    bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
-    g_leaves, treedef = pytree.flatten(updates)
-    p_leaves = treedef.flatten_up_to(params) if decay is not None else [None] * len(g_leaves)
-    outs = [
-        _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc2_sqrt=bc2_sqrt, step=-lr / bc1, decay=decay, p=p, donate=donate)
-        for g, m, v, p in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu), p_leaves)
-    ]
-    unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
-    return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, donate: bool = False) -> GradientTransformation:
@@ -252,12 +232,23 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
 
     def init(params):
         check_floating(params, "scale_by_adam")
-        return _adam_init(params)
+        zeros = lambda p: torch.zeros_like(p)  # noqa: E731
+        return ScaleByAdamState(count=zero_count(params), mu=pytree.map(zeros, params), nu=pytree.map(zeros, params))
 
     def update(updates, state, params=None):
+        del params
         check_like_state(updates, state.mu, "scale_by_adam")
-        # lr = -1: the update is the direction m_hat / (sqrt(v_hat) + eps) itself
-        return _adam_tree(updates, state, None, lr=-1.0, b1=b1, b2=b2, eps=eps, decay=None, donate=donate)
+        count = state.count + 1
+        bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
+        step = 1.0 / bc1
+        g_leaves, treedef = pytree.flatten(updates)
+        outs = [
+            _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=None, p=None,
+                       donate=donate)
+            for g, m, v in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))
+        ]
+        unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
+        return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
     return GradientTransformation(init, update, donates=donate)
 
@@ -295,21 +286,34 @@ def scale_by_adamw(
 
     def init(params):
         check_floating(params, "adamw")
+        adam = ScaleByAdamState(
+            count=zero_count(params), mu=pytree.map(torch.zeros_like, params), nu=pytree.map(torch.zeros_like, params)
+        )
         lr_state = ScaleByScheduleState(count=zero_count(params)) if scheduled else ScaleState()
-        return (_adam_init(params), AddDecayedWeightsState(), lr_state)
+        return (adam, AddDecayedWeightsState(), lr_state)
 
     def update(updates, state, params=None):
         adam, decay_state, lr_state = state
         if weight_decay and params is None:
             raise RaggedValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
         check_like_state(updates, adam.mu, "adamw")
+        count = adam.count + 1
+        bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         lr = learning_rate(lr_state.count) if scheduled else learning_rate
+        step = -lr / bc1
         decay = (-lr * weight_decay) if weight_decay else None
         if isinstance(decay, float):
-            decay = torch.tensor(decay, dtype=torch.float64, device=adam.count.device)
-        out, adam = _adam_tree(updates, adam, params, lr=lr, b1=b1, b2=b2, eps=eps, decay=decay, donate=donate)
+            decay = torch.tensor(decay, dtype=torch.float64, device=count.device)
+        g_leaves, treedef = pytree.flatten(updates)
+        p_leaves = treedef.flatten_up_to(params) if weight_decay else [None] * len(g_leaves)
+        outs = [
+            _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=decay, p=p,
+                       donate=donate)
+            for g, m, v, p in zip(g_leaves, treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu), p_leaves)
+        ]
+        unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
-        return out, (adam, decay_state, new_lr_state)
+        return unflat(0), (ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2)), decay_state, new_lr_state)
 
     hyperparams = {"optimizer": "AdamW", "lr": learning_rate, "betas": (b1, b2), "eps": eps, "weight_decay": weight_decay}
     return GradientTransformation(init, update, donates=donate, hyperparams=hyperparams)

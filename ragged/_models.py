@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._errors import RaggedValueError
+from ragged._errors import RaggedValueError, check_int
 
 __all__ = ["MODELS", "ModelUnit", "model_shapes", "model_units", "expand_names"]
 
@@ -189,8 +189,7 @@ def model_units(
         >>> [u.name for u in model_units("llama3-70b", layers_per_unit=40)]
         ['embed', 'layers.0-39', 'layers.40-79', 'head']
     """
-    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise RaggedValueError(f"layers_per_unit must be a positive int, got {layers_per_unit!r}.")
+    check_int("layers_per_unit", layers_per_unit)
     desc = model_shapes(model)
     units: list[ModelUnit | list] = []
     pending: list[ModelUnit] = []

@@ -22,7 +22,7 @@ import optree
 import torch
 
 from ragged._dbuffer import DBuffer, is_dbuffer
-from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation, first_tensor, zero_count
 
@@ -151,8 +151,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     """
     if not isinstance(inner, GradientTransformation):
         raise RaggedTypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}.")
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
-        raise RaggedValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}.")
+    check_int("apply_if_finite: max_consecutive_errors", max_consecutive_errors, 0)
 
     def init(params):
         count = zero_count(params)

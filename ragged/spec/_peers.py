@@ -29,7 +29,7 @@ import math
 import torch
 
 from ragged._pytree import pytree
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 
 __all__ = ["PEERS", "PeerPadding", "peer_shard_numel", "peer_padding"]
 
@@ -143,8 +143,7 @@ def peer_padding(params, world_size: int, *, peers=PEERS) -> dict[str, PeerPaddi
         >>> {k: (v.per_device, v.padding) for k, v in spec.peer_padding(params, 4).items()}
         {'fsdp2': (13, 9), 'fsdp1': (11, 1), 'zero3': (11, 1), 'megatron': (12, 5)}
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int("world_size", world_size)
     shapes, itemsizes = _shapes_itemsizes(params)
     numel = sum(math.prod(s) for s in shapes)
     out = {}

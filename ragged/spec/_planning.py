@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
+from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import keystr
 from ragged.spec import _buffers, _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
@@ -230,8 +230,7 @@ def make_plan(
         >>> two.buffers, two.shard_size, two.padding               # rows of 3 and rows of 5 apart
         (((0, 12), (24, 10)), 22, 0)
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int("world_size", world_size)
     if strategy not in STRATEGIES:
         raise RaggedValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):

@@ -96,16 +96,13 @@ class Placements:
         object.__setattr__(self, "axes", tuple(sorted(items.items())))
 
     def __getitem__(self, axis: str):
-        for a, p in self.axes:
-            if a == axis:
-                return p
-        raise RaggedKeyError(axis)
+        try:
+            return dict(self.axes)[axis]
+        except KeyError:
+            raise RaggedKeyError(axis) from None
 
     def get(self, axis: str, default=None):
-        for a, p in self.axes:
-            if a == axis:
-                return p
-        return default
+        return dict(self.axes).get(axis, default)
 
     def __repr__(self) -> str:
         return "Placements(" + ", ".join(f"{a}={p!r}" for a, p in self.axes) + ")"

@@ -28,6 +28,7 @@ instead of leaving the others waiting in the next collective. The files are plai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -173,10 +174,8 @@ def poison(comm, reason: str) -> None:
     rank then fail instead of waiting); a no-op otherwise."""
     fn = getattr(comm, "poison", None)
     if callable(fn):
-        try:
+        with contextlib.suppress(Exception):  # the failure being reported matters more
             fn(reason)
-        except Exception:  # noqa: BLE001 - the failure being reported matters more
-            pass
 
 
 def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:

@@ -33,6 +33,7 @@ open descriptor. So a checkpoint can only make ragged read its own files.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -292,9 +293,8 @@ def fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -234,10 +235,8 @@ def _exchange_dirs(a: str, b: str) -> bool:
 def _retire(old: str) -> None:
     """Deletes a replaced checkpoint: its manifest first, so that a crash mid-way never leaves
     a half-deleted directory that looks like a checkpoint."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(old, fmt.MANIFEST))
-    except FileNotFoundError:
-        pass
     fmt.fsync_dir(old)
     reached("retired")
     shutil.rmtree(old, ignore_errors=True)

@@ -174,10 +174,7 @@ def check_floating(params, where: str) -> None:
 
 def first_tensor(tree) -> torch.Tensor | None:
     """The first tensor leaf of ``tree`` (used to pick the device of step counters)."""
-    for leaf in pytree.leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    return next((leaf for leaf in pytree.leaves(tree) if isinstance(leaf, torch.Tensor)), None)
 
 
 def zero_count(params) -> torch.Tensor:

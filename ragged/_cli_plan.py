@@ -186,7 +186,9 @@ def run_plan(args) -> int:
     totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
     warnings = []
     all_notes = set()
+    max_buffers = 1 if args.strategy == "naive" else args.max_buffers
     for kind, members in kinds.items():
+        specs0, _ = unit_specs(members[0].params, args.granularity)  # what the warnings and the picture plan
         table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
                             f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
                       header_style="bold", title_justify="left")
@@ -199,7 +201,7 @@ def run_plan(args) -> int:
                 specs, notes = unit_specs(unit.params, args.granularity)
                 all_notes.update(f"{kind}: {n}" for n in notes)
                 plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
-                                            max_buffers=1 if args.strategy == "naive" else args.max_buffers))
+                                            max_buffers=max_buffers))
             elapsed = time.perf_counter() - t0
             peers = spec.peer_padding(members[0].params, m)
             tot = totals[m]
@@ -214,17 +216,15 @@ def run_plan(args) -> int:
             table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
                           *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
             if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
-                specs, _ = unit_specs(members[0].params, args.granularity)
-                lines, fixes, reductions = explain_padding(members[0], worst, specs, granularity=args.granularity,
+                lines, fixes, reductions = explain_padding(members[0], worst, specs0, granularity=args.granularity,
                                                            strategy=args.strategy, align=args.align,
                                                            repeated=len(members), threshold=args.warn_above,
                                                            max_buffers=args.max_buffers)
                 warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
         console.print(table)
         if args.visualize:
-            specs, _ = unit_specs(members[0].params, args.granularity)
-            plan = spec.make_plan(members[0].params, specs, world_size=args.world_size[0], strategy=args.strategy,
-                                  align=args.align, max_buffers=1 if args.strategy == "naive" else args.max_buffers)
+            plan = spec.make_plan(members[0].params, specs0, world_size=args.world_size[0], strategy=args.strategy,
+                                  align=args.align, max_buffers=max_buffers)
             console.print(visualize(plan, max_ranks=8))
     summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
     for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):

@@ -111,23 +111,19 @@ def _float(text: str) -> float:
 
 def float_at_least(low: float):
     """An argparse ``type``: a finite float ``>= low``."""
-
-    def parse(text: str) -> float:
-        value = _float(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
-        return value
-
-    return parse
+    return _float_bound(low, strict=False)
 
 
 def float_above(low: float):
     """An argparse ``type``: a finite float ``> low``."""
+    return _float_bound(low, strict=True)
 
+
+def _float_bound(low: float, *, strict: bool):
     def parse(text: str) -> float:
         value = _float(text)
-        if value <= low:
-            raise argparse.ArgumentTypeError(f"must be > {low:g}, got {text}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
         return value
 
     return parse

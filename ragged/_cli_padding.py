@@ -9,9 +9,9 @@ import math
 __all__ = ["forcing_leaves", "explain_padding"]
 
 
-def _lower_bound(plan) -> int:
-    lo = -(-plan.numel // plan.world_size)
-    return -(-lo // plan.align) * plan.align
+def _ideal(plan, numel: int) -> int:
+    """``ceil(numel / m)`` rounded up to ``plan.align``: the shard size without padding."""
+    return -(-(-(-numel // plan.world_size)) // plan.align) * plan.align
 
 
 def forcing_leaves(plan, leaves=None):
@@ -23,7 +23,7 @@ def forcing_leaves(plan, leaves=None):
         ``(leaves, step)``: the forcing leaves and the lcm of ``align`` and their granules.
     """
     leaves = plan.leaves if leaves is None else leaves
-    S = max(-(-(-(-sum(l.numel for l in leaves) // plan.world_size)) // plan.align) * plan.align, 1)
+    S = max(_ideal(plan, sum(l.numel for l in leaves)), 1)
     forced, step = [], plan.align
     for leaf in leaves:
         L = math.lcm(leaf.granule, plan.align)
@@ -63,10 +63,8 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
         lines.append(f"buffer {b} ({len(members)} leaves, S_b={size}): "
                      + (f"{len(in_b)} leaves longer than 2*S_b force S_b to a multiple of {step_b}" if in_b
                         else "no leaf forces S_b"))
-    ideal = _lower_bound(plan)
-    if plan.num_buffers > 1:
-        pass  # one line per buffer above
-    elif forced:
+    ideal = _ideal(plan, plan.numel)
+    if forced:  # (one buffer only)
         shown = sorted(forced, key=lambda l: (-l.granule, l.path))[:4]
         listing = ", ".join(f"{l.path} {l.shape} granule {l.granule}" for l in shown)
         more = f", +{len(forced) - len(shown)} more" if len(forced) > len(shown) else ""
@@ -81,7 +79,7 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
                                             plan.align, m)
         if plan.shard_size == lb:
             lines.append("this S is the order-free lower bound: no leaf order and no planner pads less here.")
-    else:
+    elif plan.num_buffers == 1:  # (several buffers: one line each above)
         lines.append(f"no leaf forces S (S={plan.shard_size}, ideal {ideal}); large granules relative to S cost the rest.")
 
     def overhead(params, unit_specs, world_size):

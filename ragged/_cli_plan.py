@@ -6,6 +6,7 @@ command-line values] in ``_cli.py``), and the run that plans every unit kind and
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import re
 import time
@@ -39,11 +40,7 @@ def parse_granularity(text: str):
         raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
     if a < 1:
         raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
-    if kind == "rows":
-        return spec.Rows(a)
-    if kind == "elements":
-        return spec.Elements(a)
-    return spec.Blocks(a, int(m.group(3)))
+    return spec.Blocks(a, int(m.group(3))) if kind == "blocks" else {"rows": spec.Rows, "elements": spec.Elements}[kind](a)
 
 
 def unit_specs(params, granularity):
@@ -63,17 +60,16 @@ def unit_specs(params, granularity):
     if not isinstance(granularity, spec.Blocks):
         return granularity, []
     leaves, treedef = pytree.flatten(params)
-    specs, notes = [], {}
+    specs, notes = [], collections.Counter()
     for leaf in leaves:
         shape = tuple(leaf.shape)
         if len(shape) < 2:
             specs.append(spec.Rows(1))
-            notes.setdefault("1-D leaves use Rows(1) (not block-tiled)", 0)
             notes["1-D leaves use Rows(1) (not block-tiled)"] += 1
         elif len(shape) >= 3 and math.prod(shape[:-2]) > 1 and shape[-2] % granularity.r:
             specs.append(spec.Rows(shape[-2]))
             key = f"stacked {shape} has {shape[-2]} rows per matrix, not a multiple of {granularity.r}: whole matrices Rows({shape[-2]})"
-            notes[key] = notes.get(key, 0) + 1
+            notes[key] += 1
         else:
             specs.append(granularity)
     return pytree.unflatten(treedef, specs), [f"{k} [{n} leaves]" for k, n in notes.items()]
@@ -131,11 +127,7 @@ def _world_sizes(text: str) -> list[int]:
             a, b = (int(x) for x in text.split(".."))
             if a < 1 or b < a:
                 raise ValueError
-            out, m = [], a
-            while m <= b:
-                out.append(m)
-                m *= 2
-            return out
+            return [a << k for k in range((b // a).bit_length())]
         m = int(text)
         if m < 1:
             raise ValueError
@@ -168,10 +160,10 @@ def run_plan(args) -> int:
     console = Console(width=args.width)
     dtype = getattr(torch, _DTYPES[args.dtype])
     source = args.model or args.shapes
+    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
     if args.predict:
         from ragged._cli_predict import run_predict
 
-        args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
         try:
             return run_predict(args, console)
         except ValueError as err:  # a malformed --shapes file
@@ -180,7 +172,6 @@ def run_plan(args) -> int:
         units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
     except ValueError as err:  # a malformed --shapes file (JSON or format)
         raise UsageError(f"--shapes {source}: {err}") from None
-    args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
 
     kinds: dict[str, list] = {}
     for unit in units:
@@ -195,7 +186,9 @@ def run_plan(args) -> int:
     totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
     warnings = []
     all_notes = set()
+    max_buffers = 1 if args.strategy == "naive" else args.max_buffers
     for kind, members in kinds.items():
+        specs0, _ = unit_specs(members[0].params, args.granularity)  # what the warnings and the picture plan
         table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
                             f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
                       header_style="bold", title_justify="left")
@@ -208,7 +201,7 @@ def run_plan(args) -> int:
                 specs, notes = unit_specs(unit.params, args.granularity)
                 all_notes.update(f"{kind}: {n}" for n in notes)
                 plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
-                                            max_buffers=1 if args.strategy == "naive" else args.max_buffers))
+                                            max_buffers=max_buffers))
             elapsed = time.perf_counter() - t0
             peers = spec.peer_padding(members[0].params, m)
             tot = totals[m]
@@ -223,17 +216,15 @@ def run_plan(args) -> int:
             table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
                           *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
             if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
-                specs, _ = unit_specs(members[0].params, args.granularity)
-                lines, fixes, reductions = explain_padding(members[0], worst, specs, granularity=args.granularity,
+                lines, fixes, reductions = explain_padding(members[0], worst, specs0, granularity=args.granularity,
                                                            strategy=args.strategy, align=args.align,
                                                            repeated=len(members), threshold=args.warn_above,
                                                            max_buffers=args.max_buffers)
                 warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
         console.print(table)
         if args.visualize:
-            specs, _ = unit_specs(members[0].params, args.granularity)
-            plan = spec.make_plan(members[0].params, specs, world_size=args.world_size[0], strategy=args.strategy,
-                                  align=args.align, max_buffers=1 if args.strategy == "naive" else args.max_buffers)
+            plan = spec.make_plan(members[0].params, specs0, world_size=args.world_size[0], strategy=args.strategy,
+                                  align=args.align, max_buffers=max_buffers)
             console.print(visualize(plan, max_ranks=8))
     summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
     for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):

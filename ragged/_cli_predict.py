@@ -11,9 +11,6 @@ import time
 
 __all__ = ["bundled_step", "predict_rows", "run_predict"]
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-
-
 def bundled_step(source, world_size: int, *, optimizer: str = "adamw", dtype: str = "fp32",
                  compute_dtype: str = "bf16", granularity=None, strategy: str = "dp", align=None,
                  max_buffers="auto", layers_per_unit: int = 1):
@@ -28,7 +25,7 @@ def bundled_step(source, world_size: int, *, optimizer: str = "adamw", dtype: st
 
     import ragged as rg
     from ragged import fsdp, spec
-    from ragged._cli_plan import unit_specs
+    from ragged._cli_plan import _DTYPES, unit_specs
     from ragged._models import model_units
 
     master = getattr(torch, _DTYPES[dtype])

@@ -20,7 +20,7 @@ from ragged._pytree import pytree
 from ragged.spec._plan import LayoutPlan, piece_shape
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["DBuffer", "unflatten"]
+__all__ = ["DBuffer", "is_dbuffer", "unflatten"]
 
 
 @dataclass(frozen=True, namespace="ragged")
@@ -144,6 +144,11 @@ class DBuffer:
         if self.replicated.numel():
             total = total + self.replicated.to(acc_dtype).abs().pow(p).sum()
         return total[0].pow(1.0 / p)
+
+
+def is_dbuffer(x) -> bool:
+    """The ``is_leaf`` of pytree functions that treat each DBuffer as one leaf."""
+    return isinstance(x, DBuffer)
 
 
 def _check_same_layout(a: DBuffer, b: DBuffer, what: str) -> None:

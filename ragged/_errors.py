@@ -110,6 +110,14 @@ class CollectiveError(RaggedError, RuntimeError):
         self.peer = peer
 
 
+def check_int(name: str, value, low: int = 1) -> int:
+    """``value`` when it is an int (not a bool) of at least ``low``; else a RaggedValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(low, f"an int >= {low}")
+        raise RaggedValueError(f"{name} must be {kind}, got {value!r}.")
+    return value
+
+
 NO_PARAMS_MSG = (
     "make_plan got a parameter tree with no tensors. Pass a pytree whose leaves are torch "
     "tensors (meta tensors are fine), e.g. dict(model.named_parameters())."

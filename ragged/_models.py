@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._errors import RaggedValueError
+from ragged._errors import RaggedValueError, check_int
 
 __all__ = ["MODELS", "ModelUnit", "model_shapes", "model_units", "expand_names"]
 
@@ -67,10 +67,8 @@ def expand_names(name: str) -> list[str]:
         if b < a:
             raise RaggedValueError(f"range {{{a}..{b}}} in {name!r} is empty; write {{low..high}} with low <= high.")
     parts = _RANGE.split(name)[::3]  # text between ranges
-    out = []
-    for combo in itertools.product(*(range(a, b + 1) for a, b in ranges)):
-        out.append("".join(p + (str(c) if k < len(combo) else "") for k, (p, c) in enumerate(itertools.zip_longest(parts, combo, fillvalue=""))))
-    return out
+    return ["".join(p + str(c) for p, c in zip(parts, combo)) + parts[-1]
+            for combo in itertools.product(*(range(a, b + 1) for a, b in ranges))]
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,12 +156,7 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _unit_params(params: dict, dtype: torch.dtype) -> dict:
-    out = {}
-    for name, shape in params.items():
-        tensor = _meta(tuple(shape), dtype)
-        for full in expand_names(name):
-            out[full] = tensor
-    return out
+    return {full: _meta(tuple(shape), dtype) for name, shape in params.items() for full in expand_names(name)}
 
 
 def model_units(
@@ -196,8 +189,7 @@ def model_units(
         >>> [u.name for u in model_units("llama3-70b", layers_per_unit=40)]
         ['embed', 'layers.0-39', 'layers.40-79', 'head']
     """
-    if isinstance(layers_per_unit, bool) or not isinstance(layers_per_unit, int) or layers_per_unit < 1:
-        raise RaggedValueError(f"layers_per_unit must be a positive int, got {layers_per_unit!r}.")
+    check_int("layers_per_unit", layers_per_unit)
     desc = model_shapes(model)
     units: list[ModelUnit | list] = []
     pending: list[ModelUnit] = []
@@ -208,12 +200,10 @@ def model_units(
             if len(group) == 1:
                 units.append(group[0])
                 continue
-            kinds = list(dict.fromkeys(u.kind for u in group))
             first, last = group[0].name, group[-1].name
             prefix = os.path.commonprefix([first, last])
-            prefix = prefix[: prefix.rfind(".") + 1] if "." in prefix else ""
-            name = f"{first}-{last[len(prefix):]}" if prefix else f"{first}-{last}"
-            kind = f"{kinds[0]} x{len(group)}" if len(kinds) == 1 else "+".join(kinds) + f" x{len(group)}"
+            name = f"{first}-{last[prefix.rfind('.') + 1:]}"  # "layers.0-39": the common dotted prefix once
+            kind = "+".join(dict.fromkeys(u.kind for u in group)) + f" x{len(group)}"
             units.append(ModelUnit(name, kind, {u.name: u.params for u in group}))
         pending.clear()
 

@@ -21,7 +21,7 @@ def flatten_with_keystr(tree):
     return [keystr(a) for a in accessors], leaves, treedef
 
 
-def key_mismatch(prefix, full, *, prefix_name: str, full_name: str, is_leaf=None) -> str | None:
+def key_mismatch(prefix, full, *, prefix_name: str, full_name: str) -> str | None:
     """Where a would-be prefix tree and the full tree have different dict keys, in words that
     say which tree has which keys (optree's own message calls the prefix's extra keys
     "missing"); None when the trees differ in some other way.
@@ -34,11 +34,11 @@ def key_mismatch(prefix, full, *, prefix_name: str, full_name: str, is_leaf=None
     """
     from collections.abc import Mapping
 
-    def leaf(x, extra=None):
-        return optree.tree_is_leaf(x, is_leaf=extra, none_is_leaf=True, namespace="ragged")
+    def leaf(x):
+        return optree.tree_is_leaf(x, none_is_leaf=True, namespace="ragged")
 
     def walk(p, f, path):
-        if leaf(p, is_leaf) or leaf(f):
+        if leaf(p) or leaf(f):
             return None
         if isinstance(p, Mapping) and isinstance(f, Mapping):
             extra = sorted(set(p) - set(f), key=repr)

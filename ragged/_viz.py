@@ -90,6 +90,12 @@ def _pick_ranks(world_size: int, max_ranks: int) -> list[int | None]:
     return [*range(head), None, *range(world_size - tail, world_size)]
 
 
+def _owners_text(plan, leaf) -> str:
+    """The ranks holding ``leaf``: ``"-"`` (none), ``"3"`` or ``"0-2"``."""
+    owners = plan.owners(leaf)
+    return "-" if not owners else (str(owners[0]) if len(owners) == 1 else f"{owners[0]}-{owners[-1]}")
+
+
 def _piece_range(piece) -> str:
     leaf = piece.leaf
     row = leaf.row_size
@@ -146,11 +152,9 @@ def plan_summary(plan, *, max_leaves: int = 24):
         table.add_column(col, justify=justify)
     shown = plan.leaves[:max_leaves]
     for i, leaf in enumerate(shown):
-        owners = plan.owners(leaf)
-        ranks = "-" if not owners else (str(owners[0]) if len(owners) == 1 else f"{owners[0]}-{owners[-1]}")
         buffer = (str(plan.buffer_index(leaf.offset)),) if many else ()
         table.add_row(Text(leaf.path, style=PALETTE[i % len(PALETTE)]), str(tuple(leaf.shape)), *buffer,
-                      str(leaf.offset), str(leaf.numel), str(leaf.granule), ranks)
+                      str(leaf.offset), str(leaf.numel), str(leaf.granule), _owners_text(plan, leaf))
     blank = ("",) if many else ()
     if len(plan.leaves) > max_leaves:
         rest = plan.leaves[max_leaves:]
@@ -169,14 +173,10 @@ def _bar(plan, rank: int, width: int, colour_of: dict):
     text = Text()
     if S == 0:
         return text
-    spans, base = [], 0  # (first local element, elements, cells) per buffer
-    for i, (_, size) in enumerate(plan.buffers):
-        spans.append((base, size, max(1, round(width * size / S))))
-        base += size
-    for b, (lo_b, size, cells_b) in enumerate(spans):
+    for b, r in enumerate(plan.shard_ranges(rank)):  # one run of cells per buffer, in proportion to S_b
         if b:
             text.append("│", style="bold")
-        for idx in _cells(pieces, lo_b, size, cells_b, colour_of):
+        for idx in _cells(pieces, r.local_offset, r.numel, max(1, round(width * r.numel / S)), colour_of):
             if idx < 0:
                 text.append("·", style=_PAD_STYLE)
             else:
@@ -232,7 +232,7 @@ def rank_table(plan, ranks=None, *, max_pieces: int = 8):
     from rich.table import Table
 
     if ranks is None:
-        ranks = [r for r in _pick_ranks(plan.world_size, 8)]
+        ranks = _pick_ranks(plan.world_size, 8)
     table = Table(title="per-rank pieces", header_style="bold")
     table.add_column("rank", justify="right")
     table.add_column("occupancy", justify="right")
@@ -308,10 +308,8 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
     if legend:
         leg = Text()
         for i, leaf in enumerate(plan.leaves[:32]):
-            owners = plan.owners(leaf)
-            where = "-" if not owners else (f"{owners[0]}" if len(owners) == 1 else f"{owners[0]}-{owners[-1]}")
             leg.append("█ ", style=PALETTE[i % len(PALETTE)])
-            leg.append(f"{leaf.path} {tuple(leaf.shape)} ranks {where}\n")
+            leg.append(f"{leaf.path} {tuple(leaf.shape)} ranks {_owners_text(plan, leaf)}\n")
         if len(plan.leaves) > 32:
             leg.append(f"... {len(plan.leaves) - 32} more leaves (colours cycle)\n", style="dim")
         leg.append("· ", style=_PAD_STYLE)

@@ -28,8 +28,10 @@ instead of leaving the others waiting in the next collective. The files are plai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import itertools
 import pickle
 import traceback
 from typing import Any, Callable
@@ -163,11 +165,8 @@ def _exchange(comm, obj) -> list[Any]:
     send = torch.frombuffer(bytearray(data), dtype=torch.uint8).repeat(m).to(device)
     recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
     comm.all_to_all(recv, send, counts, [len(data)] * m)
-    raw, out, pos = recv.cpu().numpy().tobytes(), [], 0
-    for n in counts:
-        out.append(pickle.loads(raw[pos : pos + n]))
-        pos += n
-    return out
+    raw = recv.cpu().numpy().tobytes()
+    return [pickle.loads(raw[end - n : end]) for n, end in zip(counts, itertools.accumulate(counts))]
 
 
 def poison(comm, reason: str) -> None:
@@ -175,10 +174,8 @@ def poison(comm, reason: str) -> None:
     rank then fail instead of waiting); a no-op otherwise."""
     fn = getattr(comm, "poison", None)
     if callable(fn):
-        try:
+        with contextlib.suppress(Exception):  # the failure being reported matters more
             fn(reason)
-        except Exception:  # noqa: BLE001 - the failure being reported matters more
-            pass
 
 
 def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:

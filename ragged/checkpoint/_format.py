@@ -33,6 +33,7 @@ open descriptor. So a checkpoint can only make ragged read its own files.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -231,15 +232,8 @@ def path_parts(path: str) -> list[str]:
 # ---- names and files (see [Note: what a checkpoint may name]) --------------------------------
 def check_name(name, what: str) -> str:
     """``name`` if it is a plain file name inside a directory; otherwise CheckpointCorruptError."""
-    plain = (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\x00" not in name
-        and os.path.basename(name) == name
-        and not os.path.isabs(name)
-    )
+    plain = (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in ("/", "\\", "\x00"))
+             and os.path.basename(name) == name and not os.path.isabs(name))
     if not plain:
         raise CheckpointCorruptError(
             f"{what} names the file {name!r}, which is not a plain file name inside the checkpoint "
@@ -292,9 +286,8 @@ def fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -49,14 +49,11 @@ def read_manifest(path) -> dict[str, Any]:
 
 def _check(manifest: dict, paths, leaves, kinds, like: dict, treedef, site: LoadSite, *, strict: bool) -> list[str]:
     """Every difference between the checkpoint and ``like_state`` (empty list: it fits)."""
-    problems: list[str] = []
     saved = manifest["entries"]
-    for p in paths:
-        if p not in saved:
-            problems.append(f"like_state{p}: not in the checkpoint")
+    problems = [f"like_state{p}: not in the checkpoint" for p in paths if p not in saved]
     if strict:
-        for p in sorted(set(saved) - set(like)):
-            problems.append(f"like_state{p}: the checkpoint holds this entry but like_state does not (pass strict=False to skip it)")
+        problems += [f"like_state{p}: the checkpoint holds this entry but like_state does not (pass strict=False to skip it)"
+                     for p in sorted(set(saved) - set(like))]
         if not problems and manifest["treedef"] != str(treedef):
             problems.append(f"tree structure differs: saved {manifest['treedef']}, like_state {treedef}")
     for p, leaf, kind in zip(paths, leaves, kinds):

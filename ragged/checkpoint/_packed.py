@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
@@ -105,7 +105,7 @@ def bind_packed(opt_state, labels: Callable, compact) -> Any:
 
     def bind(state):
         inner = {
-            k: pytree.map(wrap(k), v, is_leaf=lambda x: isinstance(x, DBuffer)) if k in compact else v
+            k: pytree.map(wrap(k), v, is_leaf=is_dbuffer) if k in compact else v
             for k, v in state.inner_states.items()
         }
         return state._replace(inner_states=inner)

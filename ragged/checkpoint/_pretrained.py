@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -56,10 +57,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def sources(self) -> tuple[TensorRef, ...]:
@@ -113,9 +111,7 @@ class Concat:
         if len({p.dtype for p in self.parts}) > 1:
             raise CheckpointCorruptError(f"{self.parts[0].where()}: the parts of one fused tensor have different dtypes "
                                          f"{sorted({str(p.dtype) for p in self.parts})}")
-        total = 1
-        for d in self.shape:
-            total *= d
+        total = math.prod(self.shape)
         if sum(p.numel for p in self.parts) != total:
             raise CheckpointCorruptError(
                 f"{self.parts[0].where()}: the parts {[p.key for p in self.parts][:4]}... hold "

@@ -145,14 +145,14 @@ def read_range(path: str, key: str, entry: dict[str, Any], start: int, stop: int
             pos = hi
 
 
-def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+def write_file(path: str, tensors: dict[str, torch.Tensor]) -> int:
     """Writes ``tensors`` (any shapes; views of one buffer are fine: each is written from its
     own bytes, nothing is copied whole) as one safetensors file; returns the bytes of tensor data.
 
     The header is padded with spaces to a multiple of 8 bytes, as ``safetensors`` does, and its
-    ``__metadata__`` holds ``{"format": "pt"}`` plus ``metadata``.
+    ``__metadata__`` is ``{"format": "pt"}``.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, t in tensors.items():
         if t.dtype not in _NAMES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -184,9 +185,7 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         )
         reached("checksummed")
 
-        files = {}
-        for d in digests:
-            files.update(d)
+        files = {name_: digest for d in digests for name_, digest in d.items()}
         base = {
             "format": fmt.FORMAT,
             "version": fmt.VERSION,
@@ -200,10 +199,8 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         def publish():
             if me != 0:
                 return None
-            extra = {}
-            for name_ in os.listdir(tmp):  # e.g. the empty file of a rank with nothing to write
-                if name_ not in files and name_ != fmt.MANIFEST:
-                    extra[name_] = fmt.file_digest(os.path.join(tmp, name_))
+            extra = {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in os.listdir(tmp)
+                     if name_ not in files and name_ != fmt.MANIFEST}  # e.g. the empty file of a rank with nothing to write
             fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(base, files=dict(files, **extra))))
             fmt.fsync_dir(tmp)
             reached("manifest")
@@ -238,10 +235,8 @@ def _exchange_dirs(a: str, b: str) -> bool:
 def _retire(old: str) -> None:
     """Deletes a replaced checkpoint: its manifest first, so that a crash mid-way never leaves
     a half-deleted directory that looks like a checkpoint."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(old, fmt.MANIFEST))
-    except FileNotFoundError:
-        pass
     fmt.fsync_dir(old)
     reached("retired")
     shutil.rmtree(old, ignore_errors=True)

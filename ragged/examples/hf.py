@@ -107,13 +107,8 @@ def train(args) -> dict:
     from ragged.examples._train_args import DTYPES
     from ragged.examples.train import _optimizer, _specs_for, no_decay_types
 
-    if args.activation_checkpointing:
-        raise SystemExit("--activation-checkpointing is not supported with --hf (HF gradient checkpointing inside "
-                         "the model does not mix with functional_call).")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()  # the options were checked by check_args, before any process
     comm = rg.collectives.from_torch()
-    if args.batch % world or (args.batch // world) % args.micro_batches:
-        raise SystemExit(f"--batch {args.batch} must split into {world} ranks x {args.micro_batches} micro-batches.")
     if args.from_pretrained:
         weights = rg.checkpoint.pretrained(args.from_pretrained)  # headers and config.json only
         cfg = transformers.AutoConfig.from_pretrained(args.from_pretrained, local_files_only=True)  # JSON only

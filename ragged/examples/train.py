@@ -39,9 +39,7 @@ def _specs_for(optimizer: str):
     from ragged import spec
 
     def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
-        if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0:
-            return spec.Blocks(32, 32)
-        return None
+        return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
 
     return specs
 

@@ -182,9 +182,7 @@ def release(module: torch.nn.Module) -> None:
         ['weight', 'bias']
     """
     with LOCK:
-        canonical = {}
-        for name, p in module.named_parameters():
-            canonical[id(p)] = name
+        canonical = {id(p): name for name, p in module.named_parameters()}
         replacement: dict[int, Placeholder] = {}
         for _, owner in module.named_modules(remove_duplicate=False):
             for key, p in list(owner._parameters.items()):

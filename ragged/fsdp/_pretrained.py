@@ -67,10 +67,7 @@ def check_weights(units: Units, weights, where: str, reader: str = "pretrained")
     a pretrained mapping that does not fit ``units``, listing every problem by name and file."""
     from ragged.checkpoint._format import CheckpointMismatchError
 
-    expected, problems = {}, []
-    for u in units:
-        for leaf in u.plan.leaves + u.plan.replicated:
-            expected[u.paths[leaf.index]] = (leaf, u.plan.dtype)
+    expected = {u.paths[leaf.index]: (leaf, u.plan.dtype) for u in units for leaf in u.plan.leaves + u.plan.replicated}
     missing = [repr(p) for p in expected if p not in weights]
     unexpected = [weights[k].where() for k in weights if k not in expected]
     shapes, dtypes = [], []
@@ -82,14 +79,9 @@ def check_weights(units: Units, weights, where: str, reader: str = "pretrained")
             shapes.append(f"{ref.where()} is {tuple(ref.shape)}, {p!r} is {tuple(leaf.shape)}")
         if not _castable(ref.dtype, master):
             dtypes.append(f"{ref.where()} is {ref.dtype}, {p!r} is {master}")
-    if missing:
-        problems.append(f"{len(missing)} missing: {_listed(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_listed(unexpected)}")
-    if shapes:
-        problems.append(f"{len(shapes)} wrong shapes: {_listed(shapes)}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} dtypes that do not cast: {_listed(dtypes)}")
+    problems = [f"{len(items)} {what}: {_listed(items)}" for what, items in (
+        ("missing", missing), ("unexpected", unexpected), ("wrong shapes", shapes), ("dtypes that do not cast", dtypes))
+        if items]
     if problems:
         raise CheckpointMismatchError(
             f"{where}: {weights.path} does not fit the units: {'; '.join(problems)}. Fix: load the checkpoint of this "

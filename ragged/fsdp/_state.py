@@ -185,13 +185,6 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
 register_layout(Units, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))
 
 
-def _barrier(comm) -> None:
-    if hasattr(comm, "barrier"):
-        comm.barrier()
-    else:
-        comm.all_reduce(torch.zeros(1, device=comm.device))
-
-
 def init(
     units: Units,
     params,
@@ -289,11 +282,7 @@ def init(
     else:
         unit_trees(units, module, meta=True)  # the same checks, before any communication
         device = torch.device(device) if device is not None else comm.device
-        if init_fn is None:
-            fn = default_init(module)
-        else:
-            def fn(name, m):
-                init_fn(m)
+        fn = default_init(module) if init_fn is None else lambda name, m: init_fn(m)
         shards = {}
         for u in units:  # one unit real at a time
             tree = materialize_unit(module, u, fn, seed=seed, device=device)
@@ -301,7 +290,7 @@ def init(
             del tree
         buffers = materialize_buffers(module, fn, seed=seed, device=device)
     if module is not None and (release_module or meta or pretrained):
-        _barrier(comm)  # simulated ranks share the module: every rank has read it before anyone releases it
+        comm.barrier()  # simulated ranks share the module: every rank has read it before anyone releases it
         with LOCK:
             for name, values in buffers.items():
                 owner = module.get_submodule(name) if name else module

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedValueError
 from ragged._pytree import pytree
 from ragged.spec._concat import replicated_size
@@ -106,7 +106,7 @@ def check_opt_state(units, opt_state) -> None:
     whole = {u.plan: u for u in units if u.frozen and u.plan != u.trainable_plan}
     if not whole:
         return
-    for d in pytree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DBuffer), none_is_leaf=True):
+    for d in pytree.leaves(opt_state, is_leaf=is_dbuffer, none_is_leaf=True):
         u = whole.get(getattr(d, "plan", None))
         if u is not None:
             raise RaggedValueError(FROZEN_STATE_MSG.format(unit=u.name, frozen=", ".join(sorted(u.frozen)[:3])))

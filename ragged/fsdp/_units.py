@@ -332,12 +332,11 @@ def make_units(
         raise RaggedTypeError(f"groups for a pytree must be a function key path -> unit name, got {type(groups).__name__}.")
 
     # units in the order their first parameter appears in the model (registration order for modules)
-    first_seen = list(params) if is_module else paths
-    order: list[str] = []
     name_of = dict(zip(paths, names))
-    for p in first_seen:
-        if name_of[p] not in order:
-            order.append(name_of[p])
+    order = list(dict.fromkeys(name_of[p] for p in (params if is_module else paths)))
+    unknown = [] if specs is None or callable(specs) else sorted(set(specs) - set(paths))
+    if unknown:
+        raise RaggedValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
 
     units = []
     for unit_name in order:
@@ -348,9 +347,6 @@ def make_units(
         elif callable(specs):
             unit_specs = {paths[i]: specs(paths[i], leaves[i]) for i in idx}
         else:
-            unknown = sorted(set(specs) - set(paths))
-            if unknown:
-                raise RaggedValueError(f"specs names {unknown[:3]} that are not parameters; names look like {paths[:3]}.")
             unit_specs = {paths[i]: specs.get(paths[i]) for i in idx}
         options = dict(world_size=world_size, dtype=dtype, strategy=strategy, align=align, max_buffers=max_buffers)
         still = {p for p in tree if p in frozen}

@@ -138,10 +138,10 @@ def check_like_state(updates, state_tree, where: str) -> None:
     got, want = pytree.structure(updates), pytree.structure(state_tree)
     if got == want:
         return
-    from ragged._dbuffer import DBuffer
+    from ragged._dbuffer import DBuffer, is_dbuffer
 
     def describe(tree):
-        leaves = pytree.leaves(tree, is_leaf=lambda x: isinstance(x, DBuffer))
+        leaves = pytree.leaves(tree, is_leaf=is_dbuffer)
         parts = []
         for x in leaves[:3]:
             if isinstance(x, DBuffer):
@@ -174,10 +174,7 @@ def check_floating(params, where: str) -> None:
 
 def first_tensor(tree) -> torch.Tensor | None:
     """The first tensor leaf of ``tree`` (used to pick the device of step counters)."""
-    for leaf in pytree.leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    return next((leaf for leaf in pytree.leaves(tree) if isinstance(leaf, torch.Tensor)), None)
 
 
 def zero_count(params) -> torch.Tensor:

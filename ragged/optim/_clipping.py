@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation
 from ragged.optim._finite import NonFiniteError, check_sharded_comm, local_nonfinite, nonfinite_report
 from ragged.optim._transform import _check_nonneg
 
-__all__ = ["ClipByGlobalNormState", "global_norm", "clip_by_global_norm"]
+__all__ = ["ClipByGlobalNormState", "tree_norm", "clip_by_global_norm"]
 
 ClipByGlobalNormState = EmptyState
-
-
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
 
 
 def _global_sq(tree, comm, *, agree_finite: bool = False):
@@ -25,7 +21,7 @@ def _global_sq(tree, comm, *, agree_finite: bool = False):
     :func:`tree_norm`. With ``agree_finite`` the second value is a bool every rank agrees on
     (a flag for the parts that are not all-reduced rides in the same all-reduce), else None."""
     sharded, local = [], []
-    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
+    for leaf in pytree.leaves(tree, is_leaf=is_dbuffer):
         if isinstance(leaf, DBuffer):
             sharded.append(leaf.data)
             local.append(leaf.replicated)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation
 from ragged.spec import LayoutPlan, LeafLayout
@@ -127,10 +127,6 @@ class _MaskCache:
         return hit
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def _label_tree(cache: _MaskCache, tree):
     """Maps every DBuffer in ``tree`` to its label buffers; other leaves are rejected."""
 
@@ -142,7 +138,7 @@ def _label_tree(cache: _MaskCache, tree):
             "Fix: pass a pytree of bools (like the params) as the mask for plain tensor trees."
         )
 
-    return pytree.map(one, tree, is_leaf=_is_dbuffer)
+    return pytree.map(one, tree, is_leaf=is_dbuffer)
 
 
 def leaf_labels(tree, label_fn: LeafFn, labels) -> Any:
@@ -180,13 +176,6 @@ def leaf_masks(tree, predicate: LeafFn) -> Any:
     return pytree.map(lambda t: t == 1, labels)
 
 
-def _resolve_mask(mask, cache: _MaskCache | None, updates):
-    """Boolean mask tree matching ``updates`` (cached label buffers for a leaf function)."""
-    if cache is not None:
-        return pytree.map(lambda t: t == 1, _label_tree(cache, updates))
-    return mask
-
-
 class MaskedState(NamedTuple):
     """State of :func:`masked`: the inner transform's state.
 
@@ -218,8 +207,8 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     cache = _MaskCache(lambda leaf: bool(mask(leaf)), (False, True), "mask") if callable(mask) else None
 
     def element_masks(tree):
-        if cache is not None:
-            return _resolve_mask(None, cache, tree)
+        if cache is not None:  # cached label buffers of the predicate
+            return pytree.map(lambda t: t == 1, _label_tree(cache, tree))
         return pytree.map(lambda m, t: torch.full_like(t, bool(m), dtype=torch.bool), mask, tree)
 
     def init(params):
@@ -298,13 +287,10 @@ def multi_transform(
 
     def init(params):
         idx = label_index(params) if compact else None
-        states = {}
-        for i, k in enumerate(names):
-            if k in compact:
-                states[k] = transforms[k].init(pack(params, pytree.map(lambda t: t == i, idx)))
-            else:
-                states[k] = transforms[k].init(params)
-        return MultiTransformState(inner_states=states)
+        return MultiTransformState(inner_states={
+            k: transforms[k].init(pack(params, pytree.map(lambda t: t == i, idx)) if k in compact else params)
+            for i, k in enumerate(names)
+        })
 
     def update(updates, state, params=None):
         idx = label_index(updates)

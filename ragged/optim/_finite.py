@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
-from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
+from ragged._dbuffer import DBuffer, is_dbuffer
+from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
 from ragged.optim._base import GradientTransformation, first_tensor, zero_count
 
@@ -44,10 +44,6 @@ class NonFiniteError(RaggedError, RuntimeError):
     """
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in pytree.leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -63,7 +59,7 @@ def local_nonfinite(tensors, device=None) -> torch.Tensor:
 def nonfinite_report(tree, limit: int = 5) -> str:
     """Which leaves hold NaN / inf on this rank (key paths; DBuffers by their plan's leaves)."""
     found = []
-    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace="ragged", is_leaf=_is_dbuffer)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace="ragged", is_leaf=is_dbuffer)
     for accessor, leaf in zip(accessors, leaves):
         name = accessor.codify("")
         if isinstance(leaf, DBuffer):
@@ -83,7 +79,7 @@ def check_sharded_comm(updates, comm, where: str) -> None:
     taken per rank would differ between ranks."""
     if comm is not None:
         return
-    for leaf in pytree.leaves(updates, is_leaf=_is_dbuffer):
+    for leaf in pytree.leaves(updates, is_leaf=is_dbuffer):
         if isinstance(leaf, DBuffer) and leaf.plan.world_size > 1:
             raise RaggedValueError(
                 f"{where}: the updates are DBuffers sharded over world_size={leaf.plan.world_size} ranks but "
@@ -155,8 +151,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     """
     if not isinstance(inner, GradientTransformation):
         raise RaggedTypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}.")
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
-        raise RaggedValueError(f"apply_if_finite: max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}.")
+    check_int("apply_if_finite: max_consecutive_errors", max_consecutive_errors, 0)
 
     def init(params):
         count = zero_count(params)

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._alias import adamw
 from ragged.optim._base import GradientTransformation, Schedule, check_like_state
@@ -229,30 +229,26 @@ def _waves(plan: LayoutPlan, rank: int, matrices: tuple[MuonMatrix, ...], num_wa
         mine = plan.shard_ranges(rank)  # one global range per buffer (a matrix lies in one buffer)
         recv_at = 0
         for j in range(m):
-            k = 0
-            for u in group:  # what I hold of matrices owned by j
-                if u.owner != j:
-                    continue
-                for lo_me, hi_me, local in mine:
-                    lo, hi = max(u.start, lo_me), min(u.stop, hi_me)
-                    if lo < hi:
-                        send_spans.append((local + lo - lo_me, hi - lo))
-                        k += hi - lo
-            send_splits.append(k)
-            k = 0
-            theirs = plan.shard_ranges(j)
-            for u in group:  # what j holds of matrices I own
-                if u.owner != rank:
-                    continue
-                for lo_j, hi_j, _ in theirs:
-                    lo, hi = max(u.start, lo_j), min(u.stop, hi_j)
-                    if lo < hi:
-                        recv_spans.append((recv_at, owned_off[u.start] + lo - u.start, hi - lo))
-                        recv_at += hi - lo
-                        k += hi - lo
-            recv_splits.append(k)
+            sends = [(local, hi - lo) for u in group if u.owner == j for lo, hi, local in _overlaps(u, mine)]
+            send_spans += sends  # what I hold of matrices owned by j
+            send_splits.append(sum(n for _, n in sends))
+            recvs = [(owned_off[u.start] + lo - u.start, hi - lo)  # what j holds of matrices I own
+                     for u in group if u.owner == rank for lo, hi, _ in _overlaps(u, plan.shard_ranges(j))]
+            for o, n in recvs:
+                recv_spans.append((recv_at, o, n))
+                recv_at += n
+            recv_splits.append(sum(n for _, n in recvs))
         waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)
+
+
+def _overlaps(u: MuonMatrix, ranges):
+    """``(global lo, global hi, offset in the shard)`` of each part of matrix ``u`` that lies in
+    one of a rank's ``ranges`` (its :meth:`~ragged.spec.LayoutPlan.shard_ranges`)."""
+    for r in ranges:
+        lo, hi = max(u.start, r.start), min(u.stop, r.stop)
+        if lo < hi:
+            yield lo, hi, r.local_offset + lo - r.start
 
 
 def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:
@@ -274,10 +270,6 @@ class ScaleByMuonState(NamedTuple):
     """
 
     momentum: Any
-
-
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
 
 
 def scale_by_muon(
@@ -321,7 +313,7 @@ def scale_by_muon(
     def waves_for(tree) -> list:
         """Per DBuffer of ``tree`` (flattened order): its exchange waves; owners are balanced
         jointly over all the buffers."""
-        bufs = pytree.leaves(tree, is_leaf=_is_dbuffer)
+        bufs = pytree.leaves(tree, is_leaf=is_dbuffer)
         key = tuple((d.plan, d.rank, d.data.device) for d in bufs)
         if key not in cache:
             for d in bufs:
@@ -405,7 +397,7 @@ def scale_by_muon(
         check_like_state(updates, state.momentum, "muon")
         buf = pytree.map(lambda b, g: torch.lerp(b, g.to(b.dtype), 1.0 - momentum), state.momentum, updates)
         direction = pytree.map(lambda g, b: torch.lerp(g.to(b.dtype), b, momentum), updates, buf) if nesterov else buf
-        bufs, treedef = pytree.flatten(direction, is_leaf=_is_dbuffer)
+        bufs, treedef = pytree.flatten(direction, is_leaf=is_dbuffer)
         out = [one(d, w) for d, w in zip(bufs, waves_for(direction))]
         return pytree.unflatten(treedef, out), ScaleByMuonState(momentum=buf)
 

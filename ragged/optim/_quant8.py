@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
@@ -54,16 +54,12 @@ from ragged.optim._transform import (
 __all__ = ["scale_by_adam_8bit", "adamw_8bit", "state_nbytes", "adam8bit_leaf_state"]
 
 
-def _is_dbuffer(x) -> bool:
-    return isinstance(x, DBuffer)
-
-
 def _is_moments(x) -> bool:
     return isinstance(x, Quant8Moments)
 
 
 def _check_dbuffers(tree, what: str) -> None:
-    for leaf in pytree.leaves(tree, is_leaf=_is_dbuffer):
+    for leaf in pytree.leaves(tree, is_leaf=is_dbuffer):
         if not isinstance(leaf, DBuffer):
             raise RaggedTypeError(
                 f"adamw_8bit works on DBuffers (rg.shard output); {what} has a "
@@ -177,10 +173,10 @@ def _check_state(flat_g, flat_m, min_size) -> None:
 def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, lr, min_size, donate, kernel):
     """The step over every DBuffer of ``updates``: ``(new updates, new ScaleByAdam8bitState)``."""
     _check_dbuffers(updates, "updates")
-    flat_g, treedef = pytree.flatten(updates, is_leaf=_is_dbuffer)
+    flat_g, treedef = pytree.flatten(updates, is_leaf=is_dbuffer)
     flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)
     _check_state(flat_g, flat_m, min_size)
-    flat_p = pytree.leaves(params, is_leaf=_is_dbuffer) if decay is not None else [None] * len(flat_g)
+    flat_p = pytree.leaves(params, is_leaf=is_dbuffer) if decay is not None else [None] * len(flat_g)
     count = state.count + 1
     h = _Hyper(b1, b2, eps, count, decay, lr)
     results = [_step_buffer(g, m, p, h, min_size=min_size, donate=donate, kernel=kernel)
@@ -192,7 +188,7 @@ def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, l
 
 def _init(params, min_size):
     _check_dbuffers(params, "params")
-    moments = pytree.map(lambda d: init_moments(d, min_size), params, is_leaf=_is_dbuffer)
+    moments = pytree.map(lambda d: init_moments(d, min_size), params, is_leaf=is_dbuffer)
     return ScaleByAdam8bitState(count=zero_count(params), moments=moments)
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ragged.optim._base import Schedule
-from ragged._errors import RaggedValueError
+from ragged._errors import RaggedValueError, check_int
 
 __all__ = [
     "constant_schedule",
@@ -35,12 +35,6 @@ def _along(count, steps: int, empty: float, curve) -> torch.Tensor:
     if steps == 0:
         return torch.full_like(c, empty)
     return curve(torch.clamp(c / steps, 0.0, 1.0))
-
-
-def _check_steps(name: str, steps) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise RaggedValueError(f"{name} must be a non-negative int, got {steps!r}.")
-    return steps
 
 
 def _check_values(**values) -> None:
@@ -77,7 +71,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
         [0.0, 0.5, 1.0, 1.0]
     """
     _check_values(init_value=init_value, end_value=end_value)
-    _check_steps("transition_steps", transition_steps)
+    check_int("transition_steps", transition_steps, 0)
 
     def schedule(count):
         return _along(count, transition_steps, end_value, lambda frac: init_value + (end_value - init_value) * frac)
@@ -95,7 +89,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         [1.0, 0.5, 0.0, 0.0]
     """
     _check_values(init_value=init_value, alpha=alpha)
-    _check_steps("decay_steps", decay_steps)
+    check_int("decay_steps", decay_steps, 0)
 
     def curve(frac):
         cosine = 0.5 * (1.0 + torch.cos(math.pi * frac))
@@ -120,8 +114,8 @@ def warmup_cosine_decay_schedule(
         [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
     """
     _check_values(init_value=init_value, peak_value=peak_value, end_value=end_value)
-    _check_steps("warmup_steps", warmup_steps)
-    _check_steps("decay_steps", decay_steps)
+    check_int("warmup_steps", warmup_steps, 0)
+    check_int("decay_steps", decay_steps, 0)
     if decay_steps < warmup_steps:
         raise RaggedValueError(
             f"decay_steps ({decay_steps}) counts the warmup too, so it must be >= warmup_steps "

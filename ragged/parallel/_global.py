@@ -25,7 +25,7 @@ import functools
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.spec._granularity import Replicate, Rows
 from ragged.spec._mesh_plan import MeshPlan
@@ -95,20 +95,22 @@ def _local_map(mplan: MeshPlan, gplan: LayoutPlan, coords: tuple, canonical_only
     return cat(src), cat(dst)
 
 
-def _exchange_counts(world, counts: torch.Tensor) -> torch.Tensor:
+def _routes(mplan: MeshPlan, gplan: LayoutPlan, mcomm, canonical_only: bool):
+    """Where this rank's elements go in ``gplan`` (``to_global``) or come from (``from_global``):
+    ``(local positions sorted by their owner rank in gplan, per-owner counts, counts from every
+    rank, the offsets in this rank's gplan shard that the other ranks asked for)``; one exchange
+    of counts and one of offsets over ``mcomm.world`` (any number of buffers: ``plan.locate``)."""
+    world = mcomm.world
     W = world.world_size
-    recv = torch.empty(W, dtype=torch.int64)
-    world.all_to_all(recv, counts.to(torch.int64), [1] * W, [1] * W)
-    return recv
-
-
-def _sorted_by_owner(positions: torch.Tensor, plan: LayoutPlan, W: int):
-    """(order by owner, per-owner counts, offsets in the owners' shards) of global ``positions``
-    of ``plan`` (any number of buffers: ``plan.locate``)."""
-    owner, local = plan.locate(positions)
+    mine, positions = _local_map(mplan, gplan, _coords_key(mcomm.coords), canonical_only)
+    owner, local = gplan.locate(positions)
     order = torch.argsort(owner, stable=True)
     counts = torch.bincount(owner, minlength=W) if positions.numel() else torch.zeros(W, dtype=torch.int64)
-    return order, counts, local
+    recv_counts = torch.empty(W, dtype=torch.int64)
+    world.all_to_all(recv_counts, counts.to(torch.int64), [1] * W, [1] * W)
+    theirs = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
+    world.all_to_all(theirs, local[order], recv_counts.tolist(), counts.tolist())
+    return mine[order], counts, recv_counts, theirs
 
 
 def _check(mplan, mcomm, where):
@@ -119,10 +121,6 @@ def _check(mplan, mcomm, where):
             f"{where}: mcomm.world (rank {mcomm.world.rank} of {mcomm.world.world_size}) does not match the mesh "
             f"{mplan.mesh.shape} at {dict(mcomm.coords)} (row-major rank {mplan.mesh.rank(mcomm.coords)})."
         )
-
-
-def _is_dbuf(x):
-    return isinstance(x, DBuffer)
 
 
 def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
@@ -150,13 +148,8 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
     W, Sg = world.world_size, gplan.shard_size
     if gplan.world_size != W:
         raise RaggedValueError(f"to_global: plan.world_size={gplan.world_size} but the mesh has {W} ranks.")
-    src, dst = _local_map(mplan, gplan, _coords_key(mcomm.coords), True)
-    order, counts, local = _sorted_by_owner(dst, gplan, W)
-    src, send_pos = src[order], local[order]
-    recv_counts = _exchange_counts(world, counts)
-    n_in = int(recv_counts.sum())
-    recv_pos = torch.empty(n_in, dtype=torch.int64)
-    world.all_to_all(recv_pos, send_pos, recv_counts.tolist(), counts.tolist())
+    src, counts, recv_counts, recv_pos = _routes(mplan, gplan, mcomm, True)
+    n_in = recv_pos.numel()
 
     def convert(d):
         if not isinstance(d, DBuffer) or d.plan != mplan.plan:
@@ -170,7 +163,7 @@ def to_global(mplan: MeshPlan, tree, mcomm, *, plan: LayoutPlan | None = None):
         rep = torch.zeros(replicated_size(gplan), dtype=flat.dtype, device=flat.device)
         return DBuffer(data=data, replicated=rep, plan=gplan, rank=world.rank)
 
-    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+    return pytree.map(convert, tree, is_leaf=is_dbuffer)
 
 
 def from_global(mplan: MeshPlan, tree, mcomm):
@@ -214,13 +207,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
             )
         if gplan not in cache:
             _check_same_leaves(mplan, gplan)
-            dst, need = _local_map(mplan, gplan, _coords_key(mcomm.coords), False)
-            order, counts, local = _sorted_by_owner(need, gplan, W)
-            dst, local = dst[order], local[order]
-            recv_counts = _exchange_counts(world, counts)
-            req = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
-            world.all_to_all(req, local, recv_counts.tolist(), counts.tolist())
-            cache[gplan] = (dst, counts, recv_counts, req)
+            cache[gplan] = _routes(mplan, gplan, mcomm, False)
         dst, counts, recv_counts, req = cache[gplan]
         src = d.data.detach()
         vals = src[req.to(src.device)]
@@ -230,7 +217,7 @@ def from_global(mplan: MeshPlan, tree, mcomm):
         flat[dst.to(src.device)] = got
         return DBuffer(data=flat[:S].clone(), replicated=flat[S:].clone(), plan=mplan.plan, rank=fsdp_rank)
 
-    return pytree.map(convert, tree, is_leaf=_is_dbuf)
+    return pytree.map(convert, tree, is_leaf=is_dbuffer)
 
 
 def _check_same_leaves(mplan: MeshPlan, gplan: LayoutPlan) -> None:

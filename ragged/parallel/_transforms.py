@@ -80,6 +80,17 @@ def _explain_mesh(calls) -> str:
     )
 
 
+def _check_data_axes(mplan: MeshPlan, axes: Sequence[str], where: str) -> tuple[str, ...]:
+    """``axes`` as a tuple, each a non-FSDP axis of the mesh (see [Note: data axes])."""
+    for a in axes:
+        if a not in mplan.other_axes:
+            raise RaggedValueError(
+                f"{where} {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
+                f"{mplan.fsdp_axis!r} is always reduced (by the step's own comm)."
+            )
+    return tuple(axes)
+
+
 def _shard(mplan: MeshPlan, params, mcomm) -> DBuffer:
     """``rg.shard(mplan, params, mcomm)``: this rank's DBuffer, the FSDP shard of its parts.
 
@@ -164,13 +175,7 @@ def _reduce_scatter(
     _check_mesh(mplan, mcomm, "reduce_scatter")
     if op not in ("mean", "sum"):
         raise RaggedValueError(f"reduce_scatter: op must be 'mean' or 'sum', got {op!r}.")
-    data_axes = tuple(data_axes)
-    for a in data_axes:
-        if a not in mplan.other_axes:
-            raise RaggedValueError(
-                f"reduce_scatter: data_axes entry {a!r} is not a non-FSDP axis of the mesh "
-                f"({mplan.other_axes}); the FSDP axis {mplan.fsdp_axis!r} is always reduced."
-            )
+    data_axes = _check_data_axes(mplan, data_axes, "reduce_scatter: data_axes entry")
     fsdp = mcomm[mplan.fsdp_axis]
     check_mesh_plan(mplan, mcomm)
     out = reduce_scatter_plan(mplan.plan, grads, fsdp, op="sum", dtype=dtype)
@@ -200,11 +205,8 @@ def _global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
     """
     _check_mesh(mplan, mcomm, "global_norm")
     check_mesh_plan(mplan, mcomm)
-    weights = {}
-    for ml in mplan.leaves:
-        copies = math.prod(mcomm[a].world_size for a in ml.replicated_on)
-        if copies > 1:
-            weights[ml.index] = 1.0 / copies
+    copies = {ml.index: math.prod(mcomm[a].world_size for a in ml.replicated_on) for ml in mplan.leaves}
+    weights = {i: 1.0 / c for i, c in copies.items() if c > 1}
     sharded, replicated = weighted_square_sums(mplan.plan, dbuf.data, dbuf.replicated, dbuf.rank, weights)
     others = [mcomm[a] for a in mplan.other_axes]
     return torch.sqrt(reduce_square_sums(sharded, replicated, mcomm[mplan.fsdp_axis], others))
@@ -245,13 +247,7 @@ def data_groups(mplan: MeshPlan, mcomm, axes: Sequence[str]) -> tuple[DataGroup,
         >>> parallel.simulate_mesh(mp.mesh, fn)[0]
         (2, True, False)
     """
-    for a in axes:
-        if a not in mplan.other_axes:
-            raise RaggedValueError(
-                f"data_groups: {a!r} is not a non-FSDP axis of the mesh ({mplan.other_axes}); the FSDP axis "
-                f"{mplan.fsdp_axis!r} is the step's own comm."
-            )
-    return tuple(DataGroup(mcomm[a], _ReplicatedOn(mplan, a)) for a in axes)
+    return tuple(DataGroup(mcomm[a], _ReplicatedOn(mplan, a)) for a in _check_data_axes(mplan, axes, "data_groups:"))
 
 
 def _unshard_axis(pieces: list[torch.Tensor], dim: int, groups: int) -> torch.Tensor:

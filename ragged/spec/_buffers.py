@@ -308,15 +308,14 @@ def _atoms(items, K: int) -> list[tuple[int, ...]]:
     granule when there are more than ``_MAX_ATOMS`` kinds."""
     if len(items) <= K:
         return [(i,) for i in range(len(items))]
-    kinds: dict[tuple[int, int], list[int]] = {}
-    for i, item in enumerate(items):
-        kinds.setdefault(item, []).append(i)
-    if len(kinds) <= _MAX_ATOMS:
-        return [tuple(ix) for ix in kinds.values()]
-    by_granule: dict[int, list[int]] = {}
-    for i, (_, g) in enumerate(items):
-        by_granule.setdefault(g, []).append(i)
-    return [tuple(ix) for ix in by_granule.values()]
+    def indices_by(keys) -> list[tuple[int, ...]]:
+        groups: dict = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        return [tuple(ix) for ix in groups.values()]
+
+    kinds = indices_by(items)
+    return kinds if len(kinds) <= _MAX_ATOMS else indices_by(g for _, g in items)
 
 
 def _best(candidates, state, objective: _Objective, bar):

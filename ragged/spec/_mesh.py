@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from ragged._errors import RaggedValueError
+from ragged._errors import RaggedValueError, check_int
 
 __all__ = ["Mesh"]
 
@@ -43,8 +43,7 @@ class Mesh:
         if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
             raise RaggedValueError(f"Mesh axis names must be distinct non-empty strings, got {names}.")
         for n, s in zip(names, shape):
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise RaggedValueError(f"Mesh axis {n!r} has size {s!r}; sizes must be positive ints.")
+            check_int(f"the size of mesh axis {n!r}", s)
 
     replace = dataclasses.replace
 

@@ -268,9 +268,7 @@ def _check_granules(path, shape, part, gran, shards, fsdp_axis) -> None:
     ndim = len(shape)
     for axis, dim, groups, size in shards:
         problem = None
-        part = list(part)
-        part[dim] //= groups  # a strided shard's dim of the part is `groups` separate runs
-        part = tuple(part)
+        part = (*part[:dim], part[dim] // groups, *part[dim + 1:])  # a strided shard's dim: `groups` separate runs
         if isinstance(gran, Blocks) and ndim >= 2:
             if dim == ndim - 1 and part[-1] % gran.c:
                 problem = (f"{part[-1]} columns per part is not a multiple of c = {gran.c}", f"c dividing {part[-1]}")

@@ -29,7 +29,7 @@ import math
 import torch
 
 from ragged._pytree import pytree
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 
 __all__ = ["PEERS", "PeerPadding", "peer_shard_numel", "peer_padding"]
 
@@ -59,10 +59,7 @@ def _zero3(shapes, itemsizes, W: int) -> int:
 
 
 def _megatron(shapes, itemsizes, W: int) -> int:
-    F = 1
-    for shape in shapes:
-        if len(shape) >= 2:
-            F = math.lcm(F, max(1, math.prod(shape[1:])))
+    F = math.lcm(1, *(max(1, math.prod(shape[1:])) for shape in shapes if len(shape) >= 2))
     total = sum(math.prod(shape) for shape in shapes)
     return -(-total // (W * F)) * F
 
@@ -125,12 +122,7 @@ def peer_shard_numel(params, world_size: int, peer: str) -> int:
         >>> spec.peer_shard_numel(experts, 256, "fsdp2") * 256 // experts["w"].numel()
         2
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
-    if peer not in _RULES:
-        raise RaggedValueError(f"peer must be one of {PEERS}, got {peer!r}.")
-    shapes, itemsizes = _shapes_itemsizes(params)
-    return _RULES[peer](shapes, itemsizes, world_size)
+    return peer_padding(params, world_size, peers=(peer,))[peer].per_device
 
 
 def peer_padding(params, world_size: int, *, peers=PEERS) -> dict[str, PeerPadding]:
@@ -151,8 +143,7 @@ def peer_padding(params, world_size: int, *, peers=PEERS) -> dict[str, PeerPaddi
         >>> {k: (v.per_device, v.padding) for k, v in spec.peer_padding(params, 4).items()}
         {'fsdp2': (13, 9), 'fsdp1': (11, 1), 'zero3': (11, 1), 'megatron': (12, 5)}
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int("world_size", world_size)
     shapes, itemsizes = _shapes_itemsizes(params)
     numel = sum(math.prod(s) for s in shapes)
     out = {}

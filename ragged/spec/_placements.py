@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import keystr
 from ragged.spec._granularity import GRANULARITY_TYPES
 from ragged.spec._mesh import Mesh
@@ -54,8 +54,7 @@ class Shard:
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise RaggedTypeError(f"Shard.dim must be an int, got {self.dim!r}.")
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise RaggedValueError(f"Shard.groups must be a positive int, got {self.groups!r}.")
+        check_int("Shard.groups", self.groups)
 
     replace = dataclasses.replace
 
@@ -97,16 +96,13 @@ class Placements:
         object.__setattr__(self, "axes", tuple(sorted(items.items())))
 
     def __getitem__(self, axis: str):
-        for a, p in self.axes:
-            if a == axis:
-                return p
-        raise RaggedKeyError(axis)
+        try:
+            return dict(self.axes)[axis]
+        except KeyError:
+            raise RaggedKeyError(axis) from None
 
     def get(self, axis: str, default=None):
-        for a, p in self.axes:
-            if a == axis:
-                return p
-        return default
+        return dict(self.axes).get(axis, default)
 
     def __repr__(self) -> str:
         return "Placements(" + ", ".join(f"{a}={p!r}" for a, p in self.axes) + ")"

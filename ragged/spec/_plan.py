@@ -10,6 +10,7 @@ import bisect
 import dataclasses
 import functools
 import hashlib
+import itertools
 from typing import Any
 
 import torch
@@ -160,12 +161,8 @@ class LayoutPlan:
         """
         if not 0 <= rank < self.world_size:
             raise RaggedValueError(f"rank must be in [0, {self.world_size}), got {rank}.")
-        out, local = [], 0
-        for offset, size in self.buffers:
-            lo = offset + rank * size
-            out.append(ShardRange(lo, lo + size, local))
-            local += size
-        return tuple(out)
+        bases = _buffer_starts(self.buffers)[3]
+        return tuple(ShardRange(o + rank * s, o + (rank + 1) * s, base) for (o, s), base in zip(self.buffers, bases))
 
     def locate(self, positions):
         """Owner rank and offset in that rank's shard of global buffer positions.
@@ -344,19 +341,8 @@ def _buffer_starts(buffers: tuple[tuple[int, int], ...]):
     index of a global offset (cached per buffers tuple: cheap to hash, shared by equal plans)."""
     starts = tuple(o for o, _ in buffers)
     sizes = tuple(max(s, 1) for _, s in buffers)
-    bases, acc = [], 0
-    for _, s in buffers:
-        bases.append(acc)
-        acc += s
-    if len(starts) == 1:
-        find = _first_buffer
-    else:
-        find = functools.partial(_bisect_buffer, starts)
-    return starts, find, sizes, tuple(bases)
-
-
-def _first_buffer(offset: int) -> int:
-    return 0
+    bases = tuple(itertools.accumulate((s for _, s in buffers[:-1]), initial=0))
+    return starts, functools.partial(_bisect_buffer, starts), sizes, bases
 
 
 def _bisect_buffer(starts, offset: int) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError
+from ragged._errors import NO_PARAMS_MSG, LayoutError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import keystr
 from ragged.spec import _buffers, _search
 from ragged.spec._granularity import GRANULARITY_TYPES, Replicate, Rows, granule_of
@@ -87,7 +87,7 @@ def _named_orders(items: tuple[tuple[int, int], ...]) -> dict[str, tuple[int, ..
     return {"tree": by_tree, "granule": by_granule, "size": by_size}
 
 
-def _order_indices(order, leaves: list[tuple], world_size: int) -> list[tuple[int, ...]]:
+def _order_indices(order, leaves: list[tuple]) -> list[tuple[int, ...]]:
     """Candidate orders (sequences of positions into ``leaves``) to evaluate."""
     if order is None:
         return [tuple(range(len(leaves)))]
@@ -95,13 +95,7 @@ def _order_indices(order, leaves: list[tuple], world_size: int) -> list[tuple[in
         if order != "search" and order not in ORDERS:
             raise RaggedValueError(f"order must be one of {ORDERS + ('search',)} or a sequence of key paths, got {order!r}.")
         named = _named_orders(tuple((leaf[1], leaf[2]) for leaf in leaves))
-        if order == "search":
-            unique = []
-            for name in ORDERS:
-                if named[name] not in unique:
-                    unique.append(named[name])
-            return unique
-        return [named[order]]
+        return list(dict.fromkeys(named[name] for name in ORDERS)) if order == "search" else [named[order]]
     paths = [leaf[0] for leaf in leaves]
     order = list(order)
     if sorted(order) != sorted(paths):
@@ -236,8 +230,7 @@ def make_plan(
         >>> two.buffers, two.shard_size, two.padding               # rows of 3 and rows of 5 apart
         (((0, 12), (24, 10)), 22, 0)
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int("world_size", world_size)
     if strategy not in STRATEGIES:
         raise RaggedValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
@@ -285,24 +278,21 @@ def make_plan(
             sharded.append((path, numel, granule, index))
 
     dtypes = sorted({str(shapes_dtypes[i][1]) for _, _, _, i in sharded + replicated})
-    if dtype is None:
-        if len(dtypes) > 1:
-            groups = {d: [p for p, _, _, i in sharded + replicated if str(shapes_dtypes[i][1]) == d] for d in dtypes}
-            listing = "; ".join(f"{d}: {', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''}" for d, ps in groups.items())
-            raise LayoutError(
-                f"params mixes dtypes ({listing}), but one buffer has one dtype. Fix: pass "
-                "make_plan(..., dtype=torch.float32) to keep an fp32 master buffer (shard() casts "
-                "into it), or plan each dtype as its own unit."
-            )
-        buffer_dtype = shapes_dtypes[0][1]
-    else:
-        buffer_dtype = dtype
+    if dtype is None and len(dtypes) > 1:
+        groups = {d: [p for p, _, _, i in sharded + replicated if str(shapes_dtypes[i][1]) == d] for d in dtypes}
+        listing = "; ".join(f"{d}: {', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''}" for d, ps in groups.items())
+        raise LayoutError(
+            f"params mixes dtypes ({listing}), but one buffer has one dtype. Fix: pass "
+            "make_plan(..., dtype=torch.float32) to keep an fp32 master buffer (shard() casts "
+            "into it), or plan each dtype as its own unit."
+        )
+    buffer_dtype = shapes_dtypes[0][1] if dtype is None else dtype
     itemsize = torch.empty((), dtype=buffer_dtype).element_size()
     align_elems = align if align is not None else max(1, 16 // itemsize)
 
     if order is None and strategy == "dp":
         order = "search"
-    candidates = _order_indices(order, sharded, world_size)
+    candidates = _order_indices(order, sharded)
     buffers = ()
     if max_buffers == 1 or len(sharded) < 2:
         best = None

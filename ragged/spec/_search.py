@@ -27,7 +27,9 @@ feasible (``S >= max e`` and ``m*S >= sum(e + L + align)``) makes the search fin
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -177,16 +179,9 @@ def _prepared(sizes: tuple, granules: tuple, align: int, world_size: int):
     granules_l = [int(g) for g in granules]
     total = sum(sizes_l)
     atomic = max((e for e, g in zip(sizes_l, granules_l) if e <= g), default=0)
-    prefix = [0]
-    for e in sizes_l:
-        prefix.append(prefix[-1] + -(-e // align) * align)
-    suffix = [0] * (len(sizes_l) + 1)
-    for k in range(len(sizes_l) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + sizes_l[k]
-    counts: dict[tuple[int, int], int] = {}
-    for e, g in zip(sizes_l, granules_l):
-        counts[(e, g)] = counts.get((e, g), 0) + 1
-    kinds = tuple((e, g, c) for (e, g), c in counts.items())
+    prefix = list(itertools.accumulate((-(-e // align) * align for e in sizes_l), initial=0))
+    suffix = list(itertools.accumulate(reversed(sizes_l), initial=0))[::-1]  # suffix[k] = sum(sizes_l[k:])
+    kinds = tuple((e, g, c) for (e, g), c in collections.Counter(zip(sizes_l, granules_l)).items())
     return sizes_l, granules_l, total, atomic, prefix, suffix, kinds, upper_bound(sizes_l, granules_l, align, world_size)
 
 
@@ -243,10 +238,7 @@ def order_free_lower_bound(sizes, granules, align: int, world_size: int) -> int:
     granule its forced tensors require (see the module note). When a plan reaches it, no
     order and no planner can do better.
     """
-    counts: dict[tuple[int, int], int] = {}
-    for e, g in zip(sizes, granules):
-        key = (int(e), int(g))
-        counts[key] = counts.get(key, 0) + 1
+    counts = collections.Counter((int(e), int(g)) for e, g in zip(sizes, granules))
     return kinds_lower_bound(tuple((e, g, c) for (e, g), c in counts.items()), align, world_size)
 
 
@@ -310,10 +302,7 @@ class OrderFree:
         top = sorted(by_G, key=lambda G: -by_G[G])[: self._MAX_G]
         Gs = list(dict.fromkeys([*top, *(math.gcd(a, b) for i, a in enumerate(top) for b in top[i + 1 :])]))
         Gs = [G for G in Gs if G > 1 and align % G][: 2 * self._MAX_G]
-        self.pieces = []
-        for G in Gs:
-            others = tuple((e, c) for e, g, c in kinds if e and math.gcd(e, g) % G)
-            self.pieces.append((G, others))
+        self.pieces = [(G, tuple((e, c) for e, g, c in kinds if e and math.gcd(e, g) % G)) for G in Gs]
 
     def __bool__(self) -> bool:
         return bool(self.crossing or self.pieces)

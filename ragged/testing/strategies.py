@@ -153,13 +153,11 @@ def spec_trees(draw, params, *, max_n: int = 4, replicate: bool = False, allow_n
     """A full spec tree for ``params`` (same structure), one valid granularity per leaf;
     with ``allow_none`` some leaves are ``None`` (= ``Rows(1)``)."""
     leaves, treedef = pytree.flatten(params)
-    specs = []
-    for leaf in leaves:
-        if allow_none and draw(st.integers(0, 4)) == 0:
-            specs.append(None)
-        else:
-            specs.append(draw(granularities(tuple(leaf.shape), max_n=max_n, replicate=replicate)))
-    return pytree.unflatten(treedef, specs)
+    return pytree.unflatten(treedef, [
+        None if allow_none and draw(st.integers(0, 4)) == 0
+        else draw(granularities(tuple(leaf.shape), max_n=max_n, replicate=replicate))
+        for leaf in leaves
+    ])
 
 
 @st.composite

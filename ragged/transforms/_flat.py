@@ -148,13 +148,9 @@ def _reduce_scatter_flat(plan, out, flat, comm, op, async_op, label):
                    op=op, label=label)
 
 
-def _launch(plan, comm, name: str, pairs, async_op: bool, label=None, **kw):
-    """``comm.<name>(output, input)`` for one buffer; ``comm.<name>_coalesced`` for several, or
-    one ``comm.<name>`` per buffer when the comm has no coalesced op. ``label`` (what the call
-    carries besides its plan identity, compared across ranks) is passed only when given, so a
-    comm of the older protocol without ``label=`` still works."""
-    if label is not None:
-        kw["label"] = label
+def _launch(plan, comm, name: str, pairs, async_op: bool, **kw):
+    """``comm.<name>(output, input, **kw)`` for one buffer; ``comm.<name>_coalesced`` for several,
+    or one ``comm.<name>`` per buffer when the comm has no coalesced op."""
     if len(plan.buffers) == 1:
         (out, inp), = pairs
         return getattr(comm, name)(out, inp, async_op=async_op, **kw)

@@ -55,10 +55,7 @@ def shard(plan: LayoutPlan, params, comm=None, *, rank: int | None = None) -> DB
     leaves = flatten_like_plan(plan, params, "params")
     if comm is not None:
         check_plan(plan, comm, "shard")
-    device = None
-    for leaf in leaves:
-        device = leaf.device
-        break
+    device = leaves[0].device if leaves else None
     S = plan.shard_size if rank < plan.world_size else 0
     data = torch.zeros(S, dtype=plan.dtype, device=device)
     replicated = torch.zeros(replicated_size(plan), dtype=plan.dtype, device=device)

@@ -18,6 +18,13 @@ ragged does about it:
   ``torch.distributed._coalescing_manager`` (NCCL, several buffers in one launch) torch
   records the op by identity (2.13 compares with ``all_gather_single``, 2.11 with
   ``all_gather_into_tensor``): the function bound here is the one the installed torch expects.
+* **Moving memory into a storage that keeps its identity.** The step's runtime reuses unit
+  buffers by moving a pool block's memory into a unit's storage
+  (``UntypedStorage._swap_data_ptr_``; [Note: reusing unit buffers] in ``ragged/fsdp/_pool.py``).
+  torch 2.13 and 2.14 have it, torch 2.11 does not. :data:`CAN_SWAP_STORAGE` says which: without
+  it the runtime resizes the unit's storage instead (the same results, no reuse) and tells the
+  streams strategy about that memory all the same, so the recording fake of the CUDA streams
+  checks that path's ordering too (``tests/fsdp/test_streams.py`` runs both paths on any torch).
 * **Older torch.** Below 2.11 nothing is tested; importing ragged raises :class:`ImportError`
   naming the range instead of failing later in some collective. Above the range (2.15+)
   ragged imports: the bound in ``pyproject.toml`` says what was tested, an import does not
@@ -38,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-__all__ = ["TORCH_RANGE", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "all_gather_single", "reduce_scatter_single"]
 
 TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
 
@@ -55,3 +62,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 #: ``reduce_scatter_single(output, input, op=SUM, group=None, async_op=False)``: torch 2.13+'s
 #: ``reduce_scatter_single``, else ``reduce_scatter_tensor`` (see [Note: torch 2.11 to 2.14]).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: Whether ``torch.UntypedStorage._swap_data_ptr_`` exists (torch 2.13+; see [Note: torch 2.11 to
+#: 2.14]): the step's runtime reuses unit buffers through it, else resizes the unit's storage.
+CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")

@@ -25,6 +25,15 @@ ragged does about it:
   it the runtime resizes the unit's storage instead (the same results, no reuse) and tells the
   streams strategy about that memory all the same, so the recording fake of the CUDA streams
   checks that path's ordering too (``tests/fsdp/test_streams.py`` runs both paths on any torch).
+* **torch.compile of an optimizer update.** A compiled ``opt.update`` traces optree through
+  dynamo's polyfill, whose tree spec is a Python object made while tracing. torch 2.11's dynamo
+  compares two tree specs' node classes with ``cls.__eq__(other)`` (its ``cmp_eq`` polyfill), which
+  fails for a class with a Python ``__eq__`` such as :class:`~ragged.DBuffer`: a graph break. Where
+  the trace then used that tree spec across the break (``treedef.flatten_up_to``), dynamo could
+  not resume and the polyfill's tree spec reached eager code (``ValueError: length mismatch``). So
+  ragged's updates check the trees' structures (``check_like_state``) and then zip
+  ``pytree.leaves``, never a tree spec made in the trace; on torch 2.11 the check's comparison is
+  the one graph break (:data:`DYNAMO_TRACES_TREESPEC_EQ`), torch 2.13 and 2.14 trace it.
 * **Older torch.** Below 2.11 nothing is tested; importing ragged raises :class:`ImportError`
   naming the range instead of failing later in some collective. Above the range (2.15+)
   ragged imports: the bound in ``pyproject.toml`` says what was tested, an import does not
@@ -45,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "all_gather_single", "reduce_scatter_single"]
 
 TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
 
@@ -66,3 +75,8 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 #: Whether ``torch.UntypedStorage._swap_data_ptr_`` exists (torch 2.13+; see [Note: torch 2.11 to
 #: 2.14]): the step's runtime reuses unit buffers through it, else resizes the unit's storage.
 CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+#: Whether torch.compile traces ``==`` of two optree tree specs holding a DBuffer without a graph
+#: break: not torch 2.11's dynamo (see [Note: torch 2.11 to 2.14]); torch 2.13 and 2.14 do
+#: (2.12 not run). What a test of a compiled update expects.
+DYNAMO_TRACES_TREESPEC_EQ = TorchVersion(torch.__version__) >= "2.13"

@@ -34,6 +34,12 @@ ragged does about it:
   ragged's updates check the trees' structures (``check_like_state``) and then zip
   ``pytree.leaves``, never a tree spec made in the trace; on torch 2.11 the check's comparison is
   the one graph break (:data:`DYNAMO_TRACES_TREESPEC_EQ`), torch 2.13 and 2.14 trace it.
+* **Inductor on the CPU, float64 attention.** torch 2.11's inductor generates a backward of
+  float64 causal ``scaled_dot_product_attention`` on the CPU that fails (``RuntimeError: expected
+  scalar type Double but found Float``, in ``_scaled_dot_product_flash_attention_for_cpu_backward``;
+  a compiled function of that one call fails alike, without ragged; float32, ``aot_eager`` and
+  torch 2.13 / 2.14 pass). It is torch's, in the user's compiled blocks, so ragged does not work
+  around it: :data:`INDUCTOR_CPU_FP64_ATTENTION_BACKWARD` says where the float64 inductor test runs.
 * **Older torch.** Below 2.11 nothing is tested; importing ragged raises :class:`ImportError`
   naming the range instead of failing later in some collective. Above the range (2.15+)
   ragged imports: the bound in ``pyproject.toml`` says what was tested, an import does not
@@ -54,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "INDUCTOR_CPU_FP64_ATTENTION_BACKWARD", "all_gather_single", "reduce_scatter_single"]
 
 TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
 
@@ -80,3 +86,7 @@ CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 #: break: not torch 2.11's dynamo (see [Note: torch 2.11 to 2.14]); torch 2.13 and 2.14 do
 #: (2.12 not run). What a test of a compiled update expects.
 DYNAMO_TRACES_TREESPEC_EQ = TorchVersion(torch.__version__) >= "2.13"
+
+#: Whether inductor's backward of float64 ``scaled_dot_product_attention`` on the CPU runs: not on
+#: torch 2.11 (see [Note: torch 2.11 to 2.14]); torch 2.13 and 2.14 (2.12 not run).
+INDUCTOR_CPU_FP64_ATTENTION_BACKWARD = TorchVersion(torch.__version__) >= "2.13"

@@ -1,7 +1,7 @@
-"""The torch APIs ragged calls where torch 2.11 and 2.14 differ, chosen once, at import.
+"""What differs between torch 2.11 and 2.14 for ragged, decided once, at import.
 
-Every call of such an API in ragged goes through this module; nothing else in the package
-looks at ``torch.__version__`` or probes for a torch function.
+Every call of an API that differs goes through this module, and every other difference is a flag
+here; nothing else in the package looks at ``torch.__version__`` or probes for a torch function.
 
 [Note: torch 2.11 to 2.14]
 ragged supports torch ``>=2.11,<2.15`` (``pyproject.toml``; the whole suite runs on 2.11.0 and
@@ -60,7 +60,10 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-__all__ = ["TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "INDUCTOR_CPU_FP64_ATTENTION_BACKWARD", "all_gather_single", "reduce_scatter_single"]
+__all__ = [
+    "TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "INDUCTOR_CPU_FP64_ATTENTION_BACKWARD",
+    "all_gather_single", "reduce_scatter_single",
+]
 
 TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
 

@@ -3,8 +3,8 @@ on the CPU through the real ``CudaStreams`` over a recording fake of the ``torch
 (``tests/fsdp/_streams.py``): results equal the host path's, no two streams touch a buffer
 unordered (the race detector), gathers and reduce-scatters overlap compute, and the detector
 does catch a missing fence or wait, each both ways a unit gets its gathered memory (a pool block
-swapped in, or its storage resized: ``ragged._compat.CAN_SWAP_STORAGE``). Also: a backward whose callbacks come from two autograd
-threads is refused on every rank."""
+swapped in, or its storage resized: ``ragged._compat.CAN_SWAP_STORAGE``). Also: a backward whose
+callbacks come from two autograd threads is refused on every rank."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def storage(request, monkeypatch):
     """The runtime's way to give a unit its gathered memory: both on a torch that can swap a
     storage's memory (2.13+), the resize path alone on one that cannot (2.11)."""
     if request.param == "swap" and not _compat.CAN_SWAP_STORAGE:
-        pytest.skip(f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch 2.13+ has it)")
+        pytest.skip(f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch 2.13 and 2.14 have it)")
     monkeypatch.setattr(_compat, "CAN_SWAP_STORAGE", request.param == "swap")
     return request.param
 

@@ -238,6 +238,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
     def update(updates, state, params=None):
         del params
         check_like_state(updates, state.mu, "scale_by_adam")
+        check_like_state(updates, state.nu, "scale_by_adam")
         count = state.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         step = 1.0 / bc1
@@ -297,6 +298,7 @@ def scale_by_adamw(
         if weight_decay and params is None:
             raise RaggedValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
         check_like_state(updates, adam.mu, "adamw")
+        check_like_state(updates, adam.nu, "adamw")
         if weight_decay:
             check_like_state(params, adam.mu, "adamw", what="params")
         count = adam.count + 1

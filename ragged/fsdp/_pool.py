@@ -15,7 +15,8 @@ hold memory at the start of backward, where the peak usually is.)
 
 A unit's storage keeps its identity (the leaves are views of it; the runtime maps it back to
 the unit by storage): the pool's memory is moved into it and out of it with
-``UntypedStorage._swap_data_ptr_`` (where torch lacks it, ``resize_`` and no reuse).
+``UntypedStorage._swap_data_ptr_`` (where torch lacks it, ``ragged._compat.CAN_SWAP_STORAGE``:
+``resize_`` and no reuse).
 
 Lifetimes across streams (see [Note: streams and lifetimes] in ``_device.py``): a buffer given
 back carries *fences*, the events after its last use on each stream; whoever uses it next waits
@@ -29,9 +30,8 @@ import itertools
 
 import torch
 
-__all__ = ["Pool", "Block", "CAN_SWAP"]
+__all__ = ["Pool", "Block"]
 
-CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _ids = itertools.count()
 
 

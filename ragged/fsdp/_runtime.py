@@ -63,9 +63,10 @@ import threading
 
 import torch
 
+from ragged import _compat
 from ragged._errors import RaggedError
 from ragged.fsdp._device import COMPUTE, GATHER, streams_for
-from ragged.fsdp._pool import CAN_SWAP, Pool, attach, detach
+from ragged.fsdp._pool import Pool, attach, detach
 from ragged.fsdp._records import UnitRecord, UnitState, storage_key
 from ragged.fsdp._reducing import Gradients
 from ragged.fsdp._observed import Counters, Observer
@@ -252,18 +253,24 @@ class Run:
     def _materialize(self, i: int):
         """Unit ``i``'s storage gets memory on the gather stream (inside ``streams.on(GATHER)``)."""
         u, nbytes = self.units[i], self.ctx.layouts[i].nbytes
-        if CAN_SWAP:
+        if _compat.CAN_SWAP_STORAGE:
             u.block = self.pool.take(nbytes, GATHER)
             attach(u.flat.untyped_storage(), u.block)
         else:
             u.flat.untyped_storage().resize_(nbytes)
+            self.streams.alloc(GATHER, self._memory(i), nbytes)
         self.counts.gathered(nbytes)
+
+    def _memory(self, i: int):
+        """The key of unit ``i``'s gathered memory for the streams strategy (``alloc`` / ``access`` /
+        ``free``): its pool block's, or the unit's own where the storage is resized instead."""
+        u = self.units[i]
+        return u.block.key if u.block is not None else ("unit", i)
 
     def _dematerialize(self, i: int):
         """Unit ``i``'s storage is released once the gather stream is past every read so far."""
         u, streams = self.units[i], self.streams
-        if u.block is not None:
-            streams.access(COMPUTE, u.block.key)  # the last read of this unit's parameters was queued before
+        streams.access(COMPUTE, self._memory(i))  # the last read of this unit's parameters was queued before
         fence = streams.record(COMPUTE)
         if u.block is not None:
             detach(u.flat.untyped_storage(), u.block)
@@ -272,6 +279,7 @@ class Run:
         else:
             streams.wait(GATHER, fence)
             u.flat.untyped_storage().resize_(0)
+            streams.free(self._memory(i))
         self.counts.live -= self.ctx.layouts[i].nbytes
 
     # ---- parameters: the one all-gather call site ----------------------------------------------
@@ -298,8 +306,7 @@ class Run:
                 u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
                 works.append(_all_gather_flat_start(plan, out, u.source[-1], self.comm, label=what))
             streams.access(GATHER, ("shard", i))
-            if u.block is not None:
-                streams.access(GATHER, u.block.key, write=True)
+            streams.access(GATHER, self._memory(i), write=True)
             u.handle = [streams.issued(GATHER, w) for w in works]
         u.state, u.scheduled, u.served = UnitState.PENDING, True, False
         self.counts.gathers += 1
@@ -310,8 +317,7 @@ class Run:
         if u.state is UnitState.PENDING:
             for h in u.handle:
                 self.streams.done(COMPUTE, h)
-            if u.block is not None:
-                self.streams.access(COMPUTE, u.block.key)
+            self.streams.access(COMPUTE, self._memory(i))
             u.handle = u.source = None
             u.state = UnitState.READY
             self.log("gather_done", i)
@@ -348,8 +354,7 @@ class Run:
             with torch.no_grad():
                 u.flat.zero_()
                 u.frozen_flat.zero_()
-            if u.block is not None:
-                streams.access(GATHER, u.block.key, write=True)
+            streams.access(GATHER, self._memory(i), write=True)
             done = streams.record(GATHER)
         streams.wait(COMPUTE, done)
         u.state, u.served = UnitState.READY, True

@@ -132,9 +132,11 @@ def apply_updates(params, updates, *, donate: bool = False):
     return pytree.map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 
-def check_like_state(updates, state_tree, where: str) -> None:
-    """Raises a clear error when ``updates`` is not structured like the state (other plan,
-    other rank, other tree): the usual cause is an ``opt_state`` built for other params."""
+def check_like_state(updates, state_tree, where: str, what: str = "updates") -> None:
+    """Raises a clear error when ``updates`` (or the params, ``what="params"``) is not structured
+    like the state (other plan, other rank, other tree): the usual cause is an ``opt_state``
+    built for other params. Once it passes, an update may zip ``pytree.leaves`` of both trees
+    (rather than ``treedef.flatten_up_to``: see [Note: torch 2.11 to 2.14] in ``ragged/_compat.py``)."""
     got, want = pytree.structure(updates), pytree.structure(state_tree)
     if got == want:
         return
@@ -151,9 +153,9 @@ def check_like_state(updates, state_tree, where: str) -> None:
         return f"{len(leaves)} buffer(s): " + ", ".join(parts) + (", ..." if len(leaves) > 3 else "")
 
     raise RaggedValueError(
-        f"{where}: the updates do not match the optimizer state: updates are {describe(updates)}; the state "
+        f"{where}: the {what} do not match the optimizer state: {what} are {describe(updates)}; the state "
         f"was built for {describe(state_tree)}. Fix: call opt.init on the same DBuffer(s) (same plan, same "
-        "rank) whose gradients you pass to opt.update."
+        "rank) that you pass to opt.update as params and whose gradients you pass."
     )
 
 

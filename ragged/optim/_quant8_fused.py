@@ -44,6 +44,7 @@ import warnings
 import torch
 import torch.fx.experimental._config
 
+from ragged import _compat
 from ragged._errors import RaggedValueError
 from ragged.optim._quant8_codec import Codec
 
@@ -186,7 +187,9 @@ def update_fn(kernel: str, device: torch.device, block, flags):
     if isinstance(hit, str):
         if kernel == "compiled":
             raise RaggedValueError(
-                f"kernel='compiled': {hit}. Fix: kernel='auto' (falls back to eager ops) or kernel='eager'.")
+                f"kernel='compiled' (the update of {tuple(block)} blocks on {device.type}, torch {torch.__version__}): "
+                f"{hit}.{_compat.ADAMW_8BIT_COMPILE_NOTE} Fix: kernel='auto' (falls back to eager ops) or "
+                "kernel='eager'.")
         return _eager(block, flags)
     return lambda *args: _first_call(kernel, key, device, args)
 

@@ -238,6 +238,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
     def update(updates, state, params=None):
         del params
         check_like_state(updates, state.mu, "scale_by_adam")
+        check_like_state(updates, state.nu, "scale_by_adam")
         count = state.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         step = 1.0 / bc1
@@ -245,7 +246,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
         outs = [
             _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=None, p=None,
                        donate=donate)
-            for g, m, v in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))
+            for g, m, v in zip(g_leaves, pytree.leaves(state.mu), pytree.leaves(state.nu))
         ]
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
         return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
@@ -297,6 +298,9 @@ def scale_by_adamw(
         if weight_decay and params is None:
             raise RaggedValueError("adamw with weight_decay needs the params: call opt.update(grads, opt_state, params).")
         check_like_state(updates, adam.mu, "adamw")
+        check_like_state(updates, adam.nu, "adamw")
+        if weight_decay:
+            check_like_state(params, adam.mu, "adamw", what="params")
         count = adam.count + 1
         bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         lr = learning_rate(lr_state.count) if scheduled else learning_rate
@@ -305,11 +309,11 @@ def scale_by_adamw(
         if isinstance(decay, float):
             decay = torch.tensor(decay, dtype=torch.float64, device=count.device)
         g_leaves, treedef = pytree.flatten(updates)
-        p_leaves = treedef.flatten_up_to(params) if weight_decay else [None] * len(g_leaves)
+        p_leaves = pytree.leaves(params) if weight_decay else [None] * len(g_leaves)
         outs = [
             _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=decay, p=p,
                        donate=donate)
-            for g, m, v, p in zip(g_leaves, treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu), p_leaves)
+            for g, m, v, p in zip(g_leaves, pytree.leaves(adam.mu), pytree.leaves(adam.nu), p_leaves)
         ]
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state

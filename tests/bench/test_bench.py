@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ragged as rg
-from ragged import spec
+from ragged import _compat, spec
 
 
 def _params_grads(steps=3, seed=0):
@@ -225,7 +225,12 @@ def test_compile_bench_times_every_method_eager_and_compiled_on_gloo(monkeypatch
     breaks = re.findall(r"Graph break in user code at (\S+)", err)
     recompiles = re.findall(r"Recompiling function (\S+) in (\S+)", err)
     reasons = re.findall(r"- \d+/\d+: (.*)", err)
-    assert len(breaks) == 2 and all("test_bench.py" in b for b in breaks), breaks  # the control's, one per rank
+    ours = [b for b in breaks if "test_bench.py" not in b]
+    assert len(breaks) - len(ours) == 2, breaks  # the control's, one per rank
+    # none in ragged's code, but torch 2.11's one at the optimizer update's structure check, one per rank
+    # (see [Note: torch 2.11 to 2.14] in ragged/_compat.py)
+    assert len(ours) == (0 if _compat.DYNAMO_TRACES_TREESPEC_EQ else 2), ours
+    assert not ours or "in check_like_state" in err
     model = [(f, w) for f, w in recompiles if "test_bench.py" not in w]
     assert len(recompiles) - len(model) == 4, recompiles  # the control and its resume function, on each rank
     assert len(model) == 2 and all(f == "forward" and "ragged/examples/gpt.py" in w for f, w in model), model

@@ -7,6 +7,7 @@ collectives in eager's order; compiled code ragged cannot see is refused on both
 import pytest
 import torch
 
+from ragged import _compat
 from tests.distributed._harness import comm, workers_fixture
 from tests.fsdp._cases import Case, max_diff, reference_run
 
@@ -36,7 +37,14 @@ def _compiled(case, how, backend, wrap):
     )
 
 
-@pytest.mark.parametrize("how,backend,wrap", [("block", "inductor", True), ("whole", "aot_eager", False)],
+_INDUCTOR = pytest.mark.skipif(
+    not _compat.INDUCTOR_CPU_FP64_ATTENTION_BACKWARD,
+    reason=f"torch {torch.__version__}'s inductor fails the float64 attention backward on the CPU, without ragged "
+           "(RuntimeError: expected scalar type Double but found Float; torch 2.13+ passes): see ragged/_compat.py")
+
+
+@pytest.mark.parametrize("how,backend,wrap", [pytest.param("block", "inductor", True, marks=_INDUCTOR),
+                                              ("whole", "aot_eager", False)],
                          ids=["torch-compile-blocks-inductor", "whole-model-aot-eager"])
 def test_compiled_model_trains_like_torch_optim_without_graph_breaks_or_recompiles(workers2, how, backend, wrap):
     for r, out in enumerate(workers2.run(_compiled, CASE, how, backend, wrap, timeout=600)):

@@ -2,8 +2,9 @@
 on the CPU through the real ``CudaStreams`` over a recording fake of the ``torch.cuda`` calls
 (``tests/fsdp/_streams.py``): results equal the host path's, no two streams touch a buffer
 unordered (the race detector), gathers and reduce-scatters overlap compute, and the detector
-does catch a missing fence or wait. Also: a backward whose callbacks come from two autograd
-threads is refused on every rank."""
+does catch a missing fence or wait, each both ways a unit gets its gathered memory (a pool block
+swapped in, or its storage resized: ``ragged._compat.CAN_SWAP_STORAGE``). Also: a backward whose
+callbacks come from two autograd threads is refused on every rank."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import ragged as rg
+from ragged import _compat
 from ragged.fsdp import _device, _pool, _runtime
 from tests.fsdp._cases import Case, fsdp_run
 from tests.fsdp._streams import FakeCudaApi, RecordingStreams
@@ -27,6 +29,16 @@ CASES = {
     "w3-inflight2": (3, Case(batch=6, max_inflight_reduce=2)),
     "w2-noprefetch-noreshard": (2, Case(prefetch=False, reshard_after_forward=False)),
 }
+
+
+@pytest.fixture(params=["swap", "resize"])
+def storage(request, monkeypatch):
+    """The runtime's way to give a unit its gathered memory: both on a torch that can swap a
+    storage's memory (2.13+), the resize path alone on one that cannot (2.11)."""
+    if request.param == "swap" and not _compat.CAN_SWAP_STORAGE:
+        pytest.skip(f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch 2.13 and 2.14 have it)")
+    monkeypatch.setattr(_compat, "CAN_SWAP_STORAGE", request.param == "swap")
+    return request.param
 
 
 def _fake_run(monkeypatch, world, case, **kw):
@@ -45,7 +57,7 @@ def _fake_run(monkeypatch, world, case, **kw):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_fake_cuda_streams_give_the_host_results_and_no_races(monkeypatch, name):
+def test_fake_cuda_streams_give_the_host_results_and_no_races(monkeypatch, storage, name):
     world, case = CASES[name]
     host = rg.collectives.simulate(world, fsdp_run, case)
     fake, made = _fake_run(monkeypatch, world, case)
@@ -58,7 +70,7 @@ def test_fake_cuda_streams_give_the_host_results_and_no_races(monkeypatch, name)
     assert problems == [], problems[:5]
 
 
-def test_gathers_and_reduce_scatters_overlap_compute(monkeypatch):
+def test_gathers_and_reduce_scatters_overlap_compute(monkeypatch, storage):
     """Most all-gathers run while compute works on something queued after them; every
     reduce-scatter but the last one does. Without prefetch no forward all-gather does."""
     _, made = _fake_run(monkeypatch, 2, Case(num_layers=4, steps=2))
@@ -71,7 +83,7 @@ def test_gathers_and_reduce_scatters_overlap_compute(monkeypatch):
     assert n_plain >= 10 and ag_plain <= 2, (ag_plain, n_plain)
 
 
-def test_the_race_detector_catches_a_buffer_reused_without_its_fence(monkeypatch):
+def test_the_race_detector_catches_a_buffer_reused_without_its_fence(monkeypatch, storage):
     give = _pool.Pool.give
     monkeypatch.setattr(_pool.Pool, "give", lambda self, block, fences=(): give(self, block, ()))
     _, made = _fake_run(monkeypatch, 2, Case(num_layers=3, steps=1))
@@ -79,7 +91,7 @@ def test_the_race_detector_catches_a_buffer_reused_without_its_fence(monkeypatch
     assert races, "dropping every fence must show up as a race"
 
 
-def test_the_race_detector_catches_compute_not_waiting_for_an_all_gather(monkeypatch):
+def test_the_race_detector_catches_compute_not_waiting_for_an_all_gather(monkeypatch, storage):
     monkeypatch.setattr(_device.CudaStreams, "done", lambda self, stream, pending: None)
     _, made = _fake_run(monkeypatch, 2, Case(num_layers=3, steps=1))
     races = [p for s in made for p in s.problems if p.startswith("race") and "read on compute" in p]

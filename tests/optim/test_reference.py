@@ -275,3 +275,17 @@ def test_state_for_other_params_is_a_clear_error(name):
     state = opt.init(b)
     with pytest.raises(ValueError, match=r"do not match the (8-bit |optimizer )?state.*Fix: call opt.init"):
         opt.update(a, state, a)
+
+
+def test_adamw_params_for_other_params_than_its_state_are_a_clear_error():
+    """With weight decay adamw reads the params leaf by leaf beside the moments: params of
+    another plan are refused by name, never zipped against the wrong buffers."""
+    from ragged import spec as sp
+
+    params = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    specs = {"w": sp.Blocks(32, 32), "b": sp.Elements(1)}
+    a = shard_all(rg.make_plan(params, specs, world_size=2), params)[0]
+    b = shard_all(rg.make_plan(params, specs, world_size=1), params)[0]
+    opt = rg.optim.adamw(1e-3, weight_decay=0.1)
+    with pytest.raises(ValueError, match=r"adamw: the params do not match the optimizer state.*Fix: call opt.init"):
+        opt.update(b, opt.init(b), a)

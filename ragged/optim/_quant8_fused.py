@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import threading
-import types
 import warnings
 
 import torch

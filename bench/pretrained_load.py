@@ -8,10 +8,11 @@ gloo ranks builds the model on ``meta``, makes the units (fp32 master), resets i
 rg.optim.adamw(...), comm)`` and reads ``VmHWM``: rise = peak - RSS before. The state is the bytes
 of its shards + optimizer state tensors; the bound is 1.2 x state + 64 MiB.
 
-``--compare`` then measures, in the same processes, transformers' own ``from_pretrained`` (fp32)
-on every rank followed by ``fsdp.init(units, model, ...)``.
+``--rank0`` then measures, in the same processes, the peers' rank-0 load (rank 0 ``from_pretrained``
+(fp32), each unit broadcast from it and sharded by every rank), and ``--compare`` transformers'
+own ``from_pretrained`` (fp32) on every rank followed by ``fsdp.init(units, model, ...)``.
 
-Run:  OMP_NUM_THREADS=1 python3 bench/pretrained_load.py [--world-size 4] [--layers 24] [--save] [--compare]
+Run:  OMP_NUM_THREADS=1 python3 bench/pretrained_load.py [--world-size 4] [--layers 24] [--save] [--rank0] [--compare]
 """
 
 from __future__ import annotations
@@ -79,6 +80,35 @@ def _worker(rank, world, port, path, args, out):
         t0 = time.perf_counter()
         fsdp.save_pretrained(units, state.shards, comm, target, dtype=torch.bfloat16)
         row.update(save_rise=_status("VmHWM") - before, save_seconds=time.perf_counter() - t0)
+    if args.rank0:  # the peers' way: rank 0 loads the whole model, broadcasts each unit, every rank shards it
+        by_rank = {n: d.data.clone() for n, d in state.shards.items()}  # to check the result, not measured
+        del state
+        import gc
+
+        from ragged import transforms
+
+        gc.collect()
+        comm.all_reduce(torch.zeros(1))
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        t0 = time.perf_counter()
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        full = (dict(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+                if rank == 0 else None)
+        shards = {}
+        for u in units:
+            tensors = {n: full[n].detach() if rank == 0 else torch.empty(shapes[n]) for n in u.paths}
+            for t in tensors.values():
+                dist.broadcast(t, 0)
+            shards[u.name] = transforms.shard(u.plan, tensors, comm)
+            del tensors
+        opt = rg.optim.adamw(1e-4)
+        state = fsdp.TrainState(shards, opt.init(shards))
+        del full
+        row.update(rank0_rise=_status("VmHWM") - before, rank0_seconds=time.perf_counter() - t0)
+        assert all(torch.equal(by_rank[n], d.data) for n, d in shards.items()), "rank-0 load != by-rank load"
+        del by_rank
     if args.compare:  # transformers' own load on every rank, then fsdp.init from the module
         del state
         import gc
@@ -107,6 +137,9 @@ def main(argv=None):
     p.add_argument("--save", action="store_true", help="also time fsdp.save_pretrained (bf16) of the loaded state")
     p.add_argument("--compare", action="store_true",
                    help="also: transformers' from_pretrained (fp32) on every rank + fsdp.init(units, model)")
+    p.add_argument("--rank0", action="store_true",
+                   help="also: rank 0 loads the whole model (from_pretrained, fp32) and broadcasts each unit, which every "
+                        "rank shards (the rank-0 load of FSDP1's sync_module_states / FSDP2's broadcast_from_rank0)")
     p.add_argument("--keep", default=None, help="directory to write the model into (kept); default: a temporary one")
     args = p.parse_args(argv)
 
@@ -151,10 +184,14 @@ def main(argv=None):
             if args.save:
                 line += f" {r['save_rise'] / mib:.0f} MiB | {r['save_seconds']:.1f} s |"
             print(line)
-        if args.compare:
-            print("\n| rank | from_pretrained + fsdp.init: peak RSS rise | time |\n|---|---|---|")
+        if args.rank0 or args.compare:
+            print("\n| rank | by rank: peak RSS rise | time |" + (" rank-0 load + broadcast: peak RSS rise | time |" if args.rank0
+                  else "") + (" from_pretrained + fsdp.init: peak RSS rise | time |" if args.compare else ""))
+            print("|---|---|---|" + "---|---|" * (args.rank0 + args.compare))
             for r in rows:
-                print(f"| {r['rank']} | {r['hf_rise'] / mib:.0f} MiB | {r['hf_seconds']:.1f} s |")
+                print(f"| {r['rank']} | {r['rise'] / mib:.0f} MiB | {r['seconds']:.1f} s |"
+                      + (f" {r['rank0_rise'] / mib:.0f} MiB | {r['rank0_seconds']:.1f} s |" if args.rank0 else "")
+                      + (f" {r['hf_rise'] / mib:.0f} MiB | {r['hf_seconds']:.1f} s |" if args.compare else ""))
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-# name -> (make_step / make_units options); one model, six configurations
+# name -> (make_step / make_units options); one model, eight configurations
 SETTINGS = {
     "default": {},
     "no prefetch": dict(prefetch=False),
@@ -40,6 +40,8 @@ SETTINGS = {
     "bf16 compute": dict(policy="bf16"),
     "checkpointing": dict(checkpoint=True),
     "2 blocks per unit": dict(pair_blocks=True),
+    "2 micro-batches": dict(micro_batches=2),
+    "bf16 + checkpointing": dict(policy="bf16", checkpoint=True),
 }
 
 
@@ -64,6 +66,7 @@ def _build(cfg, comm, world, opts, *, meta=False, clock=None):
         opt, loss = _timed(model, opt, loss, clock)
     compute, reduce = dtypes(opts.get("policy", "fp32"))
     step = fsdp.make_step(units, loss, opt, comm, donate=True, prefetch=opts.get("prefetch", True),
+                          micro_batches=opts.get("micro_batches", 1),
                           reshard_after_forward=opts.get("reshard_after_forward", True),
                           policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce))
     return model, units, opt, step
@@ -211,7 +214,7 @@ def predict(cfg, name, world, pieces, schedule, link, *, share, overlap):
     for block, u in unit_of.items():
         fwd[u] += pieces[block]
     fwd["rest"] += pieces["loss"] - sum(pieces[b] for b in unit_of)
-    compute = {u: share * s / max(1, entries[u]) for u, s in fwd.items()}
+    compute = {u: share * s / max(1, entries[u]) / step.micro_batches for u, s in fwd.items()}  # per entry, micro-batch
     backward = pieces["step"] - pieces["loss"] - pieces["update"]
     t = lowered.estimate_time(link, compute=compute, backward_factor=backward / pieces["loss"],
                               optimizer_seconds=share * pieces["update"] / world, overlap=overlap)

@@ -14,6 +14,10 @@ For each model, world size W and activation-checkpointing setting:
   at once), ``peak_bytes`` (waited as late as the runtime may) is shown next to it; FSDP2's
   persistent bytes by its rule (``_lower_peers``).
 
+``--time``: the step time instead (``bench/_predict_time.py``): ``estimate_time`` from per-unit
+compute measured at W = 1 and an alpha-beta line fitted on gloo at W, against the measured gloo step
+at W = 2, 4 of eight configurations of one model, with Kendall's tau of their order.
+
 The error columns are (predicted - measured) / measured. Usage::
 
     python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off

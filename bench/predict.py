@@ -14,11 +14,16 @@ For each model, world size W and activation-checkpointing setting:
   at once), ``peak_bytes`` (waited as late as the runtime may) is shown next to it; FSDP2's
   persistent bytes by its rule (``_lower_peers``).
 
+``--time``: the step time instead (``bench/_predict_time.py``): ``estimate_time`` from per-unit
+compute measured at W = 1 and an alpha-beta line fitted on gloo at W, against the measured gloo step
+at W = 2, 4 of eight configurations of one model, with Kendall's tau of their order.
+
 The error columns are (predicted - measured) / measured. Usage::
 
     python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off
     python3 bench/predict.py --models tiny --world 8           # seconds
     python3 bench/predict.py --models moe --world 8 64 256 --checkpointing off on --diagnose
+    python3 bench/predict.py --time --models dense --world 2 4     # step time vs gloo (bench/_predict_time.py)
 """
 
 from __future__ import annotations
@@ -127,7 +132,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--diagnose", action="store_true",
                     help="also lower with the profile taken on the fake group at W (not a prediction: measured at W)")
+    ap.add_argument("--time", action="store_true",
+                    help="step time instead: estimate_time calibrated at W=1 and on gloo vs the measured gloo step "
+                         "(bench/_predict_time.py; --world: the gloo world sizes, default 2 4)")
+    ap.add_argument("--repeats", type=int, default=5, help="--time: measured steps per configuration")
+    ap.add_argument("--settings", nargs="+", default=None, help="--time: configurations (default: all)")
     args = ap.parse_args(argv)
+    if args.time:
+        return _time(args)
     cols = COLUMNS + (DIAGNOSE if args.diagnose else ())
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     print(f"== prediction vs fake process group, torch {torch.__version__}, CPU ==", flush=True)
@@ -147,6 +159,19 @@ def main(argv=None) -> int:
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))
+    return 0
+
+
+def _time(args) -> int:
+    from bench._predict_time import SETTINGS, run
+
+    worlds = [2, 4] if args.world == [8, 64, 256] else args.world
+    print(f"== step time: prediction vs gloo, torch {torch.__version__}, CPU, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS')} ==", flush=True)
+    for model in args.models:
+        calib, table, tau, cores = run(model, worlds, args.settings or list(SETTINGS), repeats=args.repeats, warmup=1,
+                                       batch=args.batch, sizes_mib=(1, 4, 16, 32), iters=5)
+        print(f"\n{model}: {cores} CPU cores visible\n" + "\n".join(calib + [""] + table + [""] + tau), flush=True)
     return 0
 
 

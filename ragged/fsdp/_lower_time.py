@@ -13,6 +13,12 @@ Two queues, walked in the order the runtime issues its work (the lowered step's
   reaches the point that issues it. So a prefetched gather overlaps the previous entry's compute,
   a reduce-scatter the next segment's; ``max_inflight_reduce`` makes compute wait for the oldest.
 
+``overlap=False`` (a documented option, not the default): every collective also holds the compute
+queue from its issue to its end, so nothing overlaps. That is the transport where the collective's
+work runs on the cores the compute uses: gloo on a CPU with one core per rank or fewer (its copies,
+its sums and the kernel's socket copies take the core the next unit would compute on);
+``bench/predict.py --time`` measures which of the two fits a machine.
+
 ``alpha`` is the per-call latency and ``bandwidth`` the bus bandwidth of one axis: calibrate them
 from ``bench/collectives.py`` on the machine (two sizes give both), or pass a vendor's figures,
 labelled as assumed. The result's ``parts`` say where the time goes: ``compute``, ``comm`` (the
@@ -86,7 +92,7 @@ class TimeEstimate:
 
 
 def estimate_time(lowered, network: Network, *, compute=None, backward_factor: float = 2.0,
-                  optimizer_seconds: float = 0.0) -> TimeEstimate:
+                  optimizer_seconds: float = 0.0, overlap: bool = True) -> TimeEstimate:
     """The step time of ``lowered`` on ``network`` (see [Note: the step-time model]).
 
     Args:
@@ -96,6 +102,8 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             for every unit; measure it at W=1 or derive it as flops / throughput.
         backward_factor: backward seconds of a unit over its forward seconds.
         optimizer_seconds: the optimizer update (not overlapped).
+        overlap: collectives run beside compute (default); ``False``: each holds the compute queue
+            too (a CPU transport sharing the compute's cores; see [Note: the step-time model]).
 
     Examples:
         >>> import torch, ragged as rg
@@ -107,6 +115,9 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         >>> t = step.lower().estimate_time(Link(alpha=1e-5, bandwidth=1e9), compute=1e-3)
         >>> round(t.parts["compute"], 6), t.seconds > t.parts["compute"]
         (0.006, True)
+        >>> serial = step.lower().estimate_time(Link(alpha=1e-5, bandwidth=1e9), compute=1e-3, overlap=False)
+        >>> serial.seconds > t.seconds, round(serial.seconds - serial.parts["compute"] - sum(serial.parts["comm"].values()), 9)
+        (True, 0.0)
     """
     if isinstance(network, Link):
         network = Network(shard=network)
@@ -136,6 +147,8 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         t = link.seconds(kind, nbytes, world)
         start = max(clock["net"], clock["compute"])
         clock["net"] = start + t
+        if not overlap:
+            clock["compute"] = clock["net"]
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
@@ -180,6 +193,8 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     compute_total = step.micro_batches * (1 + backward_factor) * sum(fwd[u] for u in sched.forward) + optimizer_seconds
     parts = {"compute": compute_total, "comm": dict(busy), "exposed_comm": total - compute_total}
     assumed = [f"backward = {backward_factor:g} x forward per unit", "one link per mesh axis, collectives in issue order"]
+    if not overlap:
+        assumed.append("overlap=False: collectives hold the compute queue (no overlap)")
     if compute is None:
         assumed.append("compute: 0 (pass compute= per unit: measured at W=1, or flops / throughput)")
     return TimeEstimate(seconds=total, parts=parts, assumed=tuple(assumed) + tuple(lowered._assumed()))

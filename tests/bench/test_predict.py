@@ -17,3 +17,25 @@ def test_predicted_state_is_the_measured_state_on_the_fake_process_group():
     assert p["state"] == cell["ragged"]["step"]["start"]
     assert p["activations"] > 0 and p["peak"] >= p["peak_low"] > p["state"]
     assert abs(p["peak_low"] - cell["ragged"]["step"]["peak"]) < 0.03 * cell["ragged"]["step"]["peak"]
+
+
+def test_time_fit_tau_and_prediction_from_pieces():
+    """``--time``'s arithmetic without timing anything: the least-squares line recovers a known link,
+    Kendall's tau of known orders, and a prediction from given W=1 pieces (no overlap never faster)."""
+    from bench._predict_time import SETTINGS, fit, kendall_tau, predict
+    from bench.step import CONFIGS
+    from ragged.fsdp import Link
+
+    alpha, bw = fit([(b, 2e-3 + 0.5 * b / 1e9) for b in (2**20, 2**24, 2**25)], 2)  # (W-1)/W = 1/2
+    assert alpha == pytest.approx(2e-3) and bw == pytest.approx(1e9)
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(2 / 3)
+    pieces = {"blocks.0": 1e-3, "blocks.1": 1e-3, "loss": 3e-3, "update": 1e-3, "step": 1e-2}
+    link = Link(alpha=1e-4, bandwidth=1e8)
+    for name in SETTINGS:
+        a = predict(CONFIGS["tiny"], name, 2, pieces, None, link, share=1.0, overlap=True)
+        b = predict(CONFIGS["tiny"], name, 2, pieces, None, link, share=1.0, overlap=False)
+        assert a.parts["compute"] == pytest.approx(1e-2 - 1e-3 + 1e-3 / 2)  # forward + backward at W=1, the update / W
+        assert b.seconds >= a.seconds - 1e-12
+    four = predict(CONFIGS["tiny"], "default", 4, pieces, None, link, share=2.0, overlap=True)
+    assert four.parts["compute"] == pytest.approx(2 * (1e-2 - 1e-3 + 1e-3 / 4))  # compute at W twice as slow

@@ -124,6 +124,9 @@ def test_time_model_limits_and_overlap():
     assert max(both.parts["compute"], comm_only.seconds) <= both.seconds < both.parts["compute"] + comm_only.seconds
     serial = _abstract_step(prefetch=False).lower().estimate_time(link, compute=2e-3)
     assert serial.seconds > both.seconds  # prefetch hides gathers behind compute
+    no_overlap = lowered.estimate_time(link, compute=2e-3, overlap=False)  # each collective holds the compute queue
+    assert no_overlap.seconds == pytest.approx(no_overlap.parts["compute"] + comm_only.seconds, rel=1e-9)
+    assert any("overlap=False" in a for a in no_overlap.assumed)
 
 
 def test_peer_rules_on_one_configuration():

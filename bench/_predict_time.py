@@ -1,0 +1,283 @@
+"""``bench/predict.py --time``: ``lowered.estimate_time`` against the measured gloo step.
+
+One run, three launches (every number the prediction uses is measured in it, none at the W it predicts):
+
+* W = 1 (one process): every configuration's step, timed in pieces: each block's forward (module hooks
+  while the loss runs; the recomputation of checkpointed blocks in backward is not forward), the loss
+  (whole forward; "rest" = the loss minus the blocks: embedding, head, cross entropy), the optimizer
+  update, and the step; backward = step - forward - update (the W=1 gathers are local copies: in it);
+* W = 2, 4 (gloo): the alpha-beta calibration of ragged's own collectives (``comm.all_gather_into`` and
+  ``comm.reduce_scatter_into``, the calls the step makes, per-call agreement included) at a few sizes,
+  then every configuration's step (barrier, then the step; max over ranks), the configurations in an
+  order alternating between repeats, the median over repeats;
+* the prediction: the same configuration built on ``rg.collectives.abstract(W)`` over a ``meta`` model,
+  lowered with the W=1 run's learnt schedule, ``estimate_time(Link(alpha, bandwidth), compute=per-unit
+  forward, backward_factor=backward / forward, optimizer_seconds=update / W)``, each with the collectives
+  overlapping compute (the default) and not (``overlap=False``).
+
+The machine (a 2-core machine shared with other jobs): a rank computes at the share of a core it gets,
+which the other jobs and the W ranks themselves decide. So every repeat, at W = 1 and at W, first runs
+a fixed compute probe (a 512 x 1408 x 512 matmul, 10 times) on every rank at once (max over ranks), and
+the W=1 compute is scaled by ``probe at W / probe at W=1`` (medians over repeats; a machine calibration
+measured in the same run, like alpha and beta). The column "idle machine" scales it by
+``max(1, W / cores)`` instead (what an idle machine would give). Measured CPU seconds per step (the
+process's, max over ranks) are shown beside: wall >> CPU says the rank waited (for a core or the network).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+# name -> (make_step / make_units options); one model, eight configurations
+SETTINGS = {
+    "default": {},
+    "no prefetch": dict(prefetch=False),
+    "no reshard after forward": dict(reshard_after_forward=False),
+    "bf16 compute": dict(policy="bf16"),
+    "checkpointing": dict(checkpoint=True),
+    "2 blocks per unit": dict(pair_blocks=True),
+    "2 micro-batches": dict(micro_batches=2),
+    "bf16 + checkpointing": dict(policy="bf16", checkpoint=True),
+}
+
+
+def _pairs(path: str) -> str:
+    return f"blocks.{int(path.split('.')[1]) // 2}" if path.startswith("blocks.") else "rest"
+
+
+def _build(cfg, comm, world, opts, *, meta=False, clock=None):
+    """The step of one configuration (``clock``: a dict the timed loss / optimizer / block hooks fill)."""
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
+
+    from bench._methods import dtypes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg), device="meta") if meta else GPT(GPTConfig(**cfg))
+    units = fsdp.make_units(model, world_size=world, groups=_pairs if opts.get("pair_blocks") else None)
+    opt = rg.optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
+    loss = loss_fn(model, checkpoint=opts.get("checkpoint", False))
+    if clock is not None:
+        opt, loss = _timed(model, opt, loss, clock)
+    compute, reduce = dtypes(opts.get("policy", "fp32"))
+    step = fsdp.make_step(units, loss, opt, comm, donate=True, prefetch=opts.get("prefetch", True),
+                          micro_batches=opts.get("micro_batches", 1),
+                          reshard_after_forward=opts.get("reshard_after_forward", True),
+                          policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce))
+    return model, units, opt, step
+
+
+def _timed(model, opt, loss, clock):
+    """The optimizer and loss wrapped to record their seconds; each block's forward by hooks while the loss runs."""
+    state = {"in_loss": False, "t0": {}}
+
+    def pre(mod, args, name):
+        if state["in_loss"]:
+            state["t0"][name] = time.perf_counter()
+
+    def post(mod, args, out, name):
+        if state["in_loss"] and name in state["t0"]:
+            clock[name] = clock.get(name, 0.0) + time.perf_counter() - state["t0"].pop(name)
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": pre(m, a, n))
+        block.register_forward_hook(lambda m, a, o, n=f"blocks.{i}": post(m, a, o, n))
+
+    def timed_loss(params, batch):
+        state["in_loss"] = True
+        t0 = time.perf_counter()
+        try:
+            return loss(params, batch)
+        finally:
+            state["in_loss"] = False
+            clock["loss"] = clock.get("loss", 0.0) + time.perf_counter() - t0
+
+    def update(grads, st, params=None):
+        t0 = time.perf_counter()
+        out = opt.update(grads, st, params)
+        clock["update"] = clock.get("update", 0.0) + time.perf_counter() - t0
+        return out
+
+    return opt._replace(update=update), timed_loss
+
+
+def _calibrate(comm, world, sizes_mib, iters):
+    """``{kind: [(full buffer bytes, median seconds, max over ranks)]}`` of ragged's collectives."""
+    import torch.distributed as dist
+
+    out = {"all_gather": [], "reduce_scatter": []}
+    for mib in sizes_mib:
+        n = (mib * 2**20 // 4) // world * world
+        full, shard = torch.randn(n), torch.randn(n // world)
+        calls = {"all_gather": lambda: comm.all_gather_into(full, shard),
+                 "reduce_scatter": lambda: comm.reduce_scatter_into(shard, full, op="sum")}
+        for kind, fn in calls.items():
+            ts = []
+            for it in range(iters + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if it:
+                    ts.append(dt.item())
+            out[kind].append((n * 4, statistics.median(ts)))
+    return out
+
+
+def _probe(a=torch.ones(512, 1408), b=torch.ones(1408, 512)) -> float:
+    """Seconds of a fixed compute kernel on this rank (after a barrier: every rank at once)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def worker(rank, world, backend, opts):
+    """Every configuration's step timed at ``world`` (W=1: in pieces, and the learnt schedules)."""
+    import torch.distributed as dist
+
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples.data import SyntheticLM, rank_slice
+
+    cfg = opts["cfg"]
+    comm = rg.collectives.from_torch()
+    calib = _calibrate(comm, world, opts["sizes_mib"], opts["iters"]) if world > 1 else None
+    task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
+    runs, clocks = {}, {}
+    for name in opts["settings"]:
+        clocks[name] = {}
+        model, units, opt, step = _build(cfg, comm, world, SETTINGS[name], clock=clocks[name] if world == 1 else None)
+        runs[name] = [step, fsdp.init(units, model, opt, comm)]
+    names = list(runs)
+    times = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    pieces = {n: [] for n in names}
+    probes = []
+    for r in range(opts["warmup"] + opts["repeats"]):
+        x, y = rank_slice(task.batch(r, opts["batch"] * world), rank, world)
+        probes.append(_probe())
+        for name in names if r % 2 == 0 else names[::-1]:
+            step, state = runs[name]
+            clocks[name].clear()
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            runs[name][1], _ = step(state, (x, y))
+            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if r >= opts["warmup"]:
+                times[name].append(dt[0].item())
+                cpu[name].append(dt[1].item())
+                pieces[name].append(dict(clocks[name], step=dt[0].item()))
+    if rank:
+        return None
+    out = dict(calib=calib, times=times, cpu=cpu, probe=statistics.median(probes[opts["warmup"]:]))
+    if world == 1:
+        out["pieces"] = {n: {k: statistics.median(p[k] for p in ps) for k in ps[0]} for n, ps in pieces.items()}
+        out["schedules"] = {n: runs[n][0].value_and_grad.memo.schedule for n in names}
+    return out
+
+
+def fit(points, world):
+    """Least squares ``seconds = alpha + (W - 1) / W * bytes / bandwidth`` through ``(bytes, seconds)``."""
+    import numpy as np
+
+    x = np.array([(world - 1) / world * b for b, _ in points], dtype=float)
+    y = np.array([s for _, s in points], dtype=float)
+    slope, alpha = np.polyfit(x, y, 1)
+    return float(alpha), float(1 / slope)
+
+
+def predict(cfg, name, world, pieces, schedule, link, *, share, overlap):
+    """``estimate_time`` of configuration ``name`` at ``world`` from the W=1 pieces, their compute
+    times ``share`` (the slowdown of a rank's compute at W; see the module's docstring)."""
+    import ragged as rg
+
+    _, units, _, step = _build(cfg, rg.collectives.abstract(world), world, SETTINGS[name], meta=True)
+    lowered = step.lower(schedule=schedule)
+    names = [lay.name for lay in lowered.layouts]
+    entries = {u: lowered.schedule.forward.count(i) for i, u in enumerate(names)}
+    unit_of = {f"blocks.{i}": (_pairs(f"blocks.{i}.x") if SETTINGS[name].get("pair_blocks") else f"blocks.{i}")
+               for i in range(cfg["num_layers"])}
+    fwd = {u: 0.0 for u in names}
+    for block, u in unit_of.items():
+        fwd[u] += pieces[block]
+    fwd["rest"] += pieces["loss"] - sum(pieces[b] for b in unit_of)
+    compute = {u: share * s / max(1, entries[u]) / step.micro_batches for u, s in fwd.items()}  # per entry, micro-batch
+    backward = pieces["step"] - pieces["loss"] - pieces["update"]
+    t = lowered.estimate_time(link, compute=compute, backward_factor=backward / pieces["loss"],
+                              optimizer_seconds=share * pieces["update"] / world, overlap=overlap)
+    return t
+
+
+def kendall_tau(a, b) -> float:
+    """Kendall's tau-a of two equally long sequences (ties count 0)."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+    return 2 * s / (n * (n - 1))
+
+
+def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters):
+    """Measures and predicts; returns the markdown lines of the two tables."""
+    from bench._launch import launch
+    from bench.step import CONFIGS
+    from ragged.fsdp import Link
+
+    cfg = CONFIGS[model]
+    cores = len(os.sched_getaffinity(0))
+    opts = dict(cfg=cfg, settings=settings, repeats=repeats, warmup=warmup, batch=batch, sizes_mib=sizes_mib,
+                iters=iters)
+    one = launch(1, worker, opts, backend="gloo", timeout=3600)[0]
+    print(f"W=1 pieces (median s): {one['pieces']}; probe {one['probe'] * 1e3:.1f} ms", flush=True)
+    lines = ["| model | configuration | W | measured s (median, min-max) | predicted s (overlap) | err | "
+             "predicted s (no overlap) | err | idle machine: no overlap | err | compute s (pred) | comm s (pred, busy) | "
+             "measured CPU s/step |", "|" + "---|" * 13]
+    calib_lines = ["| W | collective | alpha ms | bandwidth GB/s | points (MiB: ms) |", "|---|---|---|---|---|"]
+    ranking = {}
+    for world in worlds:
+        res = launch(world, worker, opts, backend="gloo", timeout=3600)[0]
+        both = res["calib"]["all_gather"] + res["calib"]["reduce_scatter"]
+        for kind, pts in [*res["calib"].items(), ("both (the Link used)", both)]:
+            a, bw = fit(pts, world)
+            calib_lines.append(f"| {world} | {kind} | {a * 1e3:.2f} | {bw / 1e9:.2f} | "
+                               + ", ".join(f"{b / 2**20:.0f}: {s * 1e3:.1f}" for b, s in pts) + " |")
+            print(calib_lines[-1], flush=True)
+        link = Link(*fit(both, world))
+        share = res["probe"] / one["probe"]
+        calib_lines.append(f"| {world} | compute probe: {res['probe'] * 1e3:.1f} ms at W vs {one['probe'] * 1e3:.1f} ms at "
+                           f"W=1: compute x {share:.2f} (idle machine: x {max(1.0, world / cores):.2f}) | | | |")
+        print(calib_lines[-1], flush=True)
+        for name in settings:
+            meas = res["times"][name]
+            med = statistics.median(meas)
+            args = (cfg, name, world, one["pieces"][name], one["schedules"][name], link)
+            tp = predict(*args, share=share, overlap=True)
+            ts = predict(*args, share=share, overlap=False)
+            ti = predict(*args, share=max(1.0, world / cores), overlap=False)
+            ranking.setdefault(world, []).append((name, tp.seconds, ts.seconds, med))
+            lines.append(f"| {model} | {name} | {world} | {med:.3f} ({min(meas):.3f}-{max(meas):.3f}) | {tp.seconds:.3f} | "
+                         f"{(tp.seconds - med) / med:+.1%} | {ts.seconds:.3f} | {(ts.seconds - med) / med:+.1%} | "
+                         f"{ti.seconds:.3f} | {(ti.seconds - med) / med:+.1%} | {ts.parts['compute']:.3f} | "
+                         f"{sum(ts.parts['comm'].values()):.3f} | {statistics.median(res['cpu'][name]):.3f} |")
+            print(lines[-1], flush=True)
+    tau_lines = ["| W | Kendall tau (overlap) | Kendall tau (no overlap) | measured order (fastest first) |",
+                 "|---|---|---|---|"]
+    for world, rows in ranking.items():
+        meas = [r[3] for r in rows]
+        order = " < ".join(r[0] for r in sorted(rows, key=lambda r: r[3]))
+        tau_lines.append(f"| {world} | {kendall_tau([r[1] for r in rows], meas):.2f} | "
+                         f"{kendall_tau([r[2] for r in rows], meas):.2f} | {order} |")
+    return calib_lines, lines, tau_lines, cores

@@ -232,7 +232,9 @@ def render(results: dict[str, dict]) -> str:
            "(`python3 bench/report.py record NAME -- COMMAND` ran the command and saved it). The line above each",
            "table says where and how it was measured. Timing tables from a shared CPU machine are noisy; re-run",
            "the command for your own figures. How each quantity is taken: `bench/_measure.py`; the compared",
-           "methods: `bench/_methods.py`. Measurements on a GPU: [gpu.md](gpu.md).", ""]
+           "methods: `bench/_methods.py`. Measurements on a GPU: [gpu.md](gpu.md). Predicted against measured",
+           "(memory at W = 8..256, the gloo step at W = 2, 4 and the ranking of configurations):",
+           "[predict.md](predict.md).", ""]
     for title, prose, names in SECTIONS:
         present = [n for n in names if n in results]
         if not present:

@@ -13,6 +13,7 @@ import torch
 import ragged as rg
 from ragged import fsdp
 from tests.distributed._harness import both_transports, comm, workers_fixture
+from tests.distributed._harness import transport as transport_options
 from tests.fsdp._cases import (cross_entropy, hf_model, lm_batches, logits_of, max_diff, moe_batches, tiny_moe,
                                train_reference, train_sharded)
 
@@ -110,10 +111,11 @@ def test_misuse_is_refused_on_every_rank_before_any_change(workers2, case):
         assert fix in msg, msg
 
 
-def _tiny_moe_step(loss=None):
+def _tiny_moe_step(loss=None, c=None):
     """``(comm, model, units, step, state, batches)`` for the tiny MoE on this rank (SGD); ``loss``
-    defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches."""
-    c, model = comm(), tiny_moe()
+    defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches;
+    ``c`` defaults to the module's shared comm."""
+    c, model = c or comm(), tiny_moe()
     units = fsdp.make_units(model, world_size=c.world_size)
     opt = rg.optim.sgd(0.1)
     state = fsdp.init(units, model, opt, c)
@@ -169,8 +171,12 @@ def test_a_loss_failing_on_one_rank_raises_on_every_rank(workers2):
 
 
 def _diverged_between_calls():
-    """One rank issues a collective the other does not (another label) between two calls of the step."""
-    c, _, _, step, state, batches = _tiny_moe_step()
+    """One rank issues a collective the other does not (another label) between two calls of the step
+    (on a comm of its own: in NCCL's shape the ledger's periodic check poisons it)."""
+    import torch.distributed as dist
+
+    own = rg.collectives.from_torch(dist.new_group(list(range(dist.get_world_size()))), **transport_options())
+    c, _, _, step, state, batches = _tiny_moe_step(c=own)
     (batch,) = batches(1)
     state, _ = step(state, batch)
     try:

@@ -43,6 +43,12 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+def _trim() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _worker(rank, world, port, path, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -88,6 +94,7 @@ def _worker(rank, world, port, path, args, out):
         from ragged import transforms
 
         gc.collect()
+        _trim()  # give the freed state back to the OS, so this phase's rise is its own
         comm.all_reduce(torch.zeros(1))
         before = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
@@ -114,6 +121,7 @@ def _worker(rank, world, port, path, args, out):
         import gc
 
         gc.collect()
+        _trim()  # give the freed state back to the OS, so this phase's rise is its own
         comm.all_reduce(torch.zeros(1))
         before = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:

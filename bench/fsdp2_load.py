@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._measure import reset_peak_rss, rss  # noqa: E402
+
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -31,14 +33,6 @@ def _config(args):
 
     return GPTConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=8, ffn_dim=args.ffn,
                      max_seq_len=64)
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _init(rank, w, port):
@@ -87,11 +81,10 @@ def _load(rank, w, port, args, path, queue):
         units = fsdp.make_units(model, world_size=w)
         ckpt = rg.checkpoint.fsdp2(path)
         dist.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before, t0 = _status("VmRSS"), time.perf_counter()
+        reset_peak_rss()
+        before, t0 = rss()["VmRSS"], time.perf_counter()
         state = fsdp.init(units, ckpt, rg.optim.adamw(1e-3, weight_decay=0.01), comm, module=model)
-        seconds, peak = time.perf_counter() - t0, _status("VmHWM")
+        seconds, peak = time.perf_counter() - t0, rss()["VmHWM"]
         nbytes = lambda d: d.data.numel() * d.data.element_size() + d.replicated.numel() * d.replicated.element_size()  # noqa: E731
         shards = sum(nbytes(d) for d in state.shards.values())
         moments = sum(nbytes(d) for m in (state.opt_state[0].mu, state.opt_state[0].nu) for d in m.values())

@@ -26,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._measure import reset_peak_rss, rss  # noqa: E402
+
 
 def _config(args):
     import transformers
@@ -35,28 +37,17 @@ def _config(args):
                                     max_position_embeddings=2048)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _trim() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def _worker(rank, world, port, path, args, out):
     os.environ["OMP_NUM_THREADS"] = "1"
+    import ctypes
+    import gc
+
     import torch
     import torch.distributed as dist
     import transformers
 
     import ragged as rg
-    from ragged import fsdp
+    from ragged import fsdp, transforms
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -65,41 +56,32 @@ def _worker(rank, world, port, path, args, out):
         model = transformers.AutoModelForCausalLM.from_config(_config(args))
     units = fsdp.make_units(model, world_size=world, dtype=torch.float32)
     weights = rg.checkpoint.pretrained(path)
-    comm.all_reduce(torch.zeros(1))
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    t0 = time.perf_counter()
-    state = fsdp.init(units, weights, rg.optim.adamw(1e-4), comm)
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
+
+    def measured(fn):
+        """``(fn(), peak RSS rise, seconds)``, from memory given back to the OS (so a later phase's rise
+        is its own, not the reuse of what an earlier one freed)."""
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        comm.all_reduce(torch.zeros(1))
+        before = rss()["VmRSS"]
+        reset_peak_rss()  # VmHWM := VmRSS
+        t0 = time.perf_counter()
+        result = fn()
+        return result, rss()["VmHWM"] - before, time.perf_counter() - t0
+
+    state, rise, seconds = measured(lambda: fsdp.init(units, weights, rg.optim.adamw(1e-4), comm))
     shard_bytes = sum(d.data.nbytes + d.replicated.nbytes for d in state.shards.values())
     opt_bytes = sum(t.nbytes for t in rg.pytree.leaves(state.opt_state) if isinstance(t, torch.Tensor))
-    row = {"rank": rank, "rise": peak - before, "shards": shard_bytes, "opt": opt_bytes, "seconds": seconds,
+    row = {"rank": rank, "rise": rise, "shards": shard_bytes, "opt": opt_bytes, "seconds": seconds,
            "params": sum(u.plan.numel + u.plan.replicated_numel for u in units)}
     if args.save:
         target = os.path.join(os.path.dirname(path), "saved")
-        comm.all_reduce(torch.zeros(1))
-        before = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        t0 = time.perf_counter()
-        fsdp.save_pretrained(units, state.shards, comm, target, dtype=torch.bfloat16)
-        row.update(save_rise=_status("VmHWM") - before, save_seconds=time.perf_counter() - t0)
-    if args.rank0:  # the peers' way: rank 0 loads the whole model, broadcasts each unit, every rank shards it
-        by_rank = {n: d.data.clone() for n, d in state.shards.items()}  # to check the result, not measured
-        del state
-        import gc
+        _, row["save_rise"], row["save_seconds"] = measured(
+            lambda: fsdp.save_pretrained(units, state.shards, comm, target, dtype=torch.bfloat16))
+    by_rank = {n: d.data.clone() for n, d in state.shards.items()}  # to check the rank-0 load, not measured
+    del state
 
-        from ragged import transforms
-
-        gc.collect()
-        _trim()  # give the freed state back to the OS, so this phase's rise is its own
-        comm.all_reduce(torch.zeros(1))
-        before = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        t0 = time.perf_counter()
+    def rank0_load():  # the peers' way: rank 0 loads the whole model, broadcasts each unit, every rank shards it
         shapes = {n: p.shape for n, p in model.named_parameters()}
         full = (dict(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
                 if rank == 0 else None)
@@ -109,28 +91,21 @@ def _worker(rank, world, port, path, args, out):
             for t in tensors.values():
                 dist.broadcast(t, 0)
             shards[u.name] = transforms.shard(u.plan, tensors, comm)
-            del tensors
         opt = rg.optim.adamw(1e-4)
-        state = fsdp.TrainState(shards, opt.init(shards))
-        del full
-        row.update(rank0_rise=_status("VmHWM") - before, rank0_seconds=time.perf_counter() - t0)
-        assert all(torch.equal(by_rank[n], d.data) for n, d in shards.items()), "rank-0 load != by-rank load"
-        del by_rank
-    if args.compare:  # transformers' own load on every rank, then fsdp.init from the module
-        del state
-        import gc
+        return fsdp.TrainState(shards, opt.init(shards))
 
-        gc.collect()
-        _trim()  # give the freed state back to the OS, so this phase's rise is its own
-        comm.all_reduce(torch.zeros(1))
-        before = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        t0 = time.perf_counter()
+    def transformers_load():  # transformers' own load on every rank, then fsdp.init from the module
         full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        state = fsdp.init(fsdp.make_units(full, world_size=world), full, rg.optim.adamw(1e-4), comm)
-        row.update(hf_rise=_status("VmHWM") - before, hf_seconds=time.perf_counter() - t0)
-        del state, full
+        return fsdp.init(fsdp.make_units(full, world_size=world), full, rg.optim.adamw(1e-4), comm)
+
+    if args.rank0:
+        state, row["rank0_rise"], row["rank0_seconds"] = measured(rank0_load)
+        assert all(torch.equal(by_rank[n], d.data) for n, d in state.shards.items()), "rank-0 load != by-rank load"
+        del state
+    del by_rank
+    if args.compare:
+        state, row["hf_rise"], row["hf_seconds"] = measured(transformers_load)
+        del state
     out.put(row)
     dist.barrier()
     dist.destroy_process_group()

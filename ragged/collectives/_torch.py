@@ -310,9 +310,11 @@ class TorchCollectives(BufferOps):
                         _p2p.barrier(ch, args, self.timeout)
                 return
             self._check_alive()
-            dist.barrier(group=self.group)
+            # an all-reduce of a tensor of our own, not dist.barrier: torch 2.11 keeps a group's last
+            # barrier tensor alive for good (one byte that no state of ragged's accounts for)
+            dist.all_reduce(torch.zeros(1, device=self._device), group=self.group)
             if self.num_replicas > 1:
-                dist.barrier(group=self.replica_group)
+                dist.all_reduce(torch.zeros(1, device=self._device), group=self.replica_group)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _result(self, work, async_op):

@@ -51,6 +51,7 @@ from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._lower_activations import Activations
 from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._trainable import trainable_shards
+from ragged.transforms._check import agreement_collectives
 
 __all__ = ["Lowered", "MemoryAnalysis", "CostAnalysis", "Collective", "lower", "assumed_schedule"]
 
@@ -187,16 +188,18 @@ def _tensor_bytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _state_bytes(units, optimizer, rank: int, dtype_of) -> dict[str, int]:
+def _meta_shards(units, rank: int) -> dict[str, DBuffer]:
+    """``rank``'s parameter shards on meta, in each plan's dtype (as ``fsdp.init`` makes them)."""
+    return {u.name: DBuffer(data=torch.empty(u.plan.shard_size, dtype=u.plan.dtype, device="meta"),
+                            replicated=torch.empty(u.plan.replicated_numel, dtype=u.plan.dtype, device="meta"),
+                            plan=u.plan, rank=rank) for u in units}
+
+
+def _state_bytes(units, optimizer, rank: int) -> dict[str, int]:
     """Persistent bytes of ``rank``'s TrainState by category, built on meta."""
-    shards, out = {}, {"param_shards": 0, "replicated": 0}
-    for u in units:
-        p = u.plan
-        dt = dtype_of(p)
-        shards[u.name] = DBuffer(data=torch.empty(p.shard_size, dtype=dt, device="meta"),
-                                 replicated=torch.empty(p.replicated_numel, dtype=dt, device="meta"), plan=p, rank=rank)
-        out["param_shards"] += p.shard_size * _itemsize(dt)
-        out["replicated"] += p.replicated_numel * _itemsize(dt)
+    shards = _meta_shards(units, rank)
+    out = {"param_shards": sum(_tensor_bytes(d.data) for d in shards.values()),
+           "replicated": sum(_tensor_bytes(d.replicated) for d in shards.values())}
     paths, leaves, _ = flatten_with_keystr(optimizer.init(trainable_shards(units, shards)))
     for path, leaf in zip(paths, leaves):
         key = _category(path)
@@ -260,7 +263,8 @@ class Lowered:
         if self.schedule_assumed:
             out.append("schedule: each unit read once, in unit order (the step has not run; pass schedule= the learnt "
                        "step.value_and_grad.memo.schedule of a small run)")
-        out.append("optimizer: issues no collectives of its own")
+        out.append("optimizer: the collectives its transformations declare (GradientTransformation.collectives); "
+                   "those of a clip_by_global_norm(norm=...) function are not counted")
         return tuple(out)
 
     # ---- collectives ----------------------------------------------------------------------
@@ -299,13 +303,11 @@ class Lowered:
                     add("all_reduce", "replica", k * (1 + bool(gp.replicated)), k * (gp.shard_size * rsize + rep))
                 unit.update(reduces=k, reduce_bytes=k * (gp.buffer_numel * rsize + (rep if gp.replicated else 0)))
             per_unit[lay.name] = unit
-        # the plan check: two int64 (four with a deferred-handshake comm's ledger digest), skipped on one rank
-        digest = getattr(comm, "ledger_digest", None)
-        check = 16 * (2 if callable(digest) and digest() is not None else 1)
-        if comm.world_size * replicas > 1:
-            add("all_reduce", "shard", 1, check)
-            if replicas > 1:
-                add("all_reduce", "replica", 1, check)
+        for record in agreement_collectives(comm):  # the plan check, every step
+            add(*record)
+        if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
+            for record in step.optimizer.collectives(trainable_shards(self.units, _meta_shards(self.units, comm.rank))):
+                add(*record)
         agree = 8 * (5 + len(self.layouts) + sum(len(lay.trained) for lay in self.layouts))  # the end-of-call agreement
         add("all_reduce", "shard", 1, agree)
         if replicas > 1:
@@ -398,9 +400,7 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
                 raise RaggedValueError(f"step.lower: batch{path} has shape {tuple(getattr(leaf, 'shape', ()))}; "
                                        f"micro_batches={step.micro_batches} needs a divisible leading dimension.")
     if state_shapes is None:
-        dtype_of = lambda plan: plan.dtype  # noqa: E731 - the shards' dtype is the plan's (fsdp.init)
-        state_bytes = {r: _state_bytes(units, step.optimizer, r, dtype_of)
-                       for r in _sample_ranks(units.world_size, max_ranks)}
+        state_bytes = {r: _state_bytes(units, step.optimizer, r) for r in _sample_ranks(units.world_size, max_ranks)}
     elif isinstance(state_shapes, tuple) and len(state_shapes) == 2 and isinstance(state_shapes[0], dict):
         state_bytes = {step.comm.rank: _given_state_bytes(state_shapes)}
     else:

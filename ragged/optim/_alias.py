@@ -68,7 +68,7 @@ def sgd(
         check_floating(params, "sgd")
         return opt.init(params)
 
-    return GradientTransformation(init, opt.update, donates=opt.donates)
+    return GradientTransformation(init, opt.update, donates=opt.donates, collectives=opt.collectives)
 
 
 def adam(

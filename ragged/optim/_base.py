@@ -59,6 +59,12 @@ class GradientTransformation(NamedTuple):
     with FSDP2 checks a torch optimizer's state against it and writes it
     (:func:`ragged.checkpoint.fsdp2`, :func:`ragged.fsdp.save_fsdp2`). Combinators drop it.
 
+    ``collectives``, for a transformation that communicates, says what one ``update`` issues for
+    params shaped like ``params`` (meta tensors will do): ``collectives(params)`` is a tuple of
+    ``(kind, axis, calls, bytes)`` with the meaning of :class:`ragged.fsdp.Collective` (bytes sent
+    per rank; ``axis`` ``"shard"`` or ``"replica"``). ``step.lower(...)`` adds them to the step's
+    own. ``None``: the update issues none. Combinators gather their parts'.
+
     Examples:
         >>> import torch, ragged as rg
         >>> opt = rg.optim.sgd(0.1)
@@ -73,6 +79,15 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[Updates, OptState]]
     donates: bool = False
     hyperparams: Mapping[str, Any] | None = None
+    collectives: Callable[[Params], tuple[tuple[str, str, int, int], ...]] | None = None
+
+
+def collectives_of(parts):
+    """The ``collectives`` of a combinator that runs each of ``parts`` on the same params."""
+    parts = tuple(t for t in parts if t.collectives is not None)
+    if not parts:
+        return None
+    return lambda params: tuple(c for t in parts for c in t.collectives(params))
 
 
 class EmptyState(NamedTuple):

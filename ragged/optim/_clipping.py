@@ -52,6 +52,20 @@ def _global_sq(tree, comm, *, agree_finite: bool = False):
     return total, bool(flag.reshape(()) > 0) or not bool(torch.isfinite(shard_sq))
 
 
+def _global_sq_collectives(tree, comm, agree_finite: bool) -> tuple:
+    """What :func:`_global_sq` issues on ``comm`` for a tree shaped like ``tree``."""
+    if comm is None:
+        return ()
+    out = ()
+    if comm.world_size > 1 and agree_finite:
+        out = (("all_reduce", "shard", 1, 16),)
+    elif comm.world_size > 1 and any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer)):
+        out = (("all_reduce", "shard", 1, 8),)
+    if agree_finite and getattr(comm, "num_replicas", 1) > 1:
+        out += (("all_reduce", "replica", 1, 8),)
+    return out
+
+
 def tree_norm(tree, *, comm=None) -> torch.Tensor:
     """The L2 norm of every element of ``tree``, across all ranks of ``comm``.
 
@@ -129,4 +143,5 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
 
-    return GradientTransformation(init, update)
+    collectives = None if norm is not None else lambda params: _global_sq_collectives(params, comm, error_if_nonfinite)
+    return GradientTransformation(init, update, collectives=collectives)

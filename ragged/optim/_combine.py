@@ -19,7 +19,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation
+from ragged.optim._base import GradientTransformation, collectives_of
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -62,7 +62,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, donates=any(t.donates for t in transforms))
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms),
+                                  collectives=collectives_of(transforms))
 
 
 # ---- masks -------------------------------------------------------------------------------
@@ -113,13 +114,12 @@ class _MaskCache:
         self.cache: dict = {}
 
     def get(self, dbuf: DBuffer) -> DBuffer:
-        key = (dbuf.plan, dbuf.rank, dbuf.data.device, dbuf.replicated.numel())
+        device = torch.device("cpu") if dbuf.data.is_meta else dbuf.data.device  # labels of meta buffers are known
+        key = (dbuf.plan, dbuf.rank, device, dbuf.replicated.numel())
         hit = self.cache.get(key)
         if hit is None:
-            data = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device)
-            rep = _labels_buffer(
-                dbuf.plan, dbuf.rank, self.fn, self.labels, dbuf.data.device, replicated=dbuf.replicated.numel()
-            )
+            data = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, device)
+            rep = _labels_buffer(dbuf.plan, dbuf.rank, self.fn, self.labels, device, replicated=dbuf.replicated.numel())
             hit = DBuffer(data=data, replicated=rep, plan=dbuf.plan, rank=dbuf.rank)
             if len(self.cache) > 16:
                 self.cache.clear()
@@ -221,7 +221,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         out = pytree.map(lambda u, g, k: torch.where(k, u, g.to(torch.promote_types(u.dtype, g.dtype))), new, updates, m)
         return out, MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update, donates=inner.donates)
+    return GradientTransformation(init, update, donates=inner.donates, collectives=inner.collectives)
 
 
 class MultiTransformState(NamedTuple):
@@ -282,18 +282,26 @@ def multi_transform(
             return torch.full(t.shape, names.index(lab), dtype=torch.int8, device=t.device)
         return pytree.map(one, labels, tree)
 
-    def pack(tree, m):
-        return pytree.map(lambda t, k: t[k], tree, m)
+    def pack(tree, m):  # meta tensors (a lowered step's state) get their packed length from the labels
+        return pytree.map(lambda t, k: t.new_empty(int(k.sum())) if t.is_meta else t[k], tree, m)
+
+    def masks(tree):
+        idx = label_index(tree)
+        return {k: pytree.map(lambda t: t == i, idx) for i, k in enumerate(names)}
 
     def init(params):
-        idx = label_index(params) if compact else None
+        m = masks(params) if compact else None
         return MultiTransformState(inner_states={
-            k: transforms[k].init(pack(params, pytree.map(lambda t: t == i, idx)) if k in compact else params)
-            for i, k in enumerate(names)
+            k: transforms[k].init(pack(params, m[k]) if k in compact else params) for k in names
         })
 
+    def collectives(params):
+        m = masks(params) if compact else None
+        return tuple(c for k in names if transforms[k].collectives is not None
+                     for c in transforms[k].collectives(pack(params, m[k]) if k in compact else params))
+
     def update(updates, state, params=None):
-        idx = label_index(updates)
+        m_of = masks(updates)
         out = None  # created at the first result: dtype wide enough for every transform's updates
         new_states = {}
 
@@ -303,8 +311,8 @@ def multi_transform(
                 return pytree.map(like, updates, new)
             return pytree.map(lambda o, u: o if o.dtype == torch.promote_types(o.dtype, u.dtype) else o.to(u.dtype), out, new)
 
-        for i, name in enumerate(names):
-            m = pytree.map(lambda t: t == i, idx)
+        for name in names:
+            m = m_of[name]
             if name in compact:
                 p = pack(params, m) if params is not None else None
                 new, new_states[name] = transforms[name].update(pack(updates, m), state.inner_states[name], p)
@@ -317,4 +325,5 @@ def multi_transform(
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)
         return out, MultiTransformState(inner_states=new_states)
 
-    return GradientTransformation(init, update, donates=any(t.donates for t in transforms.values()))
+    return GradientTransformation(init, update, donates=any(t.donates for t in transforms.values()),
+                                  collectives=collectives if any(t.collectives for t in transforms.values()) else None)

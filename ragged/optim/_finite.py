@@ -176,4 +176,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init, update, donates=inner.donates)
+    def collectives(params):
+        own = () if comm is None else (
+            ((("all_reduce", "shard", 1, 8),) if comm.world_size > 1 else ())
+            + ((("all_reduce", "replica", 1, 8),) if getattr(comm, "num_replicas", 1) > 1 else ()))
+        return own + (inner.collectives(params) if inner.collectives is not None else ())
+
+    return GradientTransformation(init, update, donates=inner.donates, collectives=collectives)

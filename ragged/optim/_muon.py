@@ -310,9 +310,11 @@ def scale_by_muon(
         raise RaggedValueError(f"ns_steps must be in [1, 100), got {ns_steps}.")
     cache: dict = {}
 
-    def waves_for(tree) -> list:
+    def waves_for(tree, *, agree: bool = True) -> list:
         """Per DBuffer of ``tree`` (flattened order): its exchange waves; owners are balanced
-        jointly over all the buffers."""
+        jointly over all the buffers. ``agree`` (each update, before its all-to-alls): the buffers
+        are this rank's and every rank holds the same plans; ``init`` and ``collectives`` check
+        only what the buffers themselves say (they serve ``step.lower`` for every rank)."""
         bufs = pytree.leaves(tree, is_leaf=is_dbuffer)
         key = tuple((d.plan, d.rank, d.data.device) for d in bufs)
         if key not in cache:
@@ -327,13 +329,14 @@ def scale_by_muon(
                         f"muon: the plan has world_size={d.plan.world_size} but comm is "
                         f"{'None' if comm is None else f'a group of {comm.world_size}'}; pass the shard group's comm."
                     )
-                if comm is not None and comm.rank != d.rank:
-                    raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
             matrices = _matrices([d.plan for d in bufs], muon_filter, ns_steps)
             if len(cache) > 8:
                 cache.clear()
             cache[key] = [_waves(d.plan, d.rank, x, num_waves) for d, x in zip(bufs, matrices)]
-        if comm is not None and comm.world_size > 1:
+        for d in bufs if agree and comm is not None else ():  # a lowered step's init builds every rank's state
+            if comm.rank != d.rank:
+                raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+        if agree and comm is not None and comm.world_size > 1:
             from ragged.transforms._check import check_plans
 
             # every rank must hold the same plans before the all_to_alls (every call: a cache hit
@@ -389,8 +392,20 @@ def scale_by_muon(
         return comm.all_to_all(output, input, list(output_splits), list(input_splits), async_op=True)
 
     def init(params):
-        waves_for(params)  # validate buffers / filter / comm now, before any training step
+        waves_for(params, agree=False)  # validate buffers / filter / comm now, before any training step
         return ScaleByMuonState(momentum=pytree.map(torch.zeros_like, params))
+
+    def collectives(params):
+        if comm is None or comm.world_size == 1:
+            return ()
+        from ragged.transforms._check import agreement_collectives
+
+        bufs = pytree.leaves(params, is_leaf=is_dbuffer)
+        calls = nbytes = 0
+        for d, waves in zip(bufs, waves_for(params, agree=False)):
+            calls += 2 * len(waves)  # each wave's exchange to the owners and back
+            nbytes += d.data.element_size() * sum(sum(w.send_splits) + sum(w.recv_splits) for w in waves)
+        return agreement_collectives(comm, every_call=False) + ((("all_to_all", "shard", calls, nbytes),) if calls else ())
 
     def update(updates, state, params=None):
         del params
@@ -401,7 +416,7 @@ def scale_by_muon(
         out = [one(d, w) for d, w in zip(bufs, waves_for(direction))]
         return pytree.unflatten(treedef, out), ScaleByMuonState(momentum=buf)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, collectives=collectives)
 
 
 def muon(

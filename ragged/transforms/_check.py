@@ -168,6 +168,17 @@ def ranks_agree(comm, token: str, label: str = "plan agreement") -> bool:
     return got[0] == -got[1]
 
 
+def agreement_collectives(comm, *, every_call: bool = True) -> tuple[tuple[str, str, int, int], ...]:
+    """What one :func:`ranks_agree` round issues, as ``(kind, axis, calls, bytes)`` (see
+    ``GradientTransformation.collectives``); with ``every_call=False``, what :func:`check_plans`
+    issues once its plans are known (none under ``comm.plan_check == "first_use"``)."""
+    if comm.world_size * comm.num_replicas == 1 or (not every_call and getattr(comm, "plan_check", None) == "first_use"
+                                                    and getattr(comm, "checked_plans", None) is not None):
+        return ()
+    nbytes = 8 * (2 if getattr(comm, "ledger_digest", lambda: None)() is None else 4)
+    return (("all_reduce", "shard", 1, nbytes),) + ((("all_reduce", "replica", 1, nbytes),) if comm.num_replicas > 1 else ())
+
+
 _SCOPES: dict[tuple, CallScope] = {}
 
 

@@ -18,6 +18,8 @@ CASES = {
     "dense-fp64-adamw": (Case(), "adamw"),
     "moe-multibuffer-adamw8bit": (Case(moe=True, max_buffers="auto"), "adamw8bit"),
     "frozen-bf16": (Case(frozen=("blocks.0", "tok"), dtype=torch.float32, compute_dtype=torch.bfloat16), "adamw"),
+    "muon": (Case(), "muon"),
+    "clip-finite": (Case(), "clip-finite"),
 }
 
 

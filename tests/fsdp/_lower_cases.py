@@ -87,6 +87,19 @@ def storage_by_category(state) -> dict[str, int]:
     return dict(out)
 
 
+def _optimizer(name: str, case, comm):
+    """The optimizers lowered: the case's own, 8-bit AdamW, and the ones that communicate (Muon's
+    owner exchange; a global norm clip and a finiteness agreement around AdamW)."""
+    if name == "adamw8bit":
+        return rg.optim.adamw_8bit(case.lr, min_size=256)
+    if name == "muon":
+        return rg.optim.muon(case.lr, comm=comm, num_waves=2)
+    if name == "clip-finite":
+        return rg.optim.apply_if_finite(rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=comm, error_if_nonfinite=True),
+                                                       case.make_optimizer()), 2, comm=comm)
+    return case.make_optimizer()
+
+
 def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call: bool = False):
     """Trains ``case`` for ``steps`` steps; counts the last. Returns a dict of what was seen and
     what the lowering predicts (plain values: picklable from gloo workers)."""
@@ -97,7 +110,7 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         return rg.spec.Blocks(16, 16) if optimizer == "adamw8bit" and t.dim() == 2 else None
 
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
-    opt = rg.optim.adamw_8bit(case.lr, min_size=256) if optimizer == "adamw8bit" else case.make_optimizer()
+    opt = _optimizer(optimizer, case, comm)
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
                           policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),

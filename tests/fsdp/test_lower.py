@@ -31,6 +31,9 @@ CASES = {
                                       reduce_dtype=torch.float32, max_inflight_reduce=2), "adamw", 2),
     "no-prefetch": (2, Case(prefetch=False), "adamw", 2),
     "no-reshard": (2, Case(prefetch=False, reshard_after_forward=False), "adamw", 3),
+    "muon-m3": (3, Case(batch=6), "muon", 2),
+    "muon-multibuffer-moe": (2, Case(moe=True, max_buffers="auto"), "muon", 2),
+    "clip-finite": (2, Case(), "clip-finite", 2),
 }
 
 
@@ -52,6 +55,9 @@ def test_lowered_step_is_exact(name):
     check(out)
     if "frozen" in name:
         assert out[0]["frozen_units"] or out[0]["partly_frozen"]
+    if "muon" in name:  # the owner exchange is counted, and AdamW's state covers the other elements only
+        assert out[0]["calls"][("all_to_all", "shard")][0] > 0
+        assert any(0 < o["state"].get("optimizer.nu", 0) < o["state"]["optimizer.momentum"] for o in out)
     if "multibuffer" in name:
         assert out[0]["buffers"] > 1
     if "8bit" in name:
@@ -67,8 +73,9 @@ def test_first_call_lowers_with_the_initial_schedule():
     assert all(a == b for a, b in check_calls)
 
 
-def test_hsdp_replica_axis():
-    out = rg.collectives.simulate(4, measured, Case(replicate_vectors=True), "adamw", mesh_shape=(2, 2))
+@pytest.mark.parametrize("optimizer", ["adamw", "clip-finite"])
+def test_hsdp_replica_axis(optimizer):
+    out = rg.collectives.simulate(4, measured, Case(replicate_vectors=True), optimizer, mesh_shape=(2, 2))
     check(out)
     assert ("all_reduce", "replica") in out[0]["calls"]
 
@@ -87,6 +94,22 @@ def test_abstract_comm_lowers_at_ten_thousand_ranks():
     assert any("schedule" in a for a in cost.assumed)
     with pytest.raises(ValueError, match="abstract"):
         comm.barrier()
+
+
+def test_a_muon_step_lowers_on_an_abstract_comm():
+    """Muon's state (momentum on the shard, AdamW's over the other elements) and its owner exchange
+    lower with no process; its all-to-alls send what it holds of others' matrices and get back
+    theirs of its own (on the real backends exact in ``test_lowered_step_is_exact``)."""
+    model = GPT(GPTConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, ffn_dim=48), device="meta")
+    units = fsdp.make_units(model, world_size=64)
+    comm = rg.collectives.abstract(64)
+    lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.muon(1e-3, comm=comm, num_waves=2), comm).lower(max_ranks=64)
+    cost = lowered.cost_analysis()
+    S = sum(u.plan.shard_size for u in units)
+    assert all(by["optimizer.momentum"] == 4 * S for by in lowered.state_bytes.values())
+    assert any(0 < by.get("optimizer.nu", 0) < 4 * S for by in lowered.state_bytes.values())
+    a2a = cost.get("all_to_all")
+    assert a2a.calls == 2 * 2 * len(units) and a2a.bytes > 0
 
 
 def test_lower_refuses_bad_inputs():

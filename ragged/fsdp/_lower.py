@@ -51,7 +51,9 @@ from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._lower_activations import Activations
 from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._trainable import trainable_shards
+from ragged.fsdp._units import picked_leaves
 from ragged.transforms._check import agreement_collectives
+from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
 
 __all__ = ["Lowered", "MemoryAnalysis", "CostAnalysis", "Collective", "lower", "assumed_schedule"]
 
@@ -65,7 +67,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Collective:
     """One collective kind on one mesh axis, per step: ``calls`` and ``bytes`` (sent per rank, as
-    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor).
+    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor). ``axis``:
+    ``"shard"`` (the FSDP group), ``"replica"`` (HSDP), ``"data0"``, ``"data1"``, ... (the step's
+    ``data_groups`` in order, e.g. expert parallelism's EP axis). Collectives inside the loss
+    (an MoE dispatch's all-to-all, tensor parallelism's) are the model's and not counted.
 
     Examples:
         >>> import torch, ragged as rg
@@ -265,6 +270,7 @@ class Lowered:
                        "step.value_and_grad.memo.schedule of a small run)")
         out.append("optimizer: the collectives its transformations declare (GradientTransformation.collectives); "
                    "those of a clip_by_global_norm(norm=...) function are not counted")
+        out.append("the loss issues no collectives of its own (an MoE dispatch's or tensor parallelism's are not counted)")
         return tuple(out)
 
     # ---- collectives ----------------------------------------------------------------------
@@ -305,13 +311,21 @@ class Lowered:
             per_unit[lay.name] = unit
         for record in agreement_collectives(comm):  # the plan check, every step
             add(*record)
-        if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
-            for record in step.optimizer.collectives(trainable_shards(self.units, _meta_shards(self.units, comm.rank))):
-                add(*record)
         agree = 8 * (5 + len(self.layouts) + sum(len(lay.trained) for lay in self.layouts))  # the end-of-call agreement
         add("all_reduce", "shard", 1, agree)
         if replicas > 1:
             add("all_reduce", "replica", 1, agree)
+        for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
+            axis = f"data{g}"
+            add("all_reduce", axis, 1, agree)
+            for lay in self.layouts:
+                unit = self.units[lay.name]
+                if lay.grad_plan is not None:
+                    for n in all_reduce_leaves_numels(unit.trainable_plan, comm.rank, picked_leaves(unit, group.is_replicated)):
+                        add("all_reduce", axis, 1, n * _itemsize(unit.trainable_plan.dtype))
+        if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
+            for record in step.optimizer.collectives(trainable_shards(self.units, _meta_shards(self.units, comm.rank))):
+                add(*record)
         objects = 1 if self.schedule.learning else 0  # a learning call exchanges what every rank observed
         records = tuple(Collective(kd, ax, c, b) for (kd, ax), (c, b) in sorted(table.items()))
         return CostAnalysis(collectives=records, objects=objects, per_unit=per_unit, assumed=self._assumed())
@@ -387,10 +401,6 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
         >>> [(c.kind, c.calls, c.bytes) for c in lowered.cost_analysis().collectives]
         [('all_gather', 3, 65536), ('all_reduce', 2, 104), ('reduce_scatter', 2, 49152)]
     """
-    if step.data_groups:
-        raise RaggedValueError("step.lower: steps with data_groups (expert parallelism) are not lowered yet: their "
-                               "gradient all-reduces over the data groups are not counted. Fix: lower the step "
-                               "without data_groups= and add those all-reduces by hand.")
     if max_ranks < 2:
         raise RaggedValueError(f"step.lower: max_ranks must be >= 2, got {max_ranks!r}.")
     units = step.units

@@ -117,6 +117,14 @@ def reduce_square_sums(sharded: torch.Tensor, replicated: torch.Tensor, comm, ot
     return total[0]
 
 
+def all_reduce_leaves_numels(plan: LayoutPlan, rank: int, picked: frozenset) -> tuple[int, ...]:
+    """The element count of each all-reduce :func:`all_reduce_leaves` issues (for ``step.lower``)."""
+    if len(picked) == plan.num_leaves:
+        return (plan.shard_size,) + ((plan.replicated_numel,) if plan.replicated_numel else ())
+    data = sum(p.numel for p in plan.local_pieces(rank) if p.leaf.index in picked)
+    return tuple(n for n in (data, sum(l.numel for l in plan.replicated if l.index in picked)) if n)
+
+
 def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: LayoutPlan, rank: int,
                       picked: frozenset) -> None:
     """All-reduce (sum) over ``comm``, in place, the elements of the ``picked`` leaves (by index)

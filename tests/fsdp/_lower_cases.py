@@ -41,10 +41,11 @@ def _nb(t) -> int:
 
 
 class Counter:
-    """Counts a comm's collective calls and bytes per (kind, axis) while ``active``."""
+    """Counts a comm's collective calls and bytes per (kind, axis) while ``active``; ``axis`` names
+    every call's axis (a data group's comm: ``"data0"``)."""
 
-    def __init__(self, comm):
-        self.active = False
+    def __init__(self, comm, axis: str | None = None):
+        self.active, self.axis = False, axis
         self.calls, self.bytes = collections.Counter(), collections.Counter()
         for name, kind, axis, size in _METHODS:
             orig = getattr(comm, name, None)
@@ -52,7 +53,7 @@ class Counter:
                 continue
 
             @functools.wraps(orig)
-            def wrapped(*a, _orig=orig, _key=(kind, axis), _size=size, **k):
+            def wrapped(*a, _orig=orig, _key=(kind, axis if self.axis is None else self.axis), _size=size, **k):
                 if self.active:
                     self.calls[_key] += 1
                     self.bytes[_key] += _size(*a, **k)

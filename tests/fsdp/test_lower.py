@@ -16,6 +16,7 @@ from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 from tests.fsdp._cases import Case
 from ragged.fsdp._schedule import CollectiveSchedule
 from tests.fsdp._lower_cases import measured
+from tests.parallel._cases import ep_fsdp_step
 
 # (world size, case, optimizer, steps): the last step is counted; a step learning the schedule
 # (the first) or rerunning with it (the second, without resharding after forward) is not steady
@@ -193,3 +194,29 @@ def _lowered_with(activations, case, m=64):
     step = fsdp.make_step(units, lambda p, b: 0, case.make_optimizer(), rg.collectives.abstract(m),
                           micro_batches=case.micro_batches)
     return step.lower(activations=activations)
+
+
+def _ep_lowered(mc):
+    """FSDP x EP (``data_groups``): the third step's collectives (the first two learn the schedule)
+    on the FSDP and EP comms, next to the lowering's (the loss's MoE dispatch on the EP comm is the model's: not counted by either)."""
+    from tests.fsdp._lower_cases import Counter
+    from tests.parallel._cases import _data_index, moe_batch
+
+    units, state, step, _ = ep_fsdp_step(mc)
+    dp, ep = Counter(mc["dp"]), Counter(mc["ep"], axis="data0")
+    for s in range(3):
+        dp.active = ep.active = s == 2
+        state, _ = step(state, moe_batch(s, _data_index(mc)))
+    calls = {**dp.records(), **{k: v for k, v in ep.records().items() if k[0] != "all_to_all"}}
+    lowered = step.lower()
+    return calls, {(c.kind, c.axis): (c.calls, c.bytes) for c in lowered.cost_analysis().collectives}
+
+
+def test_expert_parallel_data_groups_lower_exactly():
+    from ragged import parallel, spec
+    from tests.parallel._cases import mesh_names
+
+    out = parallel.simulate_mesh(spec.Mesh((2, 2), mesh_names("ep")), _ep_lowered)
+    for calls, predicted in out:
+        assert calls == predicted
+        assert calls[("all_reduce", "data0")][0] >= 2  # the agreement and the router's gradients

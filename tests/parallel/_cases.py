@@ -279,12 +279,11 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, c
     return params, opt, losses
 
 
-def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
+def ep_fsdp_step(mc, *, data_axes=("ep",), clip=None):
     """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
     the all-to-all dispatch inside the loss, ``parallel.data_groups`` for the router's
     EP all-reduce; with ``clip``: SGD after ``clip_by_global_norm`` with the mesh-wide norm
-    (``rg.global_norm(units, ...)`` over the data axes). Returns ``(EP-local params, losses, coords,
-    mesh plan)``."""
+    (``rg.global_norm(units, ...)`` over the data axes). Returns ``(units, state, step, mesh plan)``."""
     from ragged import fsdp
 
     mplan = spec.make_mesh_plan(moe_params(), moe_specs(), mesh=mc.mesh)  # norm: Replicate() on "dp"
@@ -302,7 +301,12 @@ def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
     def loss_fn(params, batch):
         return moe_loss_sum(params, batch, mc["ep"]) / (TOKENS * D)  # this rank's mean
 
-    step = fsdp.make_step(units, loss_fn, opt, mc["dp"], data_groups=axes)
+    return units, state, fsdp.make_step(units, loss_fn, opt, mc["dp"], data_groups=axes), mplan
+
+
+def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
+    """Trains :func:`ep_fsdp_step` for ``steps``. Returns ``(EP-local params, losses, coords, mesh plan)``."""
+    units, state, step, mplan = ep_fsdp_step(mc, data_axes=data_axes, clip=clip)
     losses = []
     for s in range(steps):
         state, metrics = step(state, moe_batch(s, _data_index(mc)))

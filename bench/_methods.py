@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RaggedMethod", "FSDP2Method", "LocalMethod", "dtypes", "compile_model"]
+__all__ = ["RaggedMethod", "FSDP2Method", "LocalMethod", "dtypes", "compile_model", "build_model", "ragged_loss"]
 
 
 def dtypes(policy: str):
@@ -41,7 +41,8 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_w
 """The LoRA of ``--lora``: peft's adapters on the attention's q and v projections, the base frozen."""
 
 
-def _model(cfg, seed, device, lora=False):
+def build_model(cfg, seed, device, lora=False):
+    """The benchmark's model for ``cfg`` (GPT or HF), its weights from ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     if _is_hf(cfg):
         from ragged.examples import hf
@@ -89,7 +90,8 @@ def _logits(model, inputs):
     return getattr(out, "logits", out)
 
 
-def _ragged_loss(cfg, model, checkpoint):
+def ragged_loss(cfg, model, checkpoint):
+    """``loss(params, batch)`` of the model (HF: without activation checkpointing)."""
     if _is_hf(cfg):
         from ragged.examples import hf
 
@@ -118,7 +120,7 @@ class RaggedMethod:
         from torch.profiler import record_function
 
         compute, reduce = dtypes(policy)
-        model = compile_model(cfg, _model(cfg, seed, device, lora), compile, compiler)
+        model = compile_model(cfg, build_model(cfg, seed, device, lora), compile, compiler)
         self.units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, groups=groups,
                                      max_buffers=max_buffers)
         opt = optimizer if optimizer is not None else rg.optim.adamw(  # in place, as torch.optim.AdamW
@@ -132,7 +134,7 @@ class RaggedMethod:
         # the module's weights are released (placeholders) unless keep_module: functional_call supplies them
         self.state = fsdp.init(self.units, model, self.optimizer, comm, release_module=not keep_module)
         self.model = model
-        self.step_fn = fsdp.make_step(self.units, _ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
+        self.step_fn = fsdp.make_step(self.units, ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
                                       policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce), donate=donate,
                                       module=model if compile or bind_module else None)  # shards updated in place (the bench owns them)
         self.comm = comm
@@ -179,7 +181,7 @@ class FSDP2Method(_TorchOptimizerState):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         compute, reduce = dtypes(policy)
-        model = compile_model(cfg, _model(cfg, seed, device, lora), "block" if compile == "block" else None, compiler)
+        model = compile_model(cfg, build_model(cfg, seed, device, lora), "block" if compile == "block" else None, compiler)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
         for block in _blocks(cfg, model):
@@ -216,7 +218,7 @@ class LocalMethod(_TorchOptimizerState):
     def __init__(self, cfg, *, seed, device, lr, policy, foreach=True, optimizer=None, compile=None,
                  compiler="inductor", lora=False):
         compute, _ = dtypes(policy)
-        self.model = compile_model(cfg, _model(cfg, seed, device, lora), compile, compiler)
+        self.model = compile_model(cfg, build_model(cfg, seed, device, lora), compile, compiler)
         self.compute = compute
         self.opt = optimizer(self.model.parameters()) if optimizer else torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=foreach)

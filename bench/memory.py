@@ -66,10 +66,10 @@ def split_rest(name: str) -> str:
     return "embed" if name.startswith(("tok_emb.", "pos_emb.")) else "head"
 
 
-def _saved_activation_bytes(model, batch, checkpoint: bool) -> int:
+def _saved_activation_bytes(cfg, model, batch, checkpoint: bool) -> int:
     """Unique storage bytes saved for backward by one forward of the unsharded ``model``
     (parameters excluded), at the end of the forward."""
-    from ragged.examples.gpt import loss_fn
+    from bench._methods import ragged_loss
 
     params = dict(model.named_parameters())
     param_storages = {p.untyped_storage().data_ptr() for p in params.values()}
@@ -82,7 +82,7 @@ def _saved_activation_bytes(model, batch, checkpoint: bool) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model, checkpoint=checkpoint)(params, batch)
+        loss = ragged_loss(cfg, model, checkpoint)(params, batch)
     del loss
     return sum(saved.values())
 
@@ -91,15 +91,15 @@ def _measure(rank, world, backend, opts):
     """Runs in the launched process: builds one method on the fake group, measures its steps."""
     import ragged as rg
     from ragged.examples.data import SyntheticLM
-    from ragged.examples.gpt import GPT, GPTConfig
 
     from bench._launch import device_for
     from bench._measure import LiveBytes, ragged_labels
-    from bench._methods import FSDP2Method, RaggedMethod
+    from bench._methods import FSDP2Method, RaggedMethod, build_model
+    from bench.step import model_config
 
     device = device_for(backend, rank)
-    cfg = GPTConfig(**opts["cfg"])
-    task = SyntheticLM(cfg.vocab_size, cfg.max_seq_len, seed=0)
+    cfg = model_config(opts["cfg"])
+    task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
 
     def batch(step):
         x, y = task.batch(step, opts["batch"])
@@ -130,8 +130,7 @@ def _measure(rank, world, backend, opts):
                **{name: live.result(name) for name in ["build", "step"] + [f"warmup {s}" for s in range(opts["warmup"])]})
     out["live_at_peak"] = live.live_at_peak("step", top=8) if device.type == "cpu" else []
     if opts["method"] == "ragged":  # once per (model, checkpointing): the activations the model saves
-        torch.manual_seed(0)
-        out["saved_activation_bytes"] = _saved_activation_bytes(GPT(cfg).to(device), batch(0), opts["checkpoint"])
+        out["saved_activation_bytes"] = _saved_activation_bytes(cfg, build_model(cfg, 0, device), batch(0), opts["checkpoint"])
     return out
 
 
@@ -141,22 +140,22 @@ def unit_bytes(model: str, world: int, split: bool = False) -> dict[str, tuple[i
     import math
 
     from ragged import fsdp
-    from ragged.examples.gpt import GPT, GPTConfig
 
-    from bench.step import CONFIGS
+    from bench.step import CONFIGS, meta_model
 
-    meta = GPT(GPTConfig(**CONFIGS[model]), device="meta")
+    meta = meta_model(CONFIGS[model])
     units = fsdp.make_units(meta, world_size=world, groups=split_rest if split else None)
     size = {n: units[n].plan.buffer_numel * units[n].plan.dtype.itemsize for n in units.names}
     padded: dict[str, int] = {}
+    prefix = "model.layers." if "hf" in CONFIGS[model] else "blocks."  # a block's parameters: prefix + index
     for name, p in meta.named_parameters():
-        key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else (split_rest(name) if split else "rest")
+        key = prefix + name[len(prefix):].split(".")[0] if name.startswith(prefix) else (split_rest(name) if split else "rest")
         d0 = p.shape[0] if p.dim() else 1
         padded[key] = padded.get(key, 0) + -(-d0 // world) * world * math.prod(p.shape[1:]) * p.element_size()
 
     def pick(sizes):
-        blocks = [v for k, v in sizes.items() if k.startswith("blocks.")]
-        return max(v for k, v in sizes.items() if not k.startswith("blocks.")), max(blocks)
+        blocks = [v for k, v in sizes.items() if k.startswith(prefix)]
+        return max(v for k, v in sizes.items() if not k.startswith(prefix)), max(blocks)
 
     return {"ragged": pick(size), "fsdp2": pick(padded)}
 

@@ -12,7 +12,8 @@ For each model, world size W and activation-checkpointing setting:
   bytes do not depend on W), so nothing in the prediction is measured at W; the peak compared is
   ``peak_bytes_low`` (reduce-scatters done by the next point: the fake group's collectives return
   at once), ``peak_bytes`` (waited as late as the runtime may) is shown next to it; FSDP2's
-  persistent bytes by its rule (``_lower_peers``).
+  persistent bytes by its rule (``_lower_peers``). Both add the module's own buffers (HF Llama's
+  rotary ``inv_freq``), which stay in the module beside the state;
 
 ``--time``: the step time instead (``bench/_predict_time.py``): ``estimate_time`` from per-unit
 compute measured at W = 1 and an alpha-beta line fitted on gloo at W, against the measured gloo step
@@ -44,14 +45,16 @@ def _learn(comm, cfg, checkpoint, batch):
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.data import SyntheticLM
-    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg))
+    from bench._methods import build_model, ragged_loss
+    from bench.step import model_config
+
+    config = model_config(cfg)
+    model = build_model(config, 0, torch.device("cpu"))
     units = fsdp.make_units(model, world_size=1)
     opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
     state = fsdp.init(units, model, opt, comm)
-    step = fsdp.make_step(units, loss_fn(model, checkpoint=checkpoint), opt, comm, donate=True)
+    step = fsdp.make_step(units, ragged_loss(config, model, checkpoint), opt, comm, donate=True)
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
     state, _ = step(state, task.batch(0, batch))
     return fsdp.profile_activations(step, state, task.batch(1, batch))
@@ -63,12 +66,12 @@ def _profile_at_world(rank, world, backend, opts):
     import ragged as rg
     from ragged import fsdp
     from ragged.examples.data import SyntheticLM
-    from ragged.examples.gpt import GPTConfig
 
     from bench._methods import RaggedMethod
+    from bench.step import model_config
 
     cfg = opts["cfg"]
-    method = RaggedMethod(GPTConfig(**cfg), comm=rg.collectives.from_torch(), seed=0, device=torch.device("cpu"), lr=1e-3,
+    method = RaggedMethod(model_config(cfg), comm=rg.collectives.from_torch(), seed=0, device=torch.device("cpu"), lr=1e-3,
                           policy="fp32", checkpoint=opts["checkpoint"])
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
     method.step(task.batch(0, opts["batch"]))
@@ -80,11 +83,10 @@ def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: b
     diagnostic: it splits the error into what the data changes and what the model misses)."""
     import ragged as rg
     from ragged import fsdp
-    from ragged.examples.gpt import GPT, GPTConfig
     from ragged.fsdp._lower_peers import compare
 
     from bench._launch import launch
-    from bench.step import CONFIGS
+    from bench.step import CONFIGS, meta_model
 
     cfg = CONFIGS[model]
     if at_world:
@@ -92,8 +94,10 @@ def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: b
         activations = launch(world, _profile_at_world, opts, backend="fake", fake_rank=min(1, world - 1), timeout=1800)[0]
     else:
         (activations,) = rg.collectives.simulate(1, _learn, cfg, checkpoint, batch)
-    meta = GPT(GPTConfig(**cfg), device="meta")
+    meta = meta_model(cfg)
     units = fsdp.make_units(meta, world_size=world)
+    # the module's buffers (HF Llama's rotary inv_freq) stay in the module, live beside the TrainState
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
     opt = rg.optim.adamw(1e-3, weight_decay=0.0, donate=True)
     step = fsdp.make_step(units, lambda p, b: None, opt, rg.collectives.abstract(world, rank=min(1, world - 1)),
                           donate=True)
@@ -102,9 +106,10 @@ def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: b
     unit, phase, _ = max(lowered.timeline(early=True)[0], key=lambda p: sum(p[2].values()))  # where peak_bytes_low is
     low_at = f"{unit} {phase}"
     peers = {r.system: r for r in compare(lowered)}
-    return dict(state=mem.per_rank[min(1, world - 1)], peak=mem.peak_bytes, peak_low=mem.peak_bytes_low, peak_at=low_at,
+    return dict(state=mem.per_rank[min(1, world - 1)] + buffers, peak=mem.peak_bytes + buffers,
+                peak_low=mem.peak_bytes_low + buffers, peak_at=low_at, module_buffers=buffers,
                 activations=activations.saved, model_peak=activations.peak, parts=mem.peak_parts,
-                fsdp2_state=peers["fsdp2"].persistent_bytes)
+                fsdp2_state=peers["fsdp2"].persistent_bytes + buffers)
 
 
 def _mib(n) -> str:

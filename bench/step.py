@@ -76,6 +76,18 @@ def model_config(cfg: dict):
     return GPTConfig(**cfg)
 
 
+def meta_model(cfg: dict):
+    """The model of ``cfg`` on ``meta`` (no memory, no init): for plans and lowering."""
+    config = model_config(cfg)
+    if "hf" in cfg:
+        from ragged.examples import hf
+
+        return hf.build(config, device="meta")
+    from ragged.examples.gpt import GPT
+
+    return GPT(config, device="meta")
+
+
 def _bench(rank, world, backend, opts):
     import ragged as rg
     from ragged.examples.data import SyntheticLM, rank_slice

@@ -187,27 +187,28 @@ def _tensor_bytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _state_bytes(units, optimizer, rank: int, dtype_of) -> dict[str, int]:
-    """Persistent bytes of ``rank``'s TrainState by category, built on meta."""
+def _state_bytes(units, optimizer, rank: int) -> dict[str, int]:
+    """Persistent bytes of ``rank``'s TrainState by category, built on meta (the shards in the
+    plans' dtype, as :func:`ragged.fsdp.init` makes them)."""
     shards, out = {}, {"param_shards": 0, "replicated": 0}
     for u in units:
         p = u.plan
-        dt = dtype_of(p)
+        dt = p.dtype
         shards[u.name] = DBuffer(data=torch.empty(p.shard_size, dtype=dt, device="meta"),
                                  replicated=torch.empty(p.replicated_numel, dtype=dt, device="meta"), plan=p, rank=rank)
         out["param_shards"] += p.shard_size * _itemsize(dt)
         out["replicated"] += p.replicated_numel * _itemsize(dt)
-    paths, leaves, _ = flatten_with_keystr(optimizer.init(trainable_shards(units, shards)))
-    for path, leaf in zip(paths, leaves):
-        key = _category(path)
-        out[key] = out.get(key, 0) + _tensor_bytes(leaf)
-    return out
+    return _add_optimizer_bytes(out, optimizer.init(trainable_shards(units, shards)))
 
 
 def _given_state_bytes(state) -> dict[str, int]:
     shards, opt_state = state
     out = {"param_shards": sum(_tensor_bytes(d.data) for d in shards.values()),
            "replicated": sum(_tensor_bytes(d.replicated) for d in shards.values())}
+    return _add_optimizer_bytes(out, opt_state)
+
+
+def _add_optimizer_bytes(out: dict[str, int], opt_state) -> dict[str, int]:
     paths, leaves, _ = flatten_with_keystr(opt_state)
     for path, leaf in zip(paths, leaves):
         key = _category(path)
@@ -398,9 +399,7 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
                 raise RaggedValueError(f"step.lower: batch{path} has shape {tuple(getattr(leaf, 'shape', ()))}; "
                                        f"micro_batches={step.micro_batches} needs a divisible leading dimension.")
     if state_shapes is None:
-        dtype_of = lambda plan: plan.dtype  # noqa: E731 - the shards' dtype is the plan's (fsdp.init)
-        state_bytes = {r: _state_bytes(units, step.optimizer, r, dtype_of)
-                       for r in _sample_ranks(units.world_size, max_ranks)}
+        state_bytes = {r: _state_bytes(units, step.optimizer, r) for r in _sample_ranks(units.world_size, max_ranks)}
     elif isinstance(state_shapes, tuple) and len(state_shapes) == 2 and isinstance(state_shapes[0], dict):
         state_bytes = {step.comm.rank: _given_state_bytes(state_shapes)}
     else:

@@ -188,7 +188,6 @@ class Run:
         self.counts.new_micro_batch()
         self.gradients.new_micro_batch()
 
-    # ---- bookkeeping -------------------------------------------------------------------------
     # ---- what the interceptors call (see the module docstring) ------------------------------------
     def unit_of(self, t: torch.Tensor) -> int | None:
         """The unit whose gathered storage ``t`` is a view of (``None``: not a unit's)."""

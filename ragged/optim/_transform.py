@@ -94,6 +94,14 @@ def _check_beta(name: str, value) -> None:
         raise RaggedValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
+def _check_adam(b1, b2, eps, weight_decay=0.0, learning_rate=0.0) -> None:
+    _check_beta("b1", b1)
+    _check_beta("b2", b2)
+    _check_nonneg("eps", eps)
+    _check_nonneg("weight_decay", weight_decay)
+    _check_nonneg("learning_rate", learning_rate)
+
+
 def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
     """``u * factor`` in the wide dtype; in place into ``u`` when donated and already wide."""
     wide = _wide(u)
@@ -245,9 +253,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
         >>> [round(x, 6) for x in u.tolist()], int(state.count)
         ([1.0, 0.0], 1)
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
+    _check_adam(b1, b2, eps)
 
     def update(updates, state, params=None):
         del params
@@ -282,11 +288,7 @@ def scale_by_adamw(
         >>> torch.allclose(fused.update(g, fused.init(p), p)[0], chained.update(g, chained.init(p), p)[0])
         True
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
-    _check_nonneg("weight_decay", weight_decay)
-    _check_nonneg("learning_rate", learning_rate)
+    _check_adam(b1, b2, eps, weight_decay, learning_rate)
     scheduled = callable(learning_rate)
 
     def init(params):

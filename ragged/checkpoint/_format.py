@@ -42,6 +42,7 @@ import os
 import re
 import stat
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -133,6 +134,21 @@ class PerRank:
     """
 
     value: torch.Tensor
+
+
+class RefMapping(Mapping):
+    """A read-only ``{name: reference}`` over ``self._refs``: the lazy views of a directory."""
+
+    _refs: dict
+
+    def __getitem__(self, name: str):
+        return self._refs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
 
 
 # ---- dtypes and descriptions ------------------------------------------------------------------

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from ragged.checkpoint._dcp import Blob, Chunk, SingleProcess, dcp_load
-from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError
+from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, RefMapping
 from ragged.checkpoint._metadata import check_foreign, read_metadata
 
 __all__ = ["DCPRef", "FSDP2Checkpoint", "fsdp2", "MOMENTS", "ADAMW_REQUIRED"]
@@ -57,7 +57,7 @@ class DCPRef:
         return repr(self.key)
 
 
-class FSDP2Checkpoint(Mapping):
+class FSDP2Checkpoint(RefMapping):
     """``{parameter fqn: DCPRef}`` of an FSDP2 / torchtitan DCP directory, with its AdamW state
     (see [Note: what an FSDP2 checkpoint holds]); made by :func:`fsdp2`.
 
@@ -92,15 +92,6 @@ class FSDP2Checkpoint(Mapping):
         self.path, self.metadata, self._refs = path, metadata, refs
         self.model_key, self.optimizer_key = model_key, optimizer_key
         self.moments, self.step, self.param_groups = moments, step, param_groups
-
-    def __getitem__(self, name: str) -> DCPRef:
-        return self._refs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._refs)
-
-    def __len__(self) -> int:
-        return len(self._refs)
 
     def __repr__(self) -> str:
         opt = f", AdamW state at step {self.step}" if self.moments is not None else ""

@@ -23,11 +23,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from ragged.checkpoint._format import CheckpointCorruptError, check_name, open_regular
+from ragged.checkpoint._format import CheckpointCorruptError, RefMapping, check_name, open_regular
 from ragged.checkpoint._safetensors import read_header, read_range
 
 __all__ = ["TensorRef", "Concat", "Pretrained", "pretrained", "HF_CONVERSIONS", "INDEX", "SINGLE"]
@@ -172,7 +172,7 @@ HF_CONVERSIONS: dict[str, Callable[[dict[str, TensorRef]], dict[str, TensorRef |
 that are not a plain rename of one tensor (each a function of the file's ``{key: TensorRef}``)."""
 
 
-class Pretrained(Mapping):
+class Pretrained(RefMapping):
     """``{parameter name: TensorRef | Concat}`` of a Hugging Face directory (see [Note: a
     pretrained directory is read lazily]); made by :func:`pretrained`.
 
@@ -194,15 +194,6 @@ class Pretrained(Mapping):
 
     def __init__(self, path: str, refs: dict, files: tuple[str, ...], config: dict):
         self.path, self._refs, self.files, self.config = path, refs, files, config
-
-    def __getitem__(self, name: str):
-        return self._refs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._refs)
-
-    def __len__(self) -> int:
-        return len(self._refs)
 
     def __repr__(self) -> str:
         return f"pretrained({self.path!r}: {len(self)} tensors in {len(self.files)} file{'s' * (len(self.files) != 1)})"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError
+from ragged._errors import CollectiveError, PlanMismatchError, RaggedValueError, check_int
 from ragged.collectives._base import BufferOps, DoneHandle, check_coalesced, check_op, poison_on_error, scoped_label
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.collectives._header import Call, call_difference, identity_of
@@ -309,8 +309,7 @@ def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = No
         >>> rg.collectives.simulate(2, fn)
         [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise RaggedValueError(f"world_size must be a positive int, got {world_size!r}.")
+    check_int("world_size", world_size)
     replicas, shard = (1, world_size) if mesh_shape is None else tuple(mesh_shape)
     if replicas * shard != world_size:
         raise RaggedValueError(f"mesh_shape {mesh_shape} has {replicas * shard} ranks but world_size is {world_size}.")

@@ -38,6 +38,16 @@ from ragged.collectives._scratch import SCRATCH
 __all__ = ["gather_one", "scatter_one", "native"]
 
 
+def _exchange(comm, send, recv):
+    """One ``batch_isend_irecv``: ``send(j)`` to and ``recv(j)`` from every other rank ``j``."""
+    ops = []
+    for j in range(comm._world):
+        if j != comm._rank:
+            peer = comm._peer(j)
+            ops += [dist.P2POp(dist.isend, send(j), peer, comm.group), dist.P2POp(dist.irecv, recv(j), peer, comm.group)]
+    return dist.batch_isend_irecv(ops)
+
+
 def gather_one(comm, output, input, algo):
     """Issues the all-gather of one buffer by ``algo`` (``"p2p"`` or ``"all_to_all"``): its
     works and what to run once they are waited (``None``: nothing)."""
@@ -47,14 +57,7 @@ def gather_one(comm, output, input, algo):
         staged.view(m, n).copy_(input.reshape(1, n).expand(m, n))
         w = dist.all_to_all_single(output, staged, group=comm.group, async_op=True)
         return [w], lambda: SCRATCH.give(staged)
-    ops = []
-    for j in range(m):
-        if j == comm._rank:
-            continue
-        peer = comm._peer(j)
-        ops.append(dist.P2POp(dist.isend, input, peer, comm.group))
-        ops.append(dist.P2POp(dist.irecv, output[j * n : (j + 1) * n], peer, comm.group))
-    works = dist.batch_isend_irecv(ops)
+    works = _exchange(comm, lambda j: input, lambda j: output[j * n : (j + 1) * n])
     output[comm._rank * n : (comm._rank + 1) * n].copy_(input)
     return works, None
 
@@ -81,14 +84,7 @@ def scatter_one(comm, output, input, op):
     if comm.rs_algorithm == "all_to_all":
         works = [dist.all_to_all_single(recv, input, group=comm.group, async_op=True)]
     else:  # p2p
-        ops = []
-        for j in range(m):
-            if j == comm._rank:
-                continue
-            peer = comm._peer(j)
-            ops.append(dist.P2POp(dist.isend, input[j * n : (j + 1) * n], peer, comm.group))
-            ops.append(dist.P2POp(dist.irecv, chunks[j], peer, comm.group))
-        works = dist.batch_isend_irecv(ops)
+        works = _exchange(comm, lambda j: input[j * n : (j + 1) * n], lambda j: chunks[j])
         chunks[comm._rank].copy_(input[comm._rank * n : (comm._rank + 1) * n])
 
     def finish():

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import PlanMismatchError, RaggedError, RaggedKeyError, RaggedTypeError, RaggedValueError
+from ragged._errors import PlanMismatchError, RaggedError, RaggedKeyError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
@@ -361,8 +361,7 @@ def value_and_grad(
         >>> round(loss, 4) == round(loss_fn(params, x).item(), 4), torch.allclose(g["w"], want["w"])
         (True, True)
     """
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise RaggedValueError(f"micro_batches must be a positive int, got {micro_batches!r}.")
+    check_int("micro_batches", micro_batches)
     if isinstance(max_inflight_reduce, bool) or not isinstance(max_inflight_reduce, int) or max_inflight_reduce < 1:
         raise RaggedValueError(f"max_inflight_reduce must be >= 1, got {max_inflight_reduce!r}.")
     if units.world_size != comm.world_size:

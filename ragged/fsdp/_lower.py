@@ -203,13 +203,7 @@ def _meta_shards(units, rank: int) -> dict[str, DBuffer]:
 def _state_bytes(units, optimizer, rank: int) -> dict[str, int]:
     """Persistent bytes of ``rank``'s TrainState by category, built on meta."""
     shards = _meta_shards(units, rank)
-    out = {"param_shards": sum(_tensor_bytes(d.data) for d in shards.values()),
-           "replicated": sum(_tensor_bytes(d.replicated) for d in shards.values())}
-    paths, leaves, _ = flatten_with_keystr(optimizer.init(trainable_shards(units, shards)))
-    for path, leaf in zip(paths, leaves):
-        key = _category(path)
-        out[key] = out.get(key, 0) + _tensor_bytes(leaf)
-    return out
+    return _given_state_bytes((shards, optimizer.init(trainable_shards(units, shards))))
 
 
 def _given_state_bytes(state) -> dict[str, int]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ragged.fsdp._lower import _itemsize
 from ragged.spec._peers import peer_shard_numel
 
 __all__ = ["PeerRow", "compare"]
@@ -54,12 +55,6 @@ class PeerRow:
     gather_bytes: int
     reduce_bytes: int
     largest_gathered_bytes: int
-
-
-def _size(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def _moments(numels, master: int, eight_bit: bool) -> dict[str, int]:
@@ -101,8 +96,8 @@ def compare(lowered, *, eight_bit: bool | None = None) -> tuple[PeerRow, ...]:
         gather = reduce = largest = 0
         for u, lay in zip(lowered.units, lowered.layouts):
             leaves = u.plan.leaves + u.plan.replicated
-            master, compute = _size(u.plan.dtype), _size(lay.dtype)
-            rsize = _size(lay.reduce_dtype or u.plan.dtype)
+            master, compute = _itemsize(u.plan.dtype), _itemsize(lay.dtype)
+            rsize = _itemsize(lay.reduce_dtype or u.plan.dtype)
             per = [peer_shard_numel({"x": _Shape(l.shape)}, W, system) for l in leaves]
             trains = [p for p, l in zip(per, leaves) if u.paths[l.index] not in u.frozen]
             P, numel = sum(per), sum(l.numel for l in leaves)

@@ -38,11 +38,11 @@ class UnitRecord:
         state: a :class:`UnitState`; ``handle`` / ``source``: the all-gather in flight.
         block: the pool block whose memory ``flat`` holds while gathered (``None`` when ``FREE``,
             or when storage is resized instead: see [Note: reusing unit buffers] in ``_pool.py``).
-        scheduled: alive according to the program; ``served``: holding zeros after a deviation.
+        scheduled: alive according to the program.
     """
 
     __slots__ = ("layout", "flat", "frozen_flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled",
-                 "served", "block")
+                 "block")
 
     def __init__(self, layout, shard, device):
         self.layout = layout
@@ -69,7 +69,7 @@ class UnitRecord:
                     self.spans.append((t.requires_grad_(), start, stop, replicated))
         self.flat.untyped_storage().resize_(0)
         self.state, self.handle, self.source = UnitState.FREE, None, None
-        self.scheduled = self.served = False  # alive per the program / zeros served locally
+        self.scheduled = False
         self.block = None
 
 

@@ -188,7 +188,6 @@ class Run:
         self.counts.new_micro_batch()
         self.gradients.new_micro_batch()
 
-    # ---- bookkeeping -------------------------------------------------------------------------
     # ---- what the interceptors call (see the module docstring) ------------------------------------
     def unit_of(self, t: torch.Tensor) -> int | None:
         """The unit whose gathered storage ``t`` is a view of (``None``: not a unit's)."""
@@ -308,7 +307,7 @@ class Run:
             streams.access(GATHER, ("shard", i))
             streams.access(GATHER, self._memory(i), write=True)
             u.handle = [streams.issued(GATHER, w) for w in works]
-        u.state, u.scheduled, u.served = UnitState.PENDING, True, False
+        u.state, u.scheduled = UnitState.PENDING, True
         self.counts.gathers += 1
         self.log("gather_start", i)
 
@@ -328,7 +327,7 @@ class Run:
             return
         self._wait(i)
         self._dematerialize(i)
-        u.state, u.served = UnitState.FREE, False
+        u.state = UnitState.FREE
         if self.cursor.active == i:
             self.cursor.active = None
         self.log("free", i)
@@ -357,7 +356,7 @@ class Run:
             streams.access(GATHER, self._memory(i), write=True)
             done = streams.record(GATHER)
         streams.wait(COMPUTE, done)
-        u.state, u.served = UnitState.READY, True
+        u.state = UnitState.READY
         self.pool.settle()
 
     # ---- forward -----------------------------------------------------------------------------

@@ -46,8 +46,7 @@ from ragged.optim._transform import (
     AddDecayedWeightsState,
     ScaleByScheduleState,
     ScaleState,
-    _check_beta,
-    _check_nonneg,
+    _check_adam,
 )
 
 # adam8bit_leaf_state lives in _quant8_state; tests import it from here too
@@ -230,9 +229,7 @@ def scale_by_adam_8bit(
         >>> round(float(u.data[0]), 4)   # Adam's first step: g / (|g| + eps)
         1.0
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
+    _check_adam(b1, b2, eps)
     fused.check_kernel(kernel)
 
     def update(updates, state, params=None):
@@ -280,11 +277,7 @@ def adamw_8bit(
         >>> state[0].moments.mu_codes.dtype, state[0].moments.mu_scales.numel()  # 2 x 4 tiles
         (torch.uint8, 8)
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
-    _check_nonneg("weight_decay", weight_decay)
-    _check_nonneg("learning_rate", learning_rate)
+    _check_adam(b1, b2, eps, weight_decay, learning_rate)
     fused.check_kernel(kernel)
     scheduled = callable(learning_rate)
 

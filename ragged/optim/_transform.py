@@ -94,6 +94,14 @@ def _check_beta(name: str, value) -> None:
         raise RaggedValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
+def _check_adam(b1, b2, eps, weight_decay=0.0, learning_rate=0.0) -> None:
+    _check_beta("b1", b1)
+    _check_beta("b2", b2)
+    _check_nonneg("eps", eps)
+    _check_nonneg("weight_decay", weight_decay)
+    _check_nonneg("learning_rate", learning_rate)
+
+
 def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
     """``u * factor`` in the wide dtype; in place into ``u`` when donated and already wide."""
     wide = _wide(u)
@@ -170,7 +178,7 @@ def scale_by_learning_rate(
     return scale(sign * learning_rate, donate=donate)
 
 
-def _adam_step(g, m, v, *, b1, b2, eps, bc1, bc2_sqrt, step, decay, p, donate):
+def _adam_step(g, m, v, *, b1, b2, eps, bc2_sqrt, step, decay, p, donate):
     """One Adam step on one flat tensor: returns ``(update, new m, new v)``.
 
     ``update = step * m_hat / (sqrt(v_hat) + eps) + decay * p`` (``step``/``decay`` 0-d tensors
@@ -197,9 +205,28 @@ def _adam_step(g, m, v, *, b1, b2, eps, bc1, bc2_sqrt, step, decay, p, donate):
     return out, m_new, v_new
 
 
-def _bias_corrections(count, b1, b2):
+def _adam_init(params, where: str) -> ScaleByAdamState:
+    check_floating(params, where)
+    return ScaleByAdamState(count=zero_count(params), mu=pytree.map(torch.zeros_like, params),
+                            nu=pytree.map(torch.zeros_like, params))
+
+
+def _adam_tree(updates, state: ScaleByAdamState, params, *, b1, b2, eps, lr, decay, donate):
+    """:func:`_adam_step` on every leaf with ``step = lr / (1 - b1^t)``: the updates and the new
+    state. ``params`` is read only when ``decay`` is not ``None``."""
+    count = state.count + 1
     t = count.to(torch.float64)
-    return 1.0 - b1**t, torch.sqrt(1.0 - b2**t)
+    step, bc2_sqrt = lr / (1.0 - b1**t), torch.sqrt(1.0 - b2**t)
+    if isinstance(decay, float):
+        decay = torch.tensor(decay, dtype=torch.float64, device=count.device)
+    g_leaves, treedef = pytree.flatten(updates)
+    p_leaves = [None] * len(g_leaves) if decay is None else pytree.leaves(params)
+    outs = [
+        _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc2_sqrt=bc2_sqrt, step=step, decay=decay, p=p, donate=donate)
+        for g, m, v, p in zip(g_leaves, pytree.leaves(state.mu), pytree.leaves(state.nu), p_leaves)
+    ]
+    unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
+    return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, donate: bool = False) -> GradientTransformation:
@@ -226,32 +253,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
         >>> [round(x, 6) for x in u.tolist()], int(state.count)
         ([1.0, 0.0], 1)
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
-
-    def init(params):
-        check_floating(params, "scale_by_adam")
-        zeros = lambda p: torch.zeros_like(p)  # noqa: E731
-        return ScaleByAdamState(count=zero_count(params), mu=pytree.map(zeros, params), nu=pytree.map(zeros, params))
+    _check_adam(b1, b2, eps)
 
     def update(updates, state, params=None):
         del params
         check_like_state(updates, state.mu, "scale_by_adam")
         check_like_state(updates, state.nu, "scale_by_adam")
-        count = state.count + 1
-        bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
-        step = 1.0 / bc1
-        g_leaves, treedef = pytree.flatten(updates)
-        outs = [
-            _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=None, p=None,
-                       donate=donate)
-            for g, m, v in zip(g_leaves, pytree.leaves(state.mu), pytree.leaves(state.nu))
-        ]
-        unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
-        return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
+        return _adam_tree(updates, state, None, b1=b1, b2=b2, eps=eps, lr=1.0, decay=None, donate=donate)
 
-    return GradientTransformation(init, update, donates=donate)
+    return GradientTransformation(lambda params: _adam_init(params, "scale_by_adam"), update, donates=donate)
 
 
 def scale_by_adamw(
@@ -278,18 +288,11 @@ def scale_by_adamw(
         >>> torch.allclose(fused.update(g, fused.init(p), p)[0], chained.update(g, chained.init(p), p)[0])
         True
     """
-    _check_beta("b1", b1)
-    _check_beta("b2", b2)
-    _check_nonneg("eps", eps)
-    _check_nonneg("weight_decay", weight_decay)
-    _check_nonneg("learning_rate", learning_rate)
+    _check_adam(b1, b2, eps, weight_decay, learning_rate)
     scheduled = callable(learning_rate)
 
     def init(params):
-        check_floating(params, "adamw")
-        adam = ScaleByAdamState(
-            count=zero_count(params), mu=pytree.map(torch.zeros_like, params), nu=pytree.map(torch.zeros_like, params)
-        )
+        adam = _adam_init(params, "adamw")
         lr_state = ScaleByScheduleState(count=zero_count(params)) if scheduled else ScaleState()
         return (adam, AddDecayedWeightsState(), lr_state)
 
@@ -301,23 +304,11 @@ def scale_by_adamw(
         check_like_state(updates, adam.nu, "adamw")
         if weight_decay:
             check_like_state(params, adam.mu, "adamw", what="params")
-        count = adam.count + 1
-        bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
         lr = learning_rate(lr_state.count) if scheduled else learning_rate
-        step = -lr / bc1
         decay = (-lr * weight_decay) if weight_decay else None
-        if isinstance(decay, float):
-            decay = torch.tensor(decay, dtype=torch.float64, device=count.device)
-        g_leaves, treedef = pytree.flatten(updates)
-        p_leaves = pytree.leaves(params) if weight_decay else [None] * len(g_leaves)
-        outs = [
-            _adam_step(g, m, v, b1=b1, b2=b2, eps=eps, bc1=bc1, bc2_sqrt=bc2_sqrt, step=step, decay=decay, p=p,
-                       donate=donate)
-            for g, m, v, p in zip(g_leaves, pytree.leaves(adam.mu), pytree.leaves(adam.nu), p_leaves)
-        ]
-        unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in outs])  # noqa: E731
+        updates, adam = _adam_tree(updates, adam, params, b1=b1, b2=b2, eps=eps, lr=-lr, decay=decay, donate=donate)
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
-        return unflat(0), (ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2)), decay_state, new_lr_state)
+        return updates, (adam, decay_state, new_lr_state)
 
     hyperparams = {"optimizer": "AdamW", "lr": learning_rate, "betas": (b1, b2), "eps": eps, "weight_decay": weight_decay}
     return GradientTransformation(init, update, donates=donate, hyperparams=hyperparams)

@@ -103,8 +103,7 @@ def _all_gather_flat_start(plan: LayoutPlan, out: torch.Tensor, local: torch.Ten
 
 def _all_gather_flat(plan, out, local, comm, async_op, label):
     _check(plan, out, local, comm, "all_gather_flat")
-    return _launch(plan, comm, "all_gather_into", [(o, i) for o, i in buffer_views(plan, out, local)], async_op,
-                   label=label)
+    return _launch(plan, comm, "all_gather_into", buffer_views(plan, out, local), async_op, label=label)
 
 
 def reduce_scatter_flat(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *, op: str = "sum",

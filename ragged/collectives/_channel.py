@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives import _header as hd
-from ragged.collectives._handles import _Pending, _wait
+from ragged.collectives._handles import _Pending, _wait, lost_connection
 
 __all__ = ["Channel", "channel_for", "raised_on_every_rank"]
 
@@ -91,11 +91,6 @@ def _parts(tensors) -> list[torch.Tensor]:
         else:
             out += [t[i : i + step] for i in range(0, n, step)]
     return out
-
-
-def _lost_connection(e: RuntimeError) -> bool:
-    text = str(e)
-    return any(k in text for k in ("Connection", "connection", "Socket", "pair closure", "closed by peer"))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -160,7 +155,7 @@ class Channel:
                         try:
                             self._post_header_recv(j)
                         except RuntimeError as e:
-                            if not _lost_connection(e):
+                            if not lost_connection(e):
                                 raise
                             # that peer is gone (e.g. it exited after the call that just completed):
                             # that call stands, the next one raises
@@ -268,7 +263,7 @@ class Channel:
                         recv_works[peer] = [self.pg.recv([t], peer, _DATA_TAG | _nbytes(t)) for t in ins]
             except Exception as e:
                 self._graveyard.append((out_parts, in_parts))
-                if isinstance(e, RuntimeError) and _lost_connection(e):  # gloo refused to post
+                if isinstance(e, RuntimeError) and lost_connection(e):  # gloo refused to post
                     raise self.fail_in_call(seq, call, peer, e, "the exchange") from e
                 self.fail(f"rank {self.rank} raised inside collective #{seq} ({call.describe()}): {type(e).__name__}: {e}")
                 raise

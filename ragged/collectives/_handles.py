@@ -18,7 +18,13 @@ from ragged._errors import CollectiveError
 from ragged.collectives import _header as hd
 from ragged.collectives._base import completed, poison_on_error
 
-__all__ = ["_Work", "_Pending", "_Guarded", "future_of"]
+__all__ = ["_Work", "_Pending", "_Guarded", "future_of", "lost_connection"]
+
+
+def lost_connection(e: RuntimeError) -> bool:
+    """Whether a backend's error says a peer's connection is gone (a peer died or exited)."""
+    text = str(e)
+    return any(k in text for k in ("Connection", "connection", "Socket", "pair closure", "closed by peer"))
 
 
 def _wait(work, seconds: float) -> None:
@@ -58,6 +64,13 @@ class _Work:
             failure = next((f for led in self._ledgers or () if led is not None and (f := led.read_poison())), None)
             if failure is not None:
                 raise CollectiveError(f"{failure} (the collective was aborted)", peer=failure.peer) from e
+            live = [led for led in self._ledgers or () if led is not None]
+            if live and lost_connection(e):  # a peer that died tells no one: this rank tells the others
+                msg = (f"rank {live[0].rank} lost a peer in a collective: {str(e).splitlines()[0][:160]}. That rank "
+                       "probably died or exited (see its log).")
+                for led in live:
+                    led.poison(msg)
+                raise CollectiveError(msg) from e
             raise
         if self._finish is not None:
             self._finish()

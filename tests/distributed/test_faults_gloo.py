@@ -204,9 +204,9 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(workers, kind):
     assert f"rank {m - 1}" in first and "rank 0" in odd
 
 
-def _skipped_checkpoint(verb, path):
+def _skipped_checkpoint(verb, path, transport=()):
     """One rank skips ``save`` / ``load`` and goes on with a gather; the others are in the call."""
-    comm, r, m, odd, params, plan, d = _setup()
+    comm, r, m, odd, params, plan, d = _setup(**dict(transport))
     state = {"params": d, "step": 7}
     if verb == "load":
         rg.checkpoint.save(path, state, comm)
@@ -219,18 +219,31 @@ def _skipped_checkpoint(verb, path):
             return rg.checkpoint.save(path + "-new", state, comm)
         return rg.checkpoint.load(path, state, comm)
 
-    return _outcome(body) + (t0,)
+    def checked():  # NCCL's shape checks at the next agreement point
+        out = body()
+        comm.verify()
+        return out
+
+    return _outcome(checked) + (t0,)
 
 
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("verb", ["save", "load"])
-def test_rank_that_skips_save_or_load_makes_every_rank_raise(workers, tmp_path, verb):
-    path = str(tmp_path / f"ckpt-{len(workers.run(dist.get_world_size))}")
-    res = workers.run(_skipped_checkpoint, verb, path)
+def test_rank_that_skips_save_or_load_makes_every_rank_raise(workers, tmp_path, verb, transport):
+    """gloo's default: every rank raises at once. NCCL's shape: at the comm's timeout at the latest
+    (the skipper's gather and the others' first checkpoint collective wait for each other)."""
+    path = str(tmp_path / f"ckpt-{len(workers.run(dist.get_world_size))}-{transport}")
+    options = TRANSPORTS[transport] | ({"timeout": 2.0} if transport == "nccl-shaped" else {})
+    res = workers.run(_skipped_checkpoint, verb, path, tuple(options.items()))
     for r, (err, msg, t, t0) in enumerate(res):
-        assert err in ("PlanMismatchError", "CheckpointError", "CollectiveError"), (r, err, msg)
-        assert t - t0 < PROMPT, (r, t - t0, msg)
+        if transport == "nccl-shaped":  # as a skipped call: the comm's timeout, then the poison
+            assert err in ("CheckpointError", "CollectiveError") and ("waited 2 s for its peers" in msg or
+                                                                      "a peer failed" in msg), (r, err, msg)
+        else:
+            assert err in ("PlanMismatchError", "CheckpointError", "CollectiveError"), (r, err, msg)
+        assert t - t0 < PROMPT + options.get("timeout", 0.0), (r, t - t0, msg)
     assert not os.path.exists(path + "-new")
-    _report(f"skipped {verb} W={len(res)}", [t - t0 for _, _, t, t0 in res])
+    _report(f"skipped {verb} W={len(res)} ({transport})", [t - t0 for _, _, t, t0 in res])
 
 
 # ---- a lone failure before the collective ---------------------------------------------------
@@ -422,8 +435,8 @@ def _die(path: str, how: str):
     os._exit(0)  # "exit": the process ends normally, without telling anyone
 
 
-def _collective_loop(rank, m, op, how, when, path):
-    comm = rg.collectives.from_torch()
+def _collective_loop(rank, m, op, how, when, path, transport=()):
+    comm = rg.collectives.from_torch(**dict(transport))
     params = _params()
     plan = rg.make_plan(params, world_size=m)
     d = rg.shard(plan, params, comm)
@@ -442,14 +455,15 @@ def _collective_loop(rank, m, op, how, when, path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("m", [2, 4], ids=["w2", "w4"])
 @pytest.mark.parametrize("op, how", [("gather", "exit"), ("gather", "kill"), ("reduce_scatter", "kill")])
-def test_rank_that_exits_or_dies_in_a_loop(tmp_path, m, op, how):
+def test_rank_that_exits_or_dies_in_a_loop(tmp_path, m, op, how, transport):
     path = str(tmp_path / "fault")
-    got = _spawn(m, _collective_loop, op, how, 5, path)
+    got = _spawn(m, _collective_loop, op, how, 5, path, tuple(TRANSPORTS[transport].items()))
     assert sorted(got) == list(range(m - 1)), got
     # ragged's error, never gloo's raw one (a peer lost between two calls fails the next call)
-    _report(f"{op} loop, one rank {how}s, W={m}", _check_all_raised(got, _fault_time(path), allowed=("CollectiveError",)))
+    _report(f"{op} loop, one rank {how}s, W={m} ({transport})", _check_all_raised(got, _fault_time(path), allowed=("CollectiveError",)))
 
 
 class _Die(torch.autograd.Function):
@@ -472,10 +486,10 @@ class _Die(torch.autograd.Function):
         return grad, None, None
 
 
-def _fsdp_step_kill(rank, m, phase, path):
+def _fsdp_step_kill(rank, m, phase, path, transport=()):
     from ragged.examples.data import rank_slice
 
-    comm = rg.collectives.from_torch()
+    comm = rg.collectives.from_torch(**dict(transport))
     units, opt, state, local, task = _tiny_training(comm, layers=3)
     armed = {"on": False}
     if rank == m - 1:  # the victim dies in its third step, inside block 1
@@ -492,13 +506,15 @@ def _fsdp_step_kill(rank, m, phase, path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("m", [2, 4], ids=["w2", "w4"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_kill_during_fsdp_step(tmp_path, m, phase):
+def test_kill_during_fsdp_step(tmp_path, m, phase, transport):
     path = str(tmp_path / "fault")
-    got = _spawn(m, _fsdp_step_kill, phase, path)
+    got = _spawn(m, _fsdp_step_kill, phase, path, tuple(TRANSPORTS[transport].items()))
     assert sorted(got) == list(range(m - 1)), got
-    _report(f"fsdp step, one rank killed in {phase}, W={m}", _check_all_raised(got, _fault_time(path)))
+    _report(f"fsdp step, one rank killed in {phase}, W={m} ({transport})",
+            _check_all_raised(got, _fault_time(path), allowed=("CollectiveError",)))
 
 
 # ---- handshake="deferred" (NCCL's mode), exercised on gloo with calls of equal sizes ---------

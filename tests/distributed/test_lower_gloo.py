@@ -1,4 +1,4 @@
-"""``step.lower(...)`` against real steps on 2 gloo ranks: every rank's persistent bytes by category
+"""``step.lower(...)`` against real steps on 2 and 4 gloo ranks, in both transports: every rank's persistent bytes by category
 and every collective's calls and bytes (counted at the ``Collectives`` boundary of the torch
 backend) exact (see [Note: lowering a step] in ``ragged/fsdp/_lower.py``)."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import ragged as rg
-from tests.distributed._harness import workers_fixture
+from tests.distributed._harness import TRANSPORTS, workers_2_and_4
 from tests.fsdp._cases import Case
 from tests.fsdp._lower_cases import measured
 
-workers2 = workers_fixture(2)
+workers2, workers4, workers = workers_2_and_4()
 
 CASES = {
     "dense-fp64-adamw": (Case(), "adamw"),
@@ -23,13 +23,14 @@ CASES = {
 }
 
 
-def _measured(case, optimizer):
-    return measured(rg.collectives.from_torch(), case, optimizer)
+def _measured(case, optimizer, transport):
+    return measured(rg.collectives.from_torch(**dict(transport)), case, optimizer)
 
 
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_lowered_step_is_exact_on_gloo(workers2, name):
-    out = workers2.run(_measured, *CASES[name])
+def test_lowered_step_is_exact_on_gloo(workers, name, transport):
+    out = workers.run(_measured, *CASES[name], tuple(TRANSPORTS[transport].items()))
     for o in out:
         assert o["state"] == o["predicted_state"], f"rank {o['rank']}"
         assert o["calls"] == o["predicted_calls"], f"rank {o['rank']}"

@@ -61,10 +61,10 @@ class _Work:
             raise
         except RuntimeError as e:
             # a peer's abort may break this collective before this rank's watcher saw the poison
-            failure = next((f for led in self._ledgers or () if led is not None and (f := led.read_poison())), None)
+            live = [led for led in self._ledgers or () if led is not None]
+            failure = next((f for led in live if (f := led.read_poison())), None)
             if failure is not None:
                 raise CollectiveError(f"{failure} (the collective was aborted)", peer=failure.peer) from e
-            live = [led for led in self._ledgers or () if led is not None]
             if live and lost_connection(e):  # a peer that died tells no one: this rank tells the others
                 msg = (f"rank {live[0].rank} lost a peer in a collective: {str(e).splitlines()[0][:160]}. That rank "
                        "probably died or exited (see its log).")

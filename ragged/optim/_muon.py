@@ -333,9 +333,10 @@ def scale_by_muon(
             if len(cache) > 8:
                 cache.clear()
             cache[key] = [_waves(d.plan, d.rank, x, num_waves) for d, x in zip(bufs, matrices)]
-        for d in bufs if agree and comm is not None else ():  # a lowered step's init builds every rank's state
-            if comm.rank != d.rank:
-                raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
+        if agree and comm is not None:  # not in init: a lowered step's init builds every rank's state
+            for d in bufs:
+                if comm.rank != d.rank:
+                    raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
         if agree and comm is not None and comm.world_size > 1:
             from ragged.transforms._check import check_plans
 

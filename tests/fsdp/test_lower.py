@@ -199,15 +199,17 @@ def _lowered_with(activations, case, m=64):
 def _ep_lowered(mc):
     """FSDP x EP (``data_groups``): the third step's collectives (the first two learn the schedule)
     on the FSDP and EP comms, next to the lowering's (the loss's MoE dispatch on the EP comm is the model's: not counted by either)."""
-    from tests.fsdp._lower_cases import Counter
+    from bench._measure import CommCounter
     from tests.parallel._cases import _data_index, moe_batch
 
     units, state, step, _ = ep_fsdp_step(mc)
-    dp, ep = Counter(mc["dp"]), Counter(mc["ep"], axis="data0")
+    counter = CommCounter()
+    counter.install_comm(mc["dp"], "step")
+    counter.install_comm(mc["ep"], "step", axis="data0")
     for s in range(3):
-        dp.active = ep.active = s == 2
+        counter.active = "step" if s == 2 else None
         state, _ = step(state, moe_batch(s, _data_index(mc)))
-    calls = {**dp.records(), **{k: v for k, v in ep.records().items() if k[0] != "all_to_all"}}
+    calls = {k: v for k, v in counter.records("step").items() if k != ("all_to_all", "data0")}
     lowered = step.lower()
     return calls, {(c.kind, c.axis): (c.calls, c.bytes) for c in lowered.cost_analysis().collectives}
 

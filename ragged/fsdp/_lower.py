@@ -58,6 +58,7 @@ from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
 __all__ = ["Lowered", "MemoryAnalysis", "CostAnalysis", "Collective", "lower", "assumed_schedule"]
 
 _FIELD = re.compile(r"\.([A-Za-z_]\w*)")
+_KEY = re.compile(r"\[(?:'[^']*'|\"[^\"]*\"|[^\]]*)\]")  # a subscript: a unit's name may hold dots
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -183,7 +184,13 @@ def assumed_schedule(units) -> CollectiveSchedule:
 
 
 def _category(path: str) -> str:
-    fields = _FIELD.findall(path)
+    """The category of an optimizer-state leaf at key path ``path``: its field, not its unit's name.
+
+    Examples:
+        >>> _category("[0].mu['model.layers.0'].data"), _category("[0].count"), _category("[1]")
+        ('optimizer.mu', 'optimizer.count', 'optimizer.state')
+    """
+    fields = _FIELD.findall(_KEY.sub("", path))
     if fields and fields[-1] in ("data", "replicated"):  # a DBuffer's children: name it by its field
         fields = fields[:-1]
     return "optimizer." + (fields[-1] if fields else "state")

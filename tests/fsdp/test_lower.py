@@ -113,6 +113,18 @@ def test_a_muon_step_lowers_on_an_abstract_comm():
     assert a2a.calls == 2 * 2 * len(units) and a2a.bytes > 0
 
 
+def test_categories_of_units_named_with_dots():
+    """A unit's name may hold dots (HF Llama's ``model.layers.0``): the optimizer's field names the
+    category (``optimizer.mu``), not a part of the unit's name (``optimizer.layers``)."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)])
+    units = fsdp.make_units(model, world_size=4, groups=["model.layers.0", "model.layers.1"])
+    step = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(4))
+    assert set(step.lower().memory_analysis().by_category) == {"param_shards", "replicated", "optimizer.count",
+                                                               "optimizer.mu", "optimizer.nu"}
+
+
 def test_lower_refuses_bad_inputs():
     model = torch.nn.Linear(4, 4)
     units = fsdp.make_units(model, world_size=8)

@@ -3,9 +3,11 @@
 [Note: lowering on an abstract comm]
 ``rg.fsdp.make_step`` and ``make_units`` only read a comm's ``world_size``, ``rank``,
 ``num_replicas``, ``replica_rank`` and ``device`` when they are built; the collectives run when
-the step is called. :func:`abstract` gives those attributes for any world size (10,240 ranks on one
-CPU) and refuses every collective, so a step built on it can be lowered
-(``step.lower(...)``, see ``ragged/fsdp/_lower.py``) but never run.
+the step is called; the lowering also reads the ``handshake`` (a ``"deferred"`` comm's plan check
+carries its ledger's digest: four int64 instead of two, see ``ragged/transforms/_check.py``).
+:func:`abstract` gives those attributes for any world size (10,240 ranks on one CPU) and refuses
+every collective, so a step built on it can be lowered (``step.lower(...)``, see
+``ragged/fsdp/_lower.py``) but never run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import torch
 
 from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.collectives._base import HANDSHAKES
 
 __all__ = ["AbstractCollectives", "abstract"]
 
@@ -42,6 +45,8 @@ class AbstractCollectives:
         world_size, rank: the shard group's size and this rank's index in it.
         num_replicas, replica_rank: the replica group's (HSDP; 1 and 0 for plain FSDP).
         device: the device the step would run on (``meta`` by default: nothing is allocated).
+        handshake: the transport's, as ``rg.collectives.from_torch(handshake=...)`` would have it
+            (``"none"`` by default: what torch's fake process group gets).
 
     Examples:
         >>> import ragged as rg
@@ -55,6 +60,7 @@ class AbstractCollectives:
     num_replicas: int = 1
     replica_rank: int = 0
     device: torch.device = torch.device("meta")
+    handshake: str = "none"
 
     def __post_init__(self):
         for name, low in (("world_size", 1), ("num_replicas", 1)):
@@ -67,6 +73,12 @@ class AbstractCollectives:
                 raise RaggedValueError(f"abstract comm: {name} must be an int in [0, {size}), got {value!r}.")
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
+        if self.handshake not in HANDSHAKES:
+            raise RaggedValueError(f"abstract comm: handshake must be one of {HANDSHAKES}, got {self.handshake!r}.")
+
+    def ledger_digest(self) -> int | None:
+        """What a comm of this handshake folds into its plan check: a digest (``"deferred"``) or ``None``."""
+        return 0 if self.handshake == "deferred" else None
 
     def verify(self) -> None:
         return None
@@ -80,7 +92,7 @@ for _name in _REFUSED:
 
 
 def abstract(world_size: int, *, rank: int = 0, num_replicas: int = 1, replica_rank: int = 0,
-             device: torch.device | str = "meta") -> AbstractCollectives:
+             device: torch.device | str = "meta", handshake: str = "none") -> AbstractCollectives:
     """A comm of ``world_size`` ranks without processes, to build and lower a step at any scale.
 
     Args:
@@ -88,6 +100,8 @@ def abstract(world_size: int, *, rank: int = 0, num_replicas: int = 1, replica_r
         rank: the rank this comm speaks for (lowering reports every rank regardless).
         num_replicas, replica_rank: HSDP replica groups (all-reduced across).
         device: the device the step would compute on.
+        handshake: the transport's (``"none"``, ``"header"``, ``"deferred"``: see
+            :func:`~ragged.collectives.from_torch`); ``"deferred"`` plan checks are two int64 larger.
 
     Returns:
         An :class:`AbstractCollectives`: every collective raises.
@@ -102,8 +116,11 @@ def abstract(world_size: int, *, rank: int = 0, num_replicas: int = 1, replica_r
         ... except ValueError as err:
         ...     print(str(err)[:60])
         all_reduce: this comm is abstract (rg.collectives.abstract(w
+        >>> comm = rg.collectives.abstract(512, rank=1, num_replicas=2, handshake="deferred")  # HSDP 2 x 512, NCCL's shape
+        >>> comm.num_replicas, comm.ledger_digest()
+        (2, 0)
     """
     if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
         raise RaggedTypeError(f"abstract comm: device must be a torch.device or a string, got {device!r}.")
     return AbstractCollectives(world_size=world_size, rank=rank, num_replicas=num_replicas, replica_rank=replica_rank,
-                               device=torch.device(device))
+                               device=torch.device(device), handshake=handshake)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ragged import _compat
 from ragged._errors import CollectiveError, RaggedValueError
 from ragged.collectives import _p2p
-from ragged.collectives._base import (DEFAULT_TIMEOUT, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
+from ragged.collectives._base import (DEFAULT_TIMEOUT, HANDSHAKES, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
 from ragged.collectives import _torch_paths as paths
 from ragged.collectives._channel import channel_for
 from ragged.collectives._handles import _Guarded, _Work
@@ -45,7 +45,6 @@ __all__ = ["TorchCollectives", "from_torch"]
 
 _AG_ALGOS = ("native", "p2p", "all_to_all")
 _RS_ALGOS = ("native", "all_to_all", "p2p")
-HANDSHAKES = ("header", "deferred", "none")
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 

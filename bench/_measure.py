@@ -50,8 +50,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["storage_bytes", "storage_by_category", "rss", "reset_peak_rss", "CommCounter", "profile_step", "ragged_labels",
-           "Timer", "LiveBytes",
-           "wall", "interleaved", "paired", "median_ci", "process_work"]
+           "Timer", "LiveBytes", "wall", "interleaved", "paired", "median_ci", "process_work"]
 
 
 def storage_bytes(tensors) -> int:

@@ -19,12 +19,17 @@ For each model, world size W and activation-checkpointing setting:
 compute measured at W = 1 and an alpha-beta line fitted on gloo at W, against the measured gloo step
 at W = 2, 4 of eight configurations of one model, with Kendall's tau of their order.
 
+``--exact``: the persistent bytes by category and every collective (calls and bytes per kind and axis)
+instead, exact against two real steps on the fake group at W, for single / multi-buffer plans, AdamW /
+8-bit AdamW, FSDP / HSDP (``bench/_predict_exact.py``).
+
 The error columns are (predicted - measured) / measured. Usage::
 
     python3 bench/predict.py --models dense moe --world 8 64 256 --checkpointing on off
     python3 bench/predict.py --models tiny --world 8           # seconds
     python3 bench/predict.py --models moe --world 8 64 256 --checkpointing off on --diagnose
     python3 bench/predict.py --time --models dense --world 2 4     # step time vs gloo (bench/_predict_time.py)
+    python3 bench/predict.py --exact --models tiny --world 8       # state + collectives exact (bench/_predict_exact.py)
 """
 
 from __future__ import annotations
@@ -142,9 +147,23 @@ def main(argv=None) -> int:
                          "(bench/_predict_time.py; --world: the gloo world sizes, default 2 4)")
     ap.add_argument("--repeats", type=int, default=5, help="--time: measured steps per configuration")
     ap.add_argument("--settings", nargs="+", default=None, help="--time: configurations (default: all)")
+    ap.add_argument("--exact", action="store_true",
+                    help="state by category and collectives per kind and axis, exact vs two real steps at W on the fake "
+                         "group (bench/_predict_exact.py)")
+    ap.add_argument("--plans", nargs="+", choices=("single", "multi"), default=["single", "multi"], help="--exact")
+    ap.add_argument("--optimizers", nargs="+", choices=("adamw", "adamw8bit"), default=["adamw", "adamw8bit"],
+                    help="--exact")
+    ap.add_argument("--meshes", nargs="+", choices=("fsdp", "hsdp"), default=["fsdp", "hsdp"], help="--exact")
     args = ap.parse_args(argv)
     if args.time:
         return _time(args)
+    if args.exact:
+        from bench._predict_exact import run
+
+        print(f"== lowering vs two real steps on the fake process group, torch {torch.__version__}, CPU ==", flush=True)
+        results = run(args.models, args.world, args.plans, args.optimizers, args.meshes,
+                      out=lambda line: print(line, flush=True))
+        return 0 if all(r["exact"] for r in results) else 1
     cols = COLUMNS + (DIAGNOSE if args.diagnose else ())
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     print(f"== prediction vs fake process group, torch {torch.__version__}, CPU ==", flush=True)

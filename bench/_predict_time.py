@@ -45,25 +45,39 @@ SETTINGS = {
 }
 
 
-def _pairs(path: str) -> str:
-    return f"blocks.{int(path.split('.')[1]) // 2}" if path.startswith("blocks.") else "rest"
+def _prefix(cfg) -> str:
+    """The name of the model's blocks, less their index (ragged's default units are the blocks)."""
+    return "model.layers." if "hf" in cfg else "blocks."
+
+
+def _pairs(prefix: str, path: str) -> str:
+    """The unit of parameter ``path`` with two blocks per unit."""
+    return f"{prefix}{int(path[len(prefix):].split('.')[0]) // 2}" if path.startswith(prefix) else "rest"
+
+
+def runs_on(cfg, name: str) -> bool:
+    """Whether configuration ``name`` runs on the model (the HF loss of bench/_methods.py has no checkpointing)."""
+    return not ("hf" in cfg and SETTINGS[name].get("checkpoint"))
 
 
 def _build(cfg, comm, world, opts, *, meta=False, clock=None):
     """The step of one configuration (``clock``: a dict the timed loss / optimizer / block hooks fill)."""
+    import functools
+
     import ragged as rg
     from ragged import fsdp
-    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
-    from bench._methods import dtypes
+    from bench._methods import _blocks, build_model, dtypes, ragged_loss
+    from bench.step import meta_model, model_config
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg), device="meta") if meta else GPT(GPTConfig(**cfg))
-    units = fsdp.make_units(model, world_size=world, groups=_pairs if opts.get("pair_blocks") else None)
+    model = meta_model(cfg) if meta else build_model(model_config(cfg), 0, torch.device("cpu"))
+    groups = functools.partial(_pairs, _prefix(cfg)) if opts.get("pair_blocks") else None
+    units = fsdp.make_units(model, world_size=world, groups=groups)
     opt = rg.optim.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, donate=True)
-    loss = loss_fn(model, checkpoint=opts.get("checkpoint", False))
+    loss = ragged_loss(model_config(cfg), model, opts.get("checkpoint", False))
     if clock is not None:
-        opt, loss = _timed(model, opt, loss, clock)
+        blocks = {f"{_prefix(cfg)}{i}": b for i, b in enumerate(_blocks(model_config(cfg), model))}
+        opt, loss = _timed(blocks, opt, loss, comm, clock)
     compute, reduce = dtypes(opts.get("policy", "fp32"))
     step = fsdp.make_step(units, loss, opt, comm, donate=True, prefetch=opts.get("prefetch", True),
                           micro_batches=opts.get("micro_batches", 1),
@@ -72,21 +86,46 @@ def _build(cfg, comm, world, opts, *, meta=False, clock=None):
     return model, units, opt, step
 
 
-def _timed(model, opt, loss, clock):
-    """The optimizer and loss wrapped to record their seconds; each block's forward by hooks while the loss runs."""
-    state = {"in_loss": False, "t0": {}}
+def _timed(blocks, opt, loss, comm, clock):
+    """The optimizer and loss wrapped to record their seconds; each block's forward by hooks while the
+    loss runs; ``comm``'s all-gathers and reduce-scatters (at W = 1 a local copy standing in for the
+    collective that the Link prices at W) by where they ran: ``collective`` in all,
+    ``collective:<block>`` inside a block's forward, ``collective:loss`` inside the loss."""
+    state = {"in_loss": False, "t0": {}, "block": None}
 
     def pre(mod, args, name):
         if state["in_loss"]:
             state["t0"][name] = time.perf_counter()
+            state["block"] = name
 
     def post(mod, args, out, name):
         if state["in_loss"] and name in state["t0"]:
             clock[name] = clock.get(name, 0.0) + time.perf_counter() - state["t0"].pop(name)
+            state["block"] = None
 
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": pre(m, a, n))
-        block.register_forward_hook(lambda m, a, o, n=f"blocks.{i}": post(m, a, o, n))
+    for name, block in blocks.items():
+        block.register_forward_pre_hook(lambda m, a, n=name: pre(m, a, n))
+        block.register_forward_hook(lambda m, a, o, n=name: post(m, a, o, n))
+
+    def add(key, seconds):
+        clock[key] = clock.get(key, 0.0) + seconds
+
+    def collective(call):
+        def timed_call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return call(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                add("collective", dt)
+                if state["in_loss"]:
+                    add("collective:loss", dt)
+                if state["block"] is not None:
+                    add(f"collective:{state['block']}", dt)
+        return timed_call
+
+    for name in ("all_gather_into", "all_gather_into_coalesced", "reduce_scatter_into", "reduce_scatter_into_coalesced"):
+        setattr(comm, name, collective(getattr(comm, name)))
 
     def timed_loss(params, batch):
         state["in_loss"] = True
@@ -95,12 +134,12 @@ def _timed(model, opt, loss, clock):
             return loss(params, batch)
         finally:
             state["in_loss"] = False
-            clock["loss"] = clock.get("loss", 0.0) + time.perf_counter() - t0
+            add("loss", time.perf_counter() - t0)
 
     def update(grads, st, params=None):
         t0 = time.perf_counter()
         out = opt.update(grads, st, params)
-        clock["update"] = clock.get("update", 0.0) + time.perf_counter() - t0
+        add("update", time.perf_counter() - t0)
         return out
 
     return opt._replace(update=update), timed_loss
@@ -158,8 +197,10 @@ def worker(rank, world, backend, opts):
     runs, clocks = {}, {}
     for name in opts["settings"]:
         clocks[name] = {}
-        model, units, opt, step = _build(cfg, comm, world, SETTINGS[name], clock=clocks[name] if world == 1 else None)
-        runs[name] = [step, fsdp.init(units, model, opt, comm)]
+        timed = world == 1  # its own comm: _timed wraps the comm's collectives with this configuration's clock
+        own = rg.collectives.from_torch() if timed else comm
+        model, units, opt, step = _build(cfg, own, world, SETTINGS[name], clock=clocks[name] if timed else None)
+        runs[name] = [step, fsdp.init(units, model, opt, own)]
     names = list(runs)
     times = {n: [] for n in names}
     cpu = {n: [] for n in names}
@@ -208,15 +249,19 @@ def predict(cfg, name, world, pieces, schedule, link, *, share, overlap):
     lowered = step.lower(schedule=schedule)
     names = [lay.name for lay in lowered.layouts]
     entries = {u: lowered.schedule.forward.count(i) for i, u in enumerate(names)}
-    unit_of = {f"blocks.{i}": (_pairs(f"blocks.{i}.x") if SETTINGS[name].get("pair_blocks") else f"blocks.{i}")
-               for i in range(cfg["num_layers"])}
+    blocks = [f"{_prefix(cfg)}{i}" for i in range(cfg["num_layers"])]
+    unit_of = {b: (_pairs(_prefix(cfg), b) if SETTINGS[name].get("pair_blocks") else b) for b in blocks}
+    # compute = the W=1 pieces less the W=1 collectives' local copies in them (the Link prices the collectives at W)
+    own = {b: pieces[b] - pieces.get(f"collective:{b}", 0.0) for b in unit_of}
+    forward = pieces["loss"] - pieces.get("collective:loss", 0.0)
     fwd = {u: 0.0 for u in names}
     for block, u in unit_of.items():
-        fwd[u] += pieces[block]
-    fwd["rest"] += pieces["loss"] - sum(pieces[b] for b in unit_of)
+        fwd[u] += own[block]
+    fwd["rest"] += forward - sum(own.values())
     compute = {u: share * s / max(1, entries[u]) / step.micro_batches for u, s in fwd.items()}  # per entry, micro-batch
-    backward = pieces["step"] - pieces["loss"] - pieces["update"]
-    t = lowered.estimate_time(link, compute=compute, backward_factor=backward / pieces["loss"],
+    backward = pieces["step"] - pieces["loss"] - pieces["update"] - (pieces.get("collective", 0.0)
+                                                                     - pieces.get("collective:loss", 0.0))
+    t = lowered.estimate_time(link, compute=compute, backward_factor=backward / forward,
                               optimizer_seconds=share * pieces["update"] / world, overlap=overlap)
     return t
 
@@ -237,6 +282,10 @@ def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters):
     from ragged.fsdp import Link
 
     cfg = CONFIGS[model]
+    skipped = [n for n in settings if not runs_on(cfg, n)]
+    if skipped:
+        print(f"{model}: not run (no activation checkpointing in its loss): {', '.join(skipped)}", flush=True)
+    settings = [n for n in settings if runs_on(cfg, n)]
     cores = len(os.sched_getaffinity(0))
     opts = dict(cfg=cfg, settings=settings, repeats=repeats, warmup=warmup, batch=batch, sizes_mib=sizes_mib,
                 iters=iters)

@@ -39,6 +39,14 @@ def test_time_fit_tau_and_prediction_from_pieces():
         assert b.seconds >= a.seconds - 1e-12
     four = predict(CONFIGS["tiny"], "default", 4, pieces, None, link, share=2.0, overlap=True)
     assert four.parts["compute"] == pytest.approx(2 * (1e-2 - 1e-3 + 1e-3 / 4))  # compute at W twice as slow
+    # the W=1 collectives' local copies leave the compute wherever they ran (the link prices them at W)
+    copies = dict(pieces, **{"collective": 2e-3, "collective:loss": 5e-4, "collective:blocks.0": 2e-4})
+    c = predict(CONFIGS["tiny"], "default", 2, copies, None, link, share=1.0, overlap=False)
+    assert c.parts["compute"] == pytest.approx(1e-2 - 1e-3 - 2e-3 + 1e-3 / 2)
+    hf = {k.replace("blocks.", "model.layers."): v for k, v in copies.items()}
+    for name in ("default", "2 blocks per unit"):
+        h = predict(CONFIGS["tiny-hf-llama"], name, 2, hf, None, link, share=1.0, overlap=False)
+        assert h.parts["compute"] == pytest.approx(c.parts["compute"])
 
 
 def test_exact_mode_lowering_equals_two_real_steps_on_the_fake_process_group():

@@ -194,7 +194,7 @@ def _time(args) -> int:
           f"{os.environ.get('OMP_NUM_THREADS')} ==", flush=True)
     for model in args.models:
         calib, table, tau, cores = run(model, worlds, args.settings or list(SETTINGS), repeats=args.repeats, warmup=1,
-                                       batch=args.batch, sizes_mib=(1, 4, 16, 32), iters=5)
+                                       batch=args.batch, sizes_mib=(1, 4, 16, 32, 64, 128), iters=9)
         print(f"\n{model}: {cores} CPU cores visible\n" + "\n".join(calib + [""] + table + [""] + tau), flush=True)
     return 0
 

@@ -46,7 +46,7 @@ import re
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._lower_activations import Activations
 from ragged.fsdp._schedule import CollectiveSchedule, program
@@ -338,8 +338,27 @@ class Lowered:
 
         return timeline(self, early=early)
 
-    def memory_analysis(self) -> MemoryAnalysis:
-        """Persistent and peak bytes per rank (see [Note: lowering a step])."""
+    def memory_analysis(self, *, workspace_bytes: int = 0) -> MemoryAnalysis:
+        """Persistent and peak bytes per rank (see [Note: lowering a step]).
+
+        Args:
+            workspace_bytes: bytes no profile on this machine sees, alive at the peak: what kernels
+                allocate and free inside themselves (a GPU's GEMM or fused-attention workspace), the
+                optimizer update's temporaries. Ragged cannot know them: 0 unless given, and named in
+                ``assumed`` either way; added to both peaks as the part ``"workspace"``.
+
+        Examples:
+            >>> import torch, ragged as rg
+            >>> from ragged import fsdp
+            >>> units = fsdp.make_units(torch.nn.Linear(4, 8), world_size=8)
+            >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(8)).lower()
+            >>> a, b = lowered.memory_analysis(), lowered.memory_analysis(workspace_bytes=2**20)
+            >>> b.peak_bytes - a.peak_bytes, b.peak_parts["workspace"]
+            (1048576, 1048576)
+            >>> print(b.assumed[-1])
+            kernels' workspace and the update's temporaries: 1048576 B (workspace_bytes=)
+        """
+        check_int("memory_analysis: workspace_bytes", workspace_bytes, low=0)
         totals = {r: sum(v.values()) for r, v in self.state_bytes.items()}
         top = max(totals, key=lambda r: (totals[r], -r))
         low = min(totals, key=lambda r: (totals[r], r))
@@ -354,15 +373,17 @@ class Lowered:
             assumed.append("activations: 0 bytes (not derivable from shapes; pass activations=fsdp.profile_activations("
                            "...) of the same step on one device)")
         else:
-            assumed.append("activations: measured per point on one device (fsdp.profile_activations); kernels' "
-                           "internal workspace and the optimizer update's temporaries not included")
+            assumed.append("activations: measured per point on one device (fsdp.profile_activations)")
         assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (peak_bytes; "
                        "peak_bytes_low: done by the next point)")
         if len(totals) < self.units.world_size:
             assumed.append(f"per rank: {len(totals)} of {self.units.world_size} ranks evaluated ({sorted(totals)})")
+        assumed.append(f"kernels' workspace and the update's temporaries: {workspace_bytes} B (workspace_bytes=)")
+        if workspace_bytes:
+            parts["workspace"] = workspace_bytes
         return MemoryAnalysis(persistent_bytes=persistent, by_category=dict(self.state_bytes[top]), per_rank=totals,
                               max_rank=top, min_rank=low, min_bytes=totals[low], peak_bytes=persistent + sum(parts.values()),
-                              peak_bytes_low=persistent + int(round(least)), peak_at=(unit, phase), peak_parts=parts,
+                              peak_bytes_low=persistent + int(round(least)) + workspace_bytes, peak_at=(unit, phase), peak_parts=parts,
                               peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
                               peak_grad_bytes_low=early["grad_buffers"], assumed=tuple(assumed))
 

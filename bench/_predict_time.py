@@ -5,22 +5,24 @@ One run, three launches (every number the prediction uses is measured in it, non
 * W = 1 (one process): every configuration's step, timed in pieces: each block's forward (module hooks
   while the loss runs; the recomputation of checkpointed blocks in backward is not forward), the loss
   (whole forward; "rest" = the loss minus the blocks: embedding, head, cross entropy), the optimizer
-  update, and the step; backward = step - forward - update (the W=1 gathers are local copies: in it);
+  update, the step, and the comm's all-gathers and reduce-scatters (at W = 1 local copies standing in
+  for the collectives the Link prices at W) by the block, loss or backward they ran in, which leave
+  the compute pieces: backward = step - forward - update - the copies in backward;
 * W = 2, 4 (gloo): the alpha-beta calibration of ragged's own collectives (``comm.all_gather_into`` and
   ``comm.reduce_scatter_into``, the calls the step makes, per-call agreement included) at a few sizes,
-  then every configuration's step (barrier, then the step; max over ranks), the configurations in an
+  with the CPU seconds each call takes (its share of the wall time: ``cpu_share``), then every configuration's step (barrier, then the step; max over ranks), the configurations in an
   order alternating between repeats, the median over repeats;
 * the prediction: the same configuration built on ``rg.collectives.abstract(W)`` over a ``meta`` model,
   lowered with the W=1 run's learnt schedule, ``estimate_time(Link(alpha, bandwidth), compute=per-unit
-  forward, backward_factor=backward / forward, optimizer_seconds=update / W)``, each with the collectives
-  overlapping compute (the default) and not (``overlap=False``).
+  forward, backward_factor=backward / forward, optimizer_seconds=update / W)``, three ways: the
+  collectives overlapping compute (the default), not at all (``overlap=False``), and holding the
+  compute's core for their CPU share (``overlap=1 - cpu_share``: the CPU transport's model).
 
 The machine (a 2-core machine shared with other jobs): a rank computes at the share of a core it gets,
 which the other jobs and the W ranks themselves decide. So every repeat, at W = 1 and at W, first runs
 a fixed compute probe (a 512 x 1408 x 512 matmul, 10 times) on every rank at once (max over ranks), and
 the W=1 compute is scaled by ``probe at W / probe at W=1`` (medians over repeats; a machine calibration
-measured in the same run, like alpha and beta). The column "idle machine" scales it by
-``max(1, W / cores)`` instead (what an idle machine would give). Measured CPU seconds per step (the
+measured in the same run, like alpha and beta). Measured CPU seconds per step (the
 process's, max over ranks) are shown beside: wall >> CPU says the rank waited (for a core or the network).
 """
 
@@ -146,7 +148,9 @@ def _timed(blocks, opt, loss, comm, clock):
 
 
 def _calibrate(comm, world, sizes_mib, iters):
-    """``{kind: [(full buffer bytes, median seconds, max over ranks)]}`` of ragged's collectives."""
+    """``{kind: [(full buffer bytes, seconds, CPU seconds)]}`` of ragged's collectives: medians over
+    calls of the max over ranks; CPU seconds are the process's (gloo's threads and the kernel's socket
+    copies included), the part of the call that takes a core."""
     import torch.distributed as dist
 
     out = {"all_gather": [], "reduce_scatter": []}
@@ -156,16 +160,17 @@ def _calibrate(comm, world, sizes_mib, iters):
         calls = {"all_gather": lambda: comm.all_gather_into(full, shard),
                  "reduce_scatter": lambda: comm.reduce_scatter_into(shard, full, op="sum")}
         for kind, fn in calls.items():
-            ts = []
+            ts, cs = [], []
             for it in range(iters + 1):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                dt = torch.tensor([time.perf_counter() - t0])
+                dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if it:
-                    ts.append(dt.item())
-            out[kind].append((n * 4, statistics.median(ts)))
+                    ts.append(dt[0].item())
+                    cs.append(dt[1].item())
+            out[kind].append((n * 4, statistics.median(ts), statistics.median(cs)))
     return out
 
 
@@ -231,12 +236,13 @@ def worker(rank, world, backend, opts):
 
 
 def fit(points, world):
-    """Least squares ``seconds = alpha + (W - 1) / W * bytes / bandwidth`` through ``(bytes, seconds)``."""
+    """Least squares ``seconds = alpha + (W - 1) / W * bytes / bandwidth`` through ``(bytes, seconds, ...)``,
+    in relative error (the sizes span three decades)."""
     import numpy as np
 
-    x = np.array([(world - 1) / world * b for b, _ in points], dtype=float)
-    y = np.array([s for _, s in points], dtype=float)
-    slope, alpha = np.polyfit(x, y, 1)
+    x = np.array([(world - 1) / world * b for b, *_ in points], dtype=float)
+    y = np.array([s for _, s, *_ in points], dtype=float)
+    slope, alpha = np.polyfit(x, y, 1, w=1 / y)  # relative residuals: the 1 MiB points set alpha, not noise at 128 MiB
     return float(alpha), float(1 / slope)
 
 
@@ -266,6 +272,13 @@ def predict(cfg, name, world, pieces, schedule, link, *, share, overlap):
     return t
 
 
+def cpu_share(points) -> float:
+    """The share of the collectives' wall time their CPU work takes, over ``(bytes, seconds, CPU
+    seconds)`` points (time-weighted): on a CPU transport that part holds the compute's core, the
+    rest (waiting for the peers) can run beside compute (``estimate_time(overlap=1 - share)``)."""
+    return min(1.0, sum(c for *_, c in points) / sum(s for _, s, _ in points))
+
+
 def kendall_tau(a, b) -> float:
     """Kendall's tau-a of two equally long sequences (ties count 0)."""
     n, s = len(a), 0
@@ -292,22 +305,22 @@ def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters):
     one = launch(1, worker, opts, backend="gloo", timeout=3600)[0]
     print(f"W=1 pieces (median s): {one['pieces']}; probe {one['probe'] * 1e3:.1f} ms", flush=True)
     lines = ["| model | configuration | W | measured s (median, min-max) | predicted s (overlap) | err | "
-             "predicted s (no overlap) | err | idle machine: no overlap | err | compute s (pred) | comm s (pred, busy) | "
-             "measured CPU s/step |", "|" + "---|" * 13]
-    calib_lines = ["| W | collective | alpha ms | bandwidth GB/s | points (MiB: ms) |", "|---|---|---|---|---|"]
+             "predicted s (no overlap) | err | predicted s (CPU share held) | err | compute s (pred) | "
+             "comm s (pred, busy) | measured CPU s/step |", "|" + "---|" * 13]
+    calib_lines = ["| W | collective | alpha ms | bandwidth GB/s | CPU share | points (MiB: ms) |", "|---|---|---|---|---|---|"]
     ranking = {}
     for world in worlds:
         res = launch(world, worker, opts, backend="gloo", timeout=3600)[0]
         both = res["calib"]["all_gather"] + res["calib"]["reduce_scatter"]
         for kind, pts in [*res["calib"].items(), ("both (the Link used)", both)]:
             a, bw = fit(pts, world)
-            calib_lines.append(f"| {world} | {kind} | {a * 1e3:.2f} | {bw / 1e9:.2f} | "
-                               + ", ".join(f"{b / 2**20:.0f}: {s * 1e3:.1f}" for b, s in pts) + " |")
+            calib_lines.append(f"| {world} | {kind} | {a * 1e3:.2f} | {bw / 1e9:.2f} | {cpu_share(pts):.2f} | "
+                               + ", ".join(f"{b / 2**20:.0f}: {s * 1e3:.1f}" for b, s, _ in pts) + " |")
             print(calib_lines[-1], flush=True)
-        link = Link(*fit(both, world))
+        link, held = Link(*fit(both, world)), cpu_share(both)
         share = res["probe"] / one["probe"]
         calib_lines.append(f"| {world} | compute probe: {res['probe'] * 1e3:.1f} ms at W vs {one['probe'] * 1e3:.1f} ms at "
-                           f"W=1: compute x {share:.2f} (idle machine: x {max(1.0, world / cores):.2f}) | | | |")
+                           f"W=1: compute x {share:.2f} | | | | |")
         print(calib_lines[-1], flush=True)
         for name in settings:
             meas = res["times"][name]
@@ -315,18 +328,18 @@ def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters):
             args = (cfg, name, world, one["pieces"][name], one["schedules"][name], link)
             tp = predict(*args, share=share, overlap=True)
             ts = predict(*args, share=share, overlap=False)
-            ti = predict(*args, share=max(1.0, world / cores), overlap=False)
-            ranking.setdefault(world, []).append((name, tp.seconds, ts.seconds, med))
+            ti = predict(*args, share=share, overlap=1.0 - held)
+            ranking.setdefault(world, []).append((name, tp.seconds, ts.seconds, ti.seconds, med))
             lines.append(f"| {model} | {name} | {world} | {med:.3f} ({min(meas):.3f}-{max(meas):.3f}) | {tp.seconds:.3f} | "
                          f"{(tp.seconds - med) / med:+.1%} | {ts.seconds:.3f} | {(ts.seconds - med) / med:+.1%} | "
                          f"{ti.seconds:.3f} | {(ti.seconds - med) / med:+.1%} | {ts.parts['compute']:.3f} | "
                          f"{sum(ts.parts['comm'].values()):.3f} | {statistics.median(res['cpu'][name]):.3f} |")
             print(lines[-1], flush=True)
-    tau_lines = ["| W | Kendall tau (overlap) | Kendall tau (no overlap) | measured order (fastest first) |",
-                 "|---|---|---|---|"]
+    tau_lines = ["| W | Kendall tau (overlap) | (no overlap) | (CPU share held) | measured order (fastest first) |",
+                 "|---|---|---|---|---|"]
     for world, rows in ranking.items():
-        meas = [r[3] for r in rows]
-        order = " < ".join(r[0] for r in sorted(rows, key=lambda r: r[3]))
-        tau_lines.append(f"| {world} | {kendall_tau([r[1] for r in rows], meas):.2f} | "
-                         f"{kendall_tau([r[2] for r in rows], meas):.2f} | {order} |")
+        meas = [r[4] for r in rows]
+        order = " < ".join(r[0] for r in sorted(rows, key=lambda r: r[4]))
+        tau_lines.append(f"| {world} | " + " | ".join(f"{kendall_tau([r[k] for r in rows], meas):.2f}" for k in (1, 2, 3))
+                         + f" | {order} |")
     return calib_lines, lines, tau_lines, cores

@@ -13,11 +13,14 @@ Two queues, walked in the order the runtime issues its work (the lowered step's
   reaches the point that issues it. So a prefetched gather overlaps the previous entry's compute,
   a reduce-scatter the next segment's; ``max_inflight_reduce`` makes compute wait for the oldest.
 
-``overlap=False`` (a documented option, not the default): every collective also holds the compute
-queue from its issue to its end, so nothing overlaps. That is the transport where the collective's
-work runs on the cores the compute uses: gloo on a CPU with one core per rank or fewer (its copies,
-its sums and the kernel's socket copies take the core the next unit would compute on);
-``bench/predict.py --time`` measures which of the two fits a machine.
+``overlap`` is the fraction of each collective's time that runs beside compute: ``True`` (1, the
+default: a GPU's collectives run on their own engines), ``False`` (0: every collective also holds
+the compute queue from its issue to its end), or a number in between: the collective holds the
+compute queue for ``1 - overlap`` of its time from its start. That is the transport whose work runs
+on the cores the compute uses: gloo on a CPU with one core per rank or fewer (its copies, its sums
+and the kernel's socket copies take the core the next unit would compute on); the share of a
+collective's wall time it spends on the CPU is a machine constant, measured beside alpha and beta
+(``bench/predict.py --time`` takes its CPU seconds per call).
 
 ``alpha`` is the per-call latency and ``bandwidth`` the bus bandwidth of one axis: calibrate them
 from ``bench/collectives.py`` on the machine (two sizes give both), or pass a vendor's figures,
@@ -92,7 +95,7 @@ class TimeEstimate:
 
 
 def estimate_time(lowered, network: Network, *, compute=None, backward_factor: float = 2.0,
-                  optimizer_seconds: float = 0.0, overlap: bool = True) -> TimeEstimate:
+                  optimizer_seconds: float = 0.0, overlap: bool | float = True) -> TimeEstimate:
     """The step time of ``lowered`` on ``network`` (see [Note: the step-time model]).
 
     Args:
@@ -102,8 +105,9 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             for every unit; measure it at W=1 or derive it as flops / throughput.
         backward_factor: backward seconds of a unit over its forward seconds.
         optimizer_seconds: the optimizer update (not overlapped).
-        overlap: collectives run beside compute (default); ``False``: each holds the compute queue
-            too (a CPU transport sharing the compute's cores; see [Note: the step-time model]).
+        overlap: the fraction of each collective's time that runs beside compute: ``True`` (1,
+            default), ``False`` (0: each holds the compute queue too), or a number in between (a
+            CPU transport sharing the compute's cores; see [Note: the step-time model]).
 
     Examples:
         >>> import torch, ragged as rg
@@ -119,6 +123,9 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         >>> serial.seconds > t.seconds, round(serial.seconds - serial.parts["compute"] - sum(serial.parts["comm"].values()), 9)
         (True, 0.0)
     """
+    if not isinstance(overlap, bool) and not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+        raise RaggedValueError(f"estimate_time: overlap must be True, False or a number in [0, 1], got {overlap!r}.")
+    hold = 1.0 - float(overlap)
     if isinstance(network, Link):
         network = Network(shard=network)
     if not isinstance(network, Network):
@@ -147,8 +154,8 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         t = link.seconds(kind, nbytes, world)
         start = max(clock["net"], clock["compute"])
         clock["net"] = start + t
-        if not overlap:
-            clock["compute"] = clock["net"]
+        if hold:
+            clock["compute"] = max(clock["compute"], start + hold * t)
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
@@ -193,8 +200,10 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     compute_total = step.micro_batches * (1 + backward_factor) * sum(fwd[u] for u in sched.forward) + optimizer_seconds
     parts = {"compute": compute_total, "comm": dict(busy), "exposed_comm": total - compute_total}
     assumed = [f"backward = {backward_factor:g} x forward per unit", "one link per mesh axis, collectives in issue order"]
-    if not overlap:
+    if hold == 1:
         assumed.append("overlap=False: collectives hold the compute queue (no overlap)")
+    elif hold:
+        assumed.append(f"overlap={overlap:g}: each collective holds the compute queue for {hold:g} of its time")
     if compute is None:
         assumed.append("compute: 0 (pass compute= per unit: measured at W=1, or flops / throughput)")
     return TimeEstimate(seconds=total, parts=parts, assumed=tuple(assumed) + tuple(lowered._assumed()))

@@ -22,11 +22,12 @@ def test_predicted_state_is_the_measured_state_on_the_fake_process_group():
 def test_time_fit_tau_and_prediction_from_pieces():
     """``--time``'s arithmetic without timing anything: the least-squares line recovers a known link,
     Kendall's tau of known orders, and a prediction from given W=1 pieces (no overlap never faster)."""
-    from bench._predict_time import SETTINGS, fit, kendall_tau, predict
+    from bench._predict_time import SETTINGS, cpu_share, fit, kendall_tau, predict
     from bench.step import CONFIGS
     from ragged.fsdp import Link
 
-    alpha, bw = fit([(b, 2e-3 + 0.5 * b / 1e9) for b in (2**20, 2**24, 2**25)], 2)  # (W-1)/W = 1/2
+    alpha, bw = fit([(b, 2e-3 + 0.5 * b / 1e9, 0.0) for b in (2**20, 2**24, 2**25)], 2)  # (W-1)/W = 1/2
+    assert cpu_share([(1, 2.0, 1.0), (2, 6.0, 2.0)]) == pytest.approx(3 / 8)  # time-weighted
     assert alpha == pytest.approx(2e-3) and bw == pytest.approx(1e9)
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
     assert kendall_tau([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(2 / 3)

@@ -6,6 +6,7 @@ own bytes measured by ``fsdp.profile_activations`` the same at every world size.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -163,6 +164,13 @@ def test_time_model_limits_and_overlap():
     no_overlap = lowered.estimate_time(link, compute=2e-3, overlap=False)  # each collective holds the compute queue
     assert no_overlap.seconds == pytest.approx(no_overlap.parts["compute"] + comm_only.seconds, rel=1e-9)
     assert any("overlap=False" in a for a in no_overlap.assumed)
+    # a fraction: each collective holds the compute queue for the rest of its time, between the two
+    half = lowered.estimate_time(link, compute=2e-3, overlap=0.5)
+    assert both.seconds < half.seconds < no_overlap.seconds
+    assert lowered.estimate_time(link, compute=2e-3, overlap=0.0).seconds == pytest.approx(no_overlap.seconds, rel=1e-12)
+    assert lowered.estimate_time(link, compute=2e-3, overlap=1.0).seconds == pytest.approx(both.seconds, rel=1e-12)
+    with pytest.raises(ValueError, match=re.escape("overlap must be True, False or a number in [0, 1], got 1.5")):
+        lowered.estimate_time(link, compute=2e-3, overlap=1.5)
 
 
 def test_peer_rules_on_one_configuration():

@@ -288,58 +288,72 @@ def kendall_tau(a, b) -> float:
     return 2 * s / (n * (n - 1))
 
 
-def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters):
-    """Measures and predicts; returns the markdown lines of the two tables."""
+MODELS = ("overlap", "no overlap", "CPU share held")  # estimate_time(overlap=True / False / 1 - cpu_share)
+
+
+def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters) -> dict:
+    """Measures and predicts one model; returns plain values (``--json``; :func:`markdown` renders them)."""
     from bench._launch import launch
     from bench.step import CONFIGS
     from ragged.fsdp import Link
 
     cfg = CONFIGS[model]
     skipped = [n for n in settings if not runs_on(cfg, n)]
-    if skipped:
-        print(f"{model}: not run (no activation checkpointing in its loss): {', '.join(skipped)}", flush=True)
     settings = [n for n in settings if runs_on(cfg, n)]
-    cores = len(os.sched_getaffinity(0))
     opts = dict(cfg=cfg, settings=settings, repeats=repeats, warmup=warmup, batch=batch, sizes_mib=sizes_mib,
                 iters=iters)
     one = launch(1, worker, opts, backend="gloo", timeout=3600)[0]
-    print(f"W=1 pieces (median s): {one['pieces']}; probe {one['probe'] * 1e3:.1f} ms", flush=True)
-    lines = ["| model | configuration | W | measured s (median, min-max) | predicted s (overlap) | err | "
-             "predicted s (no overlap) | err | predicted s (CPU share held) | err | compute s (pred) | "
-             "comm s (pred, busy) | measured CPU s/step |", "|" + "---|" * 13]
-    calib_lines = ["| W | collective | alpha ms | bandwidth GB/s | CPU share | points (MiB: ms) |", "|---|---|---|---|---|---|"]
-    ranking = {}
+    print(f"{model} W=1 pieces (median s): {one['pieces']}; probe {one['probe'] * 1e3:.1f} ms", flush=True)
+    out = dict(model=model, cores=len(os.sched_getaffinity(0)), skipped=skipped, links=[], rows=[])
     for world in worlds:
         res = launch(world, worker, opts, backend="gloo", timeout=3600)[0]
         both = res["calib"]["all_gather"] + res["calib"]["reduce_scatter"]
-        for kind, pts in [*res["calib"].items(), ("both (the Link used)", both)]:
-            a, bw = fit(pts, world)
-            calib_lines.append(f"| {world} | {kind} | {a * 1e3:.2f} | {bw / 1e9:.2f} | {cpu_share(pts):.2f} | "
-                               + ", ".join(f"{b / 2**20:.0f}: {s * 1e3:.1f}" for b, s, _ in pts) + " |")
-            print(calib_lines[-1], flush=True)
+        for kind, pts in [*res["calib"].items(), ("both", both)]:
+            out["links"].append(dict(world=world, kind=kind, fit=fit(pts, world), cpu_share=cpu_share(pts), points=pts))
         link, held = Link(*fit(both, world)), cpu_share(both)
         share = res["probe"] / one["probe"]
-        calib_lines.append(f"| {world} | compute probe: {res['probe'] * 1e3:.1f} ms at W vs {one['probe'] * 1e3:.1f} ms at "
-                           f"W=1: compute x {share:.2f} | | | | |")
-        print(calib_lines[-1], flush=True)
+        out["links"].append(dict(world=world, kind="probe", probe=res["probe"], probe_w1=one["probe"]))
         for name in settings:
-            meas = res["times"][name]
-            med = statistics.median(meas)
             args = (cfg, name, world, one["pieces"][name], one["schedules"][name], link)
-            tp = predict(*args, share=share, overlap=True)
-            ts = predict(*args, share=share, overlap=False)
-            ti = predict(*args, share=share, overlap=1.0 - held)
-            ranking.setdefault(world, []).append((name, tp.seconds, ts.seconds, ti.seconds, med))
-            lines.append(f"| {model} | {name} | {world} | {med:.3f} ({min(meas):.3f}-{max(meas):.3f}) | {tp.seconds:.3f} | "
-                         f"{(tp.seconds - med) / med:+.1%} | {ts.seconds:.3f} | {(ts.seconds - med) / med:+.1%} | "
-                         f"{ti.seconds:.3f} | {(ti.seconds - med) / med:+.1%} | {ts.parts['compute']:.3f} | "
-                         f"{sum(ts.parts['comm'].values()):.3f} | {statistics.median(res['cpu'][name]):.3f} |")
-            print(lines[-1], flush=True)
-    tau_lines = ["| W | Kendall tau (overlap) | (no overlap) | (CPU share held) | measured order (fastest first) |",
-                 "|---|---|---|---|---|"]
+            t = [predict(*args, share=share, overlap=o) for o in (True, False, 1.0 - held)]
+            out["rows"].append(dict(configuration=name, world=world, measured=res["times"][name],
+                                    cpu=statistics.median(res["cpu"][name]), predicted=[x.seconds for x in t],
+                                    compute=t[1].parts["compute"], comm=sum(t[1].parts["comm"].values())))
+    return out
+
+
+def markdown(result: dict) -> list[str]:
+    """The three tables of one model's ``run``: the calibration, prediction vs measurement, the rankings."""
+    model = result["model"]
+    calib = ["| W | collective | alpha ms | bandwidth GB/s | CPU share | points (MiB: ms) |", "|---|---|---|---|---|---|"]
+    for c in result["links"]:
+        if c["kind"] == "probe":
+            calib.append(f"| {c['world']} | compute probe: {c['probe'] * 1e3:.1f} ms at W vs {c['probe_w1'] * 1e3:.1f} ms "
+                         f"at W=1: compute x {c['probe'] / c['probe_w1']:.2f} | | | | |")
+            continue
+        (a, bw), name = c["fit"], "both (the Link used)" if c["kind"] == "both" else c["kind"]
+        calib.append(f"| {c['world']} | {name} | {a * 1e3:.2f} | {bw / 1e9:.2f} | {c['cpu_share']:.2f} | "
+                     + ", ".join(f"{b / 2**20:.0f}: {s * 1e3:.1f}" for b, s, _ in c["points"]) + " |")
+    table = ["| model | configuration | W | measured s (median, min-max) | "
+             + " | ".join(f"predicted s ({m}) | err" for m in MODELS)
+             + " | compute s (pred) | comm s (pred, busy) | measured CPU s/step |", "|" + "---|" * 13]
+    ranking = {}
+    for r in result["rows"]:
+        med = statistics.median(r["measured"])
+        ranking.setdefault(r["world"], []).append((r["configuration"], r["predicted"], med))
+        table.append(f"| {model} | {r['configuration']} | {r['world']} | {med:.3f} ({min(r['measured']):.3f}-"
+                     f"{max(r['measured']):.3f}) | "
+                     + " | ".join(f"{p:.3f} | {(p - med) / med:+.1%}" for p in r["predicted"])
+                     + f" | {r['compute']:.3f} | {r['comm']:.3f} | {r['cpu']:.3f} |")
+    tau = ["| W | " + " | ".join(f"Kendall tau ({m})" for m in MODELS) + " | cells within 15% ("
+           + " / ".join(MODELS) + ") | measured order (fastest first) |", "|---|---|---|---|---|---|"]
     for world, rows in ranking.items():
-        meas = [r[4] for r in rows]
-        order = " < ".join(r[0] for r in sorted(rows, key=lambda r: r[4]))
-        tau_lines.append(f"| {world} | " + " | ".join(f"{kendall_tau([r[k] for r in rows], meas):.2f}" for k in (1, 2, 3))
-                         + f" | {order} |")
-    return calib_lines, lines, tau_lines, cores
+        meas = [r[2] for r in rows]
+        order = " < ".join(r[0] for r in sorted(rows, key=lambda r: r[2]))
+        within = [sum(abs(r[1][k] - r[2]) <= 0.15 * r[2] for r in rows) for k in range(len(MODELS))]
+        tau.append(f"| {world} | " + " | ".join(f"{kendall_tau([r[1][k] for r in rows], meas):.2f}"
+                                                for k in range(len(MODELS)))
+                   + " | " + " / ".join(f"{w}/{len(rows)}" for w in within) + f" | {order} |")
+    notes = [f"{model}: not run (no activation checkpointing in its loss): {', '.join(result['skipped'])}"] \
+        if result["skipped"] else []
+    return notes + ["\n".join(calib), "\n".join(table), "\n".join(tau)]

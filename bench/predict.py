@@ -147,6 +147,8 @@ def main(argv=None) -> int:
                          "(bench/_predict_time.py; --world: the gloo world sizes, default 2 4)")
     ap.add_argument("--repeats", type=int, default=5, help="--time: measured steps per configuration")
     ap.add_argument("--settings", nargs="+", default=None, help="--time: configurations (default: all)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="--time: also write the results as JSON (bench/report.py record predict-time -- ...)")
     ap.add_argument("--exact", action="store_true",
                     help="state by category and collectives per kind and axis, exact vs two real steps at W on the fake "
                          "group (bench/_predict_exact.py)")
@@ -187,15 +189,21 @@ def main(argv=None) -> int:
 
 
 def _time(args) -> int:
-    from bench._predict_time import SETTINGS, run
+    import json
+
+    from bench._predict_time import SETTINGS, markdown, run
 
     worlds = [2, 4] if args.world == [8, 64, 256] else args.world
     print(f"== step time: prediction vs gloo, torch {torch.__version__}, CPU, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS')} ==", flush=True)
+    results = []
     for model in args.models:
-        calib, table, tau, cores = run(model, worlds, args.settings or list(SETTINGS), repeats=args.repeats, warmup=1,
-                                       batch=args.batch, sizes_mib=(1, 4, 16, 32, 64, 128), iters=9)
-        print(f"\n{model}: {cores} CPU cores visible\n" + "\n".join(calib + [""] + table + [""] + tau), flush=True)
+        results.append(run(model, worlds, args.settings or list(SETTINGS), repeats=args.repeats, warmup=1,
+                           batch=args.batch, sizes_mib=(1, 4, 16, 32, 64, 128), iters=9))
+        print(f"\n{model}: {results[-1]['cores']} CPU cores visible\n" + "\n\n".join(markdown(results[-1])), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
     return 0
 
 

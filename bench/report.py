@@ -152,7 +152,14 @@ def quant8_tables(result: dict) -> list[str]:
     return ["\n".join(lines)]
 
 
-RENDERERS = {"bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
+def predict_time_tables(result: dict) -> list[str]:
+    """``bench/predict.py --time``: the step time predicted from W = 1 pieces vs measured on gloo, per model."""
+    from bench._predict_time import markdown
+
+    return [table for model in result["data"] for table in markdown(model)]
+
+
+RENDERERS = {"bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
              "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables}
 
 # The page: (heading, prose before the tables, result names in order). The prose says what is
@@ -208,6 +215,15 @@ the adapters alone need. **ragged-nccl-shaped** (`--nccl-shaped`) is the same ra
 transport NCCL uses (`from_torch(handshake="deferred", algorithm="native")`: gloo's native
 collectives and the deferred ledger instead of the per-call headers), timed in the same repeats.""",
      ["step", "step-moe", "step-lora"]),
+    ("Step time: predicted before the run vs measured (gloo, CPU)", """\
+`bench/predict.py --time` (method: [predict.md](predict.md#step-time-against-the-measured-gloo-step))
+predicts the W = 2 and W = 4 step of each model in up to eight configurations from pieces measured
+at W = 1 (per-unit forward, backward, optimizer update; the W = 1 collectives' local copies taken
+out) and an alpha-beta line fitted on gloo at W (with the share of a collective's time its CPU work
+takes), then measures the same steps; err = (predicted - measured) / measured; Kendall's tau of the
+predicted order of the configurations against the measured one. Three ways to treat the
+collectives: beside compute (the default of `estimate_time`), holding the compute queue, and
+holding it for their CPU share (`overlap=1 - cpu_share`).""", ["predict-time"]),
 ]
 
 

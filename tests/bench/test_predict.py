@@ -22,7 +22,7 @@ def test_predicted_state_is_the_measured_state_on_the_fake_process_group():
 def test_time_fit_tau_and_prediction_from_pieces():
     """``--time``'s arithmetic without timing anything: the least-squares line recovers a known link,
     Kendall's tau of known orders, and a prediction from given W=1 pieces (no overlap never faster)."""
-    from bench._predict_time import SETTINGS, cpu_share, fit, kendall_tau, predict
+    from bench._predict_time import SETTINGS, cpu_share, fit, kendall_tau, markdown, predict
     from bench.step import CONFIGS
     from ragged.fsdp import Link
 
@@ -44,6 +44,12 @@ def test_time_fit_tau_and_prediction_from_pieces():
     copies = dict(pieces, **{"collective": 2e-3, "collective:loss": 5e-4, "collective:blocks.0": 2e-4})
     c = predict(CONFIGS["tiny"], "default", 2, copies, None, link, share=1.0, overlap=False)
     assert c.parts["compute"] == pytest.approx(1e-2 - 1e-3 - 2e-3 + 1e-3 / 2)
+    # the tables of --time (and of docs/performance.md) from a run's plain values
+    result = {"model": "tiny", "skipped": [], "links": [], "rows": [
+        {"configuration": n, "world": 2, "measured": [m, m], "cpu": m, "predicted": [m * 1.1, m * 1.2, m * (3 - 2 * k)],
+         "compute": m, "comm": 0.0} for k, (n, m) in enumerate([("a", 1.0), ("b", 2.0)])]}
+    tau = markdown(result)[-1].splitlines()[-1]
+    assert tau == "| 2 | 1.00 | 1.00 | -1.00 | 2/2 / 0/2 / 1/2 | a < b |"
     hf = {k.replace("blocks.", "model.layers."): v for k, v in copies.items()}
     for name in ("default", "2 blocks per unit"):
         h = predict(CONFIGS["tiny-hf-llama"], name, 2, hf, None, link, share=1.0, overlap=False)

@@ -97,7 +97,7 @@ def _bundled_model(model: str) -> dict:
     else:
         kind = "moe_layer" if model == "gpt-oss-120b" else "layer"
         layers = [{"name": f"layers.{{0..{n - 1}}}", "kind": kind, "params": raw["layer_example"]["params"]}]
-    return {"name": model, "units": [embed, *layers, head]}
+    return {"name": model, "units": [embed, *layers, head], "config": cfg}
 
 
 def model_shapes(model: str | os.PathLike | dict) -> dict:
@@ -134,6 +134,8 @@ def _validate(desc: Any) -> None:
     form = 'Expected {"units": [{"name": str, "kind": str, "params": {name: [int, ...]}}, ...]}.'
     if not isinstance(desc, dict) or not isinstance(desc.get("units"), list) or not desc["units"]:
         raise RaggedValueError(f"a shapes description must be an object with a non-empty 'units' list. {form}")
+    if not isinstance(desc.get("config", {}), dict):
+        raise RaggedValueError(f"'config' must be an object (e.g. {{\"num_experts_per_tok\": 8}}), got {desc['config']!r}.")
     for i, unit in enumerate(desc["units"]):
         where = f"units[{i}]"
         if not isinstance(unit, dict) or not isinstance(unit.get("name"), str) or not isinstance(unit.get("params"), dict):

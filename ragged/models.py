@@ -20,7 +20,8 @@ communication buffer)::
         {"name": "layers.{2..31}", "kind": "moe_layer",
          "params": {"attn.qkv.weight": [12288, 4096], "experts.{0..7}.w1.weight": [1408, 4096]}},
         {"name": "head", "kind": "head", "params": {"norm.weight": [4096], "lm_head.weight": [32000, 4096]}}
-      ]
+      ],
+      "config": {"num_experts_per_tok": 2}
     }
 
 * ``params`` maps parameter names to shapes (lists of ints, ``[]`` for a scalar).
@@ -29,7 +30,13 @@ communication buffer)::
 * ``{a..b}`` in a *unit* name repeats the unit once per index (``layers.{0..79}`` is 80
   decoder layers). Repeated units are the ones ``layers_per_unit`` may merge: ``k``
   consecutive repeated units (in list order, across entries) become one unit.
-* ``kind`` labels units whose shapes are identical (tables group by it).
+* ``kind`` labels units whose shapes are identical (tables group by it). For ``plan --predict``'s
+  flops and activations, ``"embed"`` marks the embedding (a lookup: no flops; its ``[vocab, hidden]``
+  matrix gives the hidden and vocabulary sizes) and ``"head"`` the output layer (its logits).
+* ``config`` (optional) holds the model's hyperparameters in HuggingFace's names; ``plan --predict``
+  reads ``num_experts_per_tok`` when a unit has routed experts (parameters under a ``experts.``
+  name part: ``experts.{0..7}.w1.weight``, or stacked ``experts.w1`` of shape ``[experts, ...]``).
+  The bundled models carry their HuggingFace config.
 """
 
 from ragged._models import MODELS as MODELS

@@ -11,7 +11,8 @@ import math
 import re
 import time
 
-from ragged._cli import UsageError, float_at_least, int_at_least
+from ragged._cli import UsageError, float_above, float_at_least, int_at_least
+from ragged._cli_hardware import configure_hardware
 from ragged._cli_padding import explain_padding
 
 __all__ = ["configure", "parse_granularity", "unit_specs", "run_plan"]
@@ -84,7 +85,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", choices=MODELS, help="a bundled model")
     src.add_argument("--shapes", metavar="JSON", type=_shapes_file, help="your own shapes file (format: ragged.models docs)")
     p.add_argument("--world-size", "-m", type=_world_sizes, nargs="+", required=True, metavar="N",
-                   help="shard group size(s) m, e.g. 64 256 1024, or A..B for the powers of two from A to B")
+                   help="world size(s) m, e.g. 64 256 1024, or A..B for the powers of two from A to B (the shard "
+                        "group, except under --mesh hsdp:R: R replica groups of m / R)")
     p.add_argument("--granularity", "-g", type=parse_granularity, default="rows:1",
                    help="rows:N | elements:N | blocks:RxC")
     p.add_argument("--strategy", choices=("dp", "exact", "naive"), default="dp", help="planner")
@@ -101,10 +103,24 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict", action="store_true",
                    help="lower a training step at each world size: per-rank memory and communication, ragged vs the "
                         "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw", help="with --predict")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), nargs="+", default=["adamw"],
+                   help="with --predict: one or several (each is lowered)")
     p.add_argument("--compute-dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
                    help="with --predict: the gathered (compute) dtype")
-    p.add_argument("--json", action="store_true", help="with --predict: print the results as JSON")
+    p.add_argument("--mesh", type=_mesh, nargs="+", default=None, metavar="fsdp|hsdp:R",
+                   help="with --predict: fsdp (one shard group of m ranks; the default) or hsdp:R (R replica groups "
+                        "of m / R ranks); several are each lowered")
+    p.add_argument("--seq-len", type=int_at_least(1), default=4096, help="with --predict: tokens per sequence")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="with --predict: sequences per rank per step")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="with --predict: full activation recomputation of every decoder layer")
+    p.add_argument("--sweep", action="store_true",
+                   help="predict every world size x mesh x optimizer and rank those whose peak fits --memory by "
+                        "predicted step time (implies --predict)")
+    p.add_argument("--memory", type=float_above(0.0), default=None, metavar="GIB",
+                   help="with --sweep: memory per device in GiB")
+    p.add_argument("--json", action="store_true", help="with --predict or --sweep: print the results as JSON")
+    configure_hardware(p)
     p.set_defaults(func=run_plan)
 
 
@@ -136,6 +152,16 @@ def _world_sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"world size {text!r} must be a positive int or A..B (1 <= A <= B)") from None
 
 
+def _mesh(text: str) -> int:
+    """``--mesh``: ``"fsdp"`` -> 1 replica group; ``"hsdp:R"`` -> R (R >= 2)."""
+    kind, _, count = text.strip().lower().partition(":")
+    if kind == "fsdp" and not count:
+        return 1
+    if kind == "hsdp" and count.isdigit() and int(count) >= 2:
+        return int(count)
+    raise argparse.ArgumentTypeError(f"mesh {text!r} must be fsdp or hsdp:R with R >= 2 replica groups (e.g. hsdp:8)")
+
+
 def _max_buffers(text: str):
     if text == "auto":
         return text
@@ -161,13 +187,18 @@ def run_plan(args) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     source = args.model or args.shapes
     args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
-    if args.predict:
+    if (args.memory is None) == args.sweep:
+        raise UsageError("--sweep needs --memory GIB (the memory per device the configurations must fit)" if args.sweep
+                         else f"--memory {args.memory:g} applies to --sweep only; add --sweep to rank configurations")
+    if args.predict or args.sweep:
         from ragged._cli_predict import run_predict
 
         try:
             return run_predict(args, console)
-        except ValueError as err:  # a malformed --shapes file
-            raise UsageError(f"--shapes {source}: {err}") from None
+        except UsageError:
+            raise
+        except ValueError as err:  # a malformed --shapes file, or one without what the estimates need
+            raise UsageError(f"--{'model' if args.model else 'shapes'} {source}: {err}") from None
     try:
         units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
     except ValueError as err:  # a malformed --shapes file (JSON or format)

@@ -1,7 +1,9 @@
-"""``python -m ragged plan --predict``: a bundled (or ``--shapes``) model lowered at each world size
-on an abstract comm, with ragged's per-rank memory and communication next to the FSDP2 and ZeRO-3
-rules (see [Note: lowering a step] in ``ragged/fsdp/_lower.py`` and [Note: peer rules of a lowered
-step] in ``ragged/fsdp/_lower_peers.py``)."""
+"""``python -m ragged plan --predict``: a bundled (or ``--shapes``) model lowered at each world size,
+mesh and optimizer on an abstract comm, with ragged's per-rank memory and communication next to the
+FSDP2 and ZeRO-3 rules (see [Note: lowering a step] in ``ragged/fsdp/_lower.py`` and [Note: peer
+rules of a lowered step] in ``ragged/fsdp/_lower_peers.py``), the model's activations and the
+step's time, both from labelled assumptions (``ragged/_model_costs.py``, ``ragged/_cli_hardware.py``).
+``--sweep`` ranks the configurations that fit a memory budget (``ragged/_cli_sweep.py``)."""
 
 from __future__ import annotations
 
@@ -9,21 +11,15 @@ import collections
 import json
 import time
 
-__all__ = ["bundled_step", "predict_rows", "run_predict"]
+__all__ = ["bundled_units", "step_over", "bundled_step", "predict_rows", "mesh_name", "run_predict"]
 
-def bundled_step(source, world_size: int, *, optimizer: str = "adamw", dtype: str = "fp32",
-                 compute_dtype: str = "bf16", granularity=None, strategy: str = "dp", align=None,
-                 max_buffers="auto", layers_per_unit: int = 1):
-    """A step over ``source``'s units (``ragged.models.model_units``) on ``rg.collectives.abstract``.
 
-    Examples:
-        >>> step = bundled_step("gpt-oss-120b", 1024)
-        >>> len(step.units), step.units.names[:2], step.comm.world_size
-        (38, ('embed', 'layers.0'), 1024)
-    """
+def bundled_units(source, world_size: int, *, dtype: str = "fp32", granularity=None, strategy: str = "dp", align=None,
+                  max_buffers="auto", layers_per_unit: int = 1):
+    """``fsdp.make_units`` over ``source``'s units (``ragged.models.model_units``) for a shard group of
+    ``world_size`` ranks, each parameter under ``granularity`` where it applies (``unit_specs``)."""
     import torch
 
-    import ragged as rg
     from ragged import fsdp, spec
     from ragged._cli_plan import _DTYPES, unit_specs
     from ragged._models import model_units
@@ -37,23 +33,63 @@ def bundled_step(source, world_size: int, *, optimizer: str = "adamw", dtype: st
         leaf_specs, _ = unit_specs({"x": t}, granularity)
         return leaf_specs["x"] if isinstance(leaf_specs, dict) else leaf_specs
 
-    units = fsdp.make_units(tree, world_size=world_size, groups=lambda path: path[2:path.index("']")], specs=specs,
-                            strategy=strategy, align=align, max_buffers=1 if strategy == "naive" else max_buffers)
+    return fsdp.make_units(tree, world_size=world_size, groups=lambda path: path[2:path.index("']")], specs=specs,
+                           strategy=strategy, align=align, max_buffers=1 if strategy == "naive" else max_buffers)
+
+
+def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute_dtype: str = "bf16"):
+    """A step over ``units`` on ``rg.collectives.abstract(units.world_size, num_replicas=...)`` (HSDP
+    when ``num_replicas > 1``: the units are the shard group's)."""
+    import torch
+
+    import ragged as rg
+    from ragged import fsdp
+    from ragged._cli_plan import _DTYPES
+
     opt = rg.optim.adamw_8bit(1e-3) if optimizer == "adamw8bit" else rg.optim.adamw(1e-3)
-    return fsdp.make_step(units, lambda params, batch: None, opt, rg.collectives.abstract(world_size),
+    comm = rg.collectives.abstract(units.world_size, num_replicas=num_replicas)
+    return fsdp.make_step(units, lambda params, batch: None, opt, comm,
                           policy=fsdp.MixedPrecision(compute_dtype=getattr(torch, _DTYPES[compute_dtype])))
 
 
-def predict_rows(step) -> dict:
-    """Everything ``--predict`` prints for one lowered step, as plain values (``--json``)."""
+def bundled_step(source, world_size: int, *, num_replicas: int = 1, optimizer: str = "adamw", dtype: str = "fp32",
+                 compute_dtype: str = "bf16", granularity=None, strategy: str = "dp", align=None, max_buffers="auto",
+                 layers_per_unit: int = 1):
+    """A step over ``source``'s units on ``rg.collectives.abstract``: ``world_size`` is the shard
+    group, ``num_replicas`` HSDP's replica groups.
+
+    Examples:
+        >>> step = bundled_step("gpt-oss-120b", 1024)
+        >>> len(step.units), step.units.names[:2], step.comm.world_size
+        (38, ('embed', 'layers.0'), 1024)
+        >>> bundled_step("gpt-oss-120b", 512, num_replicas=2).comm.num_replicas
+        2
+    """
+    units = bundled_units(source, world_size, dtype=dtype, granularity=granularity, strategy=strategy, align=align,
+                          max_buffers=max_buffers, layers_per_unit=layers_per_unit)
+    return step_over(units, num_replicas=num_replicas, optimizer=optimizer, compute_dtype=compute_dtype)
+
+
+def mesh_name(replicas: int) -> str:
+    """``"fsdp"`` for one replica group, else ``"hsdp:R"``."""
+    return "fsdp" if replicas == 1 else f"hsdp:{replicas}"
+
+
+def predict_rows(step, *, activations=None, network=None, compute=None, backward_factor: float = 2.0) -> dict:
+    """Everything ``--predict`` prints for one lowered step, as plain values (``--json``): with
+    ``network``, also ``lowered.estimate_time(network, compute=..., backward_factor=...)``."""
     from ragged.fsdp._lower_peers import compare
 
     t0 = time.perf_counter()
-    lowered = step.lower()
+    lowered = step.lower(activations=activations)
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
     peers = compare(lowered)
-    return {
-        "world_size": step.comm.world_size,
+    replicas = step.comm.num_replicas
+    row = {
+        "world_size": step.comm.world_size * replicas,
+        "mesh": mesh_name(replicas),
+        "shard_size": step.comm.world_size,
+        "replicas": replicas,
         "units": len(step.units),
         "persistent_bytes": mem.persistent_bytes,
         "by_category": mem.by_category,
@@ -68,62 +104,156 @@ def predict_rows(step) -> dict:
                                    gather_bytes=r.gather_bytes, reduce_bytes=r.reduce_bytes,
                                    largest_gathered_bytes=r.largest_gathered_bytes) for r in peers},
         "assumed": list(dict.fromkeys(mem.assumed + cost.assumed)),
-        "lower_seconds": time.perf_counter() - t0,
     }
+    if network is not None:
+        t = lowered.estimate_time(network, compute=compute, backward_factor=backward_factor)
+        links = {"shard": network.shard, "replica": network.replica}
+        row["time"] = {"seconds": t.seconds, "compute": t.parts["compute"], "exposed_comm": t.parts["exposed_comm"],
+                       "comm": t.parts["comm"], "backward_factor": backward_factor,
+                       "links": {axis: dict(alpha=link.alpha, bandwidth=link.bandwidth)
+                                 for axis, link in links.items() if link is not None}}
+        row["assumed"] = list(dict.fromkeys(row["assumed"] + list(t.assumed)))
+    row["lower_seconds"] = time.perf_counter() - t0
+    return row
 
 
 def _gib(n) -> str:
     return f"{n / 2**30:,.2f}"
 
 
+def _configs(args) -> list[tuple[int, int, str]]:
+    """``(world, replicas, optimizer)`` for every combination asked for; a mesh must split each world."""
+    from ragged._cli import UsageError
+
+    meshes = list(dict.fromkeys(args.mesh or [1]))
+    for m in args.world_size:
+        for r in meshes:
+            if m % r:
+                raise UsageError(f"--mesh hsdp:{r} does not divide --world-size {m}: HSDP's {r} replica groups must "
+                                 f"split the world evenly (shard group = world / {r}); pick an R that divides every "
+                                 "world size, e.g. hsdp:2")
+    return [(m, r, opt) for m in args.world_size for r in meshes for opt in dict.fromkeys(args.optimizer)]
+
+
+def _activation_note(args) -> str:
+    ckpt = ("--checkpointing: 2·s·b·h per layer kept plus one layer's 34·s·b·h recomputed in its backward"
+            if args.checkpointing else "no checkpointing: 34·s·b·h per layer (flash attention: no 5·a·s²·b term)")
+    return (f"activations: ANALYTIC, ASSUMED (Korthikanti et al. 2022, arXiv:2205.05198; 16-bit, s={args.seq_len}, "
+            f"b={args.batch}): {ckpt}; output layer 4·s·b·h + fp32 logits 4·s·b·v; each backward also holds "
+            "4·s·b·h of gradients (see [Note: activations of a unit] in ragged/_model_costs.py)")
+
+
+def _compute_note(args) -> str:
+    return (f"compute: forward flops = 2 x the parameters a token uses (routed experts: top-k of E; the embedding "
+            f"a lookup; attention scores not counted), tokens per rank per step = --seq-len x --batch = "
+            f"{args.seq_len * args.batch}; backward = {3 if args.checkpointing else 2} x forward"
+            + (" (recomputation; the head, not recomputed, is over by one forward)" if args.checkpointing else "")
+            + "; seconds = flops / (peak x MFU); optimizer update 0 s")
+
+
+def predict_all(args) -> list[dict]:
+    """One :func:`predict_rows` row per ``(world, mesh, optimizer)`` of ``args``, with the model's
+    analytic activations and step time (the units of one shard group are built once)."""
+    from ragged._cli_hardware import hardware_from
+    from ragged._model_costs import step_activations, unit_costs
+    from ragged.fsdp._lower import assumed_schedule
+
+    hw = hardware_from(args)
+    configs = _configs(args)
+    source = args.model or args.shapes
+    costs = unit_costs(source, seq_len=args.seq_len, batch=args.batch, checkpointing=args.checkpointing,
+                       layers_per_unit=args.layers_per_unit)
+    by_name = {c.name: c for c in costs}
+    compute = {c.name: hw.seconds(c.flops_per_token * args.seq_len * args.batch) for c in costs}
+    units, results = {}, []
+    for world, replicas, optimizer in configs:
+        t0 = time.perf_counter()
+        shard = world // replicas
+        if shard not in units:
+            units[shard] = bundled_units(source, shard, dtype=args.dtype, granularity=args.granularity,
+                                         strategy=args.strategy, align=args.align, max_buffers=args.max_buffers,
+                                         layers_per_unit=args.layers_per_unit)
+        step = step_over(units[shard], num_replicas=replicas, optimizer=optimizer, compute_dtype=args.compute_dtype)
+        build = time.perf_counter() - t0
+        activations = step_activations([by_name[n] for n in step.units.names], assumed_schedule(step.units))
+        row = predict_rows(step, activations=activations,
+                           network=hw.network(shard=shard, replicas=replicas), compute=compute,
+                           backward_factor=3.0 if args.checkpointing else 2.0)
+        # the lowering words given activations as measured by fsdp.profile_activations; these are analytic
+        row["assumed"] = ([_activation_note(args), _compute_note(args)] + hw.assumed()
+                          + [a for a in row["assumed"] if not a.startswith(("activations:", "compute:"))])
+        row.update(model=str(source), optimizer=optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                   seq_len=args.seq_len, batch=args.batch, checkpointing=args.checkpointing,
+                   flops_per_token=sum(c.flops_per_token for c in costs), build_seconds=build)
+        results.append(row)
+    return results
+
+
 def run_predict(args, console) -> int:
     from rich.table import Table
 
-    source = args.model or args.shapes
-    results = []
-    for m in args.world_size:
-        t0 = time.perf_counter()
-        step = bundled_step(source, m, optimizer=args.optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                            granularity=args.granularity, strategy=args.strategy, align=args.align,
-                            max_buffers=args.max_buffers, layers_per_unit=args.layers_per_unit)
-        build = time.perf_counter() - t0
-        row = predict_rows(step)
-        row.update(model=str(source), optimizer=args.optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                   build_seconds=build)
-        results.append(row)
+    results = predict_all(args)
+    if args.sweep:
+        from ragged._cli_sweep import print_sweep
+
+        return print_sweep(results, args.memory, console, as_json=args.json)
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    console.print(f"[bold]{source}[/]: per-rank prediction, optimizer {args.optimizer}, master {args.dtype}, "
-                  f"compute {args.compute_dtype}, max buffers {args.max_buffers} (GiB; bytes per step)")
+    source = args.model or args.shapes
+    console.print(f"[bold]{source}[/]: per-rank prediction, master {args.dtype}, compute {args.compute_dtype}, "
+                  f"max buffers {args.max_buffers}, {args.batch} x {args.seq_len} tokens per rank"
+                  f"{', checkpointing' if args.checkpointing else ''} (GiB; bytes per step)")
     table = Table(title="persistent state per rank and communication per step", header_style="bold",
                   title_justify="left")
-    for col in ("m", "system", "persistent GiB", "params", "optimizer", "other", "all-gather GiB/step",
-                "reduce-scatter GiB/step", "largest gathered unit GiB"):
+    for col in ("m", "mesh", "optimizer", "system", "persistent GiB", "params", "optimizer", "other",
+                "all-gather GiB/step", "reduce-scatter GiB/step", "largest gathered unit GiB"):
         table.add_column(col, justify="right")
     for r in results:
         for system, s in r["systems"].items():
             cat = s["by_category"]
             opt = sum(v for k, v in cat.items() if k.startswith("optimizer."))
             other = s["persistent_bytes"] - cat.get("param_shards", 0) - opt
-            table.add_row(str(r["world_size"]), system, _gib(s["persistent_bytes"]), _gib(cat.get("param_shards", 0)),
-                          _gib(opt), _gib(other), _gib(s["gather_bytes"]), _gib(s["reduce_bytes"]),
-                          _gib(s["largest_gathered_bytes"]))
+            table.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], system, _gib(s["persistent_bytes"]),
+                          _gib(cat.get("param_shards", 0)), _gib(opt), _gib(other), _gib(s["gather_bytes"]),
+                          _gib(s["reduce_bytes"]), _gib(s["largest_gathered_bytes"]))
     console.print(table)
     steps = Table(title="ragged's step per rank", header_style="bold", title_justify="left")
-    for col in ("m", "peak GiB", "peak at", "gathered / grad buffers / reduce copies / grad shards GiB",
-                "collectives (calls)", "lowering s"):
+    for col in ("m", "mesh", "optimizer", "peak GiB", "peak at",
+                "activations / gathered / grad buffers / reduce copies / grad shards GiB", "collectives (calls)",
+                "lowering s"):
         steps.add_column(col, justify="right")
     for r in results:
         p = r["peak_parts"]
-        steps.add_row(str(r["world_size"]), _gib(r["peak_bytes"]), " ".join(r["peak_at"]),
-                      " / ".join(_gib(p[k]) for k in ("gathered", "grad_buffers", "reduce_copies", "grad_shards")),
-                      ", ".join(f"{c['kind']} {c['calls']}" for c in r["collectives"]),
+        steps.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], _gib(r["peak_bytes"]), " ".join(r["peak_at"]),
+                      " / ".join(_gib(p.get(k, 0)) for k in ("activations", "gathered", "grad_buffers", "reduce_copies",
+                                                             "grad_shards")),
+                      ", ".join(f"{c['kind']}@{c['axis']} {c['calls']}" for c in r["collectives"]),
                       f"{r['build_seconds'] + r['lower_seconds']:.1f}")
     console.print(steps)
+    console.print(time_table(results))
     for note in results[0]["assumed"]:
         console.print(f"[dim]assumed: {note}[/]")
-    if args.optimizer == "adamw8bit" and not any(k.endswith("_codes") and v for k, v in results[0]["by_category"].items()):
+    if "adamw8bit" in args.optimizer and not any(k.endswith("_codes") and v for r in results
+                                                 for k, v in r["by_category"].items()):
         console.print("[dim]note: adamw_8bit quantizes blocks:RxC / elements:N granularities only; with this "
                       "granularity every moment stays fp32 (pass --granularity blocks:128x128).[/]")
     return 0
+
+
+def time_table(results, *, title: str = "step time per rank (ASSUMED hardware: see the assumed lines)"):
+    """The step's parts per configuration (``estimate_time``): total, compute, the network's busy
+    time per collective kind, the communication compute did not hide, and each axis' link."""
+    from rich.table import Table
+
+    table = Table(title=title, header_style="bold", title_justify="left")
+    for col in ("m", "mesh", "optimizer", "step s", "compute s", "all-gather s", "reduce-scatter s", "all-reduce s",
+                "exposed comm s", "shard link (alpha ms, GB/s)", "replica link"):
+        table.add_column(col, justify="right")
+    for r in results:
+        t = r["time"]
+        links = [f"{link['alpha'] * 1e3:.2f}, {link['bandwidth'] / 1e9:g}" for link in t["links"].values()]
+        table.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], f"{t['seconds']:.3f}", f"{t['compute']:.3f}",
+                      *(f"{t['comm'].get(k, 0.0):.3f}" for k in ("all_gather", "reduce_scatter", "all_reduce")),
+                      f"{t['exposed_comm']:.3f}", links[0], links[1] if len(links) > 1 else "")
+    return table

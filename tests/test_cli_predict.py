@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ragged._cli import run as cli_run
 from ragged._cli_predict import bundled_step
+from ragged._model_costs import unit_costs
 from ragged.fsdp._lower_peers import compare
 
 SHAPES = {"units": [
@@ -14,7 +17,7 @@ SHAPES = {"units": [
     {"name": "layers.{0..3}", "kind": "layer", "params": {"qkv.weight": [192, 64], "experts.w": [8, 96, 64],
                                                           "norm.weight": [64]}},
     {"name": "head", "kind": "head", "params": {"norm.weight": [64], "lm_head.weight": [1000, 64]}},
-]}
+], "config": {"num_experts_per_tok": 2}}
 
 
 def run(capsys, *argv):
@@ -43,4 +46,104 @@ def test_predict_table(capsys):
     code, out = run(capsys, "--model", "gpt-oss-120b", "-m", "256", "--predict", "--optimizer", "adamw8bit",
                     "--granularity", "blocks:32x32", "--width", "220")
     assert code == 0
-    assert "fsdp2" in out and "zero3" in out and "peak at" in out and "assumed: activations" in out
+    assert "fsdp2" in out and "zero3" in out and "peak at" in out and "assumed: activations: ANALYTIC" in out
+    assert "step time per rank" in out and "peak-tflops = 989" in out and "(ASSUMED: H100 SXM" in out
+
+
+def shapes_file(tmp_path, desc=SHAPES):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(desc))
+    return str(path)
+
+
+def predict_json(capsys, *argv):
+    code, out = run(capsys, *argv, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("hsdp:3", "--mesh hsdp:3 does not divide --world-size 16: HSDP's 3 replica groups must split the world evenly"),
+    ("hsdp:1", "argument --mesh: mesh 'hsdp:1' must be fsdp or hsdp:R with R >= 2"),
+    ("tp:2", "argument --mesh: mesh 'tp:2' must be fsdp or hsdp:R"),
+], ids=["not-dividing", "one-replica", "unknown"])
+def test_a_bad_mesh_is_a_one_line_error(capsys, tmp_path, mesh, message):
+    with pytest.raises(SystemExit) as info:
+        cli_run(["plan", "--shapes", shapes_file(tmp_path), "-m", "16", "--predict", "--mesh", mesh])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_hsdp_holds_the_state_of_fsdp_at_its_shard_group(capsys, tmp_path):
+    rows = predict_json(capsys, "--shapes", shapes_file(tmp_path), "-m", "16", "32", "--predict",
+                        "--mesh", "fsdp", "hsdp:2")
+    by = {(r["world_size"], r["mesh"]): r for r in rows}
+    assert sorted(by) == [(16, "fsdp"), (16, "hsdp:2"), (32, "fsdp"), (32, "hsdp:2")]
+    fsdp16, hsdp32 = by[16, "fsdp"], by[32, "hsdp:2"]
+    assert (hsdp32["shard_size"], hsdp32["replicas"]) == (16, 2)
+    # the same units (shard group 16): the same persistent state, category by category, and nothing else
+    assert hsdp32["by_category"] == fsdp16["by_category"] and hsdp32["persistent_bytes"] == fsdp16["persistent_bytes"]
+    assert hsdp32["persistent_bytes"] > by[32, "fsdp"]["persistent_bytes"]
+    # the same shard-axis collectives, plus all-reduces over the replica axis
+    on = lambda r, axis: [c for c in r["collectives"] if c["axis"] == axis]  # noqa: E731
+    assert on(hsdp32, "shard") == on(fsdp16, "shard") and not on(fsdp16, "replica")
+    assert [c["kind"] for c in on(hsdp32, "replica")] == ["all_reduce"]
+    assert hsdp32["time"]["links"]["shard"] == fsdp16["time"]["links"]["shard"] and "replica" in hsdp32["time"]["links"]
+
+
+def test_flops_of_a_shapes_file_are_the_hand_count(capsys, tmp_path):
+    path = shapes_file(tmp_path)
+    layer = 2 * (192 * 64 + 8 * 96 * 64 * 2 // 8 + 64)  # qkv, 2 of the 8 stacked experts, the norm: 2 flops each
+    head = 2 * (64 + 1000 * 64)
+    costs = unit_costs(path, seq_len=128, batch=2)
+    assert [(c.name, c.flops_per_token) for c in costs] == [("embed", 0)] + [(f"layers.{i}", layer) for i in range(4)] \
+        + [("head", head)]
+    (row,) = predict_json(capsys, "--shapes", path, "-m", "16", "--predict", "--seq-len", "128", "--batch", "2",
+                          "--peak-tflops", "1", "--mfu", "0.5")
+    assert row["flops_per_token"] == 4 * layer + head
+    # forward + backward (2x) of every token, at 1 TFLOP/s x 0.5
+    assert row["time"]["compute"] == pytest.approx(3 * (4 * layer + head) * 256 / 0.5e12)
+    assert row["time"]["seconds"] >= row["time"]["compute"]
+
+
+def test_checkpointing_lowers_the_peak_by_the_hand_count(capsys, tmp_path):
+    path = shapes_file(tmp_path)
+    common = ("--shapes", path, "-m", "16", "--predict", "--seq-len", "128", "--batch", "2")
+    (plain,) = predict_json(capsys, *common)
+    (ckpt,) = predict_json(capsys, *common, "--checkpointing")
+    sbh, sbv = 256 * 64, 256 * 1000
+    head = 4 * sbh + 4 * sbv  # final norm and projection inputs, fp32 logits (Korthikanti et al. 2022)
+    # the peak is in the head's backward: every layer's saved bytes, the head's, and the logits' gradient
+    assert plain["peak_at"] == ckpt["peak_at"] == ["head", "backward segment 5, gradients in"]
+    assert plain["peak_parts"]["activations"] == 4 * 34 * sbh + head + 4 * sbv
+    assert ckpt["peak_parts"]["activations"] == 4 * 2 * sbh + head + 4 * sbv
+    assert plain["peak_bytes"] - ckpt["peak_bytes"] == 4 * 32 * sbh
+    assert ckpt["time"]["compute"] == pytest.approx(plain["time"]["compute"] * 4 / 3)  # backward recomputes forward
+
+
+def test_sweep_drops_what_does_not_fit_and_orders_the_rest_by_time(capsys):
+    out = predict_json(capsys, "--model", "gpt-oss-120b", "-m", "1024", "--mesh", "fsdp", "hsdp:2", "hsdp:128",
+                       "--sweep", "--memory", "80")
+    assert out["budget_bytes"] == 80 * 2**30
+    # hsdp:128 at 1024 is a shard group of 8: each rank holds 1/8 of 117B parameters' state
+    assert [(r["mesh"], r["peak_bytes"] > 80 * 2**30) for r in out["dropped"]] == [("hsdp:128", True)]
+    ranked = out["ranked"]
+    assert sorted(r["mesh"] for r in ranked) == ["fsdp", "hsdp:2"]
+    assert all(r["peak_bytes"] <= 80 * 2**30 for r in ranked)
+    assert [r["time"]["seconds"] for r in ranked] == sorted(r["time"]["seconds"] for r in ranked)
+
+
+def test_routed_experts_without_experts_per_token_is_a_one_line_error(capsys, tmp_path):
+    desc = dict(SHAPES)
+    desc.pop("config")
+    with pytest.raises(SystemExit) as info:
+        cli_run(["plan", "--shapes", shapes_file(tmp_path, desc), "-m", "16", "--predict"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "no config.num_experts_per_tok" in err and err.count("\n") == 1
+
+
+def test_sweep_and_memory_go_together(capsys):
+    for argv, message in ((["--sweep"], "--sweep needs --memory GIB"), (["--memory", "80"], "applies to --sweep only")):
+        with pytest.raises(SystemExit):
+            cli_run(["plan", "--model", "gpt-oss-120b", "-m", "1024", *argv])
+        assert message in capsys.readouterr().err

@@ -9,7 +9,7 @@ Every cell is one (model, plan, optimizer, mesh, W):
   (``from_torch(handshake="deferred", algorithm="native")``; HSDP: a ``(2, W/2)`` DeviceMesh, rank 1
   is shard rank 1 of replica 0), runs two steps on one sequence of the model's length (the first
   learns the collective schedule) and counts every collective of the second at two boundaries
-  (``bench/_measure.CommCounter``): ragged's ``Collectives`` object and torch's process groups; the
+  (``bench/_counts.CommCounter``): ragged's ``Collectives`` object and torch's process groups; the
   unique storages of its ``TrainState``, by category, after it;
 * predicted: the same configuration built on ``rg.collectives.abstract(W or W/2, rank=1,
   num_replicas=1 or 2, handshake="deferred")`` over the ``meta`` model, ``step.lower()`` with the
@@ -79,7 +79,7 @@ def _measure(rank, world, backend, cell):
     import torch.distributed as dist
 
     import ragged as rg
-    from bench._measure import CommCounter, storage_by_category
+    from bench._counts import CommCounter, storage_by_category
 
     mesh = None
     if cell["mesh"] == "hsdp":

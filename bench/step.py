@@ -93,8 +93,8 @@ def _bench(rank, world, backend, opts):
     from ragged.examples.data import SyntheticLM, rank_slice
 
     from bench._launch import device_for
-    from bench._measure import (CommCounter, Timer, process_work, profile_step, ragged_labels, reset_peak_rss, rss,
-                                storage_bytes)
+    from bench._counts import CommCounter
+    from bench._measure import Timer, process_work, profile_step, ragged_labels, reset_peak_rss, rss, storage_bytes
     from bench._methods import FSDP2Method, LocalMethod, RaggedMethod
 
     device = device_for(backend, rank)

@@ -2,7 +2,7 @@
 
 ``measured(comm, case, optimizer)`` trains the tiny GPT of ``tests/fsdp/_cases.py`` for two steps
 (the first learns the collective schedule), counting every collective of the second step at the
-``Collectives`` boundary (``bench/_measure.CommCounter``), and returns what it saw next to the
+``Collectives`` boundary (``bench/_counts.CommCounter``), and returns what it saw next to the
 lowering of the same step: the comparison is the test's.
 """
 
@@ -16,7 +16,7 @@ from ragged.examples.data import rank_slice
 from ragged.examples.gpt import loss_fn
 from ragged.fsdp._schedule import CollectiveSchedule
 
-from bench._measure import CommCounter, storage_by_category
+from bench._counts import CommCounter, storage_by_category
 
 
 def _optimizer(name: str, case, comm):

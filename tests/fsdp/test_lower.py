@@ -219,7 +219,7 @@ def _lowered_with(activations, case, m=64):
 def _ep_lowered(mc):
     """FSDP x EP (``data_groups``): the third step's collectives (the first two learn the schedule)
     on the FSDP and EP comms, next to the lowering's (the loss's MoE dispatch on the EP comm is the model's: not counted by either)."""
-    from bench._measure import CommCounter
+    from bench._counts import CommCounter
     from tests.parallel._cases import _data_index, moe_batch
 
     units, state, step, _ = ep_fsdp_step(mc)

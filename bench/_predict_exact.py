@@ -30,7 +30,7 @@ import torch
 PLANS = {"single": 1, "multi": "auto"}
 OPTIMIZERS = ("adamw", "adamw8bit")
 MESHES = ("fsdp", "hsdp")
-LEDGER_EVERY = 64  # from_torch's verify_every default
+LEDGER_EVERY = 64  # from_torch's verify_every default: the ledger checks itself every 64 recorded calls
 SEQUENCES = 1  # per rank and step: activations enter none of the compared numbers
 
 
@@ -86,7 +86,7 @@ def _measure(rank, world, backend, cell):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    comm = rg.collectives.from_torch(mesh, handshake="deferred", algorithm="native")
+    comm = rg.collectives.from_torch(mesh, handshake="deferred", algorithm="native", verify_every=cell["verify_every"])
     method = _method(cell["model"], comm, cell["plan"], cell["optimizer"])
     ragged, torch_ = CommCounter(), CommCounter()
     ragged.install_comm(comm, "step")
@@ -97,8 +97,9 @@ def _measure(rank, world, backend, cell):
         ragged.active = torch_.active = "step" if s == 1 else None
         method.step(_batch(cell["model"], s))
     ragged.active = torch_.active = None
-    # the ledger's own checks in the counted step: one each time its record count passed a multiple of 64
-    checks = {axis: led.seq // LEDGER_EVERY - before // LEDGER_EVERY
+    # the ledger's own checks in the counted step: one each time its record count reached a multiple of verify_every
+    every = cell["verify_every"]
+    checks = {axis: led.seq // every - before // every
               for axis, led, before in zip(("shard", "replica"), ledgers, seq)}
     return dict(rank=(comm.replica_rank, comm.rank), state=storage_by_category(method.state),
                 calls=ragged.records("step"), parts=ragged.parts_of("step"),
@@ -172,8 +173,10 @@ def row(cell: dict, world: int, r: dict) -> str:
                               cb("all_gather"), cb("reduce_scatter"), ar, r["lowered"], r["torch"]]) + " |"
 
 
-def run(models, worlds, plans=tuple(PLANS), optimizers=OPTIMIZERS, meshes=MESHES, *, timeout=1800.0, out=print):
-    """Every cell, one fresh process each; prints the table's rows as they come. Returns the rows' results."""
+def run(models, worlds, plans=tuple(PLANS), optimizers=OPTIMIZERS, meshes=MESHES, *, verify_every=LEDGER_EVERY,
+        timeout=1800.0, out=print):
+    """Every cell, one fresh process each; prints the table's rows as they come. Returns the rows' results.
+    ``verify_every``: the transport's (a smaller one puts the ledger's own checks in the counted step)."""
     from bench._launch import launch
 
     out("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
@@ -185,7 +188,8 @@ def run(models, worlds, plans=tuple(PLANS), optimizers=OPTIMIZERS, meshes=MESHES
                 for plan in plans:
                     for optimizer in optimizers:
                         cell = dict(model=model, plan=plan, optimizer=optimizer, mesh=mesh)
-                        measured = launch(world, _measure, cell, backend="fake", fake_rank=1, timeout=timeout)[0]
+                        measured = launch(world, _measure, dict(cell, verify_every=verify_every), backend="fake",
+                                          fake_rank=1, timeout=timeout)[0]
                         results.append(dict(cell, world=world, **compare(cell, world, schedule, measured)))
                         out(row(cell, world, results[-1]))
     exact = sum(r["exact"] for r in results)

@@ -60,13 +60,17 @@ def test_exact_mode_lowering_equals_two_real_steps_on_the_fake_process_group():
     """``bench/predict.py --exact`` on the tiny model at W=8, HSDP (2 x 4), multi-buffer plans, AdamW and
     8-bit AdamW: the lowering on an abstract comm equals the measured state by category and every
     collective (kind, axis), and torch's count differs from ragged's only where named (one torch call
-    per buffer of a coalesced call; the deferred ledger's own checks)."""
+    per buffer of a coalesced call; the deferred ledger's own checks, put in the counted step by a
+    short ``verify_every``)."""
     from bench._predict_exact import run
 
     lines = []
-    results = run(["tiny"], [8], plans=("multi",), optimizers=("adamw", "adamw8bit"), meshes=("hsdp",), out=lines.append)
+    results = run(["tiny"], [8], plans=("multi",), optimizers=("adamw", "adamw8bit"), meshes=("hsdp",), verify_every=4,
+                  out=lines.append)
     assert [r["lowered"] for r in results] == ["exact", "exact"], lines
     assert not any(r["torch"].startswith("UNEXPLAINED") for r in results), lines
+    assert all("all_reduce shard (ledger check" in r["torch"] and "all_reduce replica (ledger" in r["torch"]
+               for r in results), lines
     adamw, quant = results
     assert ("all_reduce", "replica") in adamw["calls"] and "per buffer" in adamw["torch"]
     assert {"optimizer.mu_codes", "optimizer.mu_scales"} <= set(quant["state"])

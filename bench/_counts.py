@@ -2,9 +2,10 @@
 
 * :class:`CommCounter`: every collective a method issues, as the full buffer (all-gather output,
   reduce-scatter input, all-reduce tensor, all-to-all input), calls and bytes per kind and axis, at
-  ragged's ``Collectives`` object or at torch's process groups (every ``torch.distributed`` call ends
-  in one: FSDP2's, and ragged's native paths). ``bench/step.py`` counts both methods' bytes with it,
-  ``bench/predict.py --exact`` and ``tests/fsdp/_lower_cases.py`` compare its counts with ``step.lower``.
+  ragged's ``Collectives`` object or at torch's process groups (every c10d call ends in a
+  ``ProcessGroup`` method: FSDP2's, and ragged's native paths; torch's functional collectives do
+  not). ``bench/step.py`` counts both methods' bytes with it, ``bench/predict.py --exact`` and
+  ``tests/fsdp/_lower_cases.py`` compare its counts with ``step.lower``.
 * :func:`storage_by_category`: a ``TrainState``'s unique storages by ``step.lower``'s categories.
 """
 
@@ -60,7 +61,7 @@ _COMM_METHODS = (
 )
 
 # (method of torch's ProcessGroup, kind, position of the argument whose bytes count): every
-# torch.distributed collective ends in one of these, whichever function issued it (torch.distributed's
+# c10d collective ends in one of these, whichever function issued it (torch.distributed's
 # own, FSDP2's, or an alias bound at import, as ragged/_compat.py binds all_gather_single)
 _PG_METHODS = (
     ("_allgather_base", "all_gather", 0), ("all_gather_single", "all_gather", 0),

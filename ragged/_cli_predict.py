@@ -179,7 +179,7 @@ def predict_all(args) -> list[dict]:
         row = predict_rows(step, activations=activations,
                            network=hw.network(shard=shard, replicas=replicas), compute=compute,
                            backward_factor=3.0 if args.checkpointing else 2.0)
-        # the lowering words given activations as measured by fsdp.profile_activations; these are analytic
+        # the lowering's lines say activations and compute were given; these notes say how (analytic, assumed)
         row["assumed"] = ([_activation_note(args), _compute_note(args)] + hw.assumed()
                           + [a for a in row["assumed"] if not a.startswith(("activations:", "compute:"))])
         row.update(model=str(source), optimizer=optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,

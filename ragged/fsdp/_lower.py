@@ -373,7 +373,8 @@ class Lowered:
             assumed.append("activations: 0 bytes (not derivable from shapes; pass activations=fsdp.profile_activations("
                            "...) of the same step on one device)")
         else:
-            assumed.append("activations: measured per point on one device (fsdp.profile_activations)")
+            assumed.append("activations: as given per point (fsdp.Activations; fsdp.profile_activations measures them "
+                           "on one device)")
         assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (peak_bytes; "
                        "peak_bytes_low: done by the next point)")
         if len(totals) < self.units.world_size:

@@ -95,6 +95,9 @@ def _timed(blocks, opt, loss, comm, clock):
     ``collective:<block>`` inside a block's forward, ``collective:loss`` inside the loss."""
     state = {"in_loss": False, "t0": {}, "block": None}
 
+    def add(key, seconds):
+        clock[key] = clock.get(key, 0.0) + seconds
+
     def pre(mod, args, name):
         if state["in_loss"]:
             state["t0"][name] = time.perf_counter()
@@ -102,15 +105,12 @@ def _timed(blocks, opt, loss, comm, clock):
 
     def post(mod, args, out, name):
         if state["in_loss"] and name in state["t0"]:
-            clock[name] = clock.get(name, 0.0) + time.perf_counter() - state["t0"].pop(name)
+            add(name, time.perf_counter() - state["t0"].pop(name))
             state["block"] = None
 
     for name, block in blocks.items():
         block.register_forward_pre_hook(lambda m, a, n=name: pre(m, a, n))
         block.register_forward_hook(lambda m, a, o, n=name: post(m, a, o, n))
-
-    def add(key, seconds):
-        clock[key] = clock.get(key, 0.0) + seconds
 
     def collective(call):
         def timed_call(*a, **k):

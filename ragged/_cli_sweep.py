@@ -30,14 +30,13 @@ def print_sweep(rows, memory_gib: float, console, *, as_json: bool = False) -> i
     """Prints the ranked configurations (a table, or JSON ``{"budget_bytes", "ranked", "dropped"}``)."""
     from rich.table import Table
 
-    from ragged._cli_predict import time_table
+    from ragged._cli_predict import _gib as gib, time_table
 
     budget = int(memory_gib * 2**30)
     ranked, dropped = rank(rows, budget)
     if as_json:
         print(json.dumps({"budget_bytes": budget, "ranked": ranked, "dropped": dropped}, indent=1))
         return 0
-    gib = lambda n: f"{n / 2**30:,.2f}"  # noqa: E731
     table = Table(title=f"{len(ranked)} of {len(rows)} configurations fit {memory_gib:g} GiB per device, fastest "
                         "predicted step first", header_style="bold", title_justify="left")
     for col in ("rank", "m", "mesh", "shard group", "optimizer", "step s", "compute s", "exposed comm s",

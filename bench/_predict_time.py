@@ -280,8 +280,10 @@ def cpu_share(points) -> float:
 
 
 def kendall_tau(a, b) -> float:
-    """Kendall's tau-a of two equally long sequences (ties count 0)."""
+    """Kendall's tau-a of two equally long sequences (ties count 0); NaN under two elements (no pair)."""
     n, s = len(a), 0
+    if n < 2:
+        return float("nan")
     for i in range(n):
         for j in range(i + 1, n):
             s += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)

@@ -4,6 +4,8 @@ peak (tiny model, W=8)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 
@@ -31,6 +33,7 @@ def test_time_fit_tau_and_prediction_from_pieces():
     assert alpha == pytest.approx(2e-3) and bw == pytest.approx(1e9)
     assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
     assert kendall_tau([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(2 / 3)
+    assert math.isnan(kendall_tau([1], [1]))  # one configuration (--settings default): no pair to order
     pieces = {"blocks.0": 1e-3, "blocks.1": 1e-3, "loss": 3e-3, "update": 1e-3, "step": 1e-2}
     link = Link(alpha=1e-4, bandwidth=1e8)
     for name in SETTINGS:

@@ -20,6 +20,12 @@ boundary. torch's count is compared with ragged's and every difference is named:
 not NCCL, so a multi-buffer plan's coalesced call is one torch call per buffer (NCCL: one coalesced
 launch); and the deferred ledger's own check (an all-reduce of two int64 every ``verify_every`` = 64
 recorded calls, issued beside ragged's calls, see ``ragged/collectives/_ledger.py``).
+
+``backend="gloo"`` (W = 2, 4): the same cells on W real gloo processes, every rank measured and compared
+with the lowering at its rank, in both transports: NCCL's shape (above) and gloo's default (per-call
+headers over checked send / recv and all-to-all: the lowering's count is the ``Collectives`` boundary's;
+at torch's boundary those paths' messages are shown, not compared, since they are the transport's
+algorithm and not the step's collectives).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 PLANS = {"single": 1, "multi": "auto"}
 OPTIMIZERS = ("adamw", "adamw8bit")
 MESHES = ("fsdp", "hsdp")
+TRANSPORTS = {"nccl-shaped": dict(handshake="deferred", algorithm="native"), "gloo-default": dict(handshake="header")}
 LEDGER_EVERY = 64  # from_torch's verify_every default: the ledger checks itself every 64 recorded calls
 SEQUENCES = 1  # per rank and step: activations enter none of the compared numbers
 
@@ -75,7 +82,7 @@ def learn_schedule(model: str):
 
 
 def _measure(rank, world, backend, cell):
-    """In the launched process (rank 1 of the fake group): two steps, the second counted."""
+    """In a launched process (rank 1 of the fake group, or a gloo rank): two steps, the second counted."""
     import torch.distributed as dist
 
     import ragged as rg
@@ -86,12 +93,12 @@ def _measure(rank, world, backend, cell):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    comm = rg.collectives.from_torch(mesh, handshake="deferred", algorithm="native", verify_every=cell["verify_every"])
+    comm = rg.collectives.from_torch(mesh, **TRANSPORTS[cell["transport"]], verify_every=cell["verify_every"])
     method = _method(cell["model"], comm, cell["plan"], cell["optimizer"])
     ragged, torch_ = CommCounter(), CommCounter()
     ragged.install_comm(comm, "step")
     torch_.install_torch("step", axes={comm.group or dist.group.WORLD: "shard", comm.replica_group: "replica"})
-    ledgers = [led for led in comm._ledgers if led is not None]
+    ledgers = [led for led in comm._ledgers or () if led is not None]  # none under gloo's header transport
     for s in range(2):
         seq = [led.seq for led in ledgers]
         ragged.active = torch_.active = "step" if s == 1 else None
@@ -101,14 +108,14 @@ def _measure(rank, world, backend, cell):
     every = cell["verify_every"]
     checks = {axis: led.seq // every - before // every
               for axis, led, before in zip(("shard", "replica"), ledgers, seq)}
-    return dict(rank=(comm.replica_rank, comm.rank), state=storage_by_category(method.state),
+    return dict(rank=(comm.replica_rank, comm.rank), shard_size=comm.world_size, state=storage_by_category(method.state),
                 calls=ragged.records("step"), parts=ragged.parts_of("step"),
                 objects=ragged.calls[("step", "object", "mesh")], torch=torch_.records("step"), ledger_checks=checks,
                 schedule=method.step_fn.value_and_grad.memo.schedule)
 
 
-def predict(cell: dict, world: int, schedule) -> dict:
-    """The lowering of ``cell`` at ``world`` ranks on an abstract comm (rank 1, shard group's view)."""
+def predict(cell: dict, world: int, schedule, rank: int = 1) -> dict:
+    """The lowering of ``cell`` at ``world`` ranks on an abstract comm (shard rank ``rank``'s view)."""
     import ragged as rg
     from ragged import fsdp
     from bench.step import CONFIGS, meta_model
@@ -117,10 +124,12 @@ def predict(cell: dict, world: int, schedule) -> dict:
     opt, specs = _optimizer(cell["optimizer"])
     units = fsdp.make_units(meta_model(CONFIGS[cell["model"]]), world_size=shard, specs=specs,
                             max_buffers=PLANS[cell["plan"]])
-    comm = rg.collectives.abstract(shard, rank=1, num_replicas=replicas, handshake="deferred")
-    lowered = fsdp.make_step(units, lambda p, b: None, opt, comm, donate=True).lower(schedule=schedule, max_ranks=shard)
+    comm = rg.collectives.abstract(shard, rank=rank, num_replicas=replicas,
+                                   handshake=TRANSPORTS[cell["transport"]]["handshake"])
+    lowered = fsdp.make_step(units, lambda p, b: None, opt, comm, donate=True).lower(schedule=schedule,
+                                                                                      max_ranks=max(2, shard))
     cost = lowered.cost_analysis()
-    return dict(state={k: v for k, v in lowered.state_bytes[1].items() if v}, objects=cost.objects,
+    return dict(state={k: v for k, v in lowered.state_bytes[rank].items() if v}, objects=cost.objects,
                 calls={(c.kind, c.axis): (c.calls, c.bytes) for c in cost.collectives})
 
 
@@ -129,37 +138,46 @@ def _diff(pred: dict, meas: dict, name=str) -> list[str]:
             if pred.get(k) != meas.get(k)]
 
 
-def torch_vs_ragged(m: dict) -> str:
-    """How torch's count differs from ragged's, each difference named; ``UNEXPLAINED ...`` otherwise."""
+def torch_vs_ragged(m: dict, transport: str = "nccl-shaped") -> str:
+    """How torch's count differs from ragged's, each difference named; ``UNEXPLAINED ...`` otherwise
+    (gloo's default transport: its point-to-point messages, shown)."""
+    if transport == "gloo-default":
+        return "header paths: " + "; ".join(f"{axis} {c} {kind}s / {b:,} B" for (kind, axis), (c, b) in sorted(m["torch"].items()))
     expected = {}
     for key, (calls, nbytes) in m["calls"].items():
+        if key[1] == "shard" and m["shard_size"] == 1:
+            continue  # a shard group of one rank: ragged copies locally, no torch call
         extra = m["ledger_checks"].get(key[1], 0) if key[0] == "all_reduce" else 0
         expected[key] = (m["parts"][key] + extra, nbytes + 16 * extra)
     bad = _diff(expected, m["torch"], lambda k: "/".join(k))
     if bad:
         return "UNEXPLAINED: " + "; ".join(bad)
-    notes = [f"+{m['parts'][k] - c} {k[0]} (per buffer)" for k, (c, _) in sorted(m["calls"].items()) if m["parts"][k] > c]
+    notes = [f"+{m['parts'][k] - c} {k[0]} (per buffer)" for k, (c, _) in sorted(m["calls"].items())
+             if m["parts"][k] > c and k in expected]
     notes += [f"+{n} all_reduce {axis} (ledger check, 16 B)" for axis, n in m["ledger_checks"].items() if n]
+    if m["shard_size"] == 1:
+        notes.append("shard group of 1: its calls are local copies, no torch call")
     return "1:1" if not notes else "; ".join(notes)
 
 
-def compare(cell: dict, world: int, schedule, measured: dict) -> dict:
-    """One table row's values: what was measured, and whether the lowering equals it."""
-    p = predict(cell, world, schedule)
+def compare(cell: dict, world: int, schedule, measured: dict, rank: tuple[int, int] = (0, 1)) -> dict:
+    """One table row's values: what was measured at ``rank`` (replica, shard rank), and whether the lowering
+    equals it."""
+    p = predict(cell, world, schedule, rank[1])
     bad = _diff(p["state"], measured["state"]) + _diff(p["calls"], measured["calls"], lambda k: "/".join(k))
     if p["objects"] != measured["objects"]:
         bad.append(f"all_gather_object pred {p['objects']} / meas {measured['objects']}")
     if measured["schedule"] != schedule:
         bad.append("the run at W learnt another schedule than W = 1")
-    if measured["rank"] != (0, 1):
-        bad.append(f"measured (replica, rank) {measured['rank']}, not (0, 1)")
+    if tuple(measured["rank"]) != tuple(rank):
+        bad.append(f"measured (replica, rank) {measured['rank']}, not {rank}")
     return dict(exact=not bad, lowered="exact" if not bad else "MISMATCH: " + "; ".join(bad),
-                torch=torch_vs_ragged(measured), **{k: measured[k] for k in ("state", "calls")})
+                torch=torch_vs_ragged(measured, cell["transport"]), **{k: measured[k] for k in ("state", "calls")})
 
 
-COLUMNS = ("model", "plan", "optimizer", "mesh", "W", "state B (categories)", "all_gather calls / B",
-           "reduce_scatter calls / B", "all_reduce calls / B: shard; replica", "lowered vs measured",
-           "torch boundary vs ragged")
+COLUMNS = ("model", "plan", "optimizer", "mesh", "W", "backend: transport", "state B (categories)",
+           "all_gather calls / B", "reduce_scatter calls / B", "all_reduce calls / B: shard; replica",
+           "lowered vs measured", "torch boundary vs ragged")
 
 
 def row(cell: dict, world: int, r: dict) -> str:
@@ -169,29 +187,52 @@ def row(cell: dict, world: int, r: dict) -> str:
 
     ar = cb("all_reduce") + ("; " + cb("all_reduce", "replica") if cell["mesh"] == "hsdp" else "")
     state = f"{sum(r['state'].values()):,} ({len(r['state'])})"
-    return "| " + " | ".join([cell["model"], cell["plan"], cell["optimizer"], cell["mesh"], str(world), state,
-                              cb("all_gather"), cb("reduce_scatter"), ar, r["lowered"], r["torch"]]) + " |"
+    return "| " + " | ".join([cell["model"], cell["plan"], cell["optimizer"], cell["mesh"], str(world),
+                              f"{cell['backend']}: {cell['transport']}", state, cb("all_gather"), cb("reduce_scatter"),
+                              ar, r["lowered"], r["torch"]]) + " |"
 
 
-def run(models, worlds, plans=tuple(PLANS), optimizers=OPTIMIZERS, meshes=MESHES, *, verify_every=LEDGER_EVERY,
-        timeout=1800.0, out=print):
-    """Every cell, one fresh process each; prints the table's rows as they come. Returns the rows' results.
-    ``verify_every``: the transport's (a smaller one puts the ledger's own checks in the counted step)."""
+def measure_and_compare(cell: dict, world: int, schedule, *, verify_every: int, timeout: float) -> dict:
+    """One cell: measured (rank 1 of the fake group, or every gloo rank) and compared with the lowering.
+    The row shows rank 1's numbers; on gloo it is exact only when every rank is."""
     from bench._launch import launch
 
+    fake = cell["backend"] == "fake"
+    measured = launch(world, _measure, dict(cell, verify_every=verify_every), backend=cell["backend"],
+                      fake_rank=1, timeout=timeout)
+    shard = world // 2 if cell["mesh"] == "hsdp" else world
+    ranks = [(0, 1)] if fake else [divmod(r, shard) for r in range(world)]
+    results = [compare(cell, world, schedule, m, rank) for m, rank in zip(measured, ranks)]
+    shown = results[0] if fake else results[1]
+    wrong = [f"rank {r}: {res['lowered']}" for r, res in zip(range(world), results) if not res["exact"]]
+    if fake or not wrong:
+        lowered = shown["lowered"] if fake else f"exact, all {world} ranks"
+    else:
+        lowered = "; ".join(wrong)
+    return dict(shown, exact=not wrong, lowered=lowered)
+
+
+def run(models, worlds, plans=tuple(PLANS), optimizers=OPTIMIZERS, meshes=MESHES, *, backend="fake", transports=None,
+        verify_every=LEDGER_EVERY, timeout=1800.0, out=print):
+    """Every cell, fresh processes each; prints the table's rows as they come. Returns the rows' results.
+    ``backend``: ``"fake"`` (rank 1 of a W-rank fake group) or ``"gloo"`` (W real ranks, each compared);
+    ``transports``: default NCCL's shape on the fake group, both on gloo. ``verify_every``: the
+    transport's (a smaller one puts the ledger's own checks in the counted step)."""
+    transports = transports or (["nccl-shaped"] if backend == "fake" else list(TRANSPORTS))
     out("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     results = []
     for model in models:
         schedule = learn_schedule(model)
         for world in worlds:
             for mesh in meshes:
-                for plan in plans:
-                    for optimizer in optimizers:
-                        cell = dict(model=model, plan=plan, optimizer=optimizer, mesh=mesh)
-                        measured = launch(world, _measure, dict(cell, verify_every=verify_every), backend="fake",
-                                          fake_rank=1, timeout=timeout)[0]
-                        results.append(dict(cell, world=world, **compare(cell, world, schedule, measured)))
-                        out(row(cell, world, results[-1]))
+                for transport in transports:
+                    for plan in plans:
+                        for optimizer in optimizers:
+                            cell = dict(model=model, plan=plan, optimizer=optimizer, mesh=mesh, backend=backend,
+                                        transport=transport)
+                            res = measure_and_compare(cell, world, schedule, verify_every=verify_every, timeout=timeout)
+                            results.append(dict(cell, world=world, **res))
+                            out(row(cell, world, results[-1]))
     exact = sum(r["exact"] for r in results)
     out(f"\n{exact} of {len(results)} cells exact (state by category; collectives by kind and axis)")
     return results

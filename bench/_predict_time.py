@@ -1,29 +1,38 @@
 """``bench/predict.py --time``: ``lowered.estimate_time`` against the measured gloo step.
 
-One run, three launches (every number the prediction uses is measured in it, none at the W it predicts):
+One run (every number the prediction uses is measured in it, none at the W it predicts); every
+configuration is measured alone, in its own processes, at W = 1 and at each W:
 
-* W = 1 (one process): every configuration's step, timed in pieces: each block's forward (module hooks
+* W = 1 (one process): the configuration's step, timed in pieces: each block's forward (module hooks
   while the loss runs; the recomputation of checkpointed blocks in backward is not forward), the loss
   (whole forward; "rest" = the loss minus the blocks: embedding, head, cross entropy), the optimizer
   update, the step, and the comm's all-gathers and reduce-scatters (at W = 1 local copies standing in
   for the collectives the Link prices at W) by the block, loss or backward they ran in, which leave
   the compute pieces: backward = step - forward - update - the copies in backward;
-* W = 2, 4 (gloo): the alpha-beta calibration of ragged's own collectives (``comm.all_gather_into`` and
-  ``comm.reduce_scatter_into``, the calls the step makes, per-call agreement included) at a few sizes,
-  with the CPU seconds each call takes (its share of the wall time: ``cpu_share``), then every configuration's step (barrier, then the step; max over ranks), the configurations in an
-  order alternating between repeats, the median over repeats;
+* W = 2, 4 (gloo): once per W, the alpha-beta calibration of ragged's own collectives
+  (``comm.all_gather_into`` and ``comm.reduce_scatter_into``, the calls the step makes, per-call agreement
+  included) at a few sizes, with the CPU seconds each call takes (its share of the wall time:
+  ``cpu_share``); then each configuration's step (barrier, then the step; max over ranks), the median
+  over repeats;
 * the prediction: the same configuration built on ``rg.collectives.abstract(W)`` over a ``meta`` model,
   lowered with the W=1 run's learnt schedule, ``estimate_time(Link(alpha, bandwidth), compute=per-unit
   forward, backward_factor=backward / forward, optimizer_seconds=update / W)``, three ways: the
   collectives overlapping compute (the default), not at all (``overlap=False``), and holding the
   compute's core for their CPU share (``overlap=1 - cpu_share``: the CPU transport's model).
 
+Why alone: with all eight configurations built in one process (their states resident, each idle while
+the seven others step) some were measured slower than the same configuration beside one or two others:
+the compute of 120m's "2 micro-batches" taken from its W=1 pieces was 5.06 s at W = 2 among eight, 3.96 s
+beside "default" alone (predicted +36.7% vs +9.6%); moe's "2 blocks per unit" stepped 1.80 s at W = 2
+among eight, 1.59 s beside two others (-22.8% vs -6.8%).
+
 The machine (a 2-core machine shared with other jobs): a rank computes at the share of a core it gets,
 which the other jobs and the W ranks themselves decide. So every repeat, at W = 1 and at W, first runs
 a fixed compute probe (a 512 x 1408 x 512 matmul, 10 times) on every rank at once (max over ranks), and
-the W=1 compute is scaled by ``probe at W / probe at W=1`` (medians over repeats; a machine calibration
-measured in the same run, like alpha and beta). Measured CPU seconds per step (the
-process's, max over ranks) are shown beside: wall >> CPU says the rank waited (for a core or the network).
+the W=1 compute of a configuration is scaled by ``probe at W / probe at W=1`` of its two launches
+(medians over repeats; a machine calibration measured in the same run, like alpha and beta). Measured
+CPU seconds per step (the process's, max over ranks) are shown beside: wall >> CPU says the rank waited
+(for a core or the network).
 """
 
 from __future__ import annotations
@@ -197,7 +206,7 @@ def worker(rank, world, backend, opts):
 
     cfg = opts["cfg"]
     comm = rg.collectives.from_torch()
-    calib = _calibrate(comm, world, opts["sizes_mib"], opts["iters"]) if world > 1 else None
+    calib = _calibrate(comm, world, opts["sizes_mib"], opts["iters"]) if opts.get("calibrate") else None
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
     runs, clocks = {}, {}
     for name in opts["settings"]:
@@ -304,23 +313,32 @@ def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters) ->
     settings = [n for n in settings if runs_on(cfg, n)]
     opts = dict(cfg=cfg, settings=settings, repeats=repeats, warmup=warmup, batch=batch, sizes_mib=sizes_mib,
                 iters=iters)
-    one = launch(1, worker, opts, backend="gloo", timeout=3600)[0]
-    print(f"{model} W=1 pieces (median s): {one['pieces']}; probe {one['probe'] * 1e3:.1f} ms", flush=True)
+
+    def alone(world, name):  # one configuration in its own processes (see the module's docstring)
+        return launch(world, worker, dict(opts, settings=[name]), backend="gloo", timeout=3600)[0]
+
+    one = {name: alone(1, name) for name in settings}
+    for name in settings:
+        print(f"{model} {name} W=1 pieces (median s): {one[name]['pieces'][name]}; probe "
+              f"{one[name]['probe'] * 1e3:.1f} ms", flush=True)
     out = dict(model=model, cores=len(os.sched_getaffinity(0)), skipped=skipped, links=[], rows=[])
     for world in worlds:
-        res = launch(world, worker, opts, backend="gloo", timeout=3600)[0]
-        both = res["calib"]["all_gather"] + res["calib"]["reduce_scatter"]
-        for kind, pts in [*res["calib"].items(), ("both", both)]:
+        calib = launch(world, worker, dict(opts, settings=[], calibrate=True), backend="gloo", timeout=3600)[0]["calib"]
+        both = calib["all_gather"] + calib["reduce_scatter"]
+        for kind, pts in [*calib.items(), ("both", both)]:
             out["links"].append(dict(world=world, kind=kind, fit=fit(pts, world), cpu_share=cpu_share(pts), points=pts))
         link, held = Link(*fit(both, world)), cpu_share(both)
-        share = res["probe"] / one["probe"]
-        out["links"].append(dict(world=world, kind="probe", probe=res["probe"], probe_w1=one["probe"]))
+        probes = []
         for name in settings:
-            args = (cfg, name, world, one["pieces"][name], one["schedules"][name], link)
-            t = [predict(*args, share=share, overlap=o) for o in (True, False, 1.0 - held)]
+            res = alone(world, name)
+            probes.append((res["probe"], one[name]["probe"]))
+            args = (cfg, name, world, one[name]["pieces"][name], one[name]["schedules"][name], link)
+            t = [predict(*args, share=res["probe"] / one[name]["probe"], overlap=o) for o in (True, False, 1.0 - held)]
             out["rows"].append(dict(configuration=name, world=world, measured=res["times"][name],
                                     cpu=statistics.median(res["cpu"][name]), predicted=[x.seconds for x in t],
                                     compute=t[1].parts["compute"], comm=sum(t[1].parts["comm"].values())))
+        out["links"].append(dict(world=world, kind="probe", probe=statistics.median(p for p, _ in probes),
+                                 probe_w1=statistics.median(q for _, q in probes)))
     return out
 
 

@@ -20,8 +20,9 @@ compute measured at W = 1 and an alpha-beta line fitted on gloo at W, against th
 at W = 2, 4 of eight configurations of one model, with Kendall's tau of their order.
 
 ``--exact``: the persistent bytes by category and every collective (calls and bytes per kind and axis)
-instead, exact against two real steps on the fake group at W, for single / multi-buffer plans, AdamW /
-8-bit AdamW, FSDP / HSDP (``bench/_predict_exact.py``).
+instead, exact against two real steps on the fake group at W (``--backend gloo``: on W real gloo ranks,
+both transports), for single / multi-buffer plans, AdamW / 8-bit AdamW, FSDP / HSDP
+(``bench/_predict_exact.py``).
 
 The error columns are (predicted - measured) / measured. Usage::
 
@@ -30,6 +31,7 @@ The error columns are (predicted - measured) / measured. Usage::
     python3 bench/predict.py --models moe --world 8 64 256 --checkpointing off on --diagnose
     python3 bench/predict.py --time --models dense --world 2 4     # step time vs gloo (bench/_predict_time.py)
     python3 bench/predict.py --exact --models tiny --world 8       # state + collectives exact (bench/_predict_exact.py)
+    python3 bench/predict.py --exact --backend gloo --models tiny --world 2 4   # the same on real gloo ranks
 """
 
 from __future__ import annotations
@@ -156,14 +158,18 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", nargs="+", choices=("adamw", "adamw8bit"), default=["adamw", "adamw8bit"],
                     help="--exact")
     ap.add_argument("--meshes", nargs="+", choices=("fsdp", "hsdp"), default=["fsdp", "hsdp"], help="--exact")
+    ap.add_argument("--backend", choices=("fake", "gloo"), default="fake",
+                    help="--exact: rank 1 of a W-rank fake group (default), or W real gloo ranks, every rank compared, "
+                         "in both transports (--world 2 4)")
     args = ap.parse_args(argv)
     if args.time:
         return _time(args)
     if args.exact:
         from bench._predict_exact import run
 
-        print(f"== lowering vs two real steps on the fake process group, torch {torch.__version__}, CPU ==", flush=True)
-        results = run(args.models, args.world, args.plans, args.optimizers, args.meshes,
+        where = "the fake process group" if args.backend == "fake" else "gloo, every rank"
+        print(f"== lowering vs two real steps on {where}, torch {torch.__version__}, CPU ==", flush=True)
+        results = run(args.models, args.world, args.plans, args.optimizers, args.meshes, backend=args.backend,
                       out=lambda line: print(line, flush=True))
         return 0 if all(r["exact"] for r in results) else 1
     cols = COLUMNS + (DIAGNOSE if args.diagnose else ())

@@ -78,3 +78,20 @@ def test_exact_mode_lowering_equals_two_real_steps_on_the_fake_process_group():
     assert ("all_reduce", "replica") in adamw["calls"] and "per buffer" in adamw["torch"]
     assert {"optimizer.mu_codes", "optimizer.mu_scales"} <= set(quant["state"])
     assert lines[-1].startswith("\n2 of 2 cells exact")
+
+
+def test_exact_mode_on_real_gloo_ranks_compares_every_rank_in_both_transports():
+    """``bench/predict.py --exact --backend gloo``: two real gloo ranks, each rank's state and collectives
+    equal the lowering at its rank, in NCCL's transport (torch's count named against ragged's) and in
+    gloo's default (its header paths' point-to-point messages shown)."""
+    from bench._predict_exact import run
+
+    lines = []
+    results = run(["tiny"], [2], plans=("multi",), optimizers=("adamw",), meshes=("fsdp",), backend="gloo",
+                  out=lines.append)
+    assert [(r["transport"], r["lowered"]) for r in results] == [("nccl-shaped", "exact, all 2 ranks"),
+                                                                ("gloo-default", "exact, all 2 ranks")], lines
+    nccl, gloo = results
+    assert "per buffer" in nccl["torch"] and not nccl["torch"].startswith("UNEXPLAINED"), lines
+    assert gloo["torch"].startswith("header paths: shard") and "sends" in gloo["torch"], lines
+    assert nccl["calls"][("all_reduce", "shard")][1] == gloo["calls"][("all_reduce", "shard")][1] + 16  # 4 int64 vs 2

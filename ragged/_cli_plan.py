@@ -103,7 +103,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict", action="store_true",
                    help="lower a training step at each world size: per-rank memory and communication, ragged vs the "
                         "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), nargs="+", default=["adamw"],
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon"), nargs="+", default=["adamw"],
                    help="with --predict: one or several (each is lowered)")
     p.add_argument("--compute-dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
                    help="with --predict: the gathered (compute) dtype")

@@ -46,8 +46,9 @@ def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute
     from ragged import fsdp
     from ragged._cli_plan import _DTYPES
 
-    opt = rg.optim.adamw_8bit(1e-3) if optimizer == "adamw8bit" else rg.optim.adamw(1e-3)
     comm = rg.collectives.abstract(units.world_size, num_replicas=num_replicas)
+    opt = {"adamw": lambda: rg.optim.adamw(1e-3), "adamw8bit": lambda: rg.optim.adamw_8bit(1e-3),
+           "muon": lambda: rg.optim.muon(1e-3, comm=comm)}[optimizer]()
     return fsdp.make_step(units, lambda params, batch: None, opt, comm,
                           policy=fsdp.MixedPrecision(compute_dtype=getattr(torch, _DTYPES[compute_dtype])))
 

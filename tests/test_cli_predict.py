@@ -147,3 +147,16 @@ def test_sweep_and_memory_go_together(capsys):
         with pytest.raises(SystemExit):
             cli_run(["plan", "--model", "gpt-oss-120b", "-m", "1024", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_predict_muon_is_the_lowering_with_its_owner_exchange(capsys, tmp_path):
+    """``--optimizer muon``: Muon's state (momentum on the shard, AdamW's over the other elements) and its
+    owner exchange (all-to-alls) in the table, equal to lowering the same step in Python."""
+    path = shapes_file(tmp_path)
+    (row,) = predict_json(capsys, "--shapes", path, "-m", "48", "--predict", "--dtype", "fp32", "--optimizer", "muon")
+    lowered = bundled_step(path, 48, dtype="fp32", optimizer="muon").lower()
+    assert row["persistent_bytes"] == lowered.memory_analysis().persistent_bytes
+    assert any(k.startswith("optimizer.") and "momentum" in k for k in row["by_category"]), row["by_category"]
+    exchange = lowered.cost_analysis().get("all_to_all")
+    assert exchange.calls > 0 and exchange.bytes > 0
+    assert [c for c in row["collectives"] if c["kind"] == "all_to_all"][0]["bytes"] == exchange.bytes

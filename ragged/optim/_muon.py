@@ -29,6 +29,7 @@ gives them to AdamW).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -149,12 +150,12 @@ def _matrices(plans, muon_filter, ns_steps: int) -> list[tuple[MuonMatrix, ...]]
             for e in range(count):
                 start = leaf.offset + e * rows * cols
                 raw.append((i, leaf.path, e, start, rows, cols, _ns_cost(rows, cols, ns_steps)))
-    load = [0.0] * m
+    least = [(0.0, k) for k in range(m)]  # a heap of (load, rank): the least loaded rank, lowest index on ties
     owner = {}
     for item in sorted(raw, key=lambda u: (-u[6], u[0], u[3])):  # LPT: largest first, least loaded rank
-        r = min(range(m), key=lambda k: (load[k], k))
+        load, r = heapq.heappop(least)
         owner[(item[0], item[3])] = r
-        load[r] += item[6]
+        heapq.heappush(least, (load + item[6], r))
     out: list[list[MuonMatrix]] = [[] for _ in plans]
     for i, path, e, start, rows, cols, cost in sorted(raw, key=lambda u: (u[0], u[3])):
         out[i].append(MuonMatrix(path, e, start, rows, cols, owner[(i, start)], cost))
@@ -224,31 +225,42 @@ def _waves(plan: LayoutPlan, rank: int, matrices: tuple[MuonMatrix, ...], num_wa
             if u.owner == rank:
                 owned.append((u, off))
                 off += u.numel
-        owned_off = {u.start: o for u, o in owned}
-        send_spans, send_splits, recv_spans, recv_splits = [], [], [], []
-        mine = plan.shard_ranges(rank)  # one global range per buffer (a matrix lies in one buffer)
-        recv_at = 0
-        for j in range(m):
-            sends = [(local, hi - lo) for u in group if u.owner == j for lo, hi, local in _overlaps(u, mine)]
-            send_spans += sends  # what I hold of matrices owned by j
-            send_splits.append(sum(n for _, n in sends))
-            recvs = [(owned_off[u.start] + lo - u.start, hi - lo)  # what j holds of matrices I own
-                     for u in group if u.owner == rank for lo, hi, _ in _overlaps(u, plan.shard_ranges(j))]
-            for o, n in recvs:
-                recv_spans.append((recv_at, o, n))
-                recv_at += n
-            recv_splits.append(sum(n for _, n in recvs))
+        sends: dict[int, list] = {}  # owner j -> what I hold of the matrices j owns
+        recvs: dict[int, list] = {}  # rank j -> what j holds of the matrices I own (offset in owned, length)
+        for u in group:
+            for j, lo, hi, local in _pieces(plan, u):
+                if j == rank:
+                    sends.setdefault(u.owner, []).append((local, hi - lo))
+        for u, o in owned:
+            for j, lo, hi, _ in _pieces(plan, u):
+                recvs.setdefault(j, []).append((o + lo - u.start, hi - lo))
+        send_spans = [span for j in sorted(sends) for span in sends[j]]
+        send_splits, recv_splits = [0] * m, [0] * m
+        for j, spans in sends.items():
+            send_splits[j] = sum(k for _, k in spans)
+        recv_spans, recv_at = [], 0
+        for j in sorted(recvs):
+            for o, k in recvs[j]:
+                recv_spans.append((recv_at, o, k))
+                recv_at += k
+            recv_splits[j] = sum(k for _, k in recvs[j])
         waves.append(_Wave(tuple(send_spans), tuple(send_splits), tuple(recv_spans), tuple(recv_splits), tuple(owned), off))
     return tuple(waves)
 
 
-def _overlaps(u: MuonMatrix, ranges):
-    """``(global lo, global hi, offset in the shard)`` of each part of matrix ``u`` that lies in
-    one of a rank's ``ranges`` (its :meth:`~ragged.spec.LayoutPlan.shard_ranges`)."""
-    for r in ranges:
-        lo, hi = max(u.start, r.start), min(u.stop, r.stop)
-        if lo < hi:
-            yield lo, hi, r.local_offset + lo - r.start
+def _pieces(plan: LayoutPlan, u: MuonMatrix):
+    """``(rank, global lo, global hi, offset in that rank's shard)`` of each part of matrix ``u``, by
+    buffer, then rank: buffer ``(offset o, shard size s)`` puts rank ``j`` at ``[o + j s, o + (j + 1) s)``
+    (:meth:`~ragged.spec.LayoutPlan.shard_ranges`), so the ranks a matrix touches follow from its ends,
+    without looking at the others (a plan at 10K ranks)."""
+    base = 0
+    for o, size in plan.buffers:
+        lo, hi = max(u.start, o), min(u.stop, o + plan.world_size * size)
+        if size and lo < hi:
+            for j in range((lo - o) // size, (hi - 1 - o) // size + 1):
+                a, b = max(lo, o + j * size), min(hi, o + (j + 1) * size)
+                yield j, a, b, base + a - o - j * size
+        base += size
 
 
 def _cat_spans(src: torch.Tensor, spans) -> torch.Tensor:

@@ -38,6 +38,48 @@ def test_load_balanced_within_one_matrix():
         assert sum(load["matrices"]) == 13 + 8
 
 
+@pytest.mark.parametrize("world_size,max_buffers,num_waves", [(3, 1, 1), (5, "auto", 2), (8, "auto", 3), (7, 1, 4)])
+def test_exchange_plan_moves_every_matrix_element_to_its_owner_once(world_size, max_buffers, num_waves):
+    """The owner exchange of every rank, from each matrix's ends (no walk over ranks): what rank r sends
+    j is what j expects from r, and the pieces each owner receives tile its matrices exactly."""
+    from ragged.optim._muon import _matrices, _waves
+
+    params = {f"w{i}": torch.empty(7 * (i % 4 + 1), 5 + i, device="meta") for i in range(9)}
+    params["experts"] = torch.empty(3, 11, 6, device="meta")
+    params["bias"] = torch.empty(13, device="meta")
+    plan = rg.make_plan(params, world_size=world_size, max_buffers=max_buffers, align=1)
+    (matrices,) = _matrices([plan], rg.optim.default_muon_filter, 5)
+    waves = [_waves(plan, r, matrices, num_waves) for r in range(world_size)]
+    shard = [{g: (r, rng.local_offset + g - rng.start) for rng in plan.shard_ranges(r) for g in range(rng.start, rng.stop)}
+             for r in range(world_size)]
+    where = {g: rl for s in shard for g, rl in s.items()}  # global position -> (rank, offset in its shard)
+    assert len({len(w) for w in waves}) == 1
+    for k in range(len(waves[0])):
+        for r in range(world_size):
+            for j in range(world_size):
+                assert waves[r][k].send_splits[j] == waves[j][k].recv_splits[r]
+        for r in range(world_size):
+            w = waves[r][k]
+            got = [None] * w.owned_numel  # each owned element: the (rank, shard offset) it came from
+            sent = {j: [] for j in range(world_size)}
+            at = 0
+            for j, n in enumerate(w.recv_splits):
+                senders = waves[j][k]
+                before = sum(senders.send_splits[:r])
+                elems = [o + i for o, length in senders.send_spans for i in range(length)][before:before + n]
+                sent[j] = elems
+                at += n
+            for r_off, o_off, n in w.recv_spans:
+                j = max(i for i in range(world_size) if sum(w.recv_splits[:i]) <= r_off) if n else 0
+                base = sum(w.recv_splits[:j])
+                for i in range(n):
+                    got[o_off + i] = (j, sent[j][r_off - base + i])
+            for u, off in w.owned:
+                assert u.owner == r
+                assert got[off:off + u.numel] == [where[g] for g in range(u.start, u.stop)], (r, u.path)
+            assert None not in got
+
+
 def test_rejects_4d_matrix_with_fix():
     params = {"conv": torch.randn(2, 2, 4, 4)}
     plan = rg.make_plan(params, world_size=1)

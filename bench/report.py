@@ -220,7 +220,7 @@ collectives and the deferred ledger instead of the per-call headers), timed in t
 predicts the W = 2 and W = 4 step of each model in up to eight configurations from pieces measured
 at W = 1 (per-unit forward, backward, optimizer update; the W = 1 collectives' local copies taken
 out) and an alpha-beta line fitted on gloo at W (with the share of a collective's time its CPU work
-takes), then measures the same steps; err = (predicted - measured) / measured; Kendall's tau of the
+takes), then measures the same steps (each configuration alone, in its own processes); err = (predicted - measured) / measured; Kendall's tau of the
 predicted order of the configurations against the measured one. Three ways to treat the
 collectives: beside compute (the default of `estimate_time`), holding the compute queue, and
 holding it for their CPU share (`overlap=1 - cpu_share`).""", ["predict-time"]),

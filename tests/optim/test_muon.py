@@ -50,9 +50,8 @@ def test_exchange_plan_moves_every_matrix_element_to_its_owner_once(world_size, 
     plan = rg.make_plan(params, world_size=world_size, max_buffers=max_buffers, align=1)
     (matrices,) = _matrices([plan], rg.optim.default_muon_filter, 5)
     waves = [_waves(plan, r, matrices, num_waves) for r in range(world_size)]
-    shard = [{g: (r, rng.local_offset + g - rng.start) for rng in plan.shard_ranges(r) for g in range(rng.start, rng.stop)}
-             for r in range(world_size)]
-    where = {g: rl for s in shard for g, rl in s.items()}  # global position -> (rank, offset in its shard)
+    where = {g: (r, rng.local_offset + g - rng.start)  # global position -> (rank, offset in its shard)
+             for r in range(world_size) for rng in plan.shard_ranges(r) for g in range(rng.start, rng.stop)}
     assert len({len(w) for w in waves}) == 1
     for k in range(len(waves[0])):
         for r in range(world_size):
@@ -60,20 +59,14 @@ def test_exchange_plan_moves_every_matrix_element_to_its_owner_once(world_size, 
                 assert waves[r][k].send_splits[j] == waves[j][k].recv_splits[r]
         for r in range(world_size):
             w = waves[r][k]
-            got = [None] * w.owned_numel  # each owned element: the (rank, shard offset) it came from
-            sent = {j: [] for j in range(world_size)}
-            at = 0
+            # the receive buffer, element by element: (sender j, offset in j's shard), senders in rank order
+            recv = []
             for j, n in enumerate(w.recv_splits):
-                senders = waves[j][k]
-                before = sum(senders.send_splits[:r])
-                elems = [o + i for o, length in senders.send_spans for i in range(length)][before:before + n]
-                sent[j] = elems
-                at += n
+                before = sum(waves[j][k].send_splits[:r])  # j's send buffer holds its parts for ranks < r first
+                recv += [(j, o + i) for o, length in waves[j][k].send_spans for i in range(length)][before:before + n]
+            got = [None] * w.owned_numel  # each owned element: the (rank, shard offset) it came from
             for r_off, o_off, n in w.recv_spans:
-                j = max(i for i in range(world_size) if sum(w.recv_splits[:i]) <= r_off) if n else 0
-                base = sum(w.recv_splits[:j])
-                for i in range(n):
-                    got[o_off + i] = (j, sent[j][r_off - base + i])
+                got[o_off:o_off + n] = recv[r_off:r_off + n]
             for u, off in w.owned:
                 assert u.owner == r
                 assert got[off:off + u.numel] == [where[g] for g in range(u.start, u.stop)], (r, u.path)

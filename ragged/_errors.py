@@ -110,12 +110,20 @@ class CollectiveError(RaggedError, RuntimeError):
         self.peer = peer
 
 
-def check_int(name: str, value, low: int = 1) -> int:
-    """``value`` when it is an int (not a bool) of at least ``low``; else a RaggedValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = {0: "a non-negative int", 1: "a positive int"}.get(low, f"an int >= {low}")
-        raise RaggedValueError(f"{name} must be {kind}, got {value!r}.")
+def check_int(name: str, value, low: int | None = 1, high: int | None = None, *, fix: str = "") -> int:
+    """``value`` when it is an int (not a bool) in ``[low, high)`` (``None``: unbounded); else a
+    RaggedValueError naming ``name`` (and ending with ``fix``)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low)
+            or (high is not None and value >= high)):
+        kind = (f"an int in [{low}, {high})" if high is not None
+                else {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(low, f"an int >= {low}"))
+        raise RaggedValueError(f"{name} must be {kind}, got {value!r}.{fix}")
     return value
+
+
+def is_sizes(values) -> bool:
+    """Whether every one of ``values`` is an int (not a bool) >= 0: a shape or byte range read from a file."""
+    return all(type(v) is int and v >= 0 for v in values)
 
 
 NO_PARAMS_MSG = (

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._errors import RaggedValueError, check_int
+from ragged._errors import RaggedValueError, check_int, is_sizes
 
 __all__ = ["MODELS", "ModelUnit", "model_shapes", "model_units", "expand_names"]
 
@@ -143,7 +143,7 @@ def _validate(desc: Any) -> None:
         if not unit["params"]:
             raise RaggedValueError(f"{where} ({unit['name']!r}) has no params; every FSDP unit needs at least one tensor.")
         for name, shape in unit["params"].items():
-            if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not isinstance(shape, list) or not is_sizes(shape):
                 raise RaggedValueError(
                     f"{where} ({unit['name']!r}) params[{name!r}] is {shape!r}; a shape is a list of "
                     "non-negative ints, e.g. [4096, 1024] ([] for a scalar)."

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ragged._errors import is_sizes
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._format import CheckpointCorruptError
@@ -117,7 +118,7 @@ class EntryKind:
 
 def numel_of(shape) -> int:
     """Elements of a shape read from a manifest (refuses what is not a list of sizes)."""
-    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or not is_sizes(shape):
         raise CheckpointCorruptError(f"the manifest holds a malformed shape {shape!r}.")
     return math.prod(shape)
 

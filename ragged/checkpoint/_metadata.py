@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
+from ragged._errors import is_sizes
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._format import CheckpointCorruptError
 
@@ -96,8 +97,7 @@ def read_metadata(path: str) -> dcp_md.Metadata:
 
 
 def _is_size(x, dims: int | None = 1) -> bool:
-    return (isinstance(x, torch.Size) and (dims is None or len(x) == dims)
-            and all(isinstance(v, int) and v >= 0 for v in x))
+    return isinstance(x, torch.Size) and (dims is None or len(x) == dims) and is_sizes(x)
 
 
 def _check_tensor(fqn: str, md, dims: int | None) -> None:
@@ -123,8 +123,7 @@ def _check_storage(storage: dict, files: dict[str, int], listing: str) -> None:
         name = fmt.check_name(info.relative_path, f"{METADATA}")
         if name not in files or name == METADATA:
             raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} in {name!r}, a file {listing} does not list.")
-        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length))
-        if not ints or info.offset + info.length > files[name]:
+        if not is_sizes((info.offset, info.length)) or info.offset + info.length > files[name]:
             raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} outside the bytes of {name!r}.")
         if info.transform_descriptors:
             raise CheckpointCorruptError(f"{METADATA} stores {index.fqn!r} through transforms {info.transform_descriptors!r}.")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ragged._errors import is_sizes
 from ragged.checkpoint._format import CheckpointCorruptError, open_regular
 
 __all__ = ["DTYPES", "READ_CHUNK_BYTES", "read_header", "read_range", "write_file"]
@@ -92,7 +93,7 @@ def read_header(path: str) -> tuple[int, dict[str, dict[str, Any]]]:
             continue
         if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
                 and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-                and all(type(v) is int and v >= 0 for v in entry["shape"] + entry["data_offsets"])):
+                and is_sizes(entry["shape"] + entry["data_offsets"])):
             raise _corrupt(file, f"{key!r}: the header entry {entry!r} is not {{dtype, shape, data_offsets: [begin, end]}}")
         if entry["dtype"] not in DTYPES:
             raise _corrupt(file, f"{key!r}: unknown dtype {entry['dtype']!r} (known: {', '.join(DTYPES)})")

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 from ragged.collectives._base import HANDSHAKES
 
 __all__ = ["AbstractCollectives", "abstract"]
@@ -63,14 +63,10 @@ class AbstractCollectives:
     handshake: str = "none"
 
     def __post_init__(self):
-        for name, low in (("world_size", 1), ("num_replicas", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise RaggedValueError(f"abstract comm: {name} must be an int >= {low}, got {value!r}.")
-        for name, size in (("rank", self.world_size), ("replica_rank", self.num_replicas)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
-                raise RaggedValueError(f"abstract comm: {name} must be an int in [0, {size}), got {value!r}.")
+        check_int("abstract comm: world_size", self.world_size)
+        check_int("abstract comm: num_replicas", self.num_replicas)
+        check_int("abstract comm: rank", self.rank, 0, self.world_size)
+        check_int("abstract comm: replica_rank", self.replica_rank, 0, self.num_replicas)
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
         if self.handshake not in HANDSHAKES:

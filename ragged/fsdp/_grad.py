@@ -362,8 +362,7 @@ def value_and_grad(
         (True, True)
     """
     check_int("micro_batches", micro_batches)
-    if isinstance(max_inflight_reduce, bool) or not isinstance(max_inflight_reduce, int) or max_inflight_reduce < 1:
-        raise RaggedValueError(f"max_inflight_reduce must be >= 1, got {max_inflight_reduce!r}.")
+    check_int("max_inflight_reduce", max_inflight_reduce)
     if units.world_size != comm.world_size:
         raise RaggedValueError(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "

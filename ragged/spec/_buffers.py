@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ragged._errors import check_int
 from ragged.spec import _search
 
 __all__ = ["AUTO_MAX_BUFFERS", "LAUNCH_COST_BYTES", "partition", "check_max_buffers"]
@@ -71,17 +72,11 @@ Place = Callable[[tuple[int, ...], tuple[int, ...], int], tuple[int, ...]]
 
 
 def check_max_buffers(max_buffers) -> int | str:
-    from ragged._errors import RaggedValueError
-
     if max_buffers == "auto":
         return max_buffers
-    if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
-        raise RaggedValueError(
-            f"max_buffers must be a positive int or 'auto', got {max_buffers!r}. 1 (default) plans one buffer "
-            f"per unit; K allows up to K buffers (least padding); 'auto' up to {AUTO_MAX_BUFFERS} with the cost "
-            "model in ragged/spec/_buffers.py."
-        )
-    return max_buffers
+    return check_int("max_buffers", max_buffers, fix=(
+        f" It may also be 'auto'. 1 (default) plans one buffer per unit; K allows up to K buffers (least "
+        f"padding); 'auto' up to {AUTO_MAX_BUFFERS} with the cost model in ragged/spec/_buffers.py."))
 
 
 class _Groups:

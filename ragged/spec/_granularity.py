@@ -21,17 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ragged._errors import LayoutError, RaggedTypeError, RaggedValueError
+from ragged._errors import LayoutError, RaggedTypeError, check_int
 
 __all__ = ["Granularity", "Elements", "Rows", "Blocks", "Replicate", "granule_of"]
-
-
-def _check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RaggedTypeError(f"{name} must be a positive int, got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise RaggedValueError(f"{name} must be >= 1, got {value}.")
-    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=False)
@@ -51,7 +43,7 @@ class Elements:
     n: int = 1
 
     def __post_init__(self):
-        _check_positive("Elements.n", self.n)
+        check_int("Elements.n", self.n)
 
     replace = dataclasses.replace
 
@@ -69,7 +61,7 @@ class Rows:
     n: int = 1
 
     def __post_init__(self):
-        _check_positive("Rows.n", self.n)
+        check_int("Rows.n", self.n)
 
     replace = dataclasses.replace
 
@@ -91,8 +83,8 @@ class Blocks:
     c: int
 
     def __post_init__(self):
-        _check_positive("Blocks.r", self.r)
-        _check_positive("Blocks.c", self.c)
+        check_int("Blocks.r", self.r)
+        check_int("Blocks.c", self.c)
 
     replace = dataclasses.replace
 

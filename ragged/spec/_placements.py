@@ -52,8 +52,7 @@ class Shard:
     groups: int = 1
 
     def __post_init__(self):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise RaggedTypeError(f"Shard.dim must be an int, got {self.dim!r}.")
+        check_int("Shard.dim", self.dim, low=None)
         check_int("Shard.groups", self.groups)
 
     replace = dataclasses.replace

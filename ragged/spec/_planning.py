@@ -19,6 +19,7 @@ core (``bench/plan.py``).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -230,18 +231,66 @@ def make_plan(
         >>> two.buffers, two.shard_size, two.padding               # rows of 3 and rows of 5 apart
         (((0, 12), (24, 10)), 22, 0)
     """
+    _check_options(world_size, align, strategy, max_buffers)
+    max_buffers = _buffers.check_max_buffers(max_buffers)
+    treedef, paths, shapes_dtypes, spec_leaves = _read_tree(params, specs)
+    order_key = order if order is None or isinstance(order, str) else tuple(order)
+    memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype,
+                max_buffers)
+    try:
+        cached = _PLAN_MEMO.get(memo_key)
+    except TypeError:  # an unhashable spec or order: plan without the memo
+        memo_key, cached = None, None
+    if cached is not None:
+        return cached
+
+    sharded, replicated = _granules(paths, shapes_dtypes, spec_leaves)
+    buffer_dtype = _buffer_dtype(sharded + replicated, shapes_dtypes, dtype)
+    itemsize = torch.empty((), dtype=buffer_dtype).element_size()
+    align_elems = align if align is not None else max(1, 16 // itemsize)
+    candidates = _order_indices("search" if order is None and strategy == "dp" else order, sharded)
+    if max_buffers == 1 or len(sharded) < 2:
+        S, offsets, split, chosen = _solve_one_buffer(sharded, candidates, align_elems, world_size, strategy)
+        buffers = ()
+    else:
+        chosen, offsets, buffers = _solve_buffers(sharded, candidates, align_elems, world_size, max_buffers, itemsize)
+        S, split = sum(b for _, b in buffers), 0
+
+    def layout(entry, offset):
+        path, numel, granule, index = entry
+        shape, leaf_dtype = shapes_dtypes[index]
+        return LeafLayout(path=path, index=index, shape=shape, dtype=leaf_dtype, offset=offset, numel=numel,
+                          granule=granule, granularity=spec_leaves[index])
+
+    rep_offsets = itertools.accumulate((-(-e[1] // align_elems) * align_elems for e in replicated), initial=0)
+    plan = LayoutPlan(
+        leaves=tuple(layout(sharded[i], off) for i, off in zip(chosen, offsets)),
+        replicated=tuple(layout(entry, off) for entry, off in zip(replicated, rep_offsets)),
+        world_size=world_size, shard_size=S, dtype=buffer_dtype, align=align_elems, strategy=strategy,
+        split_blocks=split, treedef=treedef, buffers=buffers,
+    )
+    if memo_key is not None:
+        if len(_PLAN_MEMO) >= _PLAN_MEMO_MAX:
+            _PLAN_MEMO.pop(next(iter(_PLAN_MEMO)))
+        _PLAN_MEMO[memo_key] = plan
+    return plan
+
+
+def _check_options(world_size, align, strategy, max_buffers) -> None:
     check_int("world_size", world_size)
     if strategy not in STRATEGIES:
         raise RaggedValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if align is not None and (isinstance(align, bool) or not isinstance(align, int) or align < 1):
-        raise RaggedValueError(f"align must be a positive int (elements) or None, got {align!r}.")
-    max_buffers = _buffers.check_max_buffers(max_buffers)
+    if align is not None:
+        check_int("align", align)
     if strategy == "naive" and max_buffers != 1:
         raise RaggedValueError(
             f"strategy='naive' is plain concatenation into one buffer (a baseline); max_buffers={max_buffers!r} "
             "needs strategy='dp' or 'exact'."
         )
 
+
+def _read_tree(params, specs):
+    """(treedef, key paths, (shape, dtype) per leaf, granularity per leaf) of ``params``."""
     leaves, treedef = optree.tree_flatten(params, namespace="ragged")
     if not leaves:
         raise LayoutError(NO_PARAMS_MSG)
@@ -253,20 +302,14 @@ def make_plan(
         if sd is None:
             sd = seen[id(leaf)] = _leaf_shape_dtype(p, leaf)
         shapes_dtypes.append(sd)
-    spec_leaves = _spec_leaves(specs, params, treedef, len(leaves))
-    order_key = order if order is None or isinstance(order, str) else tuple(order)
-    memo_key = (treedef, tuple(shapes_dtypes), tuple(spec_leaves), world_size, align, strategy, order_key, dtype,
-                max_buffers)
-    try:
-        cached = _PLAN_MEMO.get(memo_key)
-    except TypeError:  # an unhashable spec or order: plan without the memo
-        memo_key, cached = None, None
-    if cached is not None:
-        return cached
+    return treedef, paths, shapes_dtypes, _spec_leaves(specs, params, treedef, len(leaves))
 
-    sharded, replicated = [], []  # (path, numel, granule, index)
+
+def _granules(paths, shapes_dtypes, spec_leaves) -> tuple[list, list]:
+    """The sharded and the replicated leaves, each as (path, numel, granule, index)."""
+    sharded, replicated = [], []
     granule_memo = {}
-    for index, (path, (shape, leaf_dtype), s) in enumerate(zip(paths, shapes_dtypes, spec_leaves)):
+    for index, (path, (shape, _), s) in enumerate(zip(paths, shapes_dtypes, spec_leaves)):
         numel = math.prod(shape)
         if isinstance(s, Replicate):
             replicated.append((path, numel, 0, index))
@@ -276,93 +319,56 @@ def make_plan(
             if granule is None:
                 granule = granule_memo[key] = granule_of(s, shape, path=path)
             sharded.append((path, numel, granule, index))
+    return sharded, replicated
 
-    dtypes = sorted({str(shapes_dtypes[i][1]) for _, _, _, i in sharded + replicated})
+
+def _buffer_dtype(entries, shapes_dtypes, dtype) -> torch.dtype:
+    """``dtype``, or the leaves' one dtype; mixed dtypes without ``dtype`` are refused."""
+    dtypes = sorted({str(shapes_dtypes[i][1]) for _, _, _, i in entries})
     if dtype is None and len(dtypes) > 1:
-        groups = {d: [p for p, _, _, i in sharded + replicated if str(shapes_dtypes[i][1]) == d] for d in dtypes}
+        groups = {d: [p for p, _, _, i in entries if str(shapes_dtypes[i][1]) == d] for d in dtypes}
         listing = "; ".join(f"{d}: {', '.join(ps[:3])}{' ...' if len(ps) > 3 else ''}" for d, ps in groups.items())
         raise LayoutError(
             f"params mixes dtypes ({listing}), but one buffer has one dtype. Fix: pass "
             "make_plan(..., dtype=torch.float32) to keep an fp32 master buffer (shard() casts "
             "into it), or plan each dtype as its own unit."
         )
-    buffer_dtype = shapes_dtypes[0][1] if dtype is None else dtype
-    itemsize = torch.empty((), dtype=buffer_dtype).element_size()
-    align_elems = align if align is not None else max(1, 16 // itemsize)
+    return shapes_dtypes[0][1] if dtype is None else dtype
 
-    if order is None and strategy == "dp":
-        order = "search"
-    candidates = _order_indices(order, sharded)
-    buffers = ()
-    if max_buffers == 1 or len(sharded) < 2:
-        best = None
-        for candidate in candidates:
-            sizes = tuple(sharded[i][1] for i in candidate)
-            granules = tuple(sharded[i][2] for i in candidate)
-            # Later orders only need to beat the best S so far (strictly, so ties keep the first).
-            limit = None if best is None or strategy == "naive" else best[0] - align_elems
-            if limit is not None and limit < align_elems:
-                break
-            solved = _solve(sizes, granules, align_elems, world_size, strategy, limit)
-            if solved is None:
-                continue
-            S, offsets, split = solved
-            if best is None or S < best[0]:
-                best = (S, offsets, split, candidate)
-        if best is None:  # only replicated leaves
-            best = (align_elems, (), 0, [])
-        S, offsets, split, chosen = best
-    else:
-        def solve(sizes, granules, start, limit, scalar=8):
-            return _solve_range(sizes, granules, align_elems, world_size, start, limit, scalar)
 
-        parts = _buffers.partition(
-            [(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align_elems, max_buffers=max_buffers,
-            itemsize=itemsize, orders=candidates, solve=solve,
-            place=lambda sizes, granules, S: tuple(_search.place(sizes, granules, align_elems, S)),
-        )
-        chosen, offsets, start, buffers = [], [], 0, []
-        for S_b, members, local in parts:
-            chosen.extend(members)
-            offsets.extend(start + o for o in local)
-            buffers.append((start, S_b))
-            start += world_size * S_b
-        S, split, buffers = sum(b for _, b in buffers), 0, tuple(buffers)
+def _solve_one_buffer(sharded, candidates, align: int, world_size: int, strategy: str):
+    """(S, offsets, split_blocks, chosen order) of the best candidate order in one buffer."""
+    best = None
+    for candidate in candidates:
+        sizes = tuple(sharded[i][1] for i in candidate)
+        granules = tuple(sharded[i][2] for i in candidate)
+        # Later orders only need to beat the best S so far (strictly, so ties keep the first).
+        limit = None if best is None or strategy == "naive" else best[0] - align
+        if limit is not None and limit < align:
+            break
+        solved = _solve(sizes, granules, align, world_size, strategy, limit)
+        if solved is not None and (best is None or solved[0] < best[0]):
+            best = (*solved, candidate)
+    return (align, (), 0, []) if best is None else best  # None: only replicated leaves
 
-    def layout(entry, offset):
-        path, numel, granule, index = entry
-        return LeafLayout(
-            path=path,
-            index=index,
-            shape=shapes_dtypes[index][0],
-            dtype=shapes_dtypes[index][1],
-            offset=offset,
-            numel=numel,
-            granule=granule,
-            granularity=spec_leaves[index],
-        )
 
-    rep_layouts, rep_offset = [], 0
-    for entry in replicated:
-        rep_layouts.append(layout(entry, rep_offset))
-        rep_offset += -(-entry[1] // align_elems) * align_elems
-    plan = LayoutPlan(
-        leaves=tuple(layout(sharded[i], off) for i, off in zip(chosen, offsets)),
-        replicated=tuple(rep_layouts),
-        world_size=world_size,
-        shard_size=S,
-        dtype=buffer_dtype,
-        align=align_elems,
-        strategy=strategy,
-        split_blocks=split,
-        treedef=treedef,
-        buffers=buffers,
+def _solve_buffers(sharded, candidates, align: int, world_size: int, max_buffers, itemsize: int):
+    """(chosen order, offsets, buffers) of the best partition into at most ``max_buffers`` buffers."""
+    def solve(sizes, granules, start, limit, scalar=8):
+        return _solve_range(sizes, granules, align, world_size, start, limit, scalar)
+
+    parts = _buffers.partition(
+        [(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align, max_buffers=max_buffers,
+        itemsize=itemsize, orders=candidates, solve=solve,
+        place=lambda sizes, granules, S: tuple(_search.place(sizes, granules, align, S)),
     )
-    if memo_key is not None:
-        if len(_PLAN_MEMO) >= _PLAN_MEMO_MAX:
-            _PLAN_MEMO.pop(next(iter(_PLAN_MEMO)))
-        _PLAN_MEMO[memo_key] = plan
-    return plan
+    chosen, offsets, start, buffers = [], [], 0, []
+    for S_b, members, local in parts:
+        chosen.extend(members)
+        offsets.extend(start + o for o in local)
+        buffers.append((start, S_b))
+        start += world_size * S_b
+    return chosen, offsets, tuple(buffers)
 
 
 def with_buffers(plan: LayoutPlan, groups: Sequence[Sequence[str]] | None = None) -> LayoutPlan:

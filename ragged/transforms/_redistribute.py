@@ -18,7 +18,7 @@ import functools
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError
+from ragged._errors import LayoutError, RaggedKeyError, RaggedTypeError, RaggedValueError, check_int
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan_type, check_plans, poisons
 from ragged.spec._concat import replicated_size
@@ -182,8 +182,7 @@ def owned_plan(plan: LayoutPlan, owners=None, *, world_size: int | None = None) 
     for path, r in owners.items():
         if path not in paths:
             raise RaggedKeyError(f"owned_plan: owners names {path!r}, which is not a sharded leaf; leaves are {sorted(paths)}.")
-        if not (isinstance(r, int) and 0 <= r < m):
-            raise RaggedValueError(f"owned_plan: owner of {path} must be a rank in [0, {m}), got {r!r}.")
+        check_int(f"owned_plan: the owner of {path} (a rank)", r, 0, m)
     align = plan.align
     up = lambda n: -(-n // align) * align
     load = [0] * m

@@ -59,7 +59,7 @@ def test_blocks_on_1d_leaf_names_path_and_fix():
 def test_max_buffers_is_validated():
     params = {"w": meta(4, 4)}
     for bad in (0, -1, 2.5, True, "many"):
-        with pytest.raises(rg.RaggedValueError, match="max_buffers must be a positive int or 'auto'"):
+        with pytest.raises(rg.RaggedValueError, match="max_buffers must be a positive int, got .* It may also be 'auto'"):
             rg.make_plan(params, world_size=2, max_buffers=bad)
     with pytest.raises(rg.RaggedValueError, match="strategy='naive' is plain concatenation"):
         rg.make_plan(params, world_size=2, strategy="naive", max_buffers=2)

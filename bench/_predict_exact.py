@@ -6,7 +6,7 @@ Every cell is one (model, plan, optimizer, mesh, W):
 * measured: a fresh process joins a W-rank fake process group as rank 1 (``bench/_launch.py``;
   collectives move no data, every allocation is real), builds ``bench/_methods.RaggedMethod`` (every
   block and the rest as units, fp32, ``donate=True``) over NCCL's transport
-  (``from_torch(handshake="deferred", algorithm="native")``; HSDP: a ``(2, W/2)`` DeviceMesh, rank 1
+  (``from_torch(handshake="deferred")``; HSDP: a ``(2, W/2)`` DeviceMesh, rank 1
   is shard rank 1 of replica 0), runs two steps on one sequence of the model's length (the first
   learns the collective schedule) and counts every collective of the second at two boundaries
   (``bench/_counts.CommCounter``): ragged's ``Collectives`` object and torch's process groups; the
@@ -36,7 +36,7 @@ import torch
 PLANS = {"single": 1, "multi": "auto"}
 OPTIMIZERS = ("adamw", "adamw8bit")
 MESHES = ("fsdp", "hsdp")
-TRANSPORTS = {"nccl-shaped": dict(handshake="deferred", algorithm="native"), "gloo-default": dict(handshake="header")}
+TRANSPORTS = {"nccl-shaped": dict(handshake="deferred"), "gloo-default": dict(handshake="header")}
 LEDGER_EVERY = 64  # from_torch's verify_every default: the ledger checks itself every 64 recorded calls
 SEQUENCES = 1  # per rank and step: activations enter none of the compared numbers
 

@@ -36,9 +36,9 @@ machine, with a bootstrap 95% confidence interval of that median; and the min.
 
 The per-call agreement (issue 16): ``rg.gather`` / ``rg.reduce_scatter`` run on the default
 comm (``handshake="header"``: every call sends each peer a 4 KiB header and agrees before
-the data moves) and on ``handshake="none"`` (the pre-agreement default: no per-call check,
-``plan_check="first_use"`` only), side by side in every iteration. The table "cost of the
-per-call agreement" gives, per W and block, the paired ratio header / none with its 95% CI
+the data moves) and on ``bench/_raw.RawCollectives`` (the same verbs over the fastest raw paths,
+no per-call check, ``plan_check="first_use"`` only), side by side in every iteration. The table "cost of the
+per-call agreement" gives, per W and block, the paired ratio header / raw with its 95% CI
 and the median paired difference in ms per call (what the agreement adds). A last table
 times the explicit plan-agreement round alone (``plan_check="every_call"``).
 
@@ -86,10 +86,11 @@ def _worker(rank, m, backend, hiddens, iters, pairs=False):
 
     import ragged as rg
     from ragged import _compat  # torch 2.11's or 2.13's name of the flat all-gather / reduce-scatter
+    from bench._raw import RawCollectives
 
     warnings.filterwarnings("ignore")
     comm = rg.collectives.from_torch()  # the defaults: handshake="header", plan_check="first_use"
-    comm_none = rg.collectives.from_torch(handshake="none")  # the pre-agreement default
+    comm_none = RawCollectives()  # no per-call check: the baseline of the agreement's cost
     comm_every = rg.collectives.from_torch(plan_check="every_call")
     rows = []
     started = time.perf_counter()
@@ -300,9 +301,9 @@ def main(argv=None):
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
                       f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{min(ts):.1f}")
     Console(width=200).print(table)
-    t_cost = Table(title="cost of the per-call agreement: handshake='header' (default) vs 'none' (pre-agreement default), "
+    t_cost = Table(title="cost of the per-call agreement: handshake='header' (default) vs raw calls (bench/_raw.py), "
                          "same iterations")
-    for col in ("W", "hidden", "MB", "collective", "header median ms", "none median ms", "paired ratio", "95% CI",
+    for col in ("W", "hidden", "MB", "collective", "header median ms", "raw median ms", "paired ratio", "95% CI",
                 "added ms/call (median paired diff)", "95% CI "):
         t_cost.add_column(col, justify="left" if col == "collective" else "right")
     by_name = {(m, h, kind, name): (mb, ts) for m, h, mb, kind, name, ts in rows}

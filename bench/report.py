@@ -212,7 +212,7 @@ machine shared with other jobs the times are noisy; the memory and byte columns 
 run (`--lora`) fine-tunes the HF Llama with peft's adapters (r=8 on q and v, the base frozen) in
 every method; its last line checks ragged's reduce-scatter bytes and optimizer state against what
 the adapters alone need. **ragged-nccl-shaped** (`--nccl-shaped`) is the same ragged step over the
-transport NCCL uses (`from_torch(handshake="deferred", algorithm="native")`: gloo's native
+transport NCCL uses (`from_torch(handshake="deferred")`: gloo's native
 collectives and the deferred ledger instead of the per-call headers), timed in the same repeats.""",
      ["step", "step-moe", "step-lora"]),
     ("Step time: predicted before the run vs measured (gloo, CPU)", """\

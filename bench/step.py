@@ -125,7 +125,7 @@ def _bench(rank, world, backend, opts):
     if opts.get("auto_buffers"):  # the same ragged step on units planned with max_buffers="auto"
         methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
     if opts.get("nccl_shaped"):  # the same step over NCCL's transport: native collectives + the deferred ledger
-        shaped = rg.collectives.from_torch(handshake="deferred", algorithm="native")
+        shaped = rg.collectives.from_torch(handshake="deferred")
         counter.install_comm(shaped, "ragged-nccl-shaped")
         methods["ragged-nccl-shaped"] = RaggedMethod(cfg, comm=shaped, checkpoint=ac, **rkw, **kw)
     if opts["local"]:
@@ -449,7 +449,7 @@ def main(argv=None) -> int:
                     help="also time ragged with units planned by make_units(max_buffers='auto') (method ragged-auto), "
                          "paired against the single-buffer ragged in the same repeats")
     ap.add_argument("--nccl-shaped", action="store_true",
-                    help="also time ragged over NCCL's transport (from_torch(handshake='deferred', algorithm='native'): "
+                    help="also time ragged over NCCL's transport (from_torch(handshake='deferred'): "
                          "native collectives + the deferred ledger; method ragged-nccl-shaped), paired in the same repeats")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")

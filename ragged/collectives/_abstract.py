@@ -46,7 +46,8 @@ class AbstractCollectives:
         num_replicas, replica_rank: the replica group's (HSDP; 1 and 0 for plain FSDP).
         device: the device the step would run on (``meta`` by default: nothing is allocated).
         handshake: the transport's, as ``rg.collectives.from_torch(handshake=...)`` would have it
-            (``"none"`` by default: what torch's fake process group gets).
+            (``"header"`` by default; ``"deferred"``, NCCL's shape, is what a GPU job and torch's
+            fake process group get).
 
     Examples:
         >>> import ragged as rg
@@ -60,7 +61,7 @@ class AbstractCollectives:
     num_replicas: int = 1
     replica_rank: int = 0
     device: torch.device = torch.device("meta")
-    handshake: str = "none"
+    handshake: str = "header"
 
     def __post_init__(self):
         check_int("abstract comm: world_size", self.world_size)
@@ -88,7 +89,7 @@ for _name in _REFUSED:
 
 
 def abstract(world_size: int, *, rank: int = 0, num_replicas: int = 1, replica_rank: int = 0,
-             device: torch.device | str = "meta", handshake: str = "none") -> AbstractCollectives:
+             device: torch.device | str = "meta", handshake: str = "header") -> AbstractCollectives:
     """A comm of ``world_size`` ranks without processes, to build and lower a step at any scale.
 
     Args:
@@ -96,7 +97,7 @@ def abstract(world_size: int, *, rank: int = 0, num_replicas: int = 1, replica_r
         rank: the rank this comm speaks for (lowering reports every rank regardless).
         num_replicas, replica_rank: HSDP replica groups (all-reduced across).
         device: the device the step would compute on.
-        handshake: the transport's (``"none"``, ``"header"``, ``"deferred"``: see
+        handshake: the transport's (``"header"`` or ``"deferred"``: see
             :func:`~ragged.collectives.from_torch`); ``"deferred"`` plan checks are two int64 larger.
 
     Returns:

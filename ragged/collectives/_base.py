@@ -51,7 +51,7 @@ REDUCE_OPS = ("sum", "mean", "max")
 # when transforms make the ranks agree on their plans (an optional ``plan_check`` attribute of a
 # backend; absent means "every_call", the safe choice): see [Note: plan check before collectives] in ragged/transforms/_check.py
 PLAN_CHECKS = ("every_call", "first_use")
-HANDSHAKES = ("header", "deferred", "none")  # see [Note: handshake modes] in _torch.py
+HANDSHAKES = ("header", "deferred")  # see [Note: two transports] in _torch.py
 
 # seconds a collective waits for a peer (its header, then its data) before the comm fails:
 # long enough for a slow rank's step or checkpoint write, far shorter than gloo's 30 min

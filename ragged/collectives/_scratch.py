@@ -1,7 +1,7 @@
 """Scratch buffers reused across calls: the one pool of the collectives and transforms.
 
 [Note: one scratch pool]
-The collectives' receive and staging buffers (``_p2p.py``, ``_torch_paths.py``) and the
+The collectives' receive and staging buffers (``_p2p.py``) and the
 reduce-scatter's packing buffer (``transforms/_reduce_scatter.py``) live from a call's start to
 its ``wait()``; the next call of the same size wants the same buffer. :data:`SCRATCH` keeps up
 to two free buffers per (numel, dtype, device): fresh large allocations cost a first touch per

@@ -1,26 +1,34 @@
 """The ``torch.distributed`` backend (gloo, NCCL; 1-D groups and 2-D HSDP meshes).
 
-[Note: handshake modes]
-Every call carries what [Note: what a collective call carries] (``_base.py``) says; when it is
-checked depends on ``handshake`` (:func:`from_torch`):
+[Note: two transports]
+Every call carries what [Note: what a collective call carries] (``_base.py``) says. A comm runs
+one of two transports, ``handshake`` of :func:`from_torch`, which decides both how the bytes
+move and when the call is checked:
 
-* ``"header"`` (default on gloo): every call's messages are tagged with their sizes and
-  preceded by a header, checked before the result is used (see [Note: size-tagged messages and
-  headers] in ``_channel.py``): a mismatch raises :class:`~ragged.PlanMismatchError` on every
-  rank at that call (no size can abort gloo), a failed, dead or absent rank makes every rank
-  raise :class:`~ragged.CollectiveError` within milliseconds (or the timeout), never gloo's
-  30 minutes.
-* ``"deferred"`` (default on NCCL and other device backends): native collectives, each call
-  recorded on the host and verified later without a device-to-host sync on the hot path
-  (see [Note: deferred agreement] in ``_ledger.py``). NCCL cannot check sizes before a
-  collective runs: a mismatch of sizes can hang until NCCL's own watchdog, and a mismatch of
-  sizes or of the plan can compute wrong numbers until it is detected: at the next agreement
-  point (``check_plans`` rounds, which ``rg.fsdp``'s step makes once per step, or
-  ``comm.verify()``), or by the periodic device-side check, ``verify_every`` calls later.
-  ``comm.poison`` goes through the c10d store and a watcher aborts the peers' groups.
-* ``"none"``: today's paths with no per-call agreement (the baseline of ``bench/collectives.py``);
-  only the plan check of ``plan_check`` protects these calls.
+* **gloo's default**, ``"header"`` (gloo only): every call is a checked point-to-point exchange
+  (see [Note: the data paths of the header protocol] in ``_p2p.py``): its messages are tagged
+  with their sizes and preceded by a header, checked before the result is used (see [Note:
+  size-tagged messages and headers] in ``_channel.py``): a mismatch raises
+  :class:`~ragged.PlanMismatchError` on every rank at that call (no size can abort gloo), a
+  failed, dead or absent rank makes every rank raise :class:`~ragged.CollectiveError` within
+  milliseconds (or the timeout), never gloo's 30 minutes.
+* **NCCL's shape**, ``"deferred"`` (default on NCCL and every other backend; on gloo it runs
+  the code a GPU runs, minus the CUDA calls, which is why every exactness test runs in it too):
+  the native collectives (``all_gather_single`` / ``reduce_scatter_single``, called through
+  ``ragged/_compat.py``; ``ReduceOp.AVG`` for a mean on NCCL). The buffers of a coalesced call
+  (a multi-buffer plan) go into one ``_coalescing_manager`` group on NCCL (one launch); gloo has
+  no coalescing group, so there it is one native op per buffer, and torch's fake process group
+  moves no data at all. Each call is recorded on the host and verified later without a
+  device-to-host sync on the hot path (see [Note: deferred agreement] in ``_ledger.py``). NCCL
+  cannot check sizes before a collective runs: a mismatch of sizes can hang until NCCL's own
+  watchdog, and a mismatch of sizes or of the plan can compute wrong numbers until it is
+  detected: at the next agreement point (``check_plans`` rounds, which ``rg.fsdp``'s step makes
+  once per step, or ``comm.verify()``), or by the periodic device-side check, ``verify_every``
+  calls later. ``comm.poison`` goes through the c10d store and a watcher aborts the peers' groups.
 
+A coalesced call is one call under either transport: one header per peer describing every
+buffer, or one ledger entry. There is no unchecked transport: the baseline that
+``bench/collectives.py`` times ragged against is raw torch calls of its own (``bench/_raw.py``).
 """
 
 from __future__ import annotations
@@ -32,10 +40,9 @@ import torch
 import torch.distributed as dist
 
 from ragged import _compat
-from ragged._errors import CollectiveError, RaggedValueError
+from ragged._errors import RaggedValueError
 from ragged.collectives import _p2p
 from ragged.collectives._base import (DEFAULT_TIMEOUT, HANDSHAKES, BufferOps, PLAN_CHECKS, check_coalesced, check_op, poison_on_error, scoped_label)
-from ragged.collectives import _torch_paths as paths
 from ragged.collectives._channel import channel_for
 from ragged.collectives._handles import _Guarded, _Work
 from ragged.collectives._header import identity_of
@@ -43,8 +50,6 @@ from ragged.collectives._ledger import Ledger
 
 __all__ = ["TorchCollectives", "from_torch"]
 
-_AG_ALGOS = ("native", "p2p", "all_to_all")
-_RS_ALGOS = ("native", "all_to_all", "p2p")
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -55,36 +60,25 @@ def _pg(group):
 class TorchCollectives(BufferOps):
     """:class:`~ragged.collectives.Collectives` over ``torch.distributed`` process groups.
 
-    Build one with :func:`from_torch`. See [Note: handshake modes].
+    Build one with :func:`from_torch`. See [Note: two transports].
     """
 
-    def __init__(self, shard_group=None, replica_group=None, *, algorithm: str | None = None,
-                 plan_check: str | None = None, handshake: str | None = None, timeout: float | None = None,
-                 verify_every: int = 64):
+    def __init__(self, shard_group=None, replica_group=None, *, plan_check: str | None = None,
+                 handshake: str | None = None, timeout: float | None = None, verify_every: int = 64):
         self.group = shard_group
         self.replica_group = replica_group
         self.backend = str(dist.get_backend(shard_group)).lower()
         self._rank = dist.get_rank(shard_group)
         self._world = dist.get_world_size(shard_group)
         gloo = "gloo" in self.backend
-        if handshake is None:  # a forced path is a native/p2p/all_to_all collective: checked deferred
-            # torch's fake process group moves no data and its works never report completion: nothing to agree
-            handshake = "header" if gloo and algorithm is None else ("none" if self.backend == "fake" else "deferred")
+        if handshake is None:
+            handshake = "header" if gloo else "deferred"
         if handshake not in HANDSHAKES:
             raise RaggedValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}.")
         if handshake == "header" and not gloo:
             raise RaggedValueError(f"handshake='header' needs gloo (tagged send/recv); the backend is {self.backend!r}. "
                                    "Use handshake='deferred'.")
         self.handshake = handshake
-        ag, rs = ("p2p", "all_to_all") if gloo else ("native", "native")
-        if algorithm is not None:
-            if algorithm not in _AG_ALGOS or algorithm not in _RS_ALGOS:
-                raise RaggedValueError(f"algorithm must be one of {sorted(set(_AG_ALGOS) & set(_RS_ALGOS))}, got {algorithm!r}.")
-            if handshake == "header":
-                raise RaggedValueError("algorithm= chooses a path of handshake='none' or 'deferred'; handshake='header' "
-                                       "moves data point to point (see [Note: the data paths of the header protocol]).")
-            ag = rs = algorithm
-        self.ag_algorithm, self.rs_algorithm = ("p2p", "p2p") if handshake == "header" else (ag, rs)
         # NCCL, and torch's fake process group on a machine with a GPU (one process measuring one rank's
         # memory at any world size: its collectives move no data, its allocations are the device's)
         on_gpu = "nccl" in self.backend or (self.backend == "fake" and torch.cuda.is_available())
@@ -101,12 +95,11 @@ class TorchCollectives(BufferOps):
         self.plan_check = plan_check
         self.checked_plans: dict = {}  # see [Note: plan check before collectives] (ragged/transforms/_check.py)
         self.scope = None  # a CallScope: see [Note: what a collective call carries] (_base.py)
-        self._failed: str | None = None  # "none" mode: a poisoned comm refuses calls
         self._channels = self._ledgers = None
         if handshake == "header":
             self._channels = (channel_for(_pg(shard_group)),
                               channel_for(replica_group) if replica_group is not None else None)
-        elif handshake == "deferred":
+        else:
             self._ledgers = (Ledger(_pg(shard_group), self._device, every=verify_every, timeout=self.timeout),
                              Ledger(replica_group, self._device, every=verify_every, timeout=self.timeout)
                              if replica_group is not None else None)
@@ -114,8 +107,8 @@ class TorchCollectives(BufferOps):
     def __repr__(self) -> str:
         return (
             f"TorchCollectives(rank={self._rank}, world_size={self._world}, replicas={self.num_replicas}, "
-            f"backend={self.backend!r}, handshake={self.handshake!r}, all_gather={self.ag_algorithm!r}, "
-            f"reduce_scatter={self.rs_algorithm!r}, plan_check={self.plan_check!r}, timeout={self.timeout})"
+            f"backend={self.backend!r}, handshake={self.handshake!r}, plan_check={self.plan_check!r}, "
+            f"timeout={self.timeout})"
         )
 
     # ---- identity -------------------------------------------------------------------------
@@ -149,22 +142,18 @@ class TorchCollectives(BufferOps):
     # ---- failure --------------------------------------------------------------------------
     def poison(self, reason: str) -> None:
         """See :meth:`ragged.collectives.Collectives.poison` and [Note: poison] in ``_channel.py``."""
-        text = f"{reason}"
         if self._channels is not None:
             for ch in self._channels:
                 if ch is not None:
-                    ch.fail(text)
-        elif self._ledgers is not None:
+                    ch.fail(reason)
+        else:
             for led in self._ledgers:
                 if led is not None:
-                    led.poison(f"rank {self._rank}: {text}")
-        elif self._failed is None:
-            self._failed = text
+                    led.poison(f"rank {self._rank}: {reason}")
 
     def verify(self) -> None:
         """Checks now that every call since the last check agreed (``"deferred"``; one small
-        all-reduce and a host sync); a no-op under ``"header"`` (every call was checked) and
-        ``"none"``. Raises :class:`~ragged.PlanMismatchError` on every rank, naming both sides."""
+        all-reduce and a host sync); a no-op under ``"header"`` (every call was checked). Raises :class:`~ragged.PlanMismatchError` on every rank, naming both sides."""
         if self._ledgers is not None:
             with poison_on_error(self):
                 for led in self._ledgers:
@@ -188,59 +177,51 @@ class TorchCollectives(BufferOps):
         with poison_on_error(self):
             self._ledgers[0].explain()
 
-    def _check_alive(self):
-        if self._failed is not None:
-            raise CollectiveError(f"this comm no longer runs collectives: it was poisoned ({self._failed}).")
-
     # ---- collectives ----------------------------------------------------------------------
     def _all_gather(self, outs, ins, async_op, label, where):
         with poison_on_error(self):
-            m = self._world
-            check_coalesced(outs, ins, m, where, gather=True)
+            check_coalesced(outs, ins, self._world, where, gather=True)
             if self._channels is not None:
                 return self._handle(_p2p.all_gather(self._channels[0], outs, ins, self._call_args(label), self.timeout),
                                     async_op)
-            self._record(0, "all_gather", None, ins, label)
-            if m == 1:
-                for o, i in zip(outs, ins):
-                    o.copy_(i)
-                return self._result(_Work([]), async_op)
-            algo = self.ag_algorithm
-            if algo == "native":
-                return self._result(_Work(paths.native(self, _compat.all_gather_single, outs, ins), None, self._ledgers),
-                                    async_op)
-            works, finish = [], []
-            for o, i in zip(outs, ins):
-                w, f = paths.gather_one(self, o, i, algo)
-                works += w
-                finish.append(f)
-            return self._result(_Work(works, lambda: [f() for f in finish if f is not None], self._ledgers), async_op)
+            return self._native(_compat.all_gather_single, "all_gather", None, outs, ins, ins, async_op, label)
 
     def _reduce_scatter(self, outs, ins, op, async_op, label, where):
         with poison_on_error(self):
             check_op(op)
-            m = self._world
-            check_coalesced(outs, ins, m, where, gather=False)
+            check_coalesced(outs, ins, self._world, where, gather=False)
             if self._channels is not None:
                 return self._handle(
                     _p2p.reduce_scatter(self._channels[0], outs, ins, op, self._call_args(label), self.timeout), async_op)
-            self._record(0, "reduce_scatter", op, outs, label)
-            if m == 1:
-                for o, i in zip(outs, ins):
-                    o.copy_(i)
-                return self._result(_Work([]), async_op)
-            if self.rs_algorithm == "native":
-                nccl = "nccl" in self.backend
-                torch_op = dist.ReduceOp.AVG if (op == "mean" and nccl) else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-                works = paths.native(self, _compat.reduce_scatter_single, outs, ins, op=torch_op)
-                finish = (lambda: [o.div_(m) for o in outs]) if (op == "mean" and torch_op != dist.ReduceOp.AVG) else None
-                return self._result(_Work(works, finish, self._ledgers), async_op)
-            works, finish = [], []
+            torch_op, divide = self._torch_op(op)
+            finish = (lambda: [o.div_(self._world) for o in outs]) if divide else None
+            return self._native(_compat.reduce_scatter_single, "reduce_scatter", op, outs, ins, outs, async_op, label,
+                                finish, op=torch_op)
+
+    def _native(self, fn, kind, reduce, outs, ins, recorded, async_op, label, finish=None, **kw):
+        """One native collective ``fn`` per buffer, recorded once: coalesced into one launch on
+        NCCL when there are several (the coalescing manager records ``fn``, the function this
+        torch expects); one op per buffer elsewhere (see [Note: two transports])."""
+        self._record(0, kind, reduce, recorded, label)
+        if self._world == 1:
             for o, i in zip(outs, ins):
-                w, f = paths.scatter_one(self, o, i, op)
-                works += w
-                finish.append(f)
-            return self._result(_Work(works, lambda: [f() for f in finish], self._ledgers), async_op)
+                o.copy_(i)
+            return self._result(_Work([]), async_op)
+        if len(outs) == 1 or "nccl" not in self.backend:
+            works = [fn(o, i, group=self.group, async_op=True, **kw) for o, i in zip(outs, ins)]
+        else:
+            with dist._coalescing_manager(group=self.group, device=self._device, async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    fn(o, i, group=self.group, **kw)
+            works = [cm]
+        return self._result(_Work(works, finish, self._ledgers), async_op)
+
+    def _torch_op(self, op):
+        """torch's reduction for ``op``, and whether the result still needs dividing by the group
+        size (a mean off NCCL, which has no ``AVG``)."""
+        if op == "mean":
+            return (dist.ReduceOp.AVG, False) if "nccl" in self.backend else (dist.ReduceOp.SUM, True)
+        return _TORCH_OPS[op], False
 
     def _all_reduce(self, tensor, op, async_op, index, size, label):
         check_op(op)
@@ -253,10 +234,9 @@ class TorchCollectives(BufferOps):
         if size == 1:
             return self._result(_Work([]), async_op)
         group = self.group if index == 0 else self.replica_group
-        nccl_avg = op == "mean" and "nccl" in self.backend
-        torch_op = dist.ReduceOp.AVG if nccl_avg else _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+        torch_op, divide = self._torch_op(op)
         w = dist.all_reduce(tensor, op=torch_op, group=group, async_op=True)
-        finish = (lambda: tensor.div_(size)) if (op == "mean" and not nccl_avg) else None
+        finish = (lambda: tensor.div_(size)) if divide else None
         return self._result(_Work([w], finish, self._ledgers), async_op)
 
     def all_reduce(self, tensor, *, op="sum", async_op=False, label=None):
@@ -289,9 +269,7 @@ class TorchCollectives(BufferOps):
                     return shard
                 rows = _p2p.all_gather_object(self._channels[1], shard, args, self.timeout)
                 return [o for row in rows for o in row]
-            self._check_alive()
-            if self._ledgers is not None:
-                self.verify()  # objects are compared on the host: check what came before first
+            self.verify()  # objects are compared on the host: check what came before first
             shard = [None] * self._world
             dist.all_gather_object(shard, obj, group=self.group)
             if self.num_replicas == 1:
@@ -308,7 +286,7 @@ class TorchCollectives(BufferOps):
                     if ch is not None:
                         _p2p.barrier(ch, args, self.timeout)
                 return
-            self._check_alive()
+            self._ledgers[0].check_alive()
             # an all-reduce of a tensor of our own, not dist.barrier: torch 2.11 keeps a group's last
             # barrier tensor alive for good (one byte that no state of ragged's accounts for)
             dist.all_reduce(torch.zeros(1, device=self._device), group=self.group)
@@ -332,9 +310,6 @@ class TorchCollectives(BufferOps):
         return None
 
     def _record(self, index, op, reduce, tensors, label, *, numel=None):
-        self._check_alive()
-        if self._ledgers is None:
-            return
         led = self._ledgers[index]
         if led is not None:
             identity, text = self._call_args(label)
@@ -343,27 +318,23 @@ class TorchCollectives(BufferOps):
             led.record(op, reduce, tensors[0].dtype, numel, identity, text)
 
 
-def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | None = None,
-               handshake: str | None = None, timeout: float | None = None, verify_every: int = 64) -> TorchCollectives:
+def from_torch(group=None, *, plan_check: str | None = None, handshake: str | None = None,
+               timeout: float | None = None, verify_every: int = 64) -> TorchCollectives:
     """Collectives over ``torch.distributed``.
 
     Args:
         group: ``None`` (the default process group), a ``ProcessGroup`` (the shard group), or
             a ``DeviceMesh``: 1-D (shard group) or 2-D ``(replicate, shard)`` for HSDP.
-        algorithm: force one path for all-gather and reduce-scatter (``"native"``, ``"p2p"``,
-            ``"all_to_all"``) under ``handshake="none"`` / ``"deferred"``; default: the fastest
-            measured path for the backend (see [Note: gloo all-gather and reduce-scatter paths] in ``_torch_paths.py``).
         plan_check: when the transforms run an explicit agreement round on their plans (whose
             mismatch message lists the differing leaves): ``"first_use"`` (default: once per
             plan and comm) or ``"every_call"`` (the default when ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
             as torch's own per-call checks); see [Note: plan check before collectives] in
             ``ragged/transforms/_check.py``. Independent of it, every call carries its
             identity (see ``handshake``).
-        handshake: when each call's operation, dtype, sizes and identity are checked across
-            ranks: ``"header"`` (default on gloo: before the data moves), ``"deferred"``
-            (default on NCCL, and with ``algorithm=``: without a device sync, at the next
-            agreement point or within ``verify_every`` calls), ``"none"`` (not at all: the
-            pre-agreement baseline). See [Note: handshake modes].
+        handshake: the transport (see [Note: two transports]): ``"header"`` (gloo's default:
+            point-to-point exchanges, each call checked before its data moves) or ``"deferred"``
+            (NCCL's shape, the default elsewhere: native collectives, each call checked without
+            a device sync at the next agreement point or within ``verify_every`` calls).
         timeout: seconds a collective waits for a peer before this comm fails on every rank
             (default ``DEFAULT_TIMEOUT`` = 300 s; on gloo it replaces the process group's own
             timeout for ragged's collectives).
@@ -382,7 +353,7 @@ def from_torch(group=None, *, algorithm: str | None = None, plan_check: str | No
             "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the env), or "
             "use rg.collectives.simulate(world_size, fn) for an in-process simulation."
         )
-    kw = dict(algorithm=algorithm, plan_check=plan_check, handshake=handshake, timeout=timeout, verify_every=verify_every)
+    kw = dict(plan_check=plan_check, handshake=handshake, timeout=timeout, verify_every=verify_every)
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover

@@ -60,8 +60,7 @@ class MeshComm:
         return f"MeshComm(mesh={self.mesh.shape} {self.mesh.names}, coords={dict(self.coords)})"
 
 
-def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: str | None = None,
-                     handshake: str | None = None) -> MeshComm:
+def from_device_mesh(device_mesh, *, plan_check: str | None = None, handshake: str | None = None) -> MeshComm:
     """A :class:`MeshComm` over a torch ``DeviceMesh`` with named dims.
 
     Each axis gets ``rg.collectives.from_torch(device_mesh[name])``; ``world`` is the default
@@ -69,7 +68,7 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: s
 
     Args:
         device_mesh: from ``init_device_mesh(device, shape, mesh_dim_names=names)``.
-        algorithm, plan_check, handshake: forwarded to :func:`ragged.collectives.from_torch`.
+        plan_check, handshake: forwarded to :func:`ragged.collectives.from_torch`.
     """
     import torch.distributed as dist
 
@@ -79,7 +78,7 @@ def from_device_mesh(device_mesh, *, algorithm: str | None = None, plan_check: s
     if not names:
         raise RaggedValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
     mesh = Mesh(tuple(int(s) for s in device_mesh.mesh.shape), tuple(names))
-    options = dict(algorithm=algorithm, plan_check=plan_check, handshake=handshake)
+    options = dict(plan_check=plan_check, handshake=handshake)
     axes = {n: from_torch(device_mesh[n], **options) for n in names}
     coords = {n: int(device_mesh.get_local_rank(n)) for n in names}
     world = None

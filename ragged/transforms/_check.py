@@ -70,8 +70,7 @@ Three agreements, each catching what the others cannot:
   the learnt schedule (``test_faults_gloo.py: test_error_inside_fsdp_step_makes_every_peer_raise``).
 
 (A fourth, a digest of the labels of the step's collectives checked at the next call, went:
-the per-call identity already carries every label, in every handshake but ``"none"``, which
-asks for no checks.)
+the per-call identity already carries every label, in both transports.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The transports under the collectives, on 2 and 4 real gloo ranks: the header channel's
-point-to-point paths (``_channel.py`` + ``_p2p.py``), the paths without headers
-(``_torch_paths.py``: native, all_to_all, p2p) and the deferred ledger (``_ledger.py``).
+point-to-point paths (``_channel.py`` + ``_p2p.py``) and NCCL's shape: native collectives with
+the deferred ledger (``_ledger.py``).
 
 Every path's result is compared with what the collective means, computed locally from every
 rank's inputs (each rank's input is a function of its rank); sums in float64 so the order of
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.distributed
 
 workers2, workers4, workers = workers_2_and_4()
 
-# header: gloo's default; the others: the paths a forced algorithm takes, checked by the ledger
-PATHS = {"header": {}, "native": {"algorithm": "native"}, "all_to_all": {"algorithm": "all_to_all"},
-         "p2p": {"algorithm": "p2p"}}
+# the two transports: gloo's default and NCCL's shape (see [Note: two transports] in _torch.py)
+PATHS = {"header": {}, "native": {"handshake": "deferred"}}
 # one element, an inline message (<= INLINE_BYTES per peer), a large one, all-reduce above _DIRECT_BYTES
 SIZES = (1, 5, INLINE_BYTES // 8 + 3, _DIRECT_BYTES // 8 + 7)
 

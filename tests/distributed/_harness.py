@@ -80,7 +80,7 @@ def world_size() -> int:
     return _STATE["world_size"]
 
 
-TRANSPORTS = {"gloo-default": {}, "nccl-shaped": {"handshake": "deferred", "algorithm": "native"}}
+TRANSPORTS = {"gloo-default": {}, "nccl-shaped": {"handshake": "deferred"}}
 """The two transports every exactness test runs in: gloo's default (per-call headers over its
 checked point-to-point channel) and the one NCCL uses (native collectives + the deferred
 ledger), so CI runs every line a GPU runs except the CUDA calls."""

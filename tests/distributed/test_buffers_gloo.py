@@ -50,7 +50,7 @@ def _grads(rank, seed=5):
 
 
 def _transforms(algorithm):
-    c = comm(algorithm=algorithm) if algorithm in ("native", "p2p") else comm()
+    c = comm(handshake="deferred") if algorithm == "native" else comm()
     if algorithm == "fallback":
         c = _NoCoalesced(c)
     m, params = c.world_size, _params()
@@ -76,7 +76,7 @@ def _transforms(algorithm):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["default", "p2p", "native", "fallback"])
+@pytest.mark.parametrize("algorithm", ["default", "native", "fallback"])
 def test_transforms_on_multi_buffer_plans(workers2, algorithm):
     for per_rank in workers2.run(_transforms, algorithm):
         one = per_rank[0]

@@ -14,16 +14,17 @@ pytestmark = pytest.mark.distributed
 workers2, workers4, workers = workers_2_and_4()
 
 
-def _probe_under_profiler(handshake):
+def _probe_under_profiler():
     """Polling a handle while its collective finishes on gloo's thread, under torch's profiler and
     inside saved-tensor hooks (the fsdp step's backward): the poll must not deadlock (see [Note:
-    asking a torch work whether it is done] in ragged/collectives/_torch.py). Rank 1 arrives late,
+    asking a torch work whether it is done] in ragged/collectives/_handles.py; NCCL's shape, whose
+handles ask torch's works). Rank 1 arrives late,
     so rank 0 polls while gloo finishes each all-reduce."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
-    c = comm(algorithm="native", handshake=handshake)
+    c = comm(handshake="deferred")
     x = torch.ones(1 << 14)
     polls = 0
     with profile(activities=[ProfilerActivity.CPU]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -64,8 +65,8 @@ def _close(a, b, **kw):
 
 
 # ---- bodies (module level: they are pickled to the workers) ------------------------------------
-def _gather_shard(algorithm):
-    c = comm(algorithm=algorithm)
+def _gather_shard(handshake):
+    c = comm(handshake=handshake)
     params = _params()
     plan = _plan(c.world_size)
     d = rg.shard(plan, params, c)
@@ -80,8 +81,8 @@ def _gather_shard(algorithm):
     return d.data.numel()
 
 
-def _reduce_scatter(algorithm, op, flat):
-    c = comm(algorithm=algorithm)
+def _reduce_scatter(handshake, op, flat):
+    c = comm(handshake=handshake)
     m = c.world_size
     plan = _plan(m)
     grads = [_params(seed=100 + r) for r in range(m)]
@@ -240,9 +241,9 @@ def _bad_grads():
     return None
 
 
-def _coalesced(handshake, algorithm):
+def _coalesced(handshake):
     """Several buffers in one call (a unit with several buffers): each equals its own collective."""
-    c = comm(handshake=handshake, algorithm=algorithm)
+    c = comm(handshake=handshake)
     m, r = c.world_size, c.rank
     g = torch.Generator().manual_seed(5)
     xs = [[torch.randn(n, generator=g, dtype=torch.float64) for n in (3, 0, 7)] for _ in range(m)]
@@ -261,7 +262,7 @@ def _coalesced(handshake, algorithm):
 
 
 def _handshakes():
-    return (comm().handshake, rg.collectives.from_torch(algorithm="native").handshake, comm().timeout)
+    return comm().handshake, comm().timeout
 
 
 def _global_norm():
@@ -319,20 +320,20 @@ def _overlap():
 
 
 # ---- tests -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("algorithm", [None, "p2p", "all_to_all", "native"])
-def test_gather_of_shard_is_identity(workers, algorithm):
-    sizes = workers.run(_gather_shard, algorithm)
+@pytest.mark.parametrize("handshake", ["header", "deferred"])
+def test_gather_of_shard_is_identity(workers, handshake):
+    sizes = workers.run(_gather_shard, handshake)
     assert len(set(sizes)) == 1
 
 
-@pytest.mark.parametrize("algorithm", [None, "p2p", "native"])
+@pytest.mark.parametrize("handshake", ["header", "deferred"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_reduce_scatter_pytree(workers, algorithm, op):
-    assert all(workers.run(_reduce_scatter, algorithm, op, False))
+def test_reduce_scatter_pytree(workers, handshake, op):
+    assert all(workers.run(_reduce_scatter, handshake, op, False))
 
 
 def test_reduce_scatter_flat(workers):
-    assert all(workers.run(_reduce_scatter, None, "mean", True))
+    assert all(workers.run(_reduce_scatter, "header", "mean", True))
 
 
 def test_overlapped_gathers_and_reduce_scatters(workers):
@@ -374,20 +375,19 @@ def test_bad_grads_named_before_communication(workers):
     assert all(m is not None and "grads['blocks'][1]['w'] has shape (5, 4)" in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize("handshake, algorithm", [("header", None), ("deferred", "native"), ("none", "p2p")])
-def test_coalesced_buffers_equal_their_own_collectives(workers, handshake, algorithm):
-    assert set(workers.run(_coalesced, handshake, algorithm)) == {handshake}
+@pytest.mark.parametrize("handshake", ["header", "deferred"])
+def test_coalesced_buffers_equal_their_own_collectives(workers, handshake):
+    assert set(workers.run(_coalesced, handshake)) == {handshake}
 
 
 def test_default_handshake_and_timeout(workers2):
-    assert workers2.run(_handshakes) == [("header", "deferred", rg.collectives.DEFAULT_TIMEOUT)] * 2
+    assert workers2.run(_handshakes) == [("header", rg.collectives.DEFAULT_TIMEOUT)] * 2
 
 
 def test_hsdp_2x2(workers4):
     assert sorted(workers4.run(_hsdp)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("handshake", ["none", "deferred"])
-def test_polling_a_handle_under_the_profiler_does_not_deadlock(workers2, handshake):
-    polls = workers2.run(_probe_under_profiler, handshake, timeout=90)
+def test_polling_a_handle_under_the_profiler_does_not_deadlock(workers2):
+    polls = workers2.run(_probe_under_profiler, timeout=90)
     assert polls[0] > 0  # rank 0 did poll while the collectives were in flight

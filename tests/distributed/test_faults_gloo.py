@@ -519,7 +519,7 @@ def test_kill_during_fsdp_step(tmp_path, m, phase, transport):
 
 # ---- handshake="deferred" (NCCL's mode), exercised on gloo with calls of equal sizes ---------
 def _deferred(kind, verify_every):
-    comm = _fresh_comm(handshake="deferred", algorithm="native", verify_every=verify_every)
+    comm = _fresh_comm(handshake="deferred", verify_every=verify_every)
     r, m = comm.rank, comm.world_size
     odd = r == m - 1
     params = _params()
@@ -579,7 +579,7 @@ def _deferred_coalesced_split():
     group of one rank each, so the data moves nowhere): its ledger digest differs."""
     m, r = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group([j]) for j in range(m)]
-    comm = rg.collectives.from_torch(groups[r], handshake="deferred", algorithm="native")
+    comm = rg.collectives.from_torch(groups[r], handshake="deferred")
     x = torch.arange(6.0)
     sizes = (2, 4) if r == m - 1 else (4, 2)
     outs = [torch.empty(k) for k in sizes]

@@ -19,8 +19,6 @@ EXCEPTIONS: dict[str, str] = {
     "fsdp/_runtime.py": "#37 item 4 (house-agree) splits it",
     "examples/train.py:train": "#37 item 5 (house-split) splits it",
     "checkpoint/_save.py:save": "#37 item 5 (house-split): plan what to write, then write",
-    "optim/_muon.py": "#37 item 5 (house-split): the exchange plan in its own module",
-    "optim/_muon.py:scale_by_muon": "#37 item 5 (house-split): a plan value plus the update",
 }
 
 

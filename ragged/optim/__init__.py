@@ -20,11 +20,11 @@ from ragged.optim._combine import leaf_labels as leaf_labels
 from ragged.optim._combine import leaf_masks as leaf_masks
 from ragged.optim._combine import masked as masked
 from ragged.optim._combine import multi_transform as multi_transform
-from ragged.optim._muon import MuonMatrix as MuonMatrix
+from ragged.optim._muon_plan import MuonMatrix as MuonMatrix
 from ragged.optim._muon import ScaleByMuonState as ScaleByMuonState
-from ragged.optim._muon import default_muon_filter as default_muon_filter
+from ragged.optim._muon_plan import default_muon_filter as default_muon_filter
 from ragged.optim._muon import muon as muon
-from ragged.optim._muon import muon_load as muon_load
+from ragged.optim._muon_plan import muon_load as muon_load
 from ragged.optim._muon import newton_schulz as newton_schulz
 from ragged.optim._muon import scale_by_muon as scale_by_muon
 from ragged.optim._quant8 import adamw_8bit as adamw_8bit

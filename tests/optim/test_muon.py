@@ -42,14 +42,14 @@ def test_load_balanced_within_one_matrix():
 def test_exchange_plan_moves_every_matrix_element_to_its_owner_once(world_size, max_buffers, num_waves):
     """The owner exchange of every rank, from each matrix's ends (no walk over ranks): what rank r sends
     j is what j expects from r, and the pieces each owner receives tile its matrices exactly."""
-    from ragged.optim._muon import _matrices, _waves
+    from ragged.optim._muon_plan import exchange_waves, muon_matrices
 
     params = {f"w{i}": torch.empty(7 * (i % 4 + 1), 5 + i, device="meta") for i in range(9)}
     params["experts"] = torch.empty(3, 11, 6, device="meta")
     params["bias"] = torch.empty(13, device="meta")
     plan = rg.make_plan(params, world_size=world_size, max_buffers=max_buffers, align=1)
-    (matrices,) = _matrices([plan], rg.optim.default_muon_filter, 5)
-    waves = [_waves(plan, r, matrices, num_waves) for r in range(world_size)]
+    (matrices,) = muon_matrices((plan,), rg.optim.default_muon_filter, 5)
+    waves = [exchange_waves(plan, r, matrices, num_waves) for r in range(world_size)]
     where = {g: (r, rng.local_offset + g - rng.start)  # global position -> (rank, offset in its shard)
              for r in range(world_size) for rng in plan.shard_ranges(r) for g in range(rng.start, rng.stop)}
     assert len({len(w) for w in waves}) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 from optree.dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from ragged._pytree import pytree
 from ragged.spec._plan import LayoutPlan, piece_shape
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["DBuffer", "is_dbuffer", "unflatten"]
+__all__ = ["DBuffer", "is_dbuffer", "unflatten", "norm", "leaf_positions"]
 
 
 @dataclass(frozen=True, namespace="ragged")
@@ -112,8 +113,8 @@ class DBuffer:
         return self.replace(data=self.data.to(dtype), replicated=self.replicated.to(dtype))
 
     def global_norm(self, comm=None, *, ord: float = 2.0) -> torch.Tensor:
-        """The ``ord``-norm of all leaves together across the shard group (a 0-d fp32-or-wider
-        tensor, equal on every rank).
+        """The ``ord``-norm of all leaves together across the shard group (a 0-d float64 tensor,
+        equal on every rank): :func:`norm` of this buffer.
 
         One local reduction per buffer and one all-reduce of a scalar; padding is zero so it
         does not contribute; replicated leaves are counted once (they are equal on every rank).
@@ -126,24 +127,66 @@ class DBuffer:
             >>> rg.collectives.simulate(2, lambda c: float(rg.shard(plan, {"w": w}, c).global_norm(c)))
             [5.0, 5.0]
         """
-        acc_dtype = torch.promote_types(self.data.dtype, torch.float32)
-        if ord == float("inf"):
-            local = self.data.abs().amax().to(acc_dtype) if self.data.numel() else torch.zeros((), dtype=acc_dtype)
-            if comm is not None:
-                local = local.reshape(1).clone()
-                comm.all_reduce(local, op="max")
-                local = local[0]
-            if self.replicated.numel():
-                local = torch.maximum(local, self.replicated.abs().amax().to(acc_dtype))
-            return local
-        p = float(ord)
-        local = self.data.to(acc_dtype).abs().pow(p).sum() if p != 2.0 else torch.linalg.vector_norm(self.data, dtype=acc_dtype).square()
-        total = local.reshape(1).clone()
-        if comm is not None:
-            comm.all_reduce(total, op="sum")
-        if self.replicated.numel():
-            total = total + self.replicated.to(acc_dtype).abs().pow(p).sum()
-        return total[0].pow(1.0 / p)
+        return norm([self], comm, ord=ord)
+
+
+def _power_sum(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``sum(|x| ** p)`` (``max |x|`` for ``p = inf``) in float64, 0-d."""
+    x = x.to(torch.float64)
+    if p == math.inf:
+        return x.abs().amax() if x.numel() else x.new_zeros(())
+    return torch.sum(torch.square(x)) if p == 2.0 else torch.sum(x.abs().pow(p))
+
+
+def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
+    """The ``ord``-norm of ``parts`` over every rank, each element counted once (0-d float64,
+    equal on every rank): the one norm core under ``rg.global_norm`` of every layout,
+    :meth:`DBuffer.global_norm` and ``rg.optim.tree_norm``.
+
+    ``parts``: DBuffers (this rank's shards: their ``data`` is reduced over ``comm``, their
+    replicated leaves count once), ``(DBuffer, {leaf index: weight})`` pairs (a leaf copied on
+    another axis of size k weighs 1/k there, so reducing over that axis counts it once), and
+    plain tensors (the same on every rank: counted once). The shards' sums are all-reduced over
+    ``comm`` (one scalar; not at all without a DBuffer), the replicated ones added, the total
+    all-reduced over each comm of ``others`` (axes whose copies the weights divided out). No host
+    sync. ``ord=inf``: the largest magnitude (weights do not matter).
+    """
+    p = float(ord)
+    op, join = ("max", torch.maximum) if p == math.inf else ("sum", torch.add)
+    sharded, local = [], []
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            local.append(_power_sum(part, p))
+            continue
+        d, weights = part if isinstance(part, tuple) else (part, None)
+        if not weights or p == math.inf:  # every weight 1: padding is zero, so whole buffers
+            sharded.append(_power_sum(d.data, p))
+            local.append(_power_sum(d.replicated, p))
+            continue
+        groups: dict[float, set[int]] = {}
+        for leaf in d.plan.leaves + d.plan.replicated:
+            groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
+        for weight, idx in groups.items():
+            dpos, rpos = leaf_positions(d.plan, d.rank, frozenset(idx))
+            sharded.append(weight * _power_sum(d.data[dpos.to(d.data.device)], p))
+            local.append(weight * _power_sum(d.replicated[rpos.to(d.replicated.device)], p))
+    device = next((t.device for t in sharded + local), None)
+    total = functools.reduce(join, sharded, torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
+    if sharded and comm is not None and comm.world_size > 1:
+        comm.all_reduce(total, op=op)
+    if local:
+        total = join(total, functools.reduce(join, local))
+    for other in others:
+        other.all_reduce(total, op=op)
+    return total[0] if p == math.inf else torch.sqrt(total[0]) if p == 2.0 else total[0].pow(1.0 / p)
+
+
+@functools.lru_cache(maxsize=256)
+def leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
+    """Positions of the ``picked`` leaves (by index) in ``rank``'s shard and in the replicated buffer."""
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked]
+    return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
 
 
 def is_dbuffer(x) -> bool:

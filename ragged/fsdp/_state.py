@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged import transforms
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, norm
 from ragged._errors import RaggedKeyError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._materialize import default_init, materialize_buffers, materialize_unit
@@ -44,7 +44,6 @@ from ragged.fsdp._pretrained import is_pretrained, load_shards
 from ragged.fsdp._fsdp2 import is_fsdp2, load_fsdp2
 from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
-from ragged.transforms._reduce_scatter import reduce_square_sums, weighted_square_sums
 
 __all__ = ["TrainState", "init", "unit_trees"]
 
@@ -168,18 +167,15 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     rg.global_norm(units, g, comm, data_groups=data_groups))``.
     """
     groups = data_groups_option(data_groups, "global_norm")
-    sharded = replicated = 0.0
+    parts = []
     for u in units:
-        if u.trainable_plan is None:
-            continue
-        d = grads[u.name]
-        weights: dict[int, float] = {}
-        for group in groups:
-            for i in picked_leaves(u, group.is_replicated):
-                weights[i] = weights.get(i, 1.0) / group.comm.world_size
-        s, r = weighted_square_sums(d.plan, d.data, d.replicated, d.rank, weights)
-        sharded, replicated = sharded + s, replicated + r
-    return torch.sqrt(reduce_square_sums(sharded, replicated, comm, [g.comm for g in groups]))
+        if u.trainable_plan is not None:
+            weights: dict[int, float] = {}
+            for group in groups:
+                for i in picked_leaves(u, group.is_replicated):
+                    weights[i] = weights.get(i, 1.0) / group.comm.world_size
+            parts.append((grads[u.name], weights))
+    return norm(parts, comm, others=[g.comm for g in groups])
 
 
 register_layout(Units, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer, is_dbuffer
+from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation
-from ragged.optim._finite import NonFiniteError, check_sharded_comm, local_nonfinite, nonfinite_report
+from ragged.optim._finite import NonFiniteError, _agree_any, check_sharded_comm, nonfinite_report
 from ragged.optim._transform import _check_nonneg
 
 __all__ = ["ClipByGlobalNormState", "tree_norm", "clip_by_global_norm"]
@@ -16,53 +16,16 @@ __all__ = ["ClipByGlobalNormState", "tree_norm", "clip_by_global_norm"]
 ClipByGlobalNormState = EmptyState
 
 
-def _global_sq(tree, comm, *, agree_finite: bool = False):
-    """``(sum of squares over all ranks, some rank non-finite)`` of ``tree``: see
-    :func:`tree_norm`. With ``agree_finite`` the second value is a bool every rank agrees on
-    (a flag for the parts that are not all-reduced rides in the same all-reduce), else None."""
-    sharded, local = [], []
-    for leaf in pytree.leaves(tree, is_leaf=is_dbuffer):
-        if isinstance(leaf, DBuffer):
-            sharded.append(leaf.data)
-            local.append(leaf.replicated)
-        elif isinstance(leaf, torch.Tensor):
-            local.append(leaf)
-    ref = (sharded + local)[0]
-    sq = lambda t: torch.sum(torch.square(t.to(torch.float64)))  # noqa: E731
-    total = torch.zeros((), dtype=torch.float64, device=ref.device)
-    shard_sq = sum((sq(t) for t in sharded), start=total.clone())
-    flag = local_nonfinite(local, ref.device) if agree_finite else None
-    many = comm is not None and comm.world_size > 1
-    if many and agree_finite:
-        both = torch.stack([shard_sq, flag])  # one all-reduce for both
-        comm.all_reduce(both, op="sum")
-        shard_sq, flag = both[0], both[1]
-    elif many and sharded:
-        shard_sq = shard_sq.reshape(1)
-        comm.all_reduce(shard_sq, op="sum")
-        shard_sq = shard_sq[0]
-    total = total + shard_sq
-    for t in local:
-        total = total + sq(t)
-    if not agree_finite:
-        return total, None
-    if getattr(comm, "num_replicas", 1) > 1:
-        flag = flag.reshape(1).clone()
-        comm.all_reduce_replicas(flag, op="max")
-    return total, bool(flag.reshape(()) > 0) or not bool(torch.isfinite(shard_sq))
-
-
-def _global_sq_collectives(tree, comm, agree_finite: bool) -> tuple:
-    """What :func:`_global_sq` issues on ``comm`` for a tree shaped like ``tree``."""
+def _global_norm_collectives(tree, comm, agree_finite: bool) -> tuple:
+    """What :func:`tree_norm` (and the finiteness agreement) issues on ``comm`` for a tree shaped like ``tree``."""
     if comm is None:
         return ()
     out = ()
-    if comm.world_size > 1 and agree_finite:
-        out = (("all_reduce", "shard", 1, 16),)
-    elif comm.world_size > 1 and any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer)):
+    if comm.world_size > 1 and any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer)):
         out = (("all_reduce", "shard", 1, 8),)
-    if agree_finite and getattr(comm, "num_replicas", 1) > 1:
-        out += (("all_reduce", "replica", 1, 8),)
+    if agree_finite:
+        out += ((("all_reduce", "shard", 1, 8),) if comm.world_size > 1 else ()) + (
+            (("all_reduce", "replica", 1, 8),) if getattr(comm, "num_replicas", 1) > 1 else ())
     return out
 
 
@@ -85,7 +48,8 @@ def tree_norm(tree, *, comm=None) -> torch.Tensor:
         >>> float(rg.optim.tree_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
         5.0
     """
-    return torch.sqrt(_global_sq(tree, comm)[0])
+    parts = [x for x in pytree.leaves(tree, is_leaf=is_dbuffer) if isinstance(x, (DBuffer, torch.Tensor))]
+    return _norm(parts, comm)
 
 
 def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite: bool = False) -> GradientTransformation:
@@ -103,8 +67,9 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
             the step's ``data_groups`` under expert parallelism). It must be equal on every rank.
         error_if_nonfinite: raise :class:`~ragged.optim.NonFiniteError` when the norm is NaN
             or inf (torch's ``clip_grad_norm_(error_if_nonfinite=True)``), on every rank alike
-            (a NaN anywhere, replicated leaves included, is seen by all: its flag rides in the
-            norm's all-reduce) and before anything is updated. Costs one host sync per step.
+            (a NaN anywhere, replicated leaves included, is seen by all: each rank's verdict on
+            its norm is agreed, one more all-reduce of one scalar) and before anything is
+            updated. Costs one host sync per step.
             To skip such steps instead, wrap the optimizer in :func:`ragged.optim.apply_if_finite`.
 
     Examples:
@@ -128,8 +93,9 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
         del params
         if norm is None:
             check_sharded_comm(updates, comm, "clip_by_global_norm")
-            total_sq, nonfinite = _global_sq(updates, comm, agree_finite=error_if_nonfinite)
-            total = torch.sqrt(total_sq)
+            total = tree_norm(updates, comm=comm)
+            # every rank alike: a NaN in one rank's replicated leaves reaches its norm alone
+            nonfinite = error_if_nonfinite and _agree_any(torch.logical_not(torch.isfinite(total)).double(), comm)
         else:
             total = norm(updates)
             nonfinite = error_if_nonfinite and not bool(torch.isfinite(total))
@@ -143,5 +109,5 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
 
-    collectives = None if norm is not None else lambda params: _global_sq_collectives(params, comm, error_if_nonfinite)
+    collectives = None if norm is not None else lambda params: _global_norm_collectives(params, comm, error_if_nonfinite)
     return GradientTransformation(init, update, collectives=collectives)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, norm
 from ragged._errors import RaggedValueError
 from ragged.fsdp._data import DataGroup
 from ragged.parallel._parts import check_mplan, parts
@@ -32,7 +32,7 @@ from ragged.spec._mesh_plan import MeshPlan
 from ragged.transforms._gather import gather as gather_plan
 from ragged.transforms._check import check_plans
 from ragged.transforms._layouts import LayoutOps, register_layout
-from ragged.transforms._reduce_scatter import all_reduce_leaves, reduce_square_sums, weighted_square_sums
+from ragged.transforms._reduce_scatter import all_reduce_leaves
 from ragged.transforms._reduce_scatter import reduce_scatter as reduce_scatter_plan
 from ragged.transforms._shard import shard as shard_plan
 
@@ -207,9 +207,7 @@ def _global_norm(mplan: MeshPlan, dbuf: DBuffer, mcomm) -> torch.Tensor:
     check_mesh_plan(mplan, mcomm)
     copies = {ml.index: math.prod(mcomm[a].world_size for a in ml.replicated_on) for ml in mplan.leaves}
     weights = {i: 1.0 / c for i, c in copies.items() if c > 1}
-    sharded, replicated = weighted_square_sums(mplan.plan, dbuf.data, dbuf.replicated, dbuf.rank, weights)
-    others = [mcomm[a] for a in mplan.other_axes]
-    return torch.sqrt(reduce_square_sums(sharded, replicated, mcomm[mplan.fsdp_axis], others))
+    return norm([(dbuf, weights)], mcomm[mplan.fsdp_axis], others=[mcomm[a] for a in mplan.other_axes])
 
 
 register_layout(MeshPlan, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))

@@ -35,7 +35,7 @@ from typing import NamedTuple, overload
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, norm
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms import _gather, _reduce_scatter, _shard
@@ -231,8 +231,7 @@ def _plan_global_norm(plan: LayoutPlan, grads, comm) -> torch.Tensor:
             f"global_norm(plan, grads, comm): grads must be a DBuffer of the plan, got {type(grads).__name__}"
             + (" of another plan." if isinstance(grads, DBuffer) else ".")
         )
-    sharded, replicated = _reduce_scatter.weighted_square_sums(plan, grads.data, grads.replicated, grads.rank, {})
-    return torch.sqrt(_reduce_scatter.reduce_square_sums(sharded, replicated, comm, ()))
+    return norm([grads], comm)
 
 
 def global_norm(layout, grads, comm, **options) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer, segments
+from ragged._dbuffer import DBuffer, leaf_positions, segments
 from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
@@ -76,47 +76,6 @@ def _padding_gaps(plan: LayoutPlan, rank: int):
     return tuple(gaps)
 
 
-@functools.lru_cache(maxsize=256)
-def _leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
-    """Positions of the ``picked`` leaves (by index) in ``rank``'s shard and in the replicated buffer."""
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked]
-    return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
-
-
-def weighted_square_sums(plan: LayoutPlan, data: torch.Tensor, replicated: torch.Tensor, rank: int,
-                         weights: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum over rank's shard, sum over the replicated buffer)`` of ``weight(leaf) * x**2`` in
-    float64, leaf weights by index (default 1). For norms over several mesh axes: a leaf copied
-    on an axis of size k gets weight 1/k there, so summing over that axis counts it once."""
-    if not weights:  # every weight 1: padding is zero, so whole buffers (no index tensors)
-        return (torch.sum(torch.square(data.to(torch.float64))),
-                torch.sum(torch.square(replicated.to(torch.float64))))
-    groups: dict[float, set[int]] = {}
-    for leaf in plan.leaves + plan.replicated:
-        groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
-    zero = torch.zeros((), dtype=torch.float64, device=data.device)
-    out_data, out_rep = zero, zero.clone()
-    for weight, idx in groups.items():
-        dpos, rpos = _leaf_positions(plan, rank, frozenset(idx))
-        out_data = out_data + weight * torch.sum(torch.square(data[dpos.to(data.device)].to(torch.float64)))
-        out_rep = out_rep + weight * torch.sum(torch.square(replicated[rpos.to(replicated.device)].to(torch.float64)))
-    return out_data, out_rep
-
-
-def reduce_square_sums(sharded: torch.Tensor, replicated: torch.Tensor, comm, other_comms) -> torch.Tensor:
-    """Total of :func:`weighted_square_sums` over the mesh: ``sharded`` summed over ``comm``
-    (the FSDP group), ``replicated`` (equal on every rank of it) added once, then the total summed
-    over each of ``other_comms`` (axes whose copies the weights already divided)."""
-    total = sharded.reshape(1).clone()
-    if comm.world_size > 1:
-        comm.all_reduce(total, op="sum")
-    total = total + replicated
-    for other in other_comms:
-        other.all_reduce(total, op="sum")
-    return total[0]
-
-
 def all_reduce_leaves_numels(plan: LayoutPlan, rank: int, picked: frozenset) -> tuple[int, ...]:
     """The element count of each all-reduce :func:`all_reduce_leaves` issues (for ``step.lower``)."""
     if len(picked) == plan.num_leaves:
@@ -135,7 +94,7 @@ def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: 
         if replicated.numel():
             comm.all_reduce(replicated, op="sum")
         return
-    for buf, pos in zip((data, replicated), _leaf_positions(plan, rank, picked)):
+    for buf, pos in zip((data, replicated), leaf_positions(plan, rank, picked)):
         if pos.numel():
             pos = pos.to(buf.device)
             vals = buf[pos]

@@ -18,7 +18,6 @@ EXCEPTIONS: dict[str, str] = {
     "fsdp/_lower.py": "#37 item 1 (house-predict) moves and splits it",
     "fsdp/_runtime.py": "#37 item 4 (house-agree) splits it",
     "examples/train.py:train": "#37 item 5 (house-split) splits it",
-    "checkpoint/_save.py:save": "#37 item 5 (house-split): plan what to write, then write",
 }
 
 

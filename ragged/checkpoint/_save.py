@@ -139,8 +139,24 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     except RaggedError as exc:
         poison(comm, f"rg.checkpoint.save({path!r}) failed on rank {comm.rank}: {exc}")
         raise
-    description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
     call = f"save({path!r})"
+    token = _agreed_token(path, comm, call, paths, leaves, kinds, entries, treedef, overwrite)
+    reached("agreed")
+    # [Note: HSDP] Replicas hold identical shards: replica 0 writes them, the others write
+    # only their PerRank values; every process takes part in the protocol (and in loading).
+    me, replica = everyone(comm)[0], getattr(comm, "replica_rank", 0)
+    pieces = [pc for p, leaf, kind in zip(paths, leaves, kinds) if replica == 0 or kind.per_process
+              for pc in kind.pieces(p, leaf, comm.rank, me)]
+    manifest = {"format": fmt.FORMAT, "version": fmt.VERSION, "world_size": comm.world_size,
+                "replicas": getattr(comm, "num_replicas", 1), "treedef": str(treedef), "entries": entries,
+                "torch": torch.__version__}
+    return _write(path, token, pieces, manifest, comm, call, overwrite)
+
+
+def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dict, treedef, overwrite: bool) -> str:
+    """Every rank's state agreed (one digest round; a second round names what differs) and the
+    path free (or ``overwrite``): the token naming this save's temporary directory."""
+    description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
 
     def prepare():
         # Only a digest of the description travels (every rank receives every rank's object,
@@ -165,50 +181,36 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     exists, token = gathered[0][2], gathered[0][3]
     if exists and not overwrite:
         raise CheckpointError(f"cannot save: {path!r} already exists. Pass overwrite=True to replace it, or pick a new path.")
-    reached("agreed")
+    return token
+
+
+def _write(path: str, token: str, pieces, manifest: dict, comm, call: str, overwrite: bool) -> dict[str, Any]:
+    """Every rank writes its ``pieces`` into a hidden sibling of ``path``, the checksums are
+    exchanged, and rank 0 writes the manifest and publishes the directory at ``path``."""
     parent, name = os.path.split(path)
     tmp = os.path.join(parent, f".{name}.tmp-{token}")
-
-    # [Note: HSDP] Replicas hold identical shards: replica 0 writes them, the others write
-    # only their PerRank values; every process takes part in the protocol (and in loading).
     me, _ = everyone(comm)
-    replica = getattr(comm, "replica_rank", 0)
-    pieces = [
-        pc for p, leaf, kind in zip(paths, leaves, kinds)
-        if replica == 0 or kind.per_process
-        for pc in kind.pieces(p, leaf, comm.rank, me)
-    ]
     try:
         written = dcp_save(tmp, pieces, comm, call)
         digests = agree(
             comm, call, "checksums", lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written}
         )
         reached("checksummed")
-
         files = {name_: digest for d in digests for name_, digest in d.items()}
-        base = {
-            "format": fmt.FORMAT,
-            "version": fmt.VERSION,
-            "world_size": comm.world_size,
-            "replicas": getattr(comm, "num_replicas", 1),
-            "treedef": str(treedef),
-            "entries": entries,
-            "torch": torch.__version__,
-        }
 
         def publish():
             if me != 0:
                 return None
             extra = {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in os.listdir(tmp)
                      if name_ not in files and name_ != fmt.MANIFEST}  # e.g. the empty file of a rank with nothing to write
-            fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(base, files=dict(files, **extra))))
+            fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(manifest, files=dict(files, **extra))))
             fmt.fsync_dir(tmp)
             reached("manifest")
             _publish(tmp, path, token, overwrite)
             return extra  # small: every rank rebuilds the manifest from what it has
 
         extra = agree(comm, call, "publishing", publish)[0]
-        return fmt.with_checksum(dict(base, files=dict(files, **extra)))
+        return fmt.with_checksum(dict(manifest, files=dict(files, **extra)))
     except BaseException:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -287,6 +287,15 @@ class SimulatedCollectives(BufferOps):
 def simulate(world_size: int, fn, *args, mesh_shape: tuple[int, int] | None = None, timeout: float = 60.0, **kwargs):
     """Runs ``fn(comm, *args, **kwargs)`` on ``world_size`` simulated ranks (threads).
 
+    The ranks are threads of this one process, so they share torch's global random generator:
+    ``torch.manual_seed(s)`` then building a model inside ``fn`` races with the other ranks'
+    draws, and the ranks can end up with different weights (``fsdp.init`` refuses that, see
+    ``fsdp.ParamsMismatchError``). Instead build the model once outside ``fn`` and pass it in
+    (or ``copy.deepcopy`` it per rank), draw from a generator of the rank's own
+    (``torch.Generator().manual_seed(s)`` passed explicitly, e.g. to ``torch.randn(...,
+    generator=g)``), build on ``meta`` and let ``fsdp.init`` initialise it, or pass
+    ``fsdp.init(..., broadcast_from=0)``.
+
     Args:
         world_size: number of simulated ranks (all of them; for HSDP ``replicas * shard``).
         fn: called once per rank with that rank's :class:`SimulatedCollectives` first.

@@ -17,6 +17,7 @@ from ragged.fsdp._state import TrainState as TrainState
 from ragged.fsdp._trainable import trainable_shards as trainable_shards
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
+from ragged.fsdp._equal_start import ParamsMismatchError as ParamsMismatchError
 from ragged.fsdp._pretrained import save_pretrained as save_pretrained
 from ragged.fsdp._fsdp2 import save_fsdp2 as save_fsdp2
 from ragged.fsdp._data import DataGroup as DataGroup

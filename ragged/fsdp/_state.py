@@ -40,6 +40,7 @@ from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
+from ragged.fsdp._equal_start import check_equal, check_source, shard_from, sync_buffers
 from ragged.fsdp._pretrained import is_pretrained, load_shards
 from ragged.fsdp._fsdp2 import is_fsdp2, load_fsdp2
 from ragged.fsdp._trainable import check_trainable, trainable_shards
@@ -70,8 +71,7 @@ def _shard(units: Units, params, comm) -> dict[str, DBuffer]:
         >>> rg.collectives.simulate(2, fn)[1]["['a']"]
         [4.0, 5.0, 0.0, 0.0]
     """
-    trees = unit_trees(units, params)
-    return {u.name: transforms.shard(u.plan, {p: t.detach() for p, t in trees[u.name].items()}, comm) for u in units}
+    return _shard_trees(units, unit_trees(units, params), comm)
 
 
 def _short(names, k: int = 3) -> str:
@@ -178,6 +178,28 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     return norm(parts, comm, others=[g.comm for g in groups])
 
 
+def _agree_on(units: Units, trees, comm, source: int | None, module) -> None:
+    """Checks that every rank holds the same ``trees`` (and ``module``'s real buffers), or with
+    ``source``, sets the module's buffers to rank ``source``'s (see [Note: ranks start from the
+    same values])."""
+    if source is not None:
+        if module is not None:
+            sync_buffers(module, comm, source)
+        return
+    items = [(f"{p if p.startswith('[') else repr(p)} (unit {u.name!r})", t)  # a key path reads as it is
+             for u in units for p, t in trees[u.name].items()]
+    if module is not None:
+        items += [(f"buffer {n!r}", b) for n, b in module.named_buffers() if not b.is_meta]
+    check_equal(items, comm)
+
+
+def _shard_trees(units: Units, trees, comm, source: int | None = None) -> dict[str, DBuffer]:
+    """:func:`_shard` of ``unit_trees`` (rank ``source``'s values with ``source``)."""
+    if source is not None:
+        return {u.name: shard_from(u.plan, trees[u.name], comm, source) for u in units}
+    return {u.name: transforms.shard(u.plan, {p: t.detach() for p, t in trees[u.name].items()}, comm) for u in units}
+
+
 register_layout(Units, LayoutOps(shard=_shard, gather=_gather, reduce_scatter=_reduce_scatter, global_norm=_global_norm))
 
 
@@ -192,6 +214,7 @@ def init(
     device: torch.device | str | None = None,
     release_module: bool = True,
     module: torch.nn.Module | None = None,
+    broadcast_from: int | None = None,
 ) -> TrainState:
     """Shards ``params`` and initialises ``optimizer`` over the shards.
 
@@ -218,6 +241,16 @@ def init(
         module: with ``params = rg.checkpoint.pretrained(path)`` (or ``fsdp2(path)``), the module (built on ``meta``)
             the units were made from: its meta buffers are computed (as for a meta module) and
             its parameters replaced by placeholders, so a step can run it.
+        broadcast_from: ``None`` (default): every rank must bring the same values, which is
+            checked (a CRC-32 of each value's bytes, one small all-reduce) and refused with
+            :class:`ParamsMismatchError` on every rank otherwise. A rank ``r`` (e.g. ``0``):
+            every rank starts from rank r's parameters (and, for a module, floating-point and
+            integer buffers), bit for bit, as FSDP1's ``sync_module_states=True``; the other
+            ranks' values are not read, only their shapes. A module built on ``meta``, a
+            pretrained directory and an FSDP2 checkpoint are equal on every rank by
+            construction: neither is needed (values the user made real in a meta module are
+            checked or broadcast). See [Note: ranks start from the same values] in
+            ``fsdp/_equal_start.py``.
 
     Returns:
         ``TrainState(shards, optimizer.init(shards))``; from ``rg.checkpoint.fsdp2(path)`` with
@@ -226,6 +259,8 @@ def init(
     Raises:
         RaggedTypeError, RaggedKeyError, RaggedValueError: a misuse (the message names the fix),
             before any communication.
+        ParamsMismatchError: the ranks hold different values (the message names the first one
+            and the ranks on each side), on every rank, before anything is sharded.
 
     Examples:
         >>> import torch, ragged as rg
@@ -252,6 +287,7 @@ def init(
             f"the units were planned for world_size={units.world_size} but comm has {comm.world_size} ranks. "
             "Fix: make_units(model, world_size=comm.world_size)."
         )
+    source = check_source(broadcast_from, comm)
     fsdp2 = is_fsdp2(params)
     pretrained = is_pretrained(params) or fsdp2
     if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
@@ -273,16 +309,21 @@ def init(
                              else (load_shards(units, params, comm, device=device), None))
         buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
     elif not meta:
-        shards = _shard(units, params, comm)
+        trees = unit_trees(units, params)
+        _agree_on(units, trees, comm, source, module)
+        shards = _shard_trees(units, trees, comm, source)
         buffers = {}
     else:
-        unit_trees(units, module, meta=True)  # the same checks, before any communication
+        trees = unit_trees(units, module, meta=True)  # the same checks, before any communication
+        real = {u.name: {p: t for p, t in trees[u.name].items() if not t.is_meta} for u in units}
+        _agree_on(units, real, comm, source, module)
         device = torch.device(device) if device is not None else comm.device
         fn = default_init(module) if init_fn is None else lambda name, m: init_fn(m)
         shards = {}
         for u in units:  # one unit real at a time
             tree = materialize_unit(module, u, fn, seed=seed, device=device)
-            shards[u.name] = transforms.shard(u.plan, tree, comm)
+            brought = source is not None and real[u.name]  # only the values the user made real need rank source's
+            shards[u.name] = shard_from(u.plan, tree, comm, source) if brought else transforms.shard(u.plan, tree, comm)
             del tree
         buffers = materialize_buffers(module, fn, seed=seed, device=device)
     if module is not None and (release_module or meta or pretrained):

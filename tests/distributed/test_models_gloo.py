@@ -111,6 +111,36 @@ def test_misuse_is_refused_on_every_rank_before_any_change(workers2, case):
         assert fix in msg, msg
 
 
+def _built_apart(broadcast_from):
+    """Each rank builds the model from its own seed: ``fsdp.init`` refuses (the message, and
+    whether every parameter is still the module's own, unchanged), or with ``broadcast_from``
+    trains from that rank's values."""
+    c = comm()
+    model = tiny_moe(seed=c.rank)
+    if broadcast_from is not None:
+        return train_sharded(c, model, moe_batches(steps=2), broadcast_from=broadcast_from)[0]
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    try:
+        fsdp.init(fsdp.make_units(model, world_size=c.world_size), model, rg.optim.adamw(1e-2), c)
+    except fsdp.ParamsMismatchError as e:
+        return str(e), all(type(p) is torch.nn.Parameter and torch.equal(p, before[k]) for k, p in model.named_parameters())
+    return None, False
+
+
+def test_ranks_built_from_different_seeds_are_refused_on_every_rank_before_any_change(workers2):
+    for msg, unchanged in workers2.run(_built_apart, None):
+        assert msg is not None and unchanged, msg
+        assert "different values for 'head.weight' (unit 'rest'): ranks [0] vs ranks [1]" in msg, msg
+        assert "broadcast_from=0" in msg
+
+
+def test_broadcast_from_one_rank_trains_like_torch_from_that_rank(workers2):
+    ref = train_reference(tiny_moe(seed=1), moe_batches(steps=2))
+    for r, params in enumerate(workers2.run(_built_apart, 1)):
+        diff, where = max_diff(params, ref)
+        assert diff <= 1e-10, f"rank {r}: {where} differs by {diff}"
+
+
 def _tiny_moe_step(loss=None, c=None):
     """``(comm, model, units, step, state, batches)`` for the tiny MoE on this rank (SGD); ``loss``
     defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches;

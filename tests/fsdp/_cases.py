@@ -178,8 +178,8 @@ class TinyMoE(torch.nn.Module):
         return self.head(h)
 
 
-def tiny_moe(checkpoint=False):
-    torch.manual_seed(0)
+def tiny_moe(checkpoint=False, seed=0):
+    torch.manual_seed(seed)
     return TinyMoE(checkpoint=checkpoint).to(torch.float64)
 
 
@@ -234,13 +234,14 @@ def logits_of(model, tokens, params=None):
     return out.logits if hf else out
 
 
-def train_sharded(comm, model, batches, *, groups=None, module=True, lr=1e-2, weight_decay=0.1, **step_kw):
+def train_sharded(comm, model, batches, *, groups=None, module=True, lr=1e-2, weight_decay=0.1, broadcast_from=None,
+                  **step_kw):
     """AdamW through ``rg.fsdp.make_step`` on this rank's rows of every batch (``model``: this
     rank's own copy). ``module=True`` binds the model (``loss_fn`` calls ``model(...)``), else
     the loss runs it through ``functional_call``. Returns (full params, per-step metrics)."""
     units = fsdp.make_units(model, world_size=comm.world_size, groups=groups)
     opt = rg.optim.adamw(lr, weight_decay=weight_decay)
-    state = fsdp.init(units, model, opt, comm)
+    state = fsdp.init(units, model, opt, comm, broadcast_from=broadcast_from)
     if module:
         loss = lambda params, batch: cross_entropy(logits_of(model, batch[0]), batch[1])  # noqa: E731
     else:

@@ -5,7 +5,7 @@
   ragged's ``Collectives`` object or at torch's process groups (every c10d call ends in a
   ``ProcessGroup`` method: FSDP2's, and ragged's native paths; torch's functional collectives do
   not). ``bench/step.py`` counts both methods' bytes with it, ``bench/predict.py --exact`` and
-  ``tests/fsdp/_lower_cases.py`` compare its counts with ``step.lower``.
+  ``tests/predict/_lower_cases.py`` compare its counts with ``step.lower``.
 * :func:`storage_by_category`: a ``TrainState``'s unique storages by ``step.lower``'s categories.
 """
 
@@ -24,13 +24,13 @@ def storage_by_category(state) -> dict[str, int]:
     """Bytes of the unique storages of a real ``TrainState``, by the categories of ``step.lower``'s
     ``state_bytes`` (``param_shards``, ``replicated``, ``optimizer.<field>``)."""
     from ragged._pytree import flatten_with_keystr
-    from ragged.fsdp._lower import _category
+    from ragged.predict._persistent import category
 
     shards, opt_state = state
     paths, leaves, _ = flatten_with_keystr(opt_state)
     keyed = [("param_shards", d.data) for d in shards.values()] + [("replicated", d.replicated) for d in shards.values()]
     out, seen = collections.Counter(), set()
-    for key, t in keyed + [(_category(p), leaf) for p, leaf in zip(paths, leaves)]:
+    for key, t in keyed + [(category(p), leaf) for p, leaf in zip(paths, leaves)]:
         if not isinstance(t, torch.Tensor) or t.is_meta:
             continue
         s = t.untyped_storage()

@@ -306,7 +306,7 @@ def run(model, worlds, settings, *, repeats, warmup, batch, sizes_mib, iters) ->
     """Measures and predicts one model; returns plain values (``--json``; :func:`markdown` renders them)."""
     from bench._launch import launch
     from bench.step import CONFIGS
-    from ragged.fsdp import Link
+    from ragged.predict import Link
 
     cfg = CONFIGS[model]
     skipped = [n for n in settings if not runs_on(cfg, n)]

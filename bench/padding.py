@@ -57,7 +57,7 @@ def _granule_padding(params, specs, m, dtype):
 def sweep(models, world_sizes, granularities, *, dtype=torch.bfloat16):
     """One row per (model, granularity, m): padding per policy and peer, buffers, timing."""
     from ragged import spec
-    from ragged._cli_plan import parse_granularity, unit_specs
+    from ragged._cli import parse_granularity, unit_specs
     from ragged._models import model_units
 
     rows = []

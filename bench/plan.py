@@ -64,7 +64,7 @@ def plan_model(units, granularity, m, strategy, unit_specs):
 
 def sweep(models, granularities, world_sizes, strategies):
     from ragged import spec
-    from ragged._cli_plan import parse_granularity, unit_specs
+    from ragged._cli import parse_granularity, unit_specs
     from ragged._models import model_units
     from ragged.spec import _search
 
@@ -117,7 +117,7 @@ def sweep(models, granularities, world_sizes, strategies):
 
 def timing(models, granularities, m, repeat, strategy="dp"):
     """Median cold whole-model planning time at ``m`` (``strategy``: "dp" or "auto")."""
-    from ragged._cli_plan import parse_granularity, unit_specs
+    from ragged._cli import parse_granularity, unit_specs
     from ragged._models import model_units
 
     out = {}

@@ -7,12 +7,12 @@ For each model, world size W and activation-checkpointing setting:
   ("state") and its peak (``bench/_measure.LiveBytes``);
 * predicted: the same ragged configuration (``bench/_methods.RaggedMethod``: every block and the
   rest as units, fp32, ``rg.optim.adamw(donate=True)``) built on ``rg.collectives.abstract(W,
-  rank=1)`` and lowered with ``fsdp.profile_activations`` of the same step at W = 1 (simulated
+  rank=1)`` and lowered with ``rg.predict.profile_activations`` of the same step at W = 1 (simulated
   backend, one real step first, then the profile on the measured step's batch: the model's own
   bytes do not depend on W), so nothing in the prediction is measured at W; the peak compared is
   ``peak_bytes_low`` (reduce-scatters done by the next point: the fake group's collectives return
   at once), ``peak_bytes`` (waited as late as the runtime may) is shown next to it; FSDP2's
-  persistent bytes by its rule (``_lower_peers``). Both add the module's own buffers (HF Llama's
+  persistent bytes by its rule (``ragged/predict/_peers.py``). Both add the module's own buffers (HF Llama's
   rotary ``inv_freq``), which stay in the module beside the state;
 
 ``--time``: the step time instead (``bench/_predict_time.py``): ``estimate_time`` from per-unit
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 
 def _learn(comm, cfg, checkpoint, batch):
-    """The model's own bytes at every point of the step at W = 1 (``fsdp.profile_activations``; its schedule
+    """The model's own bytes at every point of the step at W = 1 (``rg.predict.profile_activations``; its schedule
     is the learnt one)."""
     import ragged as rg
     from ragged import fsdp
@@ -64,7 +64,7 @@ def _learn(comm, cfg, checkpoint, batch):
     step = fsdp.make_step(units, ragged_loss(config, model, checkpoint), opt, comm, donate=True)
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
     state, _ = step(state, task.batch(0, batch))
-    return fsdp.profile_activations(step, state, task.batch(1, batch))
+    return rg.predict.profile_activations(step, state, task.batch(1, batch))
 
 
 def _profile_at_world(rank, world, backend, opts):
@@ -82,7 +82,7 @@ def _profile_at_world(rank, world, backend, opts):
                           policy="fp32", checkpoint=opts["checkpoint"])
     task = SyntheticLM(cfg["vocab_size"], cfg["max_seq_len"], seed=0)
     method.step(task.batch(0, opts["batch"]))
-    return fsdp.profile_activations(method.step_fn, method.state, task.batch(1, opts["batch"]))
+    return rg.predict.profile_activations(method.step_fn, method.state, task.batch(1, opts["batch"]))
 
 
 def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: bool = False) -> dict:
@@ -90,7 +90,7 @@ def predict(model: str, world: int, checkpoint: bool, batch: int, *, at_world: b
     diagnostic: it splits the error into what the data changes and what the model misses)."""
     import ragged as rg
     from ragged import fsdp
-    from ragged.fsdp._lower_peers import compare
+    from ragged.predict._peers import compare
 
     from bench._launch import launch
     from bench.step import CONFIGS, meta_model

@@ -1,5 +1,5 @@
 """Writes the tables of docs/predict.md: bundled models lowered at m = 1K..10K (ragged vs the FSDP2
-and ZeRO-3 rules), each row from ``python -m ragged plan --predict``'s code (``ragged/_cli_predict.py``).
+and ZeRO-3 rules), each row from ``python -m ragged plan --predict``'s code (``ragged/predict/_command.py``).
 
 Usage (from the repository root)::
 
@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ragged._cli_predict import bundled_step, predict_rows  # noqa: E402
+from ragged.predict._command import bundled_step, predict_rows  # noqa: E402
 
 MODELS = ("deepseek-v3-671b", "gpt-oss-120b")
 WORLD = (1024, 2048, 4096, 10240)

@@ -10,7 +10,7 @@ A ragged training step *lowers* on abstract inputs (`step.lower()`, like `jax.ji
 no processes, no memory, any world size. `python -m ragged plan --predict` does it for a bundled
 model and reports, per rank:
 
-* **derived from the step** (exact against real steps in `tests/fsdp/test_lower.py`): the
+* **derived from the step** (exact against real steps in `tests/predict/test_lower.py`): the
   persistent state by category, every collective's calls and bytes, the runtime's buffers at
   each point of the program;
 * **assumed, and labelled so in the output**: the model's activations (an analytic estimate from

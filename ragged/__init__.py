@@ -1,5 +1,7 @@
 """ragged: functional RaggedShard sharding for PyTorch (veScale-FSDP ideas as pure functions)."""
 
+import importlib
+
 from ragged import optim as optim
 from ragged import parallel as parallel
 from ragged import spec as spec
@@ -14,6 +16,7 @@ from ragged._pytree import pytree as pytree
 from ragged import collectives as collectives
 from ragged import transforms as transforms
 from ragged import fsdp as fsdp
+from ragged import predict as predict
 from ragged._dbuffer import DBuffer as DBuffer
 from ragged._dbuffer import unflatten as unflatten
 from ragged.transforms import gather as gather
@@ -40,7 +43,5 @@ def __getattr__(name):
     # ragged.checkpoint pulls in torch.distributed.checkpoint (~0.7 s at import on CPU), which
     # most processes (every gloo worker, every training rank) never use: load it on first use.
     if name == "checkpoint":
-        import importlib
-
         return importlib.import_module("ragged.checkpoint")
     raise AttributeError(f"module 'ragged' has no attribute {name!r}")

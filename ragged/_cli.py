@@ -1,12 +1,6 @@
-"""The ``python -m ragged`` command line: subcommand dispatch and the option types and errors
-every subcommand shares (``plan``: ``_cli_plan.py``; ``train``: ``ragged/examples/_train_args.py``).
-
-[Note: adding a subcommand]
-Add one entry to :data:`SUBCOMMANDS`: ``name -> (help, "module:configure")``. ``configure``
-receives the subcommand's ``argparse`` parser, adds its options and calls
-``parser.set_defaults(func=handler)``; ``handler(args) -> int`` is the exit status. Modules
-are imported only when their subcommand runs (or ``--help`` lists it), so a heavy
-subcommand costs nothing to the others.
+"""What every ``python -m ragged`` subcommand shares: option types that check a value as it is
+parsed, the usage error, the dtype names, and ``--granularity`` (parsed, and applied to a model's
+leaves where it can apply). The dispatch is ``ragged/__main__.py``.
 
 [Note: bad command-line values]
 Every option is checked before anything runs (no process started, no model built): a
@@ -20,21 +14,21 @@ argparse convention), never a traceback. ``--help`` shows every default
 from __future__ import annotations
 
 import argparse
-import importlib
+import collections
 import math
+import re
 import sys
 
+import torch
+
+from ragged import spec
 from ragged._errors import RaggedValueError
+from ragged._pytree import pytree
 
-__all__ = ["run", "build_parser", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter", "UsageError", "usage_error",
-           "int_at_least", "float_at_least", "float_above"]
+__all__ = ["ArgumentParser", "HelpFormatter", "UsageError", "usage_error", "int_at_least", "float_at_least",
+           "float_above", "DTYPES", "parse_granularity", "unit_specs"]
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("plan every FSDP unit of a model and compare padding with FSDP2/FSDP1/ZeRO-3/Megatron-FSDP",
-             "ragged._cli_plan:configure"),
-    "train": ("train the example GPT (dense or --moe) with the functional FSDP step on gloo/NCCL ranks",
-              "ragged.examples.train:configure"),
-}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 class UsageError(RaggedValueError):
@@ -129,21 +123,54 @@ def _float_bound(low: float, *, strict: bool):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m ragged", description="ragged: RaggedShard planning and FSDP tools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for name, (help_text, target) in SUBCOMMANDS.items():
-        module, func = target.split(":")
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
-        getattr(importlib.import_module(module), func)(p)
-    return parser
+# ---- granularities -----------------------------------------------------------------------
+_GRAN_RE = re.compile(r"^(rows|elements|blocks):(-?\d+)(?:x(-?\d+))?$")
 
 
-def run(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as err:
-        usage_error(f"{parser.prog} {args.command}", err)
+def parse_granularity(text: str):
+    """``rows:N``, ``elements:N`` or ``blocks:RxC`` -> a granularity.
+
+    Examples:
+        >>> parse_granularity("rows:16"), parse_granularity("blocks:128x128")
+        (Rows(n=16), Blocks(r=128, c=128))
+    """
+    m = _GRAN_RE.match(text.strip().lower())
+    if not m or (m.group(1) == "blocks") != (m.group(3) is not None):
+        raise argparse.ArgumentTypeError(
+            f"granularity {text!r} is not one of rows:N, elements:N, blocks:RxC (e.g. rows:16, blocks:128x128)"
+        )
+    kind, a = m.group(1), int(m.group(2))
+    if kind == "blocks" and min(a, int(m.group(3))) < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
+    if a < 1:
+        raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
+    return spec.Blocks(a, int(m.group(3))) if kind == "blocks" else {"rows": spec.Rows, "elements": spec.Elements}[kind](a)
+
+
+def unit_specs(params, granularity):
+    """A spec tree applying ``granularity`` to every leaf of ``params`` where it can apply.
+
+    ``Blocks(r, c)`` only tiles 2-D and higher leaves: 1-D leaves (norms, biases) get
+    ``Rows(1)`` (they are not block-quantized), and stacked matrices whose row count is not a
+    multiple of ``r`` (GPT-OSS experts: 2880 rows, r=128) get whole matrices
+    ``Rows(shape[-2])``, the finest cut that keeps every tile whole.
+
+    Returns:
+        ``(specs, notes)``: the spec tree and a list of human-readable fallbacks taken.
+    """
+    if not isinstance(granularity, spec.Blocks):
+        return granularity, []
+    leaves, treedef = pytree.flatten(params)
+    specs, notes = [], collections.Counter()
+    for leaf in leaves:
+        shape = tuple(leaf.shape)
+        if len(shape) < 2:
+            specs.append(spec.Rows(1))
+            notes["1-D leaves use Rows(1) (not block-tiled)"] += 1
+        elif len(shape) >= 3 and math.prod(shape[:-2]) > 1 and shape[-2] % granularity.r:
+            specs.append(spec.Rows(shape[-2]))
+            key = f"stacked {shape} has {shape[-2]} rows per matrix, not a multiple of {granularity.r}: whole matrices Rows({shape[-2]})"
+            notes[key] += 1
+        else:
+            specs.append(granularity)
+    return pytree.unflatten(treedef, specs), [f"{k} [{n} leaves]" for k, n in notes.items()]

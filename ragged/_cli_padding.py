@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 
+from ragged.spec import Rows, _search, make_plan
+from ragged.spec._granularity import GRANULARITY_TYPES
+
 __all__ = ["forcing_leaves", "explain_padding"]
 
 
@@ -52,8 +55,6 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
         ``(why_lines, fixes, reductions)``: fixes bring the padding to ``threshold`` or below,
         reductions lower it without getting there; both are ``"change: padding"`` strings.
     """
-    from ragged.spec import Rows, make_plan
-
     m = plan.world_size
     lines = []
     forced, step = forcing_leaves(plan) if plan.num_buffers == 1 else ((), plan.align)
@@ -73,8 +74,6 @@ def explain_padding(unit, plan, specs, *, granularity, strategy, align, repeated
             f"granules = {step} elements ({listing}{more}); S={plan.shard_size} is {plan.shard_size / ideal:.2f}x "
             "the ideal."
         )
-        from ragged.spec import _search
-
         lb = _search.order_free_lower_bound([l.numel for l in plan.leaves], [l.granule for l in plan.leaves],
                                             plan.align, m)
         if plan.shard_size == lb:
@@ -126,6 +125,4 @@ _HELPS = 0.9
 
 
 def _is_leaf_spec(specs) -> bool:
-    from ragged.spec._granularity import GRANULARITY_TYPES
-
     return isinstance(specs, GRANULARITY_TYPES)

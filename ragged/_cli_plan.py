@@ -6,81 +6,27 @@ command-line values] in ``_cli.py``), and the run that plans every unit kind and
 from __future__ import annotations
 
 import argparse
-import collections
-import math
-import re
+import os
 import time
 
-from ragged._cli import UsageError, float_above, float_at_least, int_at_least
-from ragged._cli_hardware import configure_hardware
+from rich.console import Console
+from rich.table import Table
+
+from ragged import spec
+from ragged._cli import DTYPES, UsageError, float_above, float_at_least, int_at_least, parse_granularity, unit_specs
 from ragged._cli_padding import explain_padding
+from ragged._models import MODELS, model_units, unit_numel
+from ragged._pytree import pytree
+from ragged._viz import visualize
+from ragged.predict._command import run_predict
+from ragged.predict._hardware import configure_hardware
 
-__all__ = ["configure", "parse_granularity", "unit_specs", "run_plan"]
-
-
-# ---- granularities -----------------------------------------------------------------------
-_GRAN_RE = re.compile(r"^(rows|elements|blocks):(-?\d+)(?:x(-?\d+))?$")
-
-
-def parse_granularity(text: str):
-    """``rows:N``, ``elements:N`` or ``blocks:RxC`` -> a granularity.
-
-    Examples:
-        >>> parse_granularity("rows:16"), parse_granularity("blocks:128x128")
-        (Rows(n=16), Blocks(r=128, c=128))
-    """
-    from ragged import spec
-
-    m = _GRAN_RE.match(text.strip().lower())
-    if not m or (m.group(1) == "blocks") != (m.group(3) is not None):
-        raise argparse.ArgumentTypeError(
-            f"granularity {text!r} is not one of rows:N, elements:N, blocks:RxC (e.g. rows:16, blocks:128x128)"
-        )
-    kind, a = m.group(1), int(m.group(2))
-    if kind == "blocks" and min(a, int(m.group(3))) < 1:
-        raise argparse.ArgumentTypeError(f"granularity {text!r}: blocks:RxC needs R >= 1 and C >= 1")
-    if a < 1:
-        raise argparse.ArgumentTypeError(f"granularity {text!r}: {kind}:N needs N >= 1")
-    return spec.Blocks(a, int(m.group(3))) if kind == "blocks" else {"rows": spec.Rows, "elements": spec.Elements}[kind](a)
-
-
-def unit_specs(params, granularity):
-    """A spec tree applying ``granularity`` to every leaf of ``params`` where it can apply.
-
-    ``Blocks(r, c)`` only tiles 2-D and higher leaves: 1-D leaves (norms, biases) get
-    ``Rows(1)`` (they are not block-quantized), and stacked matrices whose row count is not a
-    multiple of ``r`` (GPT-OSS experts: 2880 rows, r=128) get whole matrices
-    ``Rows(shape[-2])``, the finest cut that keeps every tile whole.
-
-    Returns:
-        ``(specs, notes)``: the spec tree and a list of human-readable fallbacks taken.
-    """
-    from ragged import spec
-    from ragged._pytree import pytree
-
-    if not isinstance(granularity, spec.Blocks):
-        return granularity, []
-    leaves, treedef = pytree.flatten(params)
-    specs, notes = [], collections.Counter()
-    for leaf in leaves:
-        shape = tuple(leaf.shape)
-        if len(shape) < 2:
-            specs.append(spec.Rows(1))
-            notes["1-D leaves use Rows(1) (not block-tiled)"] += 1
-        elif len(shape) >= 3 and math.prod(shape[:-2]) > 1 and shape[-2] % granularity.r:
-            specs.append(spec.Rows(shape[-2]))
-            key = f"stacked {shape} has {shape[-2]} rows per matrix, not a multiple of {granularity.r}: whole matrices Rows({shape[-2]})"
-            notes[key] += 1
-        else:
-            specs.append(granularity)
-    return pytree.unflatten(treedef, specs), [f"{k} [{n} leaves]" for k, n in notes.items()]
+__all__ = ["configure", "run_plan"]
 
 
 # ---- options ---------------------------------------------------------------------------------
 def configure(p: argparse.ArgumentParser) -> None:
-    """Registers the ``plan`` subcommand's options (see [Note: adding a subcommand] in ``_cli.py``)."""
-    from ragged._models import MODELS
-
+    """Registers the ``plan`` subcommand's options (see [Note: adding a subcommand] in ``__main__.py``)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=MODELS, help="a bundled model")
     src.add_argument("--shapes", metavar="JSON", type=_shapes_file, help="your own shapes file (format: ragged.models docs)")
@@ -124,13 +70,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_plan)
 
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-
-
 def _shapes_file(text: str) -> str:
     """``--shapes``: an existing file (its content is checked by ``ragged.models``)."""
-    import os
-
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r} (a shapes JSON; format in help(ragged.models))")
     return text
@@ -175,35 +116,22 @@ def _max_buffers(text: str):
 
 # ---- the run ---------------------------------------------------------------------------------
 def run_plan(args) -> int:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
-    from ragged import spec
-    from ragged._models import model_units, unit_numel
-    from ragged._viz import visualize
-
+    """``plan``: with ``--predict`` / ``--sweep`` the lowered steps (``ragged/predict/_command.py``),
+    else every unit kind planned at each world size, its padding beside the peers' and why."""
     console = Console(width=args.width)
-    dtype = getattr(torch, _DTYPES[args.dtype])
     source = args.model or args.shapes
     args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
     if (args.memory is None) == args.sweep:
         raise UsageError("--sweep needs --memory GIB (the memory per device the configurations must fit)" if args.sweep
                          else f"--memory {args.memory:g} applies to --sweep only; add --sweep to rank configurations")
-    if args.predict or args.sweep:
-        from ragged._cli_predict import run_predict
-
-        try:
-            return run_predict(args, console)
-        except UsageError:
-            raise
-        except ValueError as err:  # a malformed --shapes file, or one without what the estimates need
-            raise UsageError(f"--{'model' if args.model else 'shapes'} {source}: {err}") from None
     try:
-        units = model_units(source, dtype=dtype, layers_per_unit=args.layers_per_unit)
-    except ValueError as err:  # a malformed --shapes file (JSON or format)
-        raise UsageError(f"--shapes {source}: {err}") from None
-
+        if args.predict or args.sweep:
+            return run_predict(args, console)
+        units = model_units(source, dtype=DTYPES[args.dtype], layers_per_unit=args.layers_per_unit)
+    except UsageError:
+        raise
+    except ValueError as err:  # a malformed --shapes file, or one without what the estimates need
+        raise UsageError(f"--{'model' if args.model else 'shapes'} {source}: {err}") from None
     kinds: dict[str, list] = {}
     for unit in units:
         kinds.setdefault(unit.kind, []).append(unit)
@@ -215,48 +143,60 @@ def run_plan(args) -> int:
         f"dtype {args.dtype}, max buffers {args.max_buffers}"
     )
     totals = {m: {"numel": 0, "ragged": 0, "time": 0.0, **{p: 0 for p in spec.PEERS}} for m in args.world_size}
-    warnings = []
-    all_notes = set()
-    max_buffers = 1 if args.strategy == "naive" else args.max_buffers
+    warnings, notes = [], set()
     for kind, members in kinds.items():
-        specs0, _ = unit_specs(members[0].params, args.granularity)  # what the warnings and the picture plan
-        table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
-                            f"{len(__import__('ragged').pytree.leaves(members[0].params))} tensors per unit)",
-                      header_style="bold", title_justify="left")
-        for col in ("m", "S (ragged)", "buffers", "ragged", *spec.PEERS, "planner time"):
-            table.add_column(col, justify="right")
-        for m in args.world_size:
-            t0 = time.perf_counter()
-            plans = []
-            for unit in members:
-                specs, notes = unit_specs(unit.params, args.granularity)
-                all_notes.update(f"{kind}: {n}" for n in notes)
-                plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
-                                            max_buffers=max_buffers))
-            elapsed = time.perf_counter() - t0
-            peers = spec.peer_padding(members[0].params, m)
-            tot = totals[m]
-            tot["time"] += elapsed
-            tot["numel"] += sum(p.numel for p in plans)
-            tot["ragged"] += sum(p.padding for p in plans)
-            for name, pp in peers.items():
-                tot[name] += pp.padding * len(members)
-            worst = max(plans, key=lambda p: p.overhead)
-            style = "bold red" if worst.overhead * 100 > args.warn_above else "green"
-            split = f" ({worst.split_blocks} split)" if worst.split_blocks else ""
-            table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
-                          *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
-            if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
-                lines, fixes, reductions = explain_padding(members[0], worst, specs0, granularity=args.granularity,
-                                                           strategy=args.strategy, align=args.align,
-                                                           repeated=len(members), threshold=args.warn_above,
-                                                           max_buffers=args.max_buffers)
-                warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
-        console.print(table)
-        if args.visualize:
-            plan = spec.make_plan(members[0].params, specs0, world_size=args.world_size[0], strategy=args.strategy,
-                                  align=args.align, max_buffers=max_buffers)
-            console.print(visualize(plan, max_ranks=8))
+        _plan_kind(args, console, kind, members, totals, warnings, notes)
+    _print_totals(args, console, totals, notes)
+    _print_warnings(args, console, gtext, warnings)
+    return 0
+
+
+def _plan_kind(args, console, kind: str, members: list, totals: dict, warnings: list, notes: set) -> None:
+    """One unit kind at every world size: its table (the worst unit's padding beside the peers'),
+    added into ``totals``; a padding over ``--warn-above`` explained into ``warnings``."""
+    max_buffers = 1 if args.strategy == "naive" else args.max_buffers
+    specs0, _ = unit_specs(members[0].params, args.granularity)  # what the warnings and the picture plan
+    table = Table(title=f"{kind} x{len(members)} ({unit_numel(members[0]) / 1e6:.1f}M elements, "
+                        f"{len(pytree.leaves(members[0].params))} tensors per unit)",
+                  header_style="bold", title_justify="left")
+    for col in ("m", "S (ragged)", "buffers", "ragged", *spec.PEERS, "planner time"):
+        table.add_column(col, justify="right")
+    for m in args.world_size:
+        t0 = time.perf_counter()
+        plans = []
+        for unit in members:
+            specs, unit_notes = unit_specs(unit.params, args.granularity)
+            notes.update(f"{kind}: {n}" for n in unit_notes)
+            plans.append(spec.make_plan(unit.params, specs, world_size=m, strategy=args.strategy, align=args.align,
+                                        max_buffers=max_buffers))
+        elapsed = time.perf_counter() - t0
+        peers = spec.peer_padding(members[0].params, m)
+        tot = totals[m]
+        tot["time"] += elapsed
+        tot["numel"] += sum(p.numel for p in plans)
+        tot["ragged"] += sum(p.padding for p in plans)
+        for name, pp in peers.items():
+            tot[name] += pp.padding * len(members)
+        worst = max(plans, key=lambda p: p.overhead)
+        style = "bold red" if worst.overhead * 100 > args.warn_above else "green"
+        split = f" ({worst.split_blocks} split)" if worst.split_blocks else ""
+        table.add_row(str(m), str(worst.shard_size), str(worst.num_buffers), f"[{style}]{worst.overhead:.2%}[/]{split}",
+                      *(f"{peers[p].overhead:.2%}" for p in spec.PEERS), f"{elapsed * 1e3:.1f} ms")
+        if worst.overhead * 100 > args.warn_above and args.strategy != "naive":
+            lines, fixes, reductions = explain_padding(members[0], worst, specs0, granularity=args.granularity,
+                                                       strategy=args.strategy, align=args.align,
+                                                       repeated=len(members), threshold=args.warn_above,
+                                                       max_buffers=args.max_buffers)
+            warnings.append((kind, m, worst.overhead, lines, fixes, reductions))
+    console.print(table)
+    if args.visualize:
+        plan = spec.make_plan(members[0].params, specs0, world_size=args.world_size[0], strategy=args.strategy,
+                              align=args.align, max_buffers=max_buffers)
+        console.print(visualize(plan, max_ranks=8))
+
+
+def _print_totals(args, console, totals: dict, notes: set) -> None:
+    """The whole model's padding at each world size, and the notes on how specs were applied."""
     summary = Table(title="whole model (padding over all units)", header_style="bold", title_justify="left")
     for col in ("m", "ragged", *spec.PEERS, "planner time (all units)"):
         summary.add_column(col, justify="right")
@@ -265,10 +205,14 @@ def run_plan(args) -> int:
         summary.add_row(str(m), f"{tot['ragged'] / n:.2%}", *(f"{tot[p] / n:.2%}" for p in spec.PEERS),
                         f"{tot['time']:.3f} s")
     console.print(summary)
-    for note in sorted(all_notes):
+    for note in sorted(notes):
         console.print(f"[dim]note: {note}[/]")
     console.print("[dim]note: fsdp1 and zero3 cut the flat buffer anywhere (rows and blocks split across ranks); "
                   "fsdp2 pads dim 0 of every tensor to a multiple of m; megatron pads to m x lcm(row sizes).[/]")
+
+
+def _print_warnings(args, console, gtext: str, warnings: list) -> None:
+    """Each unit kind whose padding is over ``--warn-above``: why, and what would fix or reduce it."""
     for kind, m, overhead, lines, fixes, reductions in warnings:
         console.print(f"[bold yellow]warning:[/] {kind} at m={m} with {gtext}: padding {overhead:.2%}.")
         for line in lines:
@@ -280,4 +224,3 @@ def run_plan(args) -> int:
         if not fixes and not reductions:
             console.print("  no fix found: smaller shard groups, more layers per unit and rows:1 (if coarser) "
                           "all plan to about the same padding.")
-    return 0

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._errors import RaggedValueError, check_int, is_sizes
+from ragged._pytree import pytree
 
 __all__ = ["MODELS", "ModelUnit", "model_shapes", "model_units", "expand_names"]
 
@@ -234,6 +235,4 @@ def unit_numel(unit: ModelUnit) -> int:
         >>> round(sum(unit_numel(u) for u in units) / 1e9, 1)   # parameters, in billions
         70.6
     """
-    from ragged._pytree import pytree
-
     return sum(math.prod(t.shape) for t in pytree.leaves(unit.params))

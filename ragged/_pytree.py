@@ -4,6 +4,8 @@ Every flatten / map in ragged goes through :data:`pytree`, so custom nodes regis
 under the ``"ragged"`` namespace (DBuffer, optimizer states) are always seen as nodes.
 """
 
+from collections.abc import Mapping
+
 import optree
 
 pytree = optree.pytree.reexport(namespace="ragged", module="ragged.pytree")
@@ -32,8 +34,6 @@ def key_mismatch(prefix, full, *, prefix_name: str, full_name: str) -> str | Non
         >>> key_mismatch({"l": [{"a": 1}]}, {"l": [{"b": 1}]}, prefix_name="specs", full_name="params")
         "specs['l'][0] has key(s) ['a'] that params['l'][0] does not have, and params['l'][0] has key(s) ['b'] that specs['l'][0] does not cover"
     """
-    from collections.abc import Mapping
-
     def leaf(x):
         return optree.tree_is_leaf(x, none_is_leaf=True, namespace="ragged")
 

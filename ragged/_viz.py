@@ -16,6 +16,8 @@ rank's exact ragged pieces. A plan with several buffers draws each rank's piece 
 
 from __future__ import annotations
 
+import os
+
 from ragged._errors import RaggedValueError
 
 __all__ = ["plan_summary", "visualize", "rank_table", "Rendering"]
@@ -50,6 +52,7 @@ class Rendering:
         return self.renderable
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        # rich only when something is drawn (see the module docstring)
         from rich.jupyter import JupyterMixin
 
         return JupyterMixin._repr_mimebundle_(self, include, exclude, **kwargs)
@@ -58,8 +61,7 @@ class Rendering:
         return getattr(self.renderable, name)
 
     def __repr__(self) -> str:
-        import os
-
+        # rich only when something is drawn (see the module docstring)
         from rich.console import Console
         from rich.measure import Measurement
 
@@ -122,6 +124,7 @@ def plan_summary(plan, *, max_leaves: int = 24):
         >>> "shard_size S=16" in text and "['w']" in text and "rows [0:4)" not in text
         True
     """
+    # rich only when something is drawn (see the module docstring)
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -166,6 +169,7 @@ def plan_summary(plan, *, max_leaves: int = 24):
 
 
 def _bar(plan, rank: int, width: int, colour_of: dict):
+    # rich only when something is drawn (see the module docstring)
     from rich.text import Text
 
     S = plan.shard_size
@@ -229,6 +233,7 @@ def rank_table(plan, ranks=None, *, max_pieces: int = 8):
         >>> "rows [3:6)" in console.export_text()
         True
     """
+    # rich only when something is drawn (see the module docstring)
     from rich.table import Table
 
     if ranks is None:
@@ -285,6 +290,7 @@ def visualize(plan, *, width: int = 64, max_ranks: int = 16, legend: bool = True
         ╰────────────────────────────────╯
         <BLANKLINE>
     """
+    # rich only when something is drawn (see the module docstring)
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table

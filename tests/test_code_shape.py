@@ -13,11 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ragged"
 
 # path (relative to ragged/) or "path:function" -> why it is allowed for now
 EXCEPTIONS: dict[str, str] = {
-    "_cli_plan.py:run_plan": "#37 item 1 (house-predict) splits it",
-    "fsdp/_lower_time.py:estimate_time": "#37 item 1 (house-predict) splits it",
-    "fsdp/_lower.py": "#37 item 1 (house-predict) moves and splits it",
     "fsdp/_runtime.py": "#37 item 4 (house-agree) splits it",
-    "examples/train.py:train": "#37 item 5 (house-split) splits it",
 }
 
 

@@ -144,7 +144,7 @@ def _parse(parser, argv):
 
 
 def _check_ragged(argv, runnable):
-    from ragged._cli import build_parser
+    from ragged.__main__ import build_parser
 
     args = _parse(build_parser(), argv)
     check = args and getattr(importlib.import_module(args.func.__module__), "check_args", None)

@@ -24,6 +24,8 @@ from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import EntryKind, compare_dtypes, compare_plans, consolidate_plan_leaves, plan_leaf_tensors
+from ragged.optim._combine import MultiTransformState
+from ragged.optim._muon import default_muon_filter
 
 __all__ = ["Packed", "bind_packed", "bind_muon", "PackedKind"]
 
@@ -82,8 +84,6 @@ def bind_packed(opt_state, labels: Callable, compact) -> Any:
         >>> rg.collectives.simulate(1, fn)[0]
         (("['b']",), 4)
     """
-    from ragged.optim._combine import MultiTransformState
-
     compact = frozenset(compact)
 
     def wrap(label):
@@ -131,8 +131,6 @@ def bind_muon(opt_state, muon_filter: Callable | None = None) -> Any:
         >>> rg.collectives.simulate(1, fn)[0].paths
         ("['b']",)
     """
-    from ragged.optim._muon import default_muon_filter
-
     f = default_muon_filter if muon_filter is None else muon_filter
     return bind_packed(opt_state, lambda leaf: "muon" if f(leaf) else "adam", ("adam",))
 

@@ -32,6 +32,7 @@ from ragged._pytree import pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import EntryKind, Consolidated, compare_plans, full_tensor
+from ragged.checkpoint._packed import Packed
 from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
@@ -124,8 +125,6 @@ def unbind(state):
         >>> type(bound[0].moments).__name__, type(rg.checkpoint.unbind(bound)[0].moments).__name__
         ('Quant8', 'Quant8Moments')
     """
-    from ragged.checkpoint._packed import Packed
-
     def one(x):
         if isinstance(x, Quant8):
             return x.moments

@@ -7,7 +7,7 @@ the step is called; the lowering also reads the ``handshake`` (a ``"deferred"`` 
 carries its ledger's digest: four int64 instead of two, see ``ragged/transforms/_check.py``).
 :func:`abstract` gives those attributes for any world size (10,240 ranks on one CPU) and refuses
 every collective, so a step built on it can be lowered (``step.lower(...)``, see
-``ragged/fsdp/_lower.py``) but never run.
+``ragged/predict/_lower.py``) but never run.
 """
 
 from __future__ import annotations

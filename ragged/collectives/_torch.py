@@ -355,6 +355,7 @@ def from_torch(group=None, *, plan_check: str | None = None, handshake: str | No
         )
     kw = dict(plan_check=plan_check, handshake=handshake, timeout=timeout, verify_every=verify_every)
     try:
+        # a torch built without distributed support has no device_mesh: looked up only when a comm is made
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover
         DeviceMesh = ()

@@ -10,10 +10,10 @@ import os
 
 import torch
 
-__all__ = ["build_parser", "configure", "check_args", "launched_by_torchrun", "world_sizes", "backend", "DTYPES",
-           "EXPERTS", "TOP_K"]
+from ragged._cli import DTYPES, ArgumentParser, UsageError, float_above, float_at_least, int_at_least
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+__all__ = ["build_parser", "check_args", "launched_by_torchrun", "world_sizes", "backend", "EXPERTS", "TOP_K"]
+
 EXPERTS, TOP_K = 8, 2
 DESCRIPTION = "The main job: train the small GPT with the functional FSDP step."
 
@@ -21,8 +21,6 @@ DESCRIPTION = "The main job: train the small GPT with the functional FSDP step."
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The job's options (every value range is checked here; cross-option rules in
     :func:`check_args`)."""
-    from ragged._cli import ArgumentParser, float_above, float_at_least, int_at_least
-
     p = parser or ArgumentParser(prog="python -m ragged.examples.train", description=DESCRIPTION)
     g = p.add_argument_group("launch")
     g.add_argument("--nproc-per-node", type=int_at_least(1), default=2,
@@ -76,15 +74,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Registers the ``train`` subcommand of ``python -m ragged`` (see ``ragged._cli``)."""
-    from ragged.examples.train import main_from_args
-
-    build_parser(parser)
-    parser.set_defaults(func=main_from_args)
-
-
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -110,8 +99,6 @@ def check_args(args) -> None:
     Raises:
         ragged._cli.UsageError: the first rule broken, with the fix.
     """
-    from ragged._cli import UsageError
-
     world, local = world_sizes(args)
     if args.hf and args.moe:
         raise UsageError(f"--moe makes the example GPT an MoE; with --hf {args.hf} drop it (--hf mixtral is the "

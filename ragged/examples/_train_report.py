@@ -8,6 +8,10 @@ import os
 import resource
 import time
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 __all__ = ["rss_mb", "console", "Progress", "print_summary"]
 
 
@@ -18,8 +22,6 @@ def rss_mb() -> float:
 def console():
     """Rank 0's console: rich in a terminal; in a log or CI (not a terminal) plain text that is
     never cut at 80 columns."""
-    from rich.console import Console
-
     out = Console()
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out = Console(width=200)
@@ -36,9 +38,7 @@ class Progress:
         self.quiet, self.t0 = quiet, time.perf_counter()
         if quiet or not console.is_terminal:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
+        self.bar = Bar(TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
                             TextColumn("gathered {task.fields[gath]:.1f}/{task.fields[model]:.1f} MB"),
                             TextColumn("rss {task.fields[rss]:.0f} MB"), TimeElapsedColumn(), console=console)
@@ -63,8 +63,6 @@ class Progress:
 
 def print_summary(console, summary: dict) -> None:
     """The run's summary as one table (rank 0)."""
-    from rich.table import Table
-
     t = Table(title="summary (rank 0)")
     t.add_column("metric")
     t.add_column("value", justify="right")

@@ -27,6 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ragged._errors import RaggedValueError
@@ -212,8 +213,6 @@ def loss_fn(model: nn.Module, *, checkpoint: bool = False):
 
 def _checkpointed_forward(model: GPT, params, tokens: torch.Tensor) -> torch.Tensor:
     """``GPT.forward`` with each block under non-reentrant ``torch.utils.checkpoint``."""
-    from torch.utils.checkpoint import checkpoint
-
     def sub(prefix):
         return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
 
@@ -226,5 +225,5 @@ def _checkpointed_forward(model: GPT, params, tokens: torch.Tensor) -> torch.Ten
     call = torch.func.functional_call
     x = call(model.tok_emb, sub("tok_emb."), (tokens,)) + call(model.pos_emb, sub("pos_emb."), (torch.arange(t, device=tokens.device),))
     for i, block in enumerate(model.blocks):
-        x = checkpoint(run_block, sub(f"blocks.{i}."), x, block, use_reentrant=False)
+        x = torch.utils.checkpoint.checkpoint(run_block, sub(f"blocks.{i}."), x, block, use_reentrant=False)
     return call(model.head, sub("head."), (call(model.norm, sub("norm."), (x,)),))

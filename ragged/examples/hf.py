@@ -32,14 +32,22 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import ragged as rg
+from ragged import fsdp
+from ragged._cli import DTYPES
 from ragged._errors import RaggedValueError
+from ragged.examples._recipe import no_decay_types, optimizer, specs_for
+from ragged.examples._train_report import console
+from ragged.examples.data import SyntheticLM, rank_slice
 
 __all__ = ["KINDS", "config", "build", "loss_fn", "blocks", "train"]
 
@@ -50,7 +58,7 @@ def config(kind: str, *, vocab_size: int, dim: int, layers: int, heads: int, ffn
            kv_heads: int | None = None, experts: int = 8, top_k: int = 2, tie: bool = False, **overrides):
     """A ``LlamaConfig`` or ``MixtralConfig`` of the given sizes (``**overrides`` go to the
     config, e.g. ``experts_implementation="eager"``, which float64 needs for Mixtral)."""
-    import transformers
+    import transformers  # only when a Hugging Face model is made, not with ragged.examples
 
     common = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=seq,
@@ -65,7 +73,7 @@ def config(kind: str, *, vocab_size: int, dim: int, layers: int, heads: int, ffn
 def build(cfg, *, device="meta", dtype: torch.dtype | None = None):
     """``AutoModelForCausalLM.from_config(cfg)`` on ``device`` (default ``meta``: no memory, no
     init), in ``dtype`` (default: the config's)."""
-    import transformers
+    import transformers  # only when a Hugging Face model is made, not with ragged.examples
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -96,16 +104,7 @@ def loss_fn(model):
 def train(args) -> dict:
     """The ``--hf`` path of ``python -m ragged train`` in an initialised process group (every
     rank); returns the summary."""
-    import json
-
-    import torch.distributed as dist
-    import transformers
-
-    import ragged as rg
-    from ragged import fsdp
-    from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples._train_args import DTYPES
-    from ragged.examples.train import _optimizer, _specs_for, no_decay_types
+    import transformers  # only when a Hugging Face model is made, not with ragged.examples
 
     rank, world = dist.get_rank(), dist.get_world_size()  # the options were checked by check_args, before any process
     comm = rg.collectives.from_torch()
@@ -118,8 +117,8 @@ def train(args) -> dict:
         cfg = config(args.hf, vocab_size=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn,
                      seq=args.seq, experts=args.experts, top_k=args.top_k)
     model = build(cfg)  # meta: nothing allocated, nothing initialised yet
-    units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
-    opt = _optimizer(args, comm, units, no_decay_types(model))
+    units = fsdp.make_units(model, world_size=world, specs=specs_for(args.optimizer))
+    opt = optimizer(args, comm, units, no_decay_types(model))
     if args.from_pretrained:  # each rank reads its own byte ranges; buffers computed, model keeps placeholders
         state = fsdp.init(units, weights, opt, comm, module=model, seed=args.seed)
     else:
@@ -132,9 +131,7 @@ def train(args) -> dict:
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
     n_params = sum(u.plan.numel for u in units)
     if rank == 0:
-        from rich.console import Console
-
-        Console().print(f"[bold]ragged FSDP[/] · {world} ranks ({dist.get_backend()}) · HF {type(model).__name__} "
+        console().print(f"[bold]ragged FSDP[/] · {world} ranks ({dist.get_backend()}) · HF {type(model).__name__} "
                         f"{n_params / 1e6:.2f}M params, built on meta · optimizer {args.optimizer}", units)
     history = []
     for s in range(args.steps):

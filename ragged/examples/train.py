@@ -19,76 +19,43 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import socket
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ragged.examples._train_args import DTYPES, EXPERTS, TOP_K, build_parser, check_args, configure, launched_by_torchrun
+import ragged as rg
+from ragged import fsdp
+from ragged._cli import DTYPES, UsageError
+from ragged.examples import hf
+from ragged.examples._recipe import no_decay_types, optimizer, specs_for
+from ragged.examples._train_args import EXPERTS, TOP_K, build_parser, check_args, launched_by_torchrun
 from ragged.examples._train_args import backend as pick_backend
 from ragged.examples._train_report import Progress, print_summary, rss_mb
 from ragged.examples._train_report import console as console_for_rank0
+from ragged.examples.data import SyntheticLM, rank_slice
+from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
-__all__ = ["build_parser", "configure", "check_args", "main", "main_from_args", "no_decay_types", "train"]
-
-
-def _specs_for(optimizer: str):
-    if optimizer != "adamw_8bit":
-        return None
-    from ragged import spec
-
-    def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
-        return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
-
-    return specs
+__all__ = ["build_parser", "configure", "check_args", "main", "main_from_args", "train"]
 
 
-def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:
-    """The module types whose parameters get no weight decay, as in every real recipe: embeddings
-    and norms (torch's, and a model's own ``*Norm`` classes such as Hugging Face's ``LlamaRMSNorm``)."""
-    own = {type(m) for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
-    return (torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm, *sorted(own, key=lambda t: t.__qualname__))
-
-
-def _optimizer(args, comm, units, no_decay: tuple[type, ...]):
-    import ragged as rg
-
-    steps = max(args.steps, args.warmup + 1)
-    lr = rg.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, steps, end_value=args.lr / 10)
-    if args.optimizer in ("adamw", "adamw_8bit"):
-        make = rg.optim.adamw if args.optimizer == "adamw" else rg.optim.adamw_8bit
-        core = rg.optim.multi_transform(
-            {"decay": make(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate),
-             "no_decay": rg.optim.adamw(lr, b2=0.98)},  # norms and embeddings: few or row-wise, fp32 moments
-            units.param_groups({no_decay: "no_decay"}, default="decay"), compact=("no_decay",))
-    elif args.optimizer == "sgd":
-        core = rg.optim.sgd(lr, momentum=0.9, donate=not args.no_donate)
-    else:
-        def matrices(leaf):
-            return len(leaf.shape) in (2, 3) and "emb" not in leaf.path and "head" not in leaf.path
-
-        core = rg.optim.muon(0.02, comm=comm, weight_decay=args.weight_decay, muon_filter=matrices,
-                             adam=rg.optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate))
-    if args.clip > 0:
-        return rg.optim.chain(rg.optim.clip_by_global_norm(args.clip, comm=comm), core)
-    return core
+def configure(parser) -> None:
+    """Registers the ``train`` subcommand of ``python -m ragged`` (see [Note: adding a subcommand] in
+    ``ragged/__main__.py``)."""
+    build_parser(parser)
+    parser.set_defaults(func=main_from_args)
 
 
 def train(args) -> dict:
     """Runs the job in an initialised process group; returns the summary (every rank), whose
     ``"verdict"`` is the task's judgement of the losses (:meth:`SyntheticLM.verdict`)."""
-    import torch.distributed as dist
-
-    import ragged as rg
-    from ragged import fsdp
-    from ragged.examples.data import SyntheticLM, rank_slice
-    from ragged.examples.gpt import GPT, GPTConfig, loss_fn
-
     if args.hf:
-        from ragged.examples.hf import train as train_hf
-
-        return train_hf(args)
+        return hf.train(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     comm = rg.collectives.from_torch()
@@ -97,8 +64,8 @@ def train(args) -> dict:
                     top_k=(args.top_k or TOP_K) if args.moe else TOP_K)
     model = GPT(cfg, device=device)
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
-    units = fsdp.make_units(model, world_size=world, specs=_specs_for(args.optimizer))
-    opt = _optimizer(args, comm, units, no_decay_types(model))
+    units = fsdp.make_units(model, world_size=world, specs=specs_for(args.optimizer))
+    opt = optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
                           micro_batches=args.micro_batches,
@@ -164,8 +131,6 @@ def train(args) -> dict:
 
 
 def _init_process_group(backend: str, local_ranks: int):
-    import torch.distributed as dist
-
     backend = pick_backend(backend, local_ranks)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -183,8 +148,6 @@ def _worker(rank: int, world: int, port: int, args, status_path: str) -> None:
 
 def _run_in_group(args) -> int:
     """Trains in a new process group (this process is one rank); returns the exit status."""
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     _init_process_group(args.backend, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     try:
@@ -202,10 +165,6 @@ def main_from_args(args) -> int:
     check_args(args)
     if launched_by_torchrun():
         return _run_in_group(args)
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     world = args.nproc_per_node
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with socket.socket() as s:
@@ -228,8 +187,6 @@ def main_from_args(args) -> int:
 def _report_failure(context, err, world: int) -> None:
     """The traceback of the rank that failed first (the others usually fail because it left:
     "Connection closed by peer"), and one line for each other failed rank."""
-    import pickle
-
     traces = []
     for rank, path in enumerate(context.error_files):
         if path and os.path.exists(path):
@@ -248,8 +205,6 @@ def _report_failure(context, err, world: int) -> None:
 
 def main(argv=None) -> int:
     """``python -m ragged.examples.train`` (under torchrun, or starting its own processes)."""
-    from ragged._cli import UsageError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

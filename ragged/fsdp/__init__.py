@@ -26,12 +26,21 @@ from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
 from ragged.fsdp._grad import value_and_grad as value_and_grad
 from ragged.fsdp._step import Step as Step
 from ragged.fsdp._step import make_step as make_step
-from ragged.fsdp._lower import Collective as Collective
-from ragged.fsdp._lower import CostAnalysis as CostAnalysis
-from ragged.fsdp._lower import Lowered as Lowered
-from ragged.fsdp._lower import MemoryAnalysis as MemoryAnalysis
-from ragged.fsdp._lower_activations import Activations as Activations
-from ragged.fsdp._lower_activations import profile_activations as profile_activations
-from ragged.fsdp._lower_time import Link as Link
-from ragged.fsdp._lower_time import Network as Network
-from ragged.fsdp._lower_time import TimeEstimate as TimeEstimate
+
+# The lowering's types were first published here; they live in ragged.predict, which sits above
+# fsdp (it reads a step's schedule), so they are looked up there on first use instead of imported
+# (an import here would run upward, and in a circle through the step).
+_PREDICT = ("Collective", "CostAnalysis", "Lowered", "MemoryAnalysis", "Activations", "profile_activations", "Link",
+            "Network", "TimeEstimate")
+
+
+def __getattr__(name):
+    if name in _PREDICT:
+        import ragged.predict  # upward, on first use only (see above)
+
+        return getattr(ragged.predict, name)
+    raise AttributeError(f"module 'ragged.fsdp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PREDICT))

@@ -61,6 +61,7 @@ __all__ = ["compiled_modules", "regions", "Region"]
 
 def _optimized_module_type():
     try:
+        # torch._dynamo takes seconds to import: only when a step looks for torch.compile'd modules
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover - torch without dynamo
         return ()

@@ -57,6 +57,7 @@ def is_fsdp2(params) -> bool:
 
 
 def _mismatch(text: str):
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._format import CheckpointMismatchError
 
     return CheckpointMismatchError(text)
@@ -119,6 +120,7 @@ def _check_optimizer(units: Units, ckpt, optimizer, where: str) -> None:
 def _chunks(key: str, shape, flat: torch.Tensor, start: int, stop: int) -> list:
     """Chunks of the flat range ``[start, stop)`` of the tensor ``key`` of ``shape``, their data
     the views of ``flat`` (which holds exactly that range)."""
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._boxes import box_range, boxes
     from ragged.checkpoint._dcp import Chunk
 
@@ -170,6 +172,7 @@ def load_fsdp2(units: Units, ckpt, optimizer, comm, *, device=None):
         >>> torch.equal(full["1.weight"], model[1].weight.detach()), step
         (True, 1)
     """
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._dcp import dcp_load
     from ragged.optim._transform import ScaleByAdamState, ScaleByScheduleState
 
@@ -263,6 +266,7 @@ def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=
         >>> torch.equal(other[1].weight, model[1].weight)
         True
     """
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._dcp import Blob, Chunk, dcp_save
 
     where = f"fsdp.save_fsdp2(units, state, comm, {os.fspath(path)!r})"

@@ -65,6 +65,7 @@ def _listed(items: list[str]) -> str:
 def check_weights(units: Units, weights, where: str, reader: str = "pretrained") -> None:
     """Refuses (:class:`CheckpointMismatchError`, the same on every rank: it reads headers only)
     a pretrained mapping that does not fit ``units``, listing every problem by name and file."""
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._format import CheckpointMismatchError
 
     expected = {u.paths[leaf.index]: (leaf, u.plan.dtype) for u in units for leaf in u.plan.leaves + u.plan.replicated}
@@ -173,6 +174,7 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
         >>> saved.file, torch.equal(saved.read().view(saved.shape), ref["1.weight"].bfloat16())
         ('model-00002-of-00002.safetensors', True)
     """
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
     from ragged.checkpoint._dcp import agree
     from ragged.checkpoint._format import write_json_atomic
     from ragged.checkpoint._safetensors import write_file

@@ -143,8 +143,10 @@ class Step:
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
         """Memory and communication of this step per rank, without running it: see
-        :func:`ragged.fsdp._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``)."""
-        from ragged.fsdp._lower import lower
+        :func:`ragged.predict._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``)."""
+        # the predictor sits above fsdp (it reads this step's schedule): imported when a step is
+        # lowered, never when fsdp is
+        from ragged.predict._lower import lower
 
         return lower(self, state_shapes, batch_shapes, **options)
 

@@ -216,6 +216,7 @@ class Units:
         return group
 
     def __rich__(self):
+        # rich only when the units are drawn (as ragged/_viz.py)
         from rich.table import Table
 
         table = Table(title=f"{len(self.units)} FSDP units over {self.world_size} ranks")

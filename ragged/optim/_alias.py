@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ragged.optim._base import GradientTransformation, Schedule, check_floating
-from ragged.optim._combine import chain
+from ragged.optim._combine import chain, masked
 from ragged.optim._transform import (
     _check_beta,
     _check_nonneg,
@@ -123,8 +123,6 @@ def adamw(
         >>> [round(x, 6) for x in rg.optim.apply_updates(p, u).tolist()]   # p - lr * (1 + wd * p); 0 stays 0
         [0.85, 0.0]
     """
-    from ragged.optim._combine import masked
-
     if mask is None or not weight_decay:
         return scale_by_adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, donate=donate)
     decay = masked(add_decayed_weights(weight_decay), mask)

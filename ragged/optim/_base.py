@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -155,8 +156,6 @@ def check_like_state(updates, state_tree, where: str, what: str = "updates") -> 
     got, want = pytree.structure(updates), pytree.structure(state_tree)
     if got == want:
         return
-    from ragged._dbuffer import DBuffer, is_dbuffer
-
     def describe(tree):
         leaves = pytree.leaves(tree, is_leaf=is_dbuffer)
         parts = []

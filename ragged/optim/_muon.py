@@ -42,6 +42,7 @@ from ragged.optim._combine import chain, multi_transform
 from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_learning_rate
 from ragged.optim._muon_plan import MuonPlan, Wave, default_muon_filter, muon_matrices, muon_plan
 from ragged.spec import LeafLayout
+from ragged.transforms._check import agreement_collectives, check_plans
 from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 
 __all__ = ["ScaleByMuonState", "newton_schulz", "scale_by_muon", "muon"]
@@ -150,8 +151,6 @@ def scale_by_muon(
     def collectives(params):
         if comm is None or comm.world_size == 1:
             return ()
-        from ragged.transforms._check import agreement_collectives
-
         bufs = _dbuffers(params, comm)
         waves = plan_of(bufs).waves
         calls = sum(2 * len(ws) for ws in waves)  # each wave's exchange to the owners and back
@@ -200,8 +199,6 @@ def _agree(bufs, comm, label: str) -> None:
         if comm.rank != d.rank:
             raise RaggedValueError(f"muon: the DBuffer belongs to rank {d.rank} but comm.rank is {comm.rank}.")
     if comm.world_size > 1:
-        from ragged.transforms._check import check_plans
-
         check_plans([d.plan for d in bufs], comm, label)
 
 

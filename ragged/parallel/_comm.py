@@ -14,6 +14,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
+from ragged.collectives import from_torch
+from ragged.collectives._simulated import SimulatedCollectives, _Group, run_ranks
 from ragged.spec._mesh import Mesh
 from ragged._errors import RaggedKeyError, RaggedValueError
 
@@ -70,10 +74,6 @@ def from_device_mesh(device_mesh, *, plan_check: str | None = None, handshake: s
         device_mesh: from ``init_device_mesh(device, shape, mesh_dim_names=names)``.
         plan_check, handshake: forwarded to :func:`ragged.collectives.from_torch`.
     """
-    import torch.distributed as dist
-
-    from ragged.collectives import from_torch
-
     names = device_mesh.mesh_dim_names
     if not names:
         raise RaggedValueError("from_device_mesh needs a DeviceMesh with mesh_dim_names (init_device_mesh(..., mesh_dim_names=...)).")
@@ -103,8 +103,6 @@ def simulate_mesh(mesh: Mesh, fn, *args, timeout: float = 60.0, **kwargs):
         >>> rg.parallel.simulate_mesh(spec.Mesh((2, 2), ("dp", "tp")), fn)
         [1.0, 1.0, 5.0, 5.0]
     """
-    from ragged.collectives._simulated import SimulatedCollectives, _Group, run_ranks
-
     n = mesh.size
     world = _Group(n, timeout, "world")
     groups: list = [world]

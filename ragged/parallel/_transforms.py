@@ -320,6 +320,7 @@ def to_dtensor(mplan: MeshPlan, part_tree, device_mesh):
         ValueError: a strided ``Shard(dim, groups>1)`` leaf (DTensor has no public placement
             for it; use the part directly).
     """
+    # DTensor (torch.distributed.tensor) only when exporting to it, not with import ragged
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard

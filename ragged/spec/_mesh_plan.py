@@ -169,6 +169,7 @@ class MeshPlan:
 
     def __rich__(self):
         """A table: one row per leaf with its global shape, placements, part shape and granule."""
+        # rich only when the plan is drawn (as ragged/_viz.py)
         from rich.table import Table
 
         mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ragged._errors import RaggedKeyError, RaggedValueError
+from ragged._viz import plan_summary
 from ragged.spec._leaf import LeafLayout, LocalPiece, ShardRange, piece_shape
 
 __all__ = ["LeafLayout", "LocalPiece", "LayoutPlan", "ShardRange", "piece_shape"]
@@ -322,15 +323,11 @@ class LayoutPlan:
         )
 
     def __rich__(self):
-        from ragged._viz import plan_summary
-
         return plan_summary(self)
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
         # Jupyter: show the rich summary (text/html + text/plain) as a cell's output.
         from rich.panel import Panel
-
-        from ragged._viz import plan_summary
 
         return Panel(plan_summary(self), expand=False)._repr_mimebundle_(include, exclude, **kwargs)
 

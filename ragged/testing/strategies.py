@@ -27,6 +27,7 @@ import torch
 
 from ragged._pytree import pytree
 from ragged.spec._granularity import Blocks, Elements, Replicate, Rows
+from ragged.spec._planning import make_plan
 from ragged._errors import RaggedValueError
 
 __all__ = [
@@ -197,7 +198,5 @@ def multi_buffer_inputs(
 @st.composite
 def plans(draw, *, strategy: str = "dp", align: int | None = None, inputs: st.SearchStrategy | None = None):
     """A :class:`~ragged.spec.LayoutPlan` of drawn :func:`plan_inputs`."""
-    from ragged.spec._planning import make_plan
-
     params, specs, world_size = draw(inputs if inputs is not None else plan_inputs())
     return make_plan(params, specs, world_size=world_size, align=align, strategy=strategy)

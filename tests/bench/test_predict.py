@@ -26,7 +26,7 @@ def test_time_fit_tau_and_prediction_from_pieces():
     Kendall's tau of known orders, and a prediction from given W=1 pieces (no overlap never faster)."""
     from bench._predict_time import SETTINGS, cpu_share, fit, kendall_tau, markdown, predict
     from bench.step import CONFIGS
-    from ragged.fsdp import Link
+    from ragged.predict import Link
 
     alpha, bw = fit([(b, 2e-3 + 0.5 * b / 1e9, 0.0) for b in (2**20, 2**24, 2**25)], 2)  # (W-1)/W = 1/2
     assert cpu_share([(1, 2.0, 1.0), (2, 6.0, 2.0)]) == pytest.approx(3 / 8)  # time-weighted

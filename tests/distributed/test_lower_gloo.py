@@ -1,6 +1,6 @@
 """``step.lower(...)`` against real steps on 2 and 4 gloo ranks, in both transports: every rank's persistent bytes by category
 and every collective's calls and bytes (counted at the ``Collectives`` boundary of the torch
-backend) exact (see [Note: lowering a step] in ``ragged/fsdp/_lower.py``)."""
+backend) exact (see [Note: lowering a step] in ``ragged/predict/_lower.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import ragged as rg
 from tests.distributed._harness import TRANSPORTS, workers_2_and_4
 from tests.fsdp._cases import Case
-from tests.fsdp._lower_cases import measured
+from tests.predict._lower_cases import measured
 
 workers2, workers4, workers = workers_2_and_4()
 

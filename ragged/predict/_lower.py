@@ -24,12 +24,12 @@ Everything comes from values the step already holds and that decide what a real 
   int64, four on a deferred-handshake comm); a learning call's exchange of observations is an
   ``all_gather_object``, counted in ``objects`` (its pickled size is not predicted);
 * peak: the program's gathers, frees and reduce-scatters walked in the runtime's order
-  (``_lower_timeline.walk``), with the flat gradient buffer of a unit alive from its first
+  (``_timeline.walk``), with the flat gradient buffer of a unit alive from its first
   gradient's segment until its reduce-scatter is waited (at the latest: ``max_inflight_reduce``
   later; the runtime may finish one earlier), and the model's own bytes at each point
   (``activations``: saved tensors, temporaries, leaf gradients), which do not depend on the world
   size but not on shapes alone either: measured once on one device by
-  :func:`~ragged.fsdp.profile_activations` (see [Note: measuring activations on one device]);
+  :func:`~ragged.predict.profile_activations` (see [Note: measuring activations on one device]);
   0 is assumed without them, and the analysis says so.
 
 What is assumed is listed in ``assumed`` of every analysis. Not modelled: collectives the
@@ -41,87 +41,19 @@ call), the optimizer update's temporaries and the allocator's fragmentation.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 
-from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr
-from ragged.fsdp._lower_activations import Activations
 from ragged.fsdp._schedule import CollectiveSchedule, program
-from ragged.fsdp._trainable import trainable_shards
-from ragged.fsdp._units import picked_leaves
-from ragged.transforms._check import agreement_collectives
-from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
+from ragged.predict._activations import Activations
+from ragged.predict._cost import CostAnalysis, cost_analysis
+from ragged.predict._persistent import given_state_bytes, sample_ranks, state_bytes
+from ragged.predict._time import TimeEstimate, estimate_time
+from ragged.predict._timeline import timeline
 
-__all__ = ["Lowered", "MemoryAnalysis", "CostAnalysis", "Collective", "lower", "assumed_schedule"]
-
-_FIELD = re.compile(r"\.([A-Za-z_]\w*)")
-_KEY = re.compile(r"\[(?:'[^']*'|\"[^\"]*\"|[^\]]*)\]")  # a subscript: a unit's name may hold dots
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Collective:
-    """One collective kind on one mesh axis, per step: ``calls`` and ``bytes`` (sent per rank, as
-    the full buffer: all-gather output, reduce-scatter input, all-reduce tensor). ``axis``:
-    ``"shard"`` (the FSDP group), ``"replica"`` (HSDP), ``"data0"``, ``"data1"``, ... (the step's
-    ``data_groups`` in order, e.g. expert parallelism's EP axis). Collectives inside the loss
-    (an MoE dispatch's all-to-all, tensor parallelism's) are the model's and not counted.
-
-    Examples:
-        >>> import torch, ragged as rg
-        >>> from ragged import fsdp
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
-        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
-        >>> c = lowered.cost_analysis().get("reduce_scatter")
-        >>> c.kind, c.axis, c.calls > 0, c.bytes > 0
-        ('reduce_scatter', 'shard', True, True)
-    """
-
-    kind: str
-    axis: str
-    calls: int
-    bytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class CostAnalysis:
-    """Collectives per step (see [Note: lowering a step]).
-
-    Attributes:
-        collectives: one :class:`Collective` per (kind, axis), sorted.
-        objects: ``all_gather_object`` calls per step (host objects; sizes not predicted).
-        per_unit: ``{unit: {"gathers": calls, "gather_bytes": .., "reduces": .., "reduce_bytes": ..}}``.
-        assumed: what the counts rest on.
-
-    Examples:
-        >>> import torch, ragged as rg
-        >>> from ragged import fsdp
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
-        >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
-        >>> {"all_gather", "reduce_scatter"} <= {c.kind for c in lowered.cost_analysis().collectives}
-        True
-    """
-
-    collectives: tuple[Collective, ...]
-    objects: int
-    per_unit: dict
-    assumed: tuple[str, ...] = ()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(c.bytes for c in self.collectives)
-
-    def get(self, kind: str, axis: str = "shard") -> Collective:
-        """The record of ``kind`` on ``axis`` (zero calls when the step issues none)."""
-        return next((c for c in self.collectives if (c.kind, c.axis) == (kind, axis)), Collective(kind, axis, 0, 0))
+__all__ = ["Lowered", "MemoryAnalysis", "lower", "assumed_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,53 +115,6 @@ def assumed_schedule(units) -> CollectiveSchedule:
                               learning=False)
 
 
-def _category(path: str) -> str:
-    """The category of an optimizer-state leaf at key path ``path``: its field, not its unit's name.
-
-    Examples:
-        >>> _category("[0].mu['model.layers.0'].data"), _category("[0].count"), _category("[1]")
-        ('optimizer.mu', 'optimizer.count', 'optimizer.state')
-    """
-    fields = _FIELD.findall(_KEY.sub("", path))
-    if fields and fields[-1] in ("data", "replicated"):  # a DBuffer's children: name it by its field
-        fields = fields[:-1]
-    return "optimizer." + (fields[-1] if fields else "state")
-
-
-def _tensor_bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def _meta_shards(units, rank: int) -> dict[str, DBuffer]:
-    """``rank``'s parameter shards on meta, in each plan's dtype (as ``fsdp.init`` makes them)."""
-    return {u.name: DBuffer(data=torch.empty(u.plan.shard_size, dtype=u.plan.dtype, device="meta"),
-                            replicated=torch.empty(u.plan.replicated_numel, dtype=u.plan.dtype, device="meta"),
-                            plan=u.plan, rank=rank) for u in units}
-
-
-def _state_bytes(units, optimizer, rank: int) -> dict[str, int]:
-    """Persistent bytes of ``rank``'s TrainState by category, built on meta."""
-    shards = _meta_shards(units, rank)
-    return _given_state_bytes((shards, optimizer.init(trainable_shards(units, shards))))
-
-
-def _given_state_bytes(state) -> dict[str, int]:
-    shards, opt_state = state
-    out = {"param_shards": sum(_tensor_bytes(d.data) for d in shards.values()),
-           "replicated": sum(_tensor_bytes(d.replicated) for d in shards.values())}
-    paths, leaves, _ = flatten_with_keystr(opt_state)
-    for path, leaf in zip(paths, leaves):
-        key = _category(path)
-        out[key] = out.get(key, 0) + _tensor_bytes(leaf)
-    return out
-
-
-def _sample_ranks(m: int, max_ranks: int) -> tuple[int, ...]:
-    if m <= max_ranks:
-        return tuple(range(m))
-    return tuple(sorted({round(k * (m - 1) / (max_ranks - 1)) for k in range(max_ranks)}))
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Lowered:
     """A lowered step: see [Note: lowering a step]. Built by :func:`lower` (``step.lower(...)``).
@@ -240,7 +125,7 @@ class Lowered:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
         >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
-        >>> isinstance(lowered, fsdp.Lowered), lowered.memory_analysis().persistent_bytes > 0
+        >>> isinstance(lowered, rg.predict.Lowered), lowered.memory_analysis().persistent_bytes > 0
         (True, True)
     """
 
@@ -274,68 +159,12 @@ class Lowered:
         out.append("the loss issues no collectives of its own (an MoE dispatch's or tensor parallelism's are not counted)")
         return tuple(out)
 
-    # ---- collectives ----------------------------------------------------------------------
     def cost_analysis(self) -> CostAnalysis:
-        """Collectives per step of the steady state (see [Note: lowering a step])."""
-        from ragged.fsdp._lower_timeline import walk
+        """Collectives per step of the steady state: see :func:`ragged.predict._cost.cost_analysis`."""
+        return cost_analysis(self)
 
-        step = self.step
-        comm, k = step.comm, step.micro_batches
-        replicas = comm.num_replicas
-        gathers = [0] * len(self.layouts)  # every micro-batch's
-        for action, *args in walk(self):
-            if action == "gather":
-                gathers[args[0]] += 1
-        table: dict[tuple[str, str], list[int]] = {}
-
-        def add(kind, axis, calls, nbytes):
-            if calls:
-                row = table.setdefault((kind, axis), [0, 0])
-                row[0] += calls
-                row[1] += nbytes
-
-        per_unit = {}
-        for lay, n_g in zip(self.layouts, gathers):
-            gb = lay.nbytes  # the gathered buffer in the compute dtype
-            add("all_gather", "shard", n_g, n_g * gb)
-            unit = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": 0, "reduce_bytes": 0}
-            gp = lay.grad_plan
-            if gp is not None:
-                rsize = _itemsize(lay.reduce_dtype or gp.dtype)
-                add("reduce_scatter", "shard", k, k * gp.buffer_numel * rsize)
-                rep = gp.replicated_numel * rsize
-                if gp.replicated:
-                    add("all_reduce", "shard", k, k * rep)
-                if replicas > 1:
-                    add("all_reduce", "replica", k * (1 + bool(gp.replicated)), k * (gp.shard_size * rsize + rep))
-                unit.update(reduces=k, reduce_bytes=k * (gp.buffer_numel * rsize + (rep if gp.replicated else 0)))
-            per_unit[lay.name] = unit
-        for record in agreement_collectives(comm):  # the plan check, every step
-            add(*record)
-        agree = 8 * (5 + len(self.layouts) + sum(len(lay.trained) for lay in self.layouts))  # the end-of-call agreement
-        add("all_reduce", "shard", 1, agree)
-        if replicas > 1:
-            add("all_reduce", "replica", 1, agree)
-        for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
-            axis = f"data{g}"
-            add("all_reduce", axis, 1, agree)
-            for lay in self.layouts:
-                unit = self.units[lay.name]
-                if lay.grad_plan is not None:
-                    for n in all_reduce_leaves_numels(unit.trainable_plan, comm.rank, picked_leaves(unit, group.is_replicated)):
-                        add("all_reduce", axis, 1, n * _itemsize(unit.trainable_plan.dtype))
-        if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
-            for record in step.optimizer.collectives(trainable_shards(self.units, _meta_shards(self.units, comm.rank))):
-                add(*record)
-        objects = 1 if self.schedule.learning else 0  # a learning call exchanges what every rank observed
-        records = tuple(Collective(kd, ax, c, b) for (kd, ax), (c, b) in sorted(table.items()))
-        return CostAnalysis(collectives=records, objects=objects, per_unit=per_unit, assumed=self._assumed())
-
-    # ---- memory -----------------------------------------------------------------------------
     def timeline(self, *, early: bool = False):
-        """The step's transient memory, point by point: see :func:`ragged.fsdp._lower_timeline.timeline`."""
-        from ragged.fsdp._lower_timeline import timeline
-
+        """The step's transient memory, point by point: see :func:`ragged.predict._timeline.timeline`."""
         return timeline(self, early=early)
 
     def memory_analysis(self, *, workspace_bytes: int = 0) -> MemoryAnalysis:
@@ -370,10 +199,10 @@ class Lowered:
         parts = {key: int(round(v)) for key, v in parts.items()}
         assumed = list(self._assumed())
         if self.activations is None:
-            assumed.append("activations: 0 bytes (not derivable from shapes; pass activations=fsdp.profile_activations("
+            assumed.append("activations: 0 bytes (not derivable from shapes; pass activations=rg.predict.profile_activations("
                            "...) of the same step on one device)")
         else:
-            assumed.append("activations: as given per point (fsdp.Activations; fsdp.profile_activations measures them "
+            assumed.append("activations: as given per point (rg.predict.Activations; rg.predict.profile_activations measures them "
                            "on one device)")
         assumed.append("gradient buffers: waited at the latest point max_inflight_reduce allows (peak_bytes; "
                        "peak_bytes_low: done by the next point)")
@@ -388,10 +217,8 @@ class Lowered:
                               peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
                               peak_grad_bytes_low=early["grad_buffers"], assumed=tuple(assumed))
 
-    def estimate_time(self, network, **kwargs):
-        """Step time from an alpha-beta ``network`` (see ``ragged/fsdp/_lower_time.py``)."""
-        from ragged.fsdp._lower_time import estimate_time
-
+    def estimate_time(self, network, **kwargs) -> TimeEstimate:
+        """Step time from an alpha-beta ``network``: see :func:`ragged.predict._time.estimate_time`."""
         return estimate_time(self, network, **kwargs)
 
 
@@ -407,7 +234,7 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
             ``micro_batches``; the data itself is never read.
         schedule: the collective schedule (default: the one ``activations`` were measured with, else the
             step's learnt one when it has run, else :func:`assumed_schedule`).
-        activations: the model's own bytes per point, from :func:`~ragged.fsdp.profile_activations`
+        activations: the model's own bytes per point, from :func:`~ragged.predict.profile_activations`
             of this step built on one device (default: unknown, 0 assumed).
         max_ranks: evaluate every rank up to this many, else this many evenly spread ranks.
 
@@ -433,9 +260,9 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
                 raise RaggedValueError(f"step.lower: batch{path} has shape {tuple(getattr(leaf, 'shape', ()))}; "
                                        f"micro_batches={step.micro_batches} needs a divisible leading dimension.")
     if state_shapes is None:
-        state_bytes = {r: _state_bytes(units, step.optimizer, r) for r in _sample_ranks(units.world_size, max_ranks)}
+        by_rank = {r: state_bytes(units, step.optimizer, r) for r in sample_ranks(units.world_size, max_ranks)}
     elif isinstance(state_shapes, tuple) and len(state_shapes) == 2 and isinstance(state_shapes[0], dict):
-        state_bytes = {step.comm.rank: _given_state_bytes(state_shapes)}
+        by_rank = {step.comm.rank: given_state_bytes(state_shapes)}
     else:
         raise RaggedTypeError(f"step.lower: state_shapes must be None or a TrainState, got {type(state_shapes).__name__}.")
     memo = step.value_and_grad.memo
@@ -450,9 +277,9 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
     if not isinstance(schedule, CollectiveSchedule) or len(schedule.reduce_at) != len(units):
         raise RaggedValueError(f"step.lower: schedule must be a CollectiveSchedule over the step's {len(units)} units.")
     if activations is not None and (not isinstance(activations, Activations) or activations.schedule != schedule):
-        raise RaggedValueError("step.lower: activations must be fsdp.profile_activations(...) of a step with this "
+        raise RaggedValueError("step.lower: activations must be rg.predict.profile_activations(...) of a step with this "
                                f"schedule, got {type(activations).__name__}" + (" measured with another schedule" if
                                                                                  isinstance(activations, Activations) else "")
                                + ". Fix: profile the same step on one device (or lower with schedule=activations.schedule).")
-    return Lowered(step=step, schedule=schedule, state_bytes=state_bytes, activations=activations,
+    return Lowered(step=step, schedule=schedule, state_bytes=by_rank, activations=activations,
                    schedule_assumed=assumed)

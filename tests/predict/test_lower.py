@@ -1,7 +1,7 @@
 """``step.lower(...)`` against real steps on the simulated backend: the persistent bytes of every
 rank by category and every collective's calls and bytes exact, the gathered-buffer peak exact,
 the gradient-buffer peak within the predicted bounds (see [Note: lowering a step]); the model's
-own bytes measured by ``fsdp.profile_activations`` the same at every world size."""
+own bytes measured by ``rg.predict.profile_activations`` the same at every world size."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ragged import fsdp
 from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 from tests.fsdp._cases import Case
 from ragged.fsdp._schedule import CollectiveSchedule
-from tests.fsdp._lower_cases import measured
+from tests.predict._lower_cases import measured
 from tests.parallel._cases import ep_fsdp_step
 
 # (world size, case, optimizer, steps): the last step is counted; a step learning the schedule
@@ -142,9 +142,21 @@ def _abstract_step(m=8, **kw):
     return fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(m), **kw)
 
 
-def test_time_model_limits_and_overlap():
-    from ragged.fsdp._lower_time import Link
+def test_the_lowering_names_first_published_in_fsdp_still_resolve():
+    """``rg.fsdp.Lowered`` & co are ``rg.predict``'s objects (looked up there on first use)."""
+    from ragged.fsdp import Network
 
+    names = ("Collective", "CostAnalysis", "Lowered", "MemoryAnalysis", "Activations", "profile_activations", "Link",
+             "Network", "TimeEstimate")
+    assert all(getattr(fsdp, n) is getattr(rg.predict, n) for n in names) and Network is rg.predict.Network
+    assert set(names) <= set(dir(fsdp))
+    assert isinstance(_abstract_step().lower(), fsdp.Lowered)
+    with pytest.raises(AttributeError, match="no attribute 'Lowerd'"):
+        fsdp.Lowerd
+
+
+def test_time_model_limits_and_overlap():
+    Link = rg.predict.Link
     lowered = _abstract_step().lower()
     cost = lowered.cost_analysis()
     link = Link(alpha=1e-4, bandwidth=1e8)
@@ -174,7 +186,7 @@ def test_time_model_limits_and_overlap():
 
 
 def test_peer_rules_on_one_configuration():
-    from ragged.fsdp._lower_peers import compare
+    from ragged.predict._peers import compare
 
     rows = {r.system: r for r in compare(_abstract_step(m=64).lower())}
     # 256 x 256 weights and 256 biases over 64 ranks: FSDP2 pads nothing (256 rows), ZeRO-3 nothing (256 | 65536)
@@ -191,7 +203,7 @@ def _profile(comm, case):
     opt = case.make_optimizer()
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing), opt, comm,
                           micro_batches=case.micro_batches)
-    return fsdp.profile_activations(step, fsdp.init(units, model, opt, comm), case.task().batch(0, 4))  # one batch per rank
+    return rg.predict.profile_activations(step, fsdp.init(units, model, opt, comm), case.task().batch(0, 4))  # one batch per rank
 
 
 @pytest.mark.parametrize("case", [Case(moe=True), Case(activation_checkpointing=True, micro_batches=2)],

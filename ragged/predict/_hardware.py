@@ -4,10 +4,10 @@ vendor's figure (or plainly an assumption), printed with its source, never as a 
 [Note: the assumed cluster]
 Defaults describe an NVIDIA DGX H100 cluster:
 
-* compute: a unit's forward seconds = its flops (``ragged/_model_costs.py``) / (peak x MFU); peak =
+* compute: a unit's forward seconds = its flops (``ragged/predict/_model_costs.py``) / (peak x MFU); peak =
   989 TFLOP/s, the H100 SXM's dense BF16 Tensor Core figure (NVIDIA H100 datasheet: 1,979 with
   sparsity); MFU 0.4, an assumption (a good large-scale run's utilisation, not a figure of ours);
-* links: one per mesh axis (``fsdp.Network``). An axis whose ranks all sit in one node (8 GPUs per
+* links: one per mesh axis (``rg.predict.Network``). An axis whose ranks all sit in one node (8 GPUs per
   node) moves data over NVLink, 450 GB/s per direction per GPU (datasheet: 900 GB/s
   bidirectional); an axis that spans nodes over InfiniBand, 50 GB/s per GPU (DGX H100: one
   ConnectX-7 400 Gb/s NDR port per GPU). The shard group is contiguous ranks; HSDP's replica
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from ragged._cli import UsageError, float_above, int_at_least
+from ragged.predict._time import Link, Network
 
 __all__ = ["Hardware", "configure_hardware", "hardware_from"]
 
@@ -75,19 +76,15 @@ class Hardware:
 
     def link(self, ranks: int, stride: int):
         """The link of a group of ``ranks`` ranks ``stride`` apart (NCCL's ring model, see the Note)."""
-        from ragged import fsdp
-
         per_node = min(ranks, max(1, self.gpus_per_node // stride))
         nodes = -(-ranks // per_node)
         steps, across = ranks - 1, nodes - 1
         alpha = (self.base_latency + (steps - across) * self.nvlink_latency + across * self.ib_latency) * 1e-6
-        return fsdp.Link(alpha=alpha, bandwidth=(self.ib_bandwidth if nodes > 1 else self.nvlink_bandwidth) * 1e9)
+        return Link(alpha=alpha, bandwidth=(self.ib_bandwidth if nodes > 1 else self.nvlink_bandwidth) * 1e9)
 
     def network(self, *, shard: int, replicas: int):
-        """An ``fsdp.Network`` for a mesh of ``replicas`` x ``shard`` ranks (shard ranks contiguous)."""
-        from ragged import fsdp
-
-        return fsdp.Network(shard=self.link(shard, 1), replica=self.link(replicas, shard) if replicas > 1 else None)
+        """A :class:`~ragged.predict.Network` for a mesh of ``replicas`` x ``shard`` ranks (shard ranks contiguous)."""
+        return Network(shard=self.link(shard, 1), replica=self.link(replicas, shard) if replicas > 1 else None)
 
     def assumed(self) -> list[str]:
         """One labelled line per constant: its value, unit and source."""
@@ -98,7 +95,7 @@ class Hardware:
 def configure_hardware(p) -> None:
     """Adds one option per :class:`Hardware` constant to ``p`` (their defaults are the class's)."""
     group = p.add_argument_group("step time (with --predict): assumed hardware, see [Note: the assumed cluster] "
-                                 "in ragged/_cli_hardware.py")
+                                 "in ragged/predict/_hardware.py")
     defaults = Hardware()
     for field, option, metavar, unit, source in _OPTIONS:
         kind = int_at_least(1) if field == "gpus_per_node" else float_above(0.0)

@@ -49,10 +49,10 @@ class Activations:
         saved: bytes alive at the end of forward (what backward keeps: saved tensors, the loss).
 
     Examples:
-        >>> from ragged import fsdp
+        >>> import ragged as rg
         >>> from ragged.fsdp._schedule import CollectiveSchedule
         >>> one = CollectiveSchedule(forward=(0,), needs=(frozenset({0}),), reduce_at=(0,), learning=False)
-        >>> fsdp.Activations(schedule=one, forward=(300,), backward=((500, 200),), events=(0, 300), saved=300).peak
+        >>> rg.predict.Activations(schedule=one, forward=(300,), backward=((500, 200),), events=(0, 300), saved=300).peak
         500
     """
 
@@ -120,7 +120,7 @@ def profile_activations(step, state, batch) -> Activations:
         >>> def run(comm):
         ...     opt = rg.optim.sgd(0.1)
         ...     step = fsdp.make_step(units, loss, opt, comm)
-        ...     return fsdp.profile_activations(step, fsdp.init(units, model, opt, comm), torch.ones(32, 16))
+        ...     return rg.predict.profile_activations(step, fsdp.init(units, model, opt, comm), torch.ones(32, 16))
         >>> (act,) = rg.collectives.simulate(1, run)
         >>> act.saved >= 32 * 64 * 4, len(act.forward) == len(act.schedule.forward)   # tanh's output is saved
         (True, True)

@@ -1,7 +1,7 @@
 """The same configuration under FSDP2's and ZeRO-3's layout rules, next to ragged's lowering.
 
 [Note: peer rules of a lowered step]
-:func:`compare` takes a :class:`~ragged.fsdp._lower.Lowered` step and lays the *same units, dtypes,
+:func:`compare` takes a :class:`~ragged.predict._lower.Lowered` step and lays the *same units, dtypes,
 optimizer kind and schedule* (every unit gathered as often as ragged's program gathers it) out by
 each system's rule, per rank (``W`` = the shard group):
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ragged.fsdp._lower import _itemsize
 from ragged.spec._peers import peer_shard_numel
 
 __all__ = ["PeerRow", "compare"]
@@ -96,8 +95,8 @@ def compare(lowered, *, eight_bit: bool | None = None) -> tuple[PeerRow, ...]:
         gather = reduce = largest = 0
         for u, lay in zip(lowered.units, lowered.layouts):
             leaves = u.plan.leaves + u.plan.replicated
-            master, compute = _itemsize(u.plan.dtype), _itemsize(lay.dtype)
-            rsize = _itemsize(lay.reduce_dtype or u.plan.dtype)
+            master, compute = u.plan.dtype.itemsize, lay.dtype.itemsize
+            rsize = (lay.reduce_dtype or u.plan.dtype).itemsize
             per = [peer_shard_numel({"x": _Shape(l.shape)}, W, system) for l in leaves]
             trains = [p for p, l in zip(per, leaves) if u.paths[l.index] not in u.frozen]
             P, numel = sum(per), sum(l.numel for l in leaves)

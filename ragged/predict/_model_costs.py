@@ -30,7 +30,7 @@ Assumed on top of the paper: a layer's backward also holds its output's and its 
 (``4 * s * b * h``); transients inside a forward are not counted; the embedding saves nothing (its
 output is the first layer's input). The formula is a dense GPT layer's with a ``4h`` MLP: a MoE
 layer's expert activations and GQA's smaller K/V differ from it. Assumptions, not measurements:
-``fsdp.profile_activations`` measures a real step's.
+``rg.predict.profile_activations`` measures a real step's.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 
 from ragged._errors import RaggedValueError, check_int
+from ragged._models import model_shapes, model_units
+from ragged.predict._activations import Activations
 
 __all__ = ["UnitCost", "unit_costs", "step_activations"]
 
@@ -126,8 +128,6 @@ def unit_costs(model, *, seq_len: int, batch: int, checkpointing: bool = False,
         >>> unit_costs("gpt-oss-120b", seq_len=4096, batch=1, checkpointing=True)[1].saved_bytes == 2 * 4096 * 2880
         True
     """
-    from ragged._models import model_shapes, model_units
-
     check_int("unit_costs: seq_len", seq_len)
     check_int("unit_costs: batch", batch)
     desc = model_shapes(model)
@@ -173,8 +173,6 @@ def step_activations(costs, schedule):
         >>> act.forward, act.backward, act.events, act.saved
         ((10, 20), ((15, 15), (25, 25)), (0, 10, 20), 20)
     """
-    from ragged.fsdp._lower_activations import Activations
-
     if len(costs) != len(schedule.reduce_at):
         raise RaggedValueError(f"step_activations: {len(costs)} unit costs for a schedule over "
                                f"{len(schedule.reduce_at)} units; pass one UnitCost per unit of the step")

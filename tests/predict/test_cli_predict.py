@@ -1,5 +1,5 @@
 """``python -m ragged plan --predict``: the per-rank table and its JSON, equal to lowering the same
-step in Python (see ``ragged/_cli_predict.py``)."""
+step in Python (see ``ragged/predict/_command.py``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from ragged._cli import run as cli_run
-from ragged._cli_predict import bundled_step
-from ragged._model_costs import unit_costs
-from ragged.fsdp._lower_peers import compare
+from ragged.__main__ import main as cli_run
+from ragged.predict._command import bundled_step
+from ragged.predict._model_costs import unit_costs
+from ragged.predict._peers import compare
 
 SHAPES = {"units": [
     {"name": "embed", "kind": "embed", "params": {"emb.weight": [1000, 64]}},

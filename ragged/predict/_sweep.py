@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+from rich.table import Table
+
+from ragged.predict._tables import gib, time_table
+
 __all__ = ["rank", "print_sweep"]
 
 
@@ -28,10 +32,6 @@ def rank(rows, budget_bytes: int) -> tuple[list, list]:
 
 def print_sweep(rows, memory_gib: float, console, *, as_json: bool = False) -> int:
     """Prints the ranked configurations (a table, or JSON ``{"budget_bytes", "ranked", "dropped"}``)."""
-    from rich.table import Table
-
-    from ragged._cli_predict import _gib as gib, time_table
-
     budget = int(memory_gib * 2**30)
     ranked, dropped = rank(rows, budget)
     if as_json:

@@ -1,10 +1,8 @@
-"""A lowered step walked in the runtime's order (see [Note: lowering a step] in ``ragged/fsdp/_lower.py``):
+"""A lowered step walked in the runtime's order (see [Note: lowering a step] in ``ragged/predict/_lower.py``):
 :func:`walk` yields the program's actions, once for every consumer; :func:`timeline` turns them into
-the transient memory, point by point (``_lower_time.py`` into a step time)."""
+the transient memory, point by point (``_time.py`` into a step time)."""
 
 from __future__ import annotations
-
-from ragged.fsdp._lower import _itemsize
 
 __all__ = ["walk", "timeline"]
 
@@ -69,7 +67,7 @@ def timeline(lowered, *, early: bool = False):
 
     def rcopy(i):  # the flat gradient (compute dtype) copied into the reduce dtype (the policy's, else the master's)
         dt = lays[i].reduce_dtype or lays[i].grad_plan.dtype
-        return lays[i].grad_plan.buffer_numel * _itemsize(dt) if dt != lays[i].dtype else 0
+        return lays[i].grad_plan.buffer_numel * dt.itemsize if dt != lays[i].dtype else 0
 
     def finish_oldest():
         i = pending.pop(0)
@@ -113,7 +111,7 @@ def timeline(lowered, *, early: bool = False):
             if i not in shards_done:  # the reduce-scatter's output, from its start
                 shards_done.add(i)
                 gp = lays[i].grad_plan
-                live["grad_shards"] += (gp.shard_size + gp.replicated_numel) * _itemsize(gp.dtype)
+                live["grad_shards"] += (gp.shard_size + gp.replicated_numel) * gp.dtype.itemsize
             note(i, where)
             while len(pending) > inflight:
                 finish_oldest()

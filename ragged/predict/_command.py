@@ -1,9 +1,9 @@
 """``python -m ragged plan --predict``: a bundled (or ``--shapes``) model lowered at each world size,
 mesh and optimizer on an abstract comm, with ragged's per-rank memory and communication next to the
-FSDP2 and ZeRO-3 rules (see [Note: lowering a step] in ``ragged/fsdp/_lower.py`` and [Note: peer
-rules of a lowered step] in ``ragged/fsdp/_lower_peers.py``), the model's activations and the
-step's time, both from labelled assumptions (``ragged/_model_costs.py``, ``ragged/_cli_hardware.py``).
-``--sweep`` ranks the configurations that fit a memory budget (``ragged/_cli_sweep.py``)."""
+FSDP2 and ZeRO-3 rules (see [Note: lowering a step] in ``ragged/predict/_lower.py`` and [Note: peer
+rules of a lowered step] in ``ragged/predict/_peers.py``), the model's activations and the
+step's time, both from labelled assumptions (``ragged/predict/_model_costs.py``, ``ragged/predict/_hardware.py``).
+``--sweep`` ranks the configurations that fit a memory budget (``ragged/predict/_sweep.py``)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ import collections
 import json
 import time
 
-__all__ = ["bundled_units", "step_over", "bundled_step", "predict_rows", "mesh_name", "run_predict"]
+from ragged import collectives, fsdp, optim, spec
+from ragged._cli import DTYPES, UsageError, unit_specs
+from ragged._models import model_units
+from ragged.predict._hardware import hardware_from
+from ragged.predict._lower import assumed_schedule
+from ragged.predict._model_costs import step_activations, unit_costs
+from ragged.predict._peers import compare
+from ragged.predict._sweep import print_sweep
+from ragged.predict._tables import print_predict
+
+__all__ = ["bundled_units", "step_over", "bundled_step", "predict_rows", "mesh_name", "predict_all", "run_predict"]
 
 
 def bundled_units(source, world_size: int, *, dtype: str = "fp32", granularity=None, strategy: str = "dp", align=None,
                   max_buffers="auto", layers_per_unit: int = 1):
     """``fsdp.make_units`` over ``source``'s units (``ragged.models.model_units``) for a shard group of
     ``world_size`` ranks, each parameter under ``granularity`` where it applies (``unit_specs``)."""
-    import torch
-
-    from ragged import fsdp, spec
-    from ragged._cli_plan import _DTYPES, unit_specs
-    from ragged._models import model_units
-
-    master = getattr(torch, _DTYPES[dtype])
+    master = DTYPES[dtype]
     tree = collections.OrderedDict((u.name, collections.OrderedDict(u.params) if isinstance(u.params, dict) else u.params)
                                    for u in model_units(source, dtype=master, layers_per_unit=layers_per_unit))
     granularity = spec.Rows(1) if granularity is None else granularity
@@ -40,17 +44,11 @@ def bundled_units(source, world_size: int, *, dtype: str = "fp32", granularity=N
 def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute_dtype: str = "bf16"):
     """A step over ``units`` on ``rg.collectives.abstract(units.world_size, num_replicas=...)`` (HSDP
     when ``num_replicas > 1``: the units are the shard group's)."""
-    import torch
-
-    import ragged as rg
-    from ragged import fsdp
-    from ragged._cli_plan import _DTYPES
-
-    comm = rg.collectives.abstract(units.world_size, num_replicas=num_replicas)
-    opt = {"adamw": lambda: rg.optim.adamw(1e-3), "adamw8bit": lambda: rg.optim.adamw_8bit(1e-3),
-           "muon": lambda: rg.optim.muon(1e-3, comm=comm)}[optimizer]()
+    comm = collectives.abstract(units.world_size, num_replicas=num_replicas)
+    opt = {"adamw": lambda: optim.adamw(1e-3), "adamw8bit": lambda: optim.adamw_8bit(1e-3),
+           "muon": lambda: optim.muon(1e-3, comm=comm)}[optimizer]()
     return fsdp.make_step(units, lambda params, batch: None, opt, comm,
-                          policy=fsdp.MixedPrecision(compute_dtype=getattr(torch, _DTYPES[compute_dtype])))
+                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[compute_dtype]))
 
 
 def bundled_step(source, world_size: int, *, num_replicas: int = 1, optimizer: str = "adamw", dtype: str = "fp32",
@@ -79,8 +77,6 @@ def mesh_name(replicas: int) -> str:
 def predict_rows(step, *, activations=None, network=None, compute=None, backward_factor: float = 2.0) -> dict:
     """Everything ``--predict`` prints for one lowered step, as plain values (``--json``): with
     ``network``, also ``lowered.estimate_time(network, compute=..., backward_factor=...)``."""
-    from ragged.fsdp._lower_peers import compare
-
     t0 = time.perf_counter()
     lowered = step.lower(activations=activations)
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
@@ -118,14 +114,8 @@ def predict_rows(step, *, activations=None, network=None, compute=None, backward
     return row
 
 
-def _gib(n) -> str:
-    return f"{n / 2**30:,.2f}"
-
-
 def _configs(args) -> list[tuple[int, int, str]]:
     """``(world, replicas, optimizer)`` for every combination asked for; a mesh must split each world."""
-    from ragged._cli import UsageError
-
     meshes = list(dict.fromkeys(args.mesh or [1]))
     for m in args.world_size:
         for r in meshes:
@@ -141,7 +131,7 @@ def _activation_note(args) -> str:
             if args.checkpointing else "no checkpointing: 34·s·b·h per layer (flash attention: no 5·a·s²·b term)")
     return (f"activations: ANALYTIC, ASSUMED (Korthikanti et al. 2022, arXiv:2205.05198; 16-bit, s={args.seq_len}, "
             f"b={args.batch}): {ckpt}; output layer 4·s·b·h + fp32 logits 4·s·b·v; each backward also holds "
-            "4·s·b·h of gradients (see [Note: activations of a unit] in ragged/_model_costs.py)")
+            "4·s·b·h of gradients (see [Note: activations of a unit] in ragged/predict/_model_costs.py)")
 
 
 def _compute_note(args) -> str:
@@ -155,10 +145,6 @@ def _compute_note(args) -> str:
 def predict_all(args) -> list[dict]:
     """One :func:`predict_rows` row per ``(world, mesh, optimizer)`` of ``args``, with the model's
     analytic activations and step time (the units of one shard group are built once)."""
-    from ragged._cli_hardware import hardware_from
-    from ragged._model_costs import step_activations, unit_costs
-    from ragged.fsdp._lower import assumed_schedule
-
     hw = hardware_from(args)
     configs = _configs(args)
     source = args.model or args.shapes
@@ -191,70 +177,13 @@ def predict_all(args) -> list[dict]:
 
 
 def run_predict(args, console) -> int:
-    from rich.table import Table
-
+    """``plan --predict`` / ``--sweep``: every configuration lowered, then printed (tables, or JSON
+    on stdout with ``--json``)."""
     results = predict_all(args)
     if args.sweep:
-        from ragged._cli_sweep import print_sweep
-
         return print_sweep(results, args.memory, console, as_json=args.json)
     if args.json:
         print(json.dumps(results, indent=1))
-        return 0
-    source = args.model or args.shapes
-    console.print(f"[bold]{source}[/]: per-rank prediction, master {args.dtype}, compute {args.compute_dtype}, "
-                  f"max buffers {args.max_buffers}, {args.batch} x {args.seq_len} tokens per rank"
-                  f"{', checkpointing' if args.checkpointing else ''} (GiB; bytes per step)")
-    table = Table(title="persistent state per rank and communication per step", header_style="bold",
-                  title_justify="left")
-    for col in ("m", "mesh", "optimizer", "system", "persistent GiB", "params", "optimizer", "other",
-                "all-gather GiB/step", "reduce-scatter GiB/step", "largest gathered unit GiB"):
-        table.add_column(col, justify="right")
-    for r in results:
-        for system, s in r["systems"].items():
-            cat = s["by_category"]
-            opt = sum(v for k, v in cat.items() if k.startswith("optimizer."))
-            other = s["persistent_bytes"] - cat.get("param_shards", 0) - opt
-            table.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], system, _gib(s["persistent_bytes"]),
-                          _gib(cat.get("param_shards", 0)), _gib(opt), _gib(other), _gib(s["gather_bytes"]),
-                          _gib(s["reduce_bytes"]), _gib(s["largest_gathered_bytes"]))
-    console.print(table)
-    steps = Table(title="ragged's step per rank", header_style="bold", title_justify="left")
-    for col in ("m", "mesh", "optimizer", "peak GiB", "peak at",
-                "activations / gathered / grad buffers / reduce copies / grad shards GiB", "collectives (calls)",
-                "lowering s"):
-        steps.add_column(col, justify="right")
-    for r in results:
-        p = r["peak_parts"]
-        steps.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], _gib(r["peak_bytes"]), " ".join(r["peak_at"]),
-                      " / ".join(_gib(p.get(k, 0)) for k in ("activations", "gathered", "grad_buffers", "reduce_copies",
-                                                             "grad_shards")),
-                      ", ".join(f"{c['kind']}@{c['axis']} {c['calls']}" for c in r["collectives"]),
-                      f"{r['build_seconds'] + r['lower_seconds']:.1f}")
-    console.print(steps)
-    console.print(time_table(results))
-    for note in results[0]["assumed"]:
-        console.print(f"[dim]assumed: {note}[/]")
-    if "adamw8bit" in args.optimizer and not any(k.endswith("_codes") and v for r in results
-                                                 for k, v in r["by_category"].items()):
-        console.print("[dim]note: adamw_8bit quantizes blocks:RxC / elements:N granularities only; with this "
-                      "granularity every moment stays fp32 (pass --granularity blocks:128x128).[/]")
+    else:
+        print_predict(results, args, console)
     return 0
-
-
-def time_table(results, *, title: str = "step time per rank (ASSUMED hardware: see the assumed lines)"):
-    """The step's parts per configuration (``estimate_time``): total, compute, the network's busy
-    time per collective kind, the communication compute did not hide, and each axis' link."""
-    from rich.table import Table
-
-    table = Table(title=title, header_style="bold", title_justify="left")
-    for col in ("m", "mesh", "optimizer", "step s", "compute s", "all-gather s", "reduce-scatter s", "all-reduce s",
-                "exposed comm s", "shard link (alpha ms, GB/s)", "replica link"):
-        table.add_column(col, justify="right")
-    for r in results:
-        t = r["time"]
-        links = [f"{link['alpha'] * 1e3:.2f}, {link['bandwidth'] / 1e9:g}" for link in t["links"].values()]
-        table.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], f"{t['seconds']:.3f}", f"{t['compute']:.3f}",
-                      *(f"{t['comm'].get(k, 0.0):.3f}" for k in ("all_gather", "reduce_scatter", "all_reduce")),
-                      f"{t['exposed_comm']:.3f}", links[0], links[1] if len(links) > 1 else "")
-    return table

@@ -33,8 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from ragged._errors import RaggedValueError
-from ragged.fsdp._lower import _itemsize
-from ragged.fsdp._lower_timeline import walk
+from ragged.predict._timeline import walk
 
 __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
 
@@ -44,8 +43,8 @@ class Link:
     """One mesh axis: ``alpha`` seconds per call, ``bandwidth`` bytes per second.
 
     Examples:
-        >>> from ragged import fsdp
-        >>> round(fsdp.Link(alpha=1e-5, bandwidth=1e10).seconds("all_gather", 10**9, 2), 6)   # alpha + (W-1)/W * bytes / bw
+        >>> import ragged as rg
+        >>> round(rg.predict.Link(alpha=1e-5, bandwidth=1e10).seconds("all_gather", 10**9, 2), 6)   # alpha + (W-1)/W * bytes / bw
         0.05001
     """
 
@@ -64,8 +63,8 @@ class Network:
     """Links per mesh axis (``shard``: the FSDP group; ``replica``: HSDP's replica group).
 
     Examples:
-        >>> from ragged import fsdp
-        >>> fsdp.Network(shard=fsdp.Link(alpha=1e-5, bandwidth=1e10)).replica is None
+        >>> import ragged as rg
+        >>> rg.predict.Network(shard=rg.predict.Link(alpha=1e-5, bandwidth=1e10)).replica is None
         True
     """
 
@@ -83,9 +82,9 @@ class TimeEstimate:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         >>> units = fsdp.make_units(model, world_size=64, groups=["0", "1"])
         >>> lowered = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(64)).lower()
-        >>> link = fsdp.Link(alpha=1e-5, bandwidth=1e10)
-        >>> t = lowered.estimate_time(fsdp.Network(shard=link))
-        >>> isinstance(t, fsdp.TimeEstimate), t.seconds >= 0
+        >>> link = rg.predict.Link(alpha=1e-5, bandwidth=1e10)
+        >>> t = lowered.estimate_time(rg.predict.Network(shard=link))
+        >>> isinstance(t, rg.predict.TimeEstimate), t.seconds >= 0
         (True, True)
     """
 
@@ -112,14 +111,13 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     Examples:
         >>> import torch, ragged as rg
         >>> from ragged import fsdp
-        >>> from ragged.fsdp._lower_time import Link
         >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
         >>> units = fsdp.make_units(model, world_size=8, groups=["0", "1"])
         >>> step = fsdp.make_step(units, lambda p, b: 0, rg.optim.adamw(1e-3), rg.collectives.abstract(8))
-        >>> t = step.lower().estimate_time(Link(alpha=1e-5, bandwidth=1e9), compute=1e-3)
+        >>> t = step.lower().estimate_time(rg.predict.Link(alpha=1e-5, bandwidth=1e9), compute=1e-3)
         >>> round(t.parts["compute"], 6), t.seconds > t.parts["compute"]
         (0.006, True)
-        >>> serial = step.lower().estimate_time(Link(alpha=1e-5, bandwidth=1e9), compute=1e-3, overlap=False)
+        >>> serial = step.lower().estimate_time(rg.predict.Link(alpha=1e-5, bandwidth=1e9), compute=1e-3, overlap=False)
         >>> serial.seconds > t.seconds, round(serial.seconds - serial.parts["compute"] - sum(serial.parts["comm"].values()), 9)
         (True, 0.0)
     """
@@ -135,15 +133,7 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     W, R = comm.world_size, comm.num_replicas
     if R > 1 and network.replica is None:
         raise RaggedValueError("estimate_time: the step has replica groups (HSDP); pass Network(shard=..., replica=...).")
-    if compute is None:
-        fwd = [0.0] * len(lays)
-    elif isinstance(compute, (int, float)):
-        fwd = [float(compute)] * len(lays)
-    else:
-        unknown = set(compute) - {lay.name for lay in lays}
-        if unknown:
-            raise RaggedValueError(f"estimate_time: compute names units {sorted(unknown)} the step does not have.")
-        fwd = [float(compute.get(lay.name, 0.0)) for lay in lays]
+    fwd = _forward_seconds(compute, lays)
     clock = {"compute": 0.0, "net": 0.0}
     busy: dict[str, float] = {}
     done: dict[int, float] = {}
@@ -161,7 +151,7 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
 
     def reduce(i):
         gp = lays[i].grad_plan
-        rsize = _itemsize(lays[i].reduce_dtype or gp.dtype)
+        rsize = (lays[i].reduce_dtype or gp.dtype).itemsize
         end = issue("reduce_scatter", gp.buffer_numel * rsize)
         if gp.replicated:
             end = issue("all_reduce", gp.replicated_numel * rsize)
@@ -207,3 +197,15 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     if compute is None:
         assumed.append("compute: 0 (pass compute= per unit: measured at W=1, or flops / throughput)")
     return TimeEstimate(seconds=total, parts=parts, assumed=tuple(assumed) + tuple(lowered._assumed()))
+
+
+def _forward_seconds(compute, lays) -> list[float]:
+    """Each unit's forward seconds from ``estimate_time``'s ``compute`` (None, one number, or by unit name)."""
+    if compute is None:
+        return [0.0] * len(lays)
+    if isinstance(compute, (int, float)):
+        return [float(compute)] * len(lays)
+    unknown = set(compute) - {lay.name for lay in lays}
+    if unknown:
+        raise RaggedValueError(f"estimate_time: compute names units {sorted(unknown)} the step does not have.")
+    return [float(compute.get(lay.name, 0.0)) for lay in lays]

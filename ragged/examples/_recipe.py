@@ -1,0 +1,51 @@
+"""What both of the ``train`` job's models (the example GPT and ``--hf``) train with: the optimizer
+from the job's options and the specs it needs."""
+
+from __future__ import annotations
+
+import torch
+
+from ragged import optim, spec
+
+__all__ = ["specs_for", "no_decay_types", "optimizer"]
+
+
+def specs_for(optimizer: str):
+    """The specs ``optimizer`` needs: 8-bit AdamW's 32 x 32 quantization blocks (None: the default rows)."""
+    if optimizer != "adamw_8bit":
+        return None
+    def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
+        return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
+
+    return specs
+
+
+def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:
+    """The module types whose parameters get no weight decay, as in every real recipe: embeddings
+    and norms (torch's, and a model's own ``*Norm`` classes such as Hugging Face's ``LlamaRMSNorm``)."""
+    own = {type(m) for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))}
+    return (torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm, *sorted(own, key=lambda t: t.__qualname__))
+
+
+def optimizer(args, comm, units, no_decay: tuple[type, ...]):
+    """The job's optimizer from its options: warmup then cosine to lr / 10; AdamW's decay groups (no decay on
+    ``no_decay`` modules' parameters), SGD or Muon; global-norm clipping when ``--clip`` > 0."""
+    steps = max(args.steps, args.warmup + 1)
+    lr = optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, steps, end_value=args.lr / 10)
+    if args.optimizer in ("adamw", "adamw_8bit"):
+        make = optim.adamw if args.optimizer == "adamw" else optim.adamw_8bit
+        core = optim.multi_transform(
+            {"decay": make(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate),
+             "no_decay": optim.adamw(lr, b2=0.98)},  # norms and embeddings: few or row-wise, fp32 moments
+            units.param_groups({no_decay: "no_decay"}, default="decay"), compact=("no_decay",))
+    elif args.optimizer == "sgd":
+        core = optim.sgd(lr, momentum=0.9, donate=not args.no_donate)
+    else:
+        def matrices(leaf):
+            return len(leaf.shape) in (2, 3) and "emb" not in leaf.path and "head" not in leaf.path
+
+        core = optim.muon(0.02, comm=comm, weight_decay=args.weight_decay, muon_filter=matrices,
+                             adam=optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate))
+    if args.clip > 0:
+        return optim.chain(optim.clip_by_global_norm(args.clip, comm=comm), core)
+    return core

@@ -44,7 +44,7 @@ import zlib
 
 import torch
 
-from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedValueError, check_int
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.transforms._check import ranks_agree
 from ragged.transforms._reduce_scatter import reduce_scatter
@@ -93,11 +93,7 @@ def check_source(broadcast_from, comm) -> int | None:
     if broadcast_from is None:
         return None
     n = comm.world_size * getattr(comm, "num_replicas", 1)
-    if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int):
-        raise RaggedTypeError(f"broadcast_from must be None or a rank (an int), got {broadcast_from!r}.")
-    if not 0 <= broadcast_from < n:
-        raise RaggedValueError(f"broadcast_from={broadcast_from} is not a rank of the comm's {n} ranks: pass 0..{n - 1}.")
-    return broadcast_from
+    return check_int("broadcast_from", broadcast_from, 0, n, fix=f" Pass None or a rank of the comm's {n} ranks.")
 
 
 def _explain(everyone: list[list[tuple[str, str]]], replicas: int) -> str:

@@ -121,9 +121,8 @@ def test_values_made_real_in_a_meta_module_are_checked_and_the_rest_is_not():
     assert all("different values for 'blocks.0.lin.weight'" in m for m in simulate(2, run, True))
 
 
-@pytest.mark.parametrize("bad, kind", [(2, rg.RaggedValueError), (-1, rg.RaggedValueError), (True, rg.RaggedTypeError),
-                                       ("0", rg.RaggedTypeError)])
-def test_broadcast_from_must_be_a_rank_of_the_mesh(bad, kind):
+@pytest.mark.parametrize("bad", [2, -1, True, "0"])
+def test_broadcast_from_must_be_a_rank_of_the_mesh(bad):
     models = [tiny(), tiny()]
     for got, msg, unchanged in simulate(2, _init_or_error, models, broadcast_from=bad):
-        assert got is kind and "broadcast_from" in msg and unchanged, msg
+        assert got is rg.RaggedValueError and "broadcast_from must be an int in [0, 2)" in msg and unchanged, msg

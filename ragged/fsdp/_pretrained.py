@@ -35,11 +35,12 @@ import sys
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import RaggedTypeError
+from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged.spec._concat import replicated_size
 from ragged.transforms import gather
 from ragged.transforms._check import check_comm, check_plan, poisons
 from ragged.fsdp._placeholder import tied_names
+from ragged.fsdp._peft import is_peft, merge_plan, save_adapters
 from ragged.fsdp._units import Units
 
 __all__ = ["is_pretrained", "load_shards", "save_pretrained"]
@@ -138,8 +139,37 @@ def _buffers(module: torch.nn.Module, names) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in names and k not in aliases}
 
 
+def check_architecture(keys: list[str], module: torch.nn.Module) -> None:
+    """Refuses (every rank, from names only) ``keys`` that a Hugging Face ``module``'s
+    architecture, built afresh from its config on meta, does not have or lacks (tied aliases
+    aside): ``from_pretrained`` would drop the one and initialise the other at random."""
+    config, build = getattr(module, "config", None), getattr(type(module), "_from_config", None)
+    if config is None or not callable(build):
+        return
+    with torch.device("meta"):
+        reference = build(copy.deepcopy(config))
+    aliases = tied_names(reference)
+    expected = [k for k in reference.state_dict(keep_vars=True) if k not in aliases]
+    have, want = set(keys), set(expected)
+    unknown = [k for k in keys if k not in want]
+    missing = [k for k in expected if k not in have]
+    if not (unknown or missing):
+        return
+    more = lambda ks: f" (and {len(ks) - 1} more)" if len(ks) > 1 else ""  # noqa: E731
+    them = lambda ks: "them" if len(ks) > 1 else "it"  # noqa: E731
+    parts = ([f"has no weight {unknown[0]!r}{more(unknown)} (from_pretrained would drop {them(unknown)})"]
+             if unknown else []) + ([f"needs {missing[0]!r}{more(missing)}, which the module does not hold "
+                                     f"(from_pretrained would initialise {them(missing)} at random)"] if missing else [])
+    fix = ("the module holds PEFT layers: pass the PeftModel itself (module=peft_model; merged=True for the merged "
+           "model)" if any(".lora_" in k or ".base_layer." in k for k in unknown) else
+           "save the module the units were made from, or fsdp.export the state dict and write a format of your own")
+    raise RaggedValueError(f"save_pretrained: {type(reference).__name__} (the module's architecture, built from its "
+                           f"config) {' and '.join(parts)}. Fix: {fix}.")
+
+
 def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | os.PathLike, *,
-                    module: torch.nn.Module | None = None, dtype: torch.dtype | None = None) -> None:
+                    module: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
+                    merged: bool = False) -> None:
     """Writes the model as a Hugging Face directory (safetensors shards, one per unit, plus
     ``model.safetensors.index.json`` and, with ``module``, its ``config.json``): see [Note:
     saving pretrained weights by rank]. Every rank calls it.
@@ -150,11 +180,22 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
         comm: the shard group's collectives.
         path: the directory (made if absent; files of the same names are replaced).
         module: the module the units were made from: its persistent buffers are saved too, and
-            its ``config`` (when it has one) with ``config.save_pretrained``.
+            its ``config`` (when it has one) with ``config.save_pretrained``. A Hugging Face
+            model's names are checked against its architecture (a fresh ``type(module)`` from
+            its config, on meta): a name the architecture does not have, or one of its weights
+            left out, is refused. A ``peft.PeftModel``: the adapter directory peft writes
+            (``adapter_config.json``, ``adapter_model.safetensors``) for
+            ``PeftModel.from_pretrained(base, path)``, or with ``merged=True`` the base model
+            with the LoRA adapters merged in, as ``merge_and_unload()`` computes them (see
+            [Note: saving a PEFT model] in ``fsdp/_peft.py``).
         dtype: the saved dtype (default: each unit's master dtype, so ``from_pretrained(path,
             dtype=that)`` gives the parameters bit for bit).
+        merged: for a PEFT model, write the merged model instead of the adapters.
 
     Raises:
+        RaggedValueError: a name the architecture does not have (or lacks), a trained parameter
+            the adapter format would drop, a PEFT model ``merged=True`` cannot merge: on every
+            rank, before anything is gathered or written.
         CheckpointError: writing failed on rank 0 (raised on every rank).
 
     Examples:
@@ -181,9 +222,19 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
     from ragged.checkpoint._pretrained import INDEX
 
     path = os.fspath(path)
+    agreed = lambda fn: agree(comm, f"save_pretrained({path!r})", "write", fn)  # noqa: E731
+    if module is not None and is_peft(module) and not merged:
+        return save_adapters(units, shards, comm, path, module, dtype, agreed)
+    if merged and not is_peft(module):
+        raise RaggedValueError("save_pretrained: merged=True merges a PEFT model's adapters; module is "
+                               f"{type(module).__name__}. Fix: drop merged=True.")
+    rename, merge = merge_plan(units, module) if merged else (lambda key: key, None)
+    base = module.get_base_model() if merged else module
     writer = comm.rank == 0 and getattr(comm, "replica_rank", 0) == 0
     names = {p for u in units for p in u.paths}
-    buffers = _buffers(module, names) if module is not None else {}
+    buffers = {rename(k): v for k, v in _buffers(module, names).items() if rename(k)} if module is not None else {}
+    if base is not None:
+        check_architecture([rename(p) for u in units for p in u.paths if rename(p)] + list(buffers), base)
     count = len(units) + (1 if buffers else 0)
     file_of = lambda i: f"model-{i + 1:05d}-of-{count:05d}.safetensors"  # noqa: E731
     weight_map, total, failure = {}, 0, None
@@ -194,11 +245,12 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
             failure = exc
     with torch.no_grad():
         for i, u in enumerate(units):  # one gathered unit alive at a time
-            full = gather(shards[u.name], comm, dtype=dtype)
+            full = gather(shards[u.name], comm, dtype=None if merge else dtype)  # merged: in the master dtype
             if writer and failure is None:
                 try:
-                    total += write_file(os.path.join(path, file_of(i)), {p: full[p] for p in u.paths})
-                    weight_map.update(dict.fromkeys(u.paths, file_of(i)))
+                    tensors = merge(u, full, dtype) if merge else {p: full[p] for p in u.paths}
+                    total += write_file(os.path.join(path, file_of(i)), tensors)
+                    weight_map.update(dict.fromkeys(tensors, file_of(i)))
                 except Exception as exc:  # noqa: BLE001 - raised on every rank by agree below
                     failure = exc
             del full
@@ -207,12 +259,12 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
             if buffers:
                 total += write_file(os.path.join(path, file_of(count - 1)), {k: v.detach() for k, v in buffers.items()})
                 weight_map.update(dict.fromkeys(buffers, file_of(count - 1)))
-            config = getattr(module, "config", None)
+            config = getattr(base, "config", None)
             if callable(getattr(config, "save_pretrained", None)):
                 config = copy.deepcopy(config)
                 config.dtype = dtype if dtype is not None else units[0].plan.dtype
                 config.save_pretrained(path)
-                generation = getattr(module, "generation_config", None)
+                generation = getattr(base, "generation_config", None)
                 if callable(getattr(generation, "save_pretrained", None)):
                     generation.save_pretrained(path)
             write_json_atomic(os.path.join(path, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -222,4 +274,4 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
     def outcome():
         if failure is not None:
             raise failure
-    agree(comm, f"save_pretrained({path!r})", "write", outcome)
+    agreed(outcome)

@@ -169,6 +169,9 @@ def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
     (["--hf", "llama", "--moe"], "with --hf llama drop it"),
     (["--hf", "mixtral", "--activation-checkpointing"], "not supported with --hf"),
     (["--save-pretrained", "out"], "add --hf llama|mixtral"),
+    (["--hf", "llama", "--from-pretrained", "/no/such/dir"],
+     "--from-pretrained /no/such/dir: '/no/such/dir' does not exist"),
+    (["--hf", "llama", "--save-pretrained", "/dev/null/out"], "--save-pretrained /dev/null/out: /dev/null is a file"),
     (["--hf", "gpt2"], "invalid choice: 'gpt2'"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
@@ -176,6 +179,22 @@ def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_pretrained_directory_is_checked_before_any_rank_starts(capsys, tmp_path, monkeypatch):
+    """Refused in this process, before any rank starts: an empty directory, one without config.json."""
+    import torch.multiprocessing
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", None)  # starting a rank would fail loudly
+    empty = refused(capsys, "train", "--hf", "llama", "--from-pretrained", str(tmp_path))
+    assert "holds neither model.safetensors" in empty
+    from ragged.checkpoint._safetensors import write_file
+
+    write_file(str(tmp_path / "model.safetensors"), {"w": torch.zeros(2)})
+    assert "has no config.json" in refused(capsys, "train", "--hf", "llama", "--from-pretrained", str(tmp_path))
+    (tmp_path / "file").write_text("")
+    assert "it exists and is not a directory" in refused(capsys, "train", "--hf", "llama", "--save-pretrained",
+                                                         str(tmp_path / "file"))
+
+
 def test_nccl_without_cuda_is_refused(capsys):
     assert "--backend nccl needs CUDA GPUs" in refused(capsys, "train", "--backend", "nccl")
 

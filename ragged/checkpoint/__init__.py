@@ -5,6 +5,7 @@ from ragged.checkpoint._dcp import SingleProcess as SingleProcess
 from ragged.checkpoint._format import CheckpointCorruptError as CheckpointCorruptError
 from ragged.checkpoint._format import CheckpointError as CheckpointError
 from ragged.checkpoint._format import CheckpointMismatchError as CheckpointMismatchError
+from ragged.checkpoint._format import CheckpointNotFoundError as CheckpointNotFoundError
 from ragged.checkpoint._format import PerRank as PerRank
 from ragged.checkpoint._load import consolidate as consolidate
 from ragged.checkpoint._packed import Packed as Packed

@@ -53,6 +53,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "require_path",
     "PerRank",
     "MANIFEST",
     "FORMAT",
@@ -71,10 +73,33 @@ class CheckpointError(RaggedError):
         >>> import os, tempfile, ragged as rg
         >>> try:
         ...     rg.checkpoint.read_manifest(os.path.join(tempfile.mkdtemp(), "nothing-here"))
-        ... except rg.checkpoint.CheckpointError as err:           # the base of both kinds below
+        ... except rg.checkpoint.CheckpointError as err:           # the base of the kinds below
         ...     print(type(err).__name__)
-        CheckpointCorruptError
+        CheckpointNotFoundError
     """
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """Nothing exists at the path given (a typo, not a damaged checkpoint); also a
+    ``FileNotFoundError``. The message names the path.
+
+    Examples:
+        >>> import ragged as rg
+        >>> try:
+        ...     rg.checkpoint.pretrained("/no/such/dir")
+        ... except FileNotFoundError as err:
+        ...     print(type(err).__name__, err)
+        CheckpointNotFoundError '/no/such/dir' does not exist (rg.checkpoint.pretrained reads a Hugging Face model directory).
+    """
+
+
+def require_path(path, reader: str) -> str:
+    """``path`` as a string; :class:`CheckpointNotFoundError` naming it when nothing is there
+    (``reader``: what reads it, for the message)."""
+    path = os.fspath(path)
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(f"{path!r} does not exist ({reader}).")
+    return path
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -112,7 +137,8 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """
 
 
-_ERROR_TYPES = {cls.__name__: cls for cls in (CheckpointError, CheckpointCorruptError, CheckpointMismatchError)}
+_ERROR_TYPES = {cls.__name__: cls for cls in (CheckpointError, CheckpointCorruptError, CheckpointMismatchError,
+                                                 CheckpointNotFoundError)}
 
 
 def error_type(name: str) -> type[CheckpointError]:
@@ -358,7 +384,8 @@ def locate(path: str) -> str:
     overwrite was interrupted between its two renames, the previous checkpoint it moved aside.
 
     Raises:
-        CheckpointCorruptError: nothing there, or ``path`` is a file.
+        CheckpointNotFoundError: nothing there.
+        CheckpointCorruptError: ``path`` is a file.
     """
     if os.path.lexists(path):
         if not os.path.isdir(path):
@@ -375,7 +402,7 @@ def locate(path: str) -> str:
             stacklevel=3,
         )
         return old
-    raise CheckpointCorruptError(
+    raise CheckpointNotFoundError(
         f"no checkpoint at {path!r}: the directory does not exist. (A save that did not "
         "finish leaves only a hidden '.<name>.tmp-*' sibling, which is never loaded.)"
     )

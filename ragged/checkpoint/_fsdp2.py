@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from ragged.checkpoint._dcp import Blob, Chunk, SingleProcess, dcp_load
-from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, RefMapping
+from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, RefMapping, require_path
 from ragged.checkpoint._metadata import check_foreign, read_metadata
 
 __all__ = ["DCPRef", "FSDP2Checkpoint", "fsdp2", "MOMENTS", "ADAMW_REQUIRED"]
@@ -186,6 +186,7 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
         An :class:`FSDP2Checkpoint`.
 
     Raises:
+        CheckpointNotFoundError: nothing at ``path`` (also a ``FileNotFoundError``).
         CheckpointCorruptError: no ``.metadata``, metadata that is not DCP's (nothing in it is
             run), or storage entries outside the directory's files.
         CheckpointMismatchError: no model keys, optimizer state that is not AdamW's (another
@@ -209,7 +210,7 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
         >>> ckpt["weight"].shape, ckpt.param_groups["bias"]["lr"]
         ((2, 3), 0.01)
     """
-    root = os.path.realpath(os.fspath(path))
+    root = os.path.realpath(require_path(path, "rg.checkpoint.fsdp2 reads the directory torch.distributed.checkpoint.save wrote"))
     if not os.path.isdir(root):
         raise CheckpointCorruptError(f"{os.fspath(path)!r} is not a directory (rg.checkpoint.fsdp2 reads the directory "
                                      "torch.distributed.checkpoint.save wrote).")

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ragged.checkpoint._format import CheckpointCorruptError, RefMapping, check_name, open_regular
+from ragged.checkpoint._format import CheckpointCorruptError, RefMapping, check_name, open_regular, require_path
 from ragged.checkpoint._safetensors import read_header, read_range
 
 __all__ = ["TensorRef", "Concat", "Pretrained", "pretrained", "HF_CONVERSIONS", "INDEX", "SINGLE"]
@@ -228,6 +228,7 @@ def pretrained(path: str | os.PathLike, *, rename: Mapping[str, str | None] | Ca
         A :class:`Pretrained` mapping.
 
     Raises:
+        CheckpointNotFoundError: nothing at ``path`` (also a ``FileNotFoundError``).
         CheckpointCorruptError: no safetensors checkpoint, a file outside the directory or a
             symlink, an index naming tensors its files lack (or the reverse), a truncated file,
             a header that lies about its sizes (the message names the file and the key).
@@ -243,7 +244,7 @@ def pretrained(path: str | os.PathLike, *, rename: Mapping[str, str | None] | Ca
         >>> w["lin.weight"].shape, w["lin.weight"].dtype
         ((3, 2), torch.float32)
     """
-    root = os.path.realpath(os.fspath(path))
+    root = os.path.realpath(require_path(path, "rg.checkpoint.pretrained reads a Hugging Face model directory"))
     if not os.path.isdir(root):
         raise CheckpointCorruptError(f"{os.fspath(path)!r} is not a directory (rg.checkpoint.pretrained reads a Hugging "
                                      "Face model directory)")

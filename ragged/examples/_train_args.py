@@ -139,3 +139,36 @@ def check_args(args) -> None:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"--json {args.json}: the directory {os.path.dirname(os.path.abspath(args.json))} "
                          "does not exist.")
+    if args.from_pretrained:
+        _check_pretrained_dir(args.from_pretrained)
+    if args.save_pretrained:
+        _check_output_dir("--save-pretrained", args.save_pretrained)
+
+
+def _check_pretrained_dir(path: str) -> None:
+    """``--from-pretrained``: a Hugging Face directory, its index and headers read here, in the
+    parent (what every rank would refuse, refused once before any rank starts)."""
+    from ragged.checkpoint import CheckpointError, pretrained
+
+    try:
+        pretrained(path)
+    except CheckpointError as err:
+        raise UsageError(f"--from-pretrained {path}: {err}") from None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--from-pretrained {path}: it has no config.json (the model's config, which sets its sizes).")
+
+
+def _check_output_dir(option: str, path: str) -> None:
+    """A directory the job may create or write into: not a file, and its nearest existing
+    ancestor a writable directory."""
+
+    target = os.path.abspath(path)
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise UsageError(f"{option} {path}: it exists and is not a directory.")
+    parent = target
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: {parent} is a file, so the directory cannot be made.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: {parent} is not writable.")

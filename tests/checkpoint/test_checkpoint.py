@@ -369,9 +369,21 @@ def test_load_returns_new_tensors(tmp_path):
         assert state["params"].data.untyped_storage().data_ptr() != like["params"].data.untyped_storage().data_ptr()
 
 
-def test_missing_checkpoint(tmp_path):
-    with pytest.raises(CheckpointCorruptError, match="the directory does not exist"):
-        rg.checkpoint.consolidate(tmp_path / "nope")
+@pytest.mark.parametrize("reader", ["consolidate", "load", "read_manifest", "pretrained", "fsdp2"])
+def test_a_missing_path_is_file_not_found_naming_it(tmp_path, reader):
+    """A typo in a path is a FileNotFoundError (rg.checkpoint.CheckpointNotFoundError) naming the
+    path, not a damaged checkpoint."""
+    path = tmp_path / "nope"
+    call = {"consolidate": lambda: rg.checkpoint.consolidate(path),
+            "load": lambda: rg.checkpoint.load(path, {"x": torch.zeros(2)}, rg.checkpoint.SingleProcess()),
+            "read_manifest": lambda: rg.checkpoint.read_manifest(path),
+            "pretrained": lambda: rg.checkpoint.pretrained(path),
+            "fsdp2": lambda: rg.checkpoint.fsdp2(path)}[reader]
+    with pytest.raises(FileNotFoundError) as info:
+        call()
+    err = info.value
+    assert isinstance(err, rg.checkpoint.CheckpointNotFoundError) and not isinstance(err, CheckpointCorruptError)
+    assert repr(str(path)) in str(err) and "does not exist" in str(err)
 
 
 def test_ranks_passing_different_like_states_fail_together(tmp_path):

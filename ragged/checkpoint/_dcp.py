@@ -19,7 +19,7 @@ DCP stores as bytes (:class:`Blob`: an optimizer's param groups).
 ``Collectives`` value (gloo, NCCL, or the in-process simulated mesh), so this module runs the
 same protocol (set up, local plans, global plan, write, coordinator's finish) with
 one exchange per phase as its only collective (see [Note: every rank plans globally] and
-[Note: the exchange is all-to-all]). Every phase catches the local error
+[Note: the exchange connects every pair]). Every phase catches the local error
 and gathers it, so a failure on one rank is raised on every rank, with that rank's message,
 instead of leaving the others waiting in the next collective. The files are plain DCP
 (``FileSystemWriter``/``FileSystemReader``): ``torch.distributed.checkpoint.load`` or
@@ -28,11 +28,8 @@ instead of leaving the others waiting in the next collective. The files are plai
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import itertools
-import pickle
 import traceback
 from typing import Any, Callable
 
@@ -52,9 +49,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ragged.checkpoint._format import CheckpointError, error_type
+from ragged.collectives._agree import agree
 from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "Chunk", "Blob", "agree", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached", "poison"]
+__all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,55 +139,26 @@ def reached(step: str) -> None:
         FAULT(step)
 
 
-def _exchange(comm, obj) -> list[Any]:
-    """Every process's ``obj`` (indexed as :func:`everyone`).
-
-    [Note: the exchange is all-to-all]
-    On one shard group the objects travel by ``comm.all_to_all`` (sizes, then pickled bytes),
-    not ``all_gather_object``: gloo's all-gather is a ring, so when a rank dies only its two
-    neighbours see the connection close and the others wait for the group timeout (measured:
-    30 s of 30 s at W=4), while an all-to-all connects every pair, so every survivor fails within
-    milliseconds. HSDP meshes (whose Collectives has no all-to-all across replicas) use
-    ``all_gather_object``. Objects come from the other ranks of this job, never from disk.
-    """
-    m, replicas = comm.world_size, getattr(comm, "num_replicas", 1)
-    if m * replicas == 1:
-        return [obj]
-    if replicas > 1 or not hasattr(comm, "all_to_all"):
-        return comm.all_gather_object(obj)
-    device = getattr(comm, "device", None) or torch.device("cpu")
-    data = pickle.dumps(obj)
-    sizes = torch.empty(m, dtype=torch.int64, device=device)
-    comm.all_to_all(sizes, torch.full((m,), len(data), dtype=torch.int64, device=device), [1] * m, [1] * m)
-    counts = sizes.tolist()
-    send = torch.frombuffer(bytearray(data), dtype=torch.uint8).repeat(m).to(device)
-    recv = torch.empty(sum(counts), dtype=torch.uint8, device=device)
-    comm.all_to_all(recv, send, counts, [len(data)] * m)
-    raw = recv.cpu().numpy().tobytes()
-    return [pickle.loads(raw[end - n : end]) for n, end in zip(counts, itertools.accumulate(counts))]
-
-
-def poison(comm, reason: str) -> None:
-    """``comm.poison(reason)`` where the Collectives offers it (peers in a collective with this
-    rank then fail instead of waiting); a no-op otherwise."""
-    fn = getattr(comm, "poison", None)
-    if callable(fn):
-        with contextlib.suppress(Exception):  # the failure being reported matters more
-            fn(reason)
-
-
-def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
+def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
     """Runs ``fn()`` on every rank and gathers the results (indexed as :func:`everyone`); if any
     rank failed, raises on every rank (a CheckpointError subclass named by the first failing
     rank's error).
 
     ``call`` names the checkpoint call (``"save('/x/ckpt')"``) and ``step`` its round: ranks in
     another call or another round (a rank saving another path, loading while the others save)
-    make every rank raise before any result is used. The only collective is one exchange
-    (see [Note: the exchange is all-to-all]), which every rank reaches whether or not its
-    ``fn`` raised: an error on one rank never leaves the others waiting. If the exchange itself
-    fails (a rank died or left the call), this rank raises a CheckpointError and poisons
-    ``comm`` when it can (``comm.poison(reason)``), so that peers in other collectives fail too.
+    make every rank raise before any result is used. The only collective is one round of
+    :func:`~ragged.collectives._agree.agree` (objects only: every rank's outcome), which every
+    rank reaches whether or not its ``fn`` raised: an error on one rank never leaves the others
+    waiting. If the round itself fails (a rank died or left the call), this rank raises a
+    CheckpointError (the comm poisons itself, so that peers in other collectives fail too).
+
+    [Note: the exchange connects every pair]
+    The round is ``comm.all_gather_object``, which both transports run between every pair of
+    ranks (gloo's default: one checked exchange with each peer; NCCL's shape: native
+    all-gathers waited like its other calls), not as gloo's own object all-gather, a ring: when a
+    rank dies, a ring tells only its two neighbours at once and the others wait for the group
+    timeout (measured: 30 s of 30 s at W=4), where every survivor of an all-pairs round fails within
+    milliseconds. Objects come from the other ranks of this job, never from disk.
     """
     try:
         out = (True, fn())
@@ -201,10 +170,9 @@ def agree(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
         out = (False, ("CheckpointError", f"{text}\n{tb}"))
     what = f"checkpoint {call} ({step})"
     try:
-        results = _exchange(comm, (call, step, out))
+        results = agree(comm, explain=lambda _: (call, step, out), label="checkpoint").details
     except BaseException as exc:  # noqa: BLE001 - a torch error from the collective: say which call
         reason = f"{what}: the ranks could not exchange ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        poison(comm, reason)
         if not isinstance(exc, Exception):
             raise
         raise CheckpointError(f"{reason}; a rank died, was killed, or is not in this checkpoint call.") from exc
@@ -269,7 +237,7 @@ class _PieceSavePlanner(DefaultSavePlanner):
 
 def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> list[str]:
     """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it
-    (``call`` names the checkpoint call for :func:`agree`).
+    (``call`` names the checkpoint call for :func:`on_every_rank`).
 
     Pieces with the same ``(fqn, offset)`` on several ranks (replicated values) are written once.
     Returns the names of the files this rank wrote (rank 0's list includes ``.metadata``).
@@ -284,7 +252,7 @@ def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> 
         writer.set_up_storage_writer(coordinator, rank=me, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    all_local = agree(comm, call, "local plans", local_step)
+    all_local = on_every_rank(comm, call, "local plans", local_step)
     state: dict[str, Any] = {}
 
     def write_step():
@@ -301,7 +269,7 @@ def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> 
         reached("written")
         return future.value()
 
-    all_results = agree(comm, call, "writing data", write_step)
+    all_results = on_every_rank(comm, call, "writing data", write_step)
 
     def finish_step():
         names = sorted({r.storage_data.relative_path for r in all_results[me]})
@@ -310,7 +278,7 @@ def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> 
             names.append(".metadata")
         return names
 
-    return agree(comm, call, "metadata", finish_step)[me]
+    return on_every_rank(comm, call, "metadata", finish_step)[me]
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -384,4 +352,4 @@ def dcp_load(path: str, pieces: list[Piece | Chunk | Blob], metadata: Metadata, 
         reached("read")
         return None
 
-    agree(comm, call, "reading data", read_step)
+    on_every_rank(comm, call, "reading data", read_step)

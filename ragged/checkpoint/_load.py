@@ -11,7 +11,7 @@ import torch
 
 from ragged._errors import RaggedKeyError
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import SingleProcess, agree, dcp_load, everyone, reached
+from ragged.checkpoint._dcp import SingleProcess, dcp_load, everyone, on_every_rank, reached
 from ragged.checkpoint._entry import LoadSite
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError
 from ragged.checkpoint._kinds import kind_named
@@ -173,7 +173,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
         return like_digest, where, fmt.manifest_checksum(manifest)
 
     opened: dict[str, Any] = {}
-    gathered = agree(comm, call, "checking the checkpoint", check)
+    gathered = on_every_rank(comm, call, "checking the checkpoint", check)
     for rank, (desc, where, checksum) in enumerate(gathered):
         if desc != gathered[0][0]:
             raise CheckpointMismatchError(

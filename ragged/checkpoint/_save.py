@@ -16,12 +16,13 @@ from typing import Any
 import optree
 import torch
 
-from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError
+from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import agree, dcp_save, everyone, poison, reached
+from ragged.checkpoint._dcp import dcp_save, everyone, on_every_rank, reached
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
+from ragged.collectives._base import poison_on_error
 
 __all__ = ["save", "SAVE_STEPS"]
 
@@ -133,12 +134,9 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     path = os.path.abspath(os.fspath(path))
     paths, leaves, treedef = flatten_state(state)
     # Local validation first: a bad leaf raises here, before any communication (a comm that can
-    # be poisoned is, so that peers already in the first round fail too, see agree).
-    try:
+    # be poisoned is, so that peers already in the first round fail too).
+    with poison_on_error(comm):
         kinds, entries = describe_state(paths, leaves, comm, "state")
-    except RaggedError as exc:
-        poison(comm, f"rg.checkpoint.save({path!r}) failed on rank {comm.rank}: {exc}")
-        raise
     call = f"save({path!r})"
     token = _agreed_token(path, comm, call, paths, leaves, kinds, entries, treedef, overwrite)
     reached("agreed")
@@ -166,10 +164,10 @@ def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dic
         digest = hashlib.sha256(description.encode()).hexdigest()
         return digest, agreements, _occupied(path), uuid.uuid4().hex[:12]
 
-    gathered = agree(comm, call, "checking the state", prepare)
+    gathered = on_every_rank(comm, call, "checking the state", prepare)
     problem = None
     if len({g[0] for g in gathered}) > 1:  # every rank sees this: all take the second round
-        problem = _disagreement(agree(comm, call, "comparing states", lambda: description))
+        problem = _disagreement(on_every_rank(comm, call, "comparing states", lambda: description))
     else:
         for p, kind in zip(paths, kinds):
             if p in gathered[0][1]:
@@ -192,7 +190,7 @@ def _write(path: str, token: str, pieces, manifest: dict, comm, call: str, overw
     me, _ = everyone(comm)
     try:
         written = dcp_save(tmp, pieces, comm, call)
-        digests = agree(
+        digests = on_every_rank(
             comm, call, "checksums", lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written}
         )
         reached("checksummed")
@@ -209,7 +207,7 @@ def _write(path: str, token: str, pieces, manifest: dict, comm, call: str, overw
             _publish(tmp, path, token, overwrite)
             return extra  # small: every rank rebuilds the manifest from what it has
 
-        extra = agree(comm, call, "publishing", publish)[0]
+        extra = on_every_rank(comm, call, "publishing", publish)[0]
         return fmt.with_checksum(dict(manifest, files=dict(files, **extra)))
     except BaseException:
         if me == 0:

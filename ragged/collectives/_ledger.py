@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives._channel import raised_on_every_rank
+from ragged.collectives._handles import _Work
 
 __all__ = ["Ledger", "POLL_SECONDS"]
 
@@ -155,7 +156,7 @@ class Ledger:
         if self._inflight is not None:
             self._poll(block=True)
         t = torch.tensor([self.digest, -self.digest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        _Work([dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)], None, (self,)).wait()
         top, neg = t.tolist()
         if top == -neg:
             self.confirm()

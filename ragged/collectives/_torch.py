@@ -34,6 +34,7 @@ buffer, or one ledger entry. There is no unchecked transport: the baseline that
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -270,13 +271,29 @@ class TorchCollectives(BufferOps):
                 rows = _p2p.all_gather_object(self._channels[1], shard, args, self.timeout)
                 return [o for row in rows for o in row]
             self.verify()  # objects are compared on the host: check what came before first
-            shard = [None] * self._world
-            dist.all_gather_object(shard, obj, group=self.group)
+            shard = self._objects(obj, self.group, self._world)
             if self.num_replicas == 1:
                 return shard
-            everything = [None] * self.num_replicas
-            dist.all_gather_object(everything, shard, group=self.replica_group)
-            return [o for row in everything for o in row]
+            return [o for row in self._objects(shard, self.replica_group, self.num_replicas) for o in row]
+
+    def _objects(self, obj, group, size):
+        """Every rank's ``obj`` over ``group``: two native all-gathers (the pickled sizes, then the
+        bytes padded to the largest), waited like every other call of NCCL's shape (a dead or
+        absent peer fails it at the comm's timeout or its poison, not at gloo's ring timeout);
+        not recorded: ``verify()`` just agreed what came before, and these calls are the same on
+        every rank that reaches them."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.empty(size, dtype=torch.int64, device=self._device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=self._device)
+        _Work([_compat.all_gather_single(sizes, mine, group=group, async_op=True)], None, self._ledgers).wait()
+        counts = sizes.tolist()
+        padded = torch.zeros(max(counts), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = torch.empty(size * padded.numel(), dtype=torch.uint8, device=self._device)
+        work = _compat.all_gather_single(out, padded.to(self._device), group=group, async_op=True)
+        _Work([work], None, self._ledgers).wait()
+        raw = out.cpu().numpy().tobytes()
+        return [pickle.loads(raw[r * padded.numel(): r * padded.numel() + n]) for r, n in enumerate(counts)]
 
     def barrier(self, *, label=None) -> None:
         with poison_on_error(self):

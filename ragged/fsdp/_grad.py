@@ -6,7 +6,8 @@ At the start the ranks agree, in one small all-reduce (``check_plans(..., every_
 on the units' plans, the options and the schedule's fingerprint (and, on a deferred comm, the
 ledger's digest of the collectives since the last agreement, so a rank that diverged in the
 previous call is reported here on every rank; see [Note: what each agreement catches] in
-``ragged/transforms/_check.py``). At the end, one all-reduce of a small float64 vector carries the loss, whether any rank
+``ragged/transforms/_check.py``). At the end, one :func:`~ragged.collectives._agree.agree` of a small float64 vector
+(see [Note: one way to agree]) carries the loss, whether any rank
 failed (``loss_fn`` raised, or returned no scalar that needs grad) or deviated from the schedule,
 which units got late gradients and, per leaf, whether any rank produced a gradient. Every rank
 then takes the same branch: a failure raises everywhere (the failing rank re-raises its own
@@ -31,6 +32,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import PlanMismatchError, RaggedError, RaggedKeyError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
+from ragged.collectives._agree import agree
 from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
@@ -146,8 +148,8 @@ class ValueAndGrad:
                 verdict = _agree(run, losses, failure, self.comm, data_groups)
                 seen = []
                 if verdict["exchange"]:
-                    seen = self.comm.all_gather_object(
-                        (run.seen.observation(), run.seen.deviations[:1], _describe(failure), run.seen.foreign_grads()[:1]))
+                    seen = agree(self.comm, explain=lambda _: (run.seen.observation(), run.seen.deviations[:1],
+                                                               _describe(failure), run.seen.foreign_grads()[:1])).details
                     memo.schedule = memo.schedule.observe([s[0] for s in seen])
                 if verdict["deviated"]:  # before failures: computing on zeros may have caused them
                     if attempt + 1 < MAX_ATTEMPTS:
@@ -267,23 +269,19 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
     failed, foreign = failure is not None, bool(run.seen.foreign_grads())
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
     head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
-    v = torch.tensor(head + late + used, dtype=torch.float64, device=comm.device)
-    comm.all_reduce(v, op="sum")
-    if comm.num_replicas > 1:
-        comm.all_reduce_replicas(v, op="sum")
+    v = agree(comm, head + late + used, op="sum", label="fsdp step: end of call").values
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:
         paths = [p for lay in run.ctx.layouts for p in lay.trained]
         for axis_comm, is_replicated in data_groups:
-            w = v.clone()
-            axis_comm.all_reduce(w, op="sum")
+            w = agree(axis_comm, v, op="sum", label="fsdp step: end of call").values
             v[: h - 1] = w[: h - 1]
             for k, p in enumerate(paths):
                 if is_replicated(p):
                     v[h + nl + k] = w[h + nl + k]
             count *= axis_comm.world_size
-    out = dict(zip(_HEAD, (x > 0 for x in v[:h].tolist())))
-    out.update(loss=float(v[0]) / count, late=[i for i in range(nl) if v[h + i] > 0], used=v[h + nl:] > 0)
+    out = dict(zip(_HEAD, (x > 0 for x in v[:h])))
+    out.update(loss=v[0] / count, late=[i for i in range(nl) if v[h + i] > 0], used=torch.tensor(v[h + nl:]) > 0)
     return out
 
 

@@ -70,7 +70,7 @@ def _adapter_keys(module) -> set[str]:
     return keys
 
 
-def save_adapters(units: Units, shards, comm, path: str, module, dtype, agree: Callable) -> None:
+def save_adapters(units: Units, shards, comm, path: str, module, dtype, agreed: Callable) -> None:
     """The adapter directory of ``module`` (a PeftModel): see [Note: saving a PEFT model]."""
     keys = _adapter_keys(module)
     trained = [p for u in units for p in u.trainable_paths]
@@ -92,7 +92,7 @@ def save_adapters(units: Units, shards, comm, path: str, module, dtype, agree: C
             state = {k: full[k] if k in params else buffers[k].detach().to("cpu") for k in keys}
             module.save_pretrained(path, state_dict=state)
 
-    agree(write)
+    agreed(write)  # raised on every rank if the write failed on one
 
 
 class _Layer:

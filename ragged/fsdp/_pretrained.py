@@ -216,13 +216,13 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
         ('model-00002-of-00002.safetensors', True)
     """
     # ragged.checkpoint loads torch.distributed.checkpoint: only when a checkpoint is read or written
-    from ragged.checkpoint._dcp import agree
+    from ragged.checkpoint._dcp import on_every_rank
     from ragged.checkpoint._format import write_json_atomic
     from ragged.checkpoint._safetensors import write_file
     from ragged.checkpoint._pretrained import INDEX
 
     path = os.fspath(path)
-    agreed = lambda fn: agree(comm, f"save_pretrained({path!r})", "write", fn)  # noqa: E731
+    agreed = lambda fn: on_every_rank(comm, f"save_pretrained({path!r})", "write", fn)  # noqa: E731
     if module is not None and is_peft(module) and not merged:
         return save_adapters(units, shards, comm, path, module, dtype, agreed)
     if merged and not is_peft(module):
@@ -251,7 +251,7 @@ def save_pretrained(units: Units, shards: dict[str, DBuffer], comm, path: str | 
                     tensors = merge(u, full, dtype) if merge else {p: full[p] for p in u.paths}
                     total += write_file(os.path.join(path, file_of(i)), tensors)
                     weight_map.update(dict.fromkeys(tensors, file_of(i)))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank by agree below
+                except Exception as exc:  # noqa: BLE001 - raised on every rank by agreed below
                     failure = exc
             del full
     if writer and failure is None:

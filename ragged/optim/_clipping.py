@@ -8,7 +8,8 @@ import torch
 from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation
-from ragged.optim._finite import NonFiniteError, _agree_any, check_sharded_comm, nonfinite_report
+from ragged.collectives._agree import agree_collectives
+from ragged.optim._finite import NonFiniteError, any_rank, check_sharded_comm, nonfinite_report
 from ragged.optim._transform import _check_nonneg
 
 __all__ = ["ClipByGlobalNormState", "tree_norm", "clip_by_global_norm"]
@@ -23,10 +24,7 @@ def _global_norm_collectives(tree, comm, agree_finite: bool) -> tuple:
     out = ()
     if comm.world_size > 1 and any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer)):
         out = (("all_reduce", "shard", 1, 8),)
-    if agree_finite:
-        out += ((("all_reduce", "shard", 1, 8),) if comm.world_size > 1 else ()) + (
-            (("all_reduce", "replica", 1, 8),) if getattr(comm, "num_replicas", 1) > 1 else ())
-    return out
+    return out + (agree_collectives(comm, 1) if agree_finite else ())
 
 
 def tree_norm(tree, *, comm=None) -> torch.Tensor:
@@ -95,7 +93,8 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
             check_sharded_comm(updates, comm, "clip_by_global_norm")
             total = tree_norm(updates, comm=comm)
             # every rank alike: a NaN in one rank's replicated leaves reaches its norm alone
-            nonfinite = error_if_nonfinite and _agree_any(torch.logical_not(torch.isfinite(total)).double(), comm)
+            nonfinite = error_if_nonfinite and any_rank(torch.logical_not(torch.isfinite(total)), comm,
+                                                        "clip_by_global_norm")
         else:
             total = norm(updates)
             nonfinite = error_if_nonfinite and not bool(torch.isfinite(total))

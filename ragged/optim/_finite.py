@@ -5,7 +5,8 @@ A NaN in one rank's gradient shard reaches every rank's parameters only through 
 what must never happen is ranks deciding differently (one skips, the others apply: the replicas
 of replicated leaves diverge silently, and any collective inside the inner transformation
 pairs with the wrong call). So the decision is made on an agreed flag: one all-reduce (max) of
-one scalar over the shard group (and the replicas), then a host sync to branch on it. The
+one scalar over the shard group (and the replicas), then a host sync to branch on it (see
+[Note: one way to agree] in ``ragged/collectives/_agree.py``). The
 update is skipped, or the error raised, before anything is changed.
 
 [Note: a skipped update is -0.0]
@@ -24,6 +25,7 @@ import torch
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
+from ragged.collectives._agree import agree, agree_collectives
 from ragged.optim._base import GradientTransformation, first_tensor, zero_count
 
 __all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_nonfinite", "nonfinite_report", "check_sharded_comm"]
@@ -87,15 +89,10 @@ def check_sharded_comm(updates, comm, where: str) -> None:
             )
 
 
-def _agree_any(flag: torch.Tensor, comm) -> bool:
-    """Whether ``flag`` (0-d, 0 or 1) is set on any rank of ``comm`` (shard group and replicas)."""
-    if comm is not None and comm.world_size * getattr(comm, "num_replicas", 1) > 1:
-        flag = flag.reshape(1).clone()
-        if comm.world_size > 1:
-            comm.all_reduce(flag, op="max")
-        if getattr(comm, "num_replicas", 1) > 1:
-            comm.all_reduce_replicas(flag, op="max")
-    return bool(flag.reshape(()) > 0)
+def any_rank(flag: torch.Tensor, comm, label: str) -> bool:
+    """Whether ``flag`` (0-d, 0 or 1) is set on any rank of ``comm`` (shard group and replicas),
+    the same answer on every rank (see [Note: one way to agree] in ``ragged/collectives/_agree.py``)."""
+    return (float(flag) if comm is None else agree(comm, [float(flag)], label=label).values[0]) > 0
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -163,7 +160,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     def update(updates, state, params=None):
         check_sharded_comm(updates, comm, "apply_if_finite")
         ref = first_tensor(updates)
-        finite = not _agree_any(local_nonfinite(_tensors(updates), None if ref is None else ref.device), comm)
+        finite = not any_rank(local_nonfinite(_tensors(updates), None if ref is None else ref.device), comm,
+                              "apply_if_finite")
         notfinite = torch.zeros_like(state.notfinite_count) if finite else state.notfinite_count + 1
         if finite or int(notfinite) > max_consecutive_errors:
             updates, inner_state = inner.update(updates, state.inner_state, params)
@@ -177,9 +175,6 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
         )
 
     def collectives(params):
-        own = () if comm is None else (
-            ((("all_reduce", "shard", 1, 8),) if comm.world_size > 1 else ())
-            + ((("all_reduce", "replica", 1, 8),) if getattr(comm, "num_replicas", 1) > 1 else ()))
-        return own + (inner.collectives(params) if inner.collectives is not None else ())
+        return agree_collectives(comm, 1) + (inner.collectives(params) if inner.collectives is not None else ())
 
     return GradientTransformation(init, update, donates=inner.donates, collectives=collectives)

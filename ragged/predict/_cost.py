@@ -112,12 +112,12 @@ def cost_analysis(lowered) -> CostAnalysis:
     for record in agreement_collectives(comm):  # the plan check, every step
         add(*record)
     agree = 8 * (5 + len(lowered.layouts) + sum(len(lay.trained) for lay in lowered.layouts))  # the end-of-call agreement
-    add("all_reduce", "shard", 1, agree)
+    add("all_reduce", "shard", int(comm.world_size * replicas > 1), agree)
     if replicas > 1:
         add("all_reduce", "replica", 1, agree)
     for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
         axis = f"data{g}"
-        add("all_reduce", axis, 1, agree)
+        add("all_reduce", axis, int(group.comm.world_size > 1), agree)
         for lay in lowered.layouts:
             unit = lowered.units[lay.name]
             if lay.grad_plan is not None:

@@ -14,7 +14,8 @@ worst silently wrong numbers. Two mechanisms keep that from happening:
   the data), on NCCL deferred to the next agreement point (``handshake="deferred"``), the
   simulated backend at the rendezvous. This is what catches a rank that later switches, alone,
   to another plan, dtype or op (``"sum"`` vs ``"mean"``), skips or adds a call;
-* an **agreement round** on the plans (``ranks_agree``: one all-reduce of two int64s; ``max`` of
+* an **agreement round** on the plans (``ranks_agree``: one :func:`~ragged.collectives._agree.agree`
+  of two int64s, see [Note: one way to agree]; ``max`` of
   ``(h, -h)`` for a 62-bit hash ``h`` of the token gives ``(max h, -min h)``, equal up to sign
   exactly when every rank holds the same token), plus one more across the replicas of an HSDP
   mesh. Only when tokens differ do the ranks all-gather a summary of their plans (one small
@@ -84,6 +85,7 @@ import torch
 
 from ragged._errors import LayoutError, PlanMismatchError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
+from ragged.collectives._agree import agree, agree_collectives
 from ragged.collectives._base import CallScope, poison_on_error
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.spec._plan import LayoutPlan
@@ -138,8 +140,8 @@ def _hash62(text: str) -> int:
 def ranks_agree(comm, token: str, label: str = "plan agreement") -> bool:
     """Whether every rank of ``comm``'s mesh (shard group x replicas) passed the same ``token``.
 
-    One all-reduce of two int64s (see [Note: plan check before collectives]); every rank gets
-    the same answer. A ``"deferred"`` comm's digest of unverified calls rides along (two more
+    One :func:`~ragged.collectives._agree.agree` round of two int64s (see [Note: plan check
+    before collectives]); every rank gets the same answer. A ``"deferred"`` comm's digest of unverified calls rides along (two more
     int64s); if it differs, every rank raises :class:`~ragged.PlanMismatchError` naming the
     first call that differs.
     """
@@ -147,19 +149,7 @@ def ranks_agree(comm, token: str, label: str = "plan agreement") -> bool:
         return True
     h = _hash62(token)
     digest = getattr(comm, "ledger_digest", lambda: None)()
-    values = [h, -h] if digest is None else [h, -h, digest, -digest]
-    t = torch.tensor(values, dtype=torch.int64, device=comm.device)
-    scope = getattr(comm, "scope", None)
-    if scope is not None:
-        comm.scope = None  # the round is the same call on every rank, whatever the plans
-    try:
-        comm.all_reduce(t, op="max", label=label)
-        if comm.num_replicas > 1:
-            comm.all_reduce_replicas(t, op="max", label=label)
-    finally:
-        if scope is not None:
-            comm.scope = scope
-    got = t.tolist()
+    got = agree(comm, [h, -h] if digest is None else [h, -h, digest, -digest], label=label).values
     if digest is not None:
         if got[2] != -got[3]:
             comm.explain_ledger()
@@ -171,11 +161,9 @@ def agreement_collectives(comm, *, every_call: bool = True) -> tuple[tuple[str, 
     """What one :func:`ranks_agree` round issues, as ``(kind, axis, calls, bytes)`` (see
     ``GradientTransformation.collectives``); with ``every_call=False``, what :func:`check_plans`
     issues once its plans are known (none under ``comm.plan_check == "first_use"``)."""
-    if comm.world_size * comm.num_replicas == 1 or (not every_call and getattr(comm, "plan_check", None) == "first_use"
-                                                    and getattr(comm, "checked_plans", None) is not None):
+    if not every_call and getattr(comm, "plan_check", None) == "first_use" and getattr(comm, "checked_plans", None) is not None:
         return ()
-    nbytes = 8 * (2 if getattr(comm, "ledger_digest", lambda: None)() is None else 4)
-    return (("all_reduce", "shard", 1, nbytes),) + ((("all_reduce", "replica", 1, nbytes),) if comm.num_replicas > 1 else ())
+    return agree_collectives(comm, 2 if getattr(comm, "ledger_digest", lambda: None)() is None else 4)
 
 
 _SCOPES: dict[tuple, CallScope] = {}
@@ -298,14 +286,7 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
         _declare(comm, operation, plans, fps)
         return
     if not ranks_agree(comm, operation + "|" + ",".join(fps)):  # one label for every round: the token compares
-        scope = getattr(comm, "scope", None)
-        if scope is not None:
-            comm.scope = None
-        try:
-            calls = comm.all_gather_object((operation, fps, [(summary or _summary)(p) for p in plans]))
-        finally:
-            if scope is not None:
-                comm.scope = scope
+        calls = agree(comm, explain=lambda _: (operation, fps, [(summary or _summary)(p) for p in plans])).details
         raise raised_on_every_rank(PlanMismatchError((explain or _explain)(calls)))
     if first_use:
         for fp in fps:

@@ -1,0 +1,100 @@
+"""``agree``: each rank's local verdict in, every rank's decision out.
+
+[Note: one way to agree]
+A decision that depends on what each rank saw must come out the same on every rank: ranks that
+branch differently issue different collectives (a hang, or wrong numbers) or let replicas drift
+apart silently. Every such decision in ragged goes through :func:`agree`, in up to two rounds:
+
+* the **verdict**: a few numbers per rank (flags, counts, a loss, hashes), one all-reduce over
+  the shard group and one over the replicas, if any (none on a single rank) (``op="max"``: "did any rank ...", and equality
+  as ``max`` of ``(h, -h)``, equal up to sign exactly when every rank holds ``h``; ``"sum"``:
+  counts and means). Every rank gets the same reduced values, as a host list: the one host sync
+  of the decision;
+* the **explanation**, only when the reduced verdict calls for it: ``explain(values)`` returns
+  this rank's details (or ``None``, on every rank alike: it reads only the reduced values), and
+  every rank gets every rank's details (``all_gather_object``), so each can raise the same error
+  naming the ranks and what differs, or merge what each saw. The cheap round runs every time,
+  the costly one only on a difference (or with no verdict at all: a checkpoint's rounds).
+
+Both rounds run outside the comm's scope (see [Note: what a collective call carries] in
+``_base.py``): they are the same calls on every rank, whatever plans the ranks hold.
+
+Its users: the plan check (``transforms/_check.py``: ``ranks_agree``, the leaf-by-leaf
+explanation of ``check_plans``, which also carries the deferred ledger's digest), the training
+step's end-of-call agreement (``fsdp/_grad.py``: the loss, failures, deviations from the
+schedule, which leaves got gradients), every round of the checkpoint protocol
+(``checkpoint/_dcp.py``), ``apply_if_finite`` and ``clip_by_global_norm(error_if_nonfinite=True)``
+(``optim/_finite.py``).
+
+Not on it: the per-call identity the transports check (each call's header on gloo, the
+deferred ledger on NCCL, see [Note: two transports] in ``_torch.py``). It is checked with every
+collective itself, before the data moves (gloo) or without a host sync (NCCL); a round of
+:func:`agree` per call would add a round trip, or a device-to-host sync, to every collective,
+which is what those mechanisms exist to avoid. [Note: what each agreement catches] in
+``ragged/transforms/_check.py`` says what each catches that the others cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+__all__ = ["agree", "Agreed", "agree_collectives"]
+
+
+class Agreed(NamedTuple):
+    """What :func:`agree` returns, the same on every rank: ``values`` the reduced verdict,
+    ``details`` every rank's details (mesh order) or ``None`` when none were asked for."""
+
+    values: list
+    details: list | None
+
+
+def agree(comm, verdict=(), *, op: str = "max", explain: Callable[[list], Any] | None = None,
+          label: str = "agreement") -> Agreed:
+    """Each rank's local ``verdict`` in, every rank's decision out: see [Note: one way to agree].
+
+    Args:
+        comm: the ranks that decide (the shard group, times its replicas).
+        verdict: this rank's numbers (ints: reduced as int64, exact to 63 bits; else float64).
+        op: ``"max"`` or ``"sum"``.
+        explain: ``explain(values) -> details | None``; details go to every rank.
+        label: the calls' label (the same on every rank).
+
+    Examples:
+        >>> import ragged as rg
+        >>> def decide(comm):
+        ...     bad = comm.rank == 1                      # only rank 1 saw a problem
+        ...     got = agree(comm, [int(bad)], explain=lambda v: f"rank {comm.rank}" if v[0] else None)
+        ...     return got.values, got.details
+        >>> rg.collectives.simulate(2, decide)
+        [([1], ['rank 0', 'rank 1']), ([1], ['rank 0', 'rank 1'])]
+    """
+    values = list(verdict)
+    replicas = getattr(comm, "num_replicas", 1)
+    scope = getattr(comm, "scope", None)
+    if scope is not None:
+        comm.scope = None
+    try:
+        if values and comm.world_size * replicas > 1:
+            dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float64
+            t = torch.tensor(values, dtype=dtype, device=getattr(comm, "device", None))
+            comm.all_reduce(t, op=op, label=label)
+            if replicas > 1:
+                comm.all_reduce_replicas(t, op=op, label=label)
+            values = t.tolist()
+        detail = None if explain is None else explain(values)
+        return Agreed(values, None if detail is None else comm.all_gather_object(detail))
+    finally:
+        if scope is not None:
+            comm.scope = scope
+
+
+def agree_collectives(comm, values: int) -> tuple[tuple[str, str, int, int], ...]:
+    """What one :func:`agree` of a verdict of ``values`` numbers issues on ``comm``, as ``(kind,
+    axis, calls, bytes)`` (see ``GradientTransformation.collectives``; no explanation round)."""
+    replicas = getattr(comm, "num_replicas", 1)
+    if comm is None or not values or comm.world_size * replicas == 1:
+        return ()
+    return (("all_reduce", "shard", 1, 8 * values),) + ((("all_reduce", "replica", 1, 8 * values),) if replicas > 1 else ())

@@ -24,7 +24,8 @@ explanation of ``check_plans``, which also carries the deferred ledger's digest)
 step's end-of-call agreement (``fsdp/_grad.py``: the loss, failures, deviations from the
 schedule, which leaves got gradients), every round of the checkpoint protocol
 (``checkpoint/_dcp.py``), ``apply_if_finite`` and ``clip_by_global_norm(error_if_nonfinite=True)``
-(``optim/_finite.py``).
+(``optim/_finite.py``), ``fsdp.init``'s check that every rank starts from the same values
+(``fsdp/_equal_start.py``, through ``ranks_agree``).
 
 Not on it: the per-call identity the transports check (each call's header on gloo, the
 deferred ledger on NCCL, see [Note: two transports] in ``_torch.py``). It is checked with every

@@ -19,7 +19,8 @@ comm's mesh (the shard group and, for HSDP, the replicas) holds the same ones:
 * the ranks agree on the hash of those hashes in one :func:`~ragged.transforms._check.ranks_agree`
   round (the plan check's agreement primitive: a local token in, every rank's verdict out;
   one all-reduce of two int64s, and one across the replicas);
-* only when they differ do they exchange the per-value hashes (one ``all_gather_object``) and
+* only when they differ do they exchange the per-value hashes (the explanation round of
+  :func:`~ragged.collectives._agree.agree`, see [Note: one way to agree]) and
   every rank raises :class:`ParamsMismatchError` naming the first differing value, the ranks on
   each side and the fix, before any shard, optimizer state or placeholder is made.
 
@@ -46,6 +47,7 @@ import torch
 
 from ragged._errors import RaggedValueError, check_int
 from ragged.collectives._channel import raised_on_every_rank
+from ragged.collectives._agree import agree
 from ragged.transforms._check import ranks_agree
 from ragged.transforms._reduce_scatter import reduce_scatter
 
@@ -128,7 +130,7 @@ def check_equal(items: list[tuple[str, torch.Tensor]], comm) -> None:
     mine = [(name, digest(t)) for name, t in items]
     if ranks_agree(comm, "fsdp.init values|" + "|".join(f"{k}={h}" for k, h in mine), label="fsdp.init values"):
         return
-    everyone = comm.all_gather_object(mine)
+    everyone = agree(comm, explain=lambda _: mine).details
     raise raised_on_every_rank(ParamsMismatchError(_explain(everyone, getattr(comm, "num_replicas", 1))))
 
 

@@ -51,7 +51,7 @@ def is_peft(module) -> bool:
 
 def _adapter_keys(module) -> set[str]:
     """The module's state-dict keys (first names) whose tensors peft's adapter files hold."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # peft is no dependency: only a PeftModel being saved needs it
 
     everything = module.state_dict(keep_vars=True)  # keep_vars: placeholders are not read
     first = {}
@@ -131,6 +131,7 @@ def merge_plan(units: Units, module):
     PEFT model]): ``rename(key)`` is the base architecture's name of a state-dict key (``None``
     for an adapter's), ``merge(unit, gathered, dtype)`` the unit's tensors to write under those
     names. Every refusal is raised here, on every rank, before anything is gathered."""
+    # peft is no dependency: only a PeftModel being saved needs it
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import PeftType

@@ -148,6 +148,7 @@ def check_args(args) -> None:
 def _check_pretrained_dir(path: str) -> None:
     """``--from-pretrained``: a Hugging Face directory, its index and headers read here, in the
     parent (what every rank would refuse, refused once before any rank starts)."""
+    # ragged.checkpoint loads torch.distributed.checkpoint: only when --from-pretrained is given
     from ragged.checkpoint import CheckpointError, pretrained
 
     try:

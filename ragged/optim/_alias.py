@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragged.optim._base import GradientTransformation, Schedule, check_floating
+from ragged.optim._base import GradientTransformation, Schedule, check_floating, keywords_checked
 from ragged.optim._combine import chain, masked
 from ragged.optim._transform import (
     _check_beta,
@@ -18,6 +18,7 @@ from ragged._errors import RaggedValueError
 __all__ = ["sgd", "adam", "adamw"]
 
 
+@keywords_checked
 def sgd(
     learning_rate: float | Schedule,
     momentum: float | None = None,
@@ -71,6 +72,7 @@ def sgd(
     return GradientTransformation(init, opt.update, donates=opt.donates, collectives=opt.collectives)
 
 
+@keywords_checked
 def adam(
     learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, donate: bool = False
 ) -> GradientTransformation:
@@ -86,6 +88,7 @@ def adam(
     return scale_by_adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=0.0, donate=donate)
 
 
+@keywords_checked
 def adamw(
     learning_rate: float | Schedule,
     b1: float = 0.9,
@@ -96,15 +99,24 @@ def adamw(
     mask=None,
     donate: bool = False,
 ) -> GradientTransformation:
-    """AdamW with decoupled weight decay, matching ``torch.optim.AdamW``.
+    """AdamW with decoupled weight decay: ``torch.optim.AdamW``'s step, optax's signature.
 
     One step is ``p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, which is
-    torch's ``p *= 1 - lr * wd`` followed by the Adam step, with the same bias corrections.
+    torch's ``p *= 1 - lr * wd`` followed by the Adam step, with the same bias corrections (and
+    optax's ``adamw``, whose decay is also scaled by the learning rate).
+
+    Defaults: ``b1=0.9``, ``b2=0.999``, ``eps=1e-8`` are torch's and optax's alike;
+    ``learning_rate`` has none, as in optax (torch: ``lr=1e-3``). ``weight_decay=0.0`` is
+    neither torch's (``0.01``) nor optax's (``1e-4``): ragged's contract keeps ``adamw(lr)``
+    plain Adam until decay is asked for, and code outside this repository relies on it. For
+    torch's default pass ``weight_decay=0.01`` (usually with ``mask=`` to spare biases and
+    norms). Keywords are optax's (``learning_rate``, ``b1``, ``b2``), not torch's (``lr``,
+    ``betas``): a torch spelling is refused with the name to use.
 
     Args:
         learning_rate: a float or a schedule ``count -> lr``.
         b1, b2, eps: Adam's hyperparameters.
-        weight_decay: decoupled weight decay coefficient.
+        weight_decay: decoupled weight decay coefficient (default 0.0: no decay, see above).
         mask: optional leaf predicate (``LeafLayout -> bool``) or pytree of bools choosing
             which leaves get weight decay (e.g. skip biases and norms).
         donate: update the moments in place and write the update into the gradient buffer

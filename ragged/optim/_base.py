@@ -17,6 +17,9 @@ and zero gradients; every transform here maps (param 0, grad 0, state 0) to upda
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -34,10 +37,50 @@ __all__ = [
     "apply_updates",
     "first_tensor",
     "check_floating",
+    "keywords_checked",
 ]
 
 Params = Any
 Updates = Any
+
+# torch.optim's (and other libraries') spellings of ragged's keywords: difflib finds typos, not these
+_OTHER_NAMES = {"lr": ("learning_rate",), "betas": ("b1", "b2"), "beta1": ("b1",), "beta2": ("b2",),
+                "epsilon": ("eps",), "max_grad_norm": ("max_norm",), "weight_decay_mask": ("mask",)}
+
+
+def keywords_checked(fn: Callable) -> Callable:
+    """Decorates a public ``rg.optim`` function: a keyword it does not take is a
+    ``RaggedTypeError`` that names the keyword it probably meant (``rg.optim.adamw(lr=1e-3)``:
+    "did you mean `learning_rate`?") and lists the ones it takes, before ``fn`` runs.
+
+    Examples:
+        >>> import ragged as rg
+        >>> rg.optim.adamw(lr=1e-3)
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedTypeError: rg.optim.adamw() got an unexpected keyword argument 'lr': did you mean `learning_rate`? ...
+    """
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn
+    names = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    known = frozenset(names)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        for key in kwargs:
+            if key not in known:
+                raise _unknown_keyword(fn.__name__, key, names)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _unknown_keyword(name: str, key: str, names: list[str]) -> RaggedTypeError:
+    guess = [n for n in _OTHER_NAMES.get(key, ()) if n in names] or difflib.get_close_matches(key, names, n=1)
+    hint = f": did you mean {' and '.join(f'`{g}`' for g in guess)}?" if guess else "."
+    takes = f"Its keywords: {', '.join(names)}." if names else "It takes no keywords."
+    return RaggedTypeError(f"rg.optim.{name}() got an unexpected keyword argument {key!r}{hint} {takes}")
 OptState = Any
 Schedule = Callable[[Any], Any]
 """A learning-rate schedule: ``count`` (0-d int tensor or int) -> learning rate."""
@@ -101,6 +144,7 @@ class EmptyState(NamedTuple):
     """
 
 
+@keywords_checked
 def identity() -> GradientTransformation:
     """The transformation that returns the updates unchanged.
 

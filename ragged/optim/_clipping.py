@@ -7,7 +7,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm
 from ragged._pytree import pytree
-from ragged.optim._base import EmptyState, GradientTransformation
+from ragged.optim._base import EmptyState, GradientTransformation, keywords_checked
 from ragged.collectives._agree import agree_collectives
 from ragged.optim._finite import NonFiniteError, any_rank, check_sharded_comm, nonfinite_report
 from ragged.optim._transform import _check_nonneg
@@ -50,6 +50,7 @@ def tree_norm(tree, *, comm=None) -> torch.Tensor:
     return _norm(parts, comm)
 
 
+@keywords_checked
 def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite: bool = False) -> GradientTransformation:
     """Scales updates so that their global L2 norm is at most ``max_norm``.
 

@@ -19,7 +19,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, collectives_of
+from ragged.optim._base import GradientTransformation, collectives_of, keywords_checked
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 
+@keywords_checked
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` one after the other; the state is a tuple of their states.
 
@@ -188,6 +189,7 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
+@keywords_checked
 def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     """Applies ``inner`` only where ``mask`` holds; elsewhere updates pass through unchanged.
 
@@ -237,6 +239,7 @@ class MultiTransformState(NamedTuple):
     inner_states: Any
 
 
+@keywords_checked
 def multi_transform(
     transforms: Mapping[Any, GradientTransformation], labels, *, compact=()
 ) -> GradientTransformation:

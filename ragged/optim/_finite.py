@@ -26,7 +26,7 @@ from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
 from ragged.collectives._agree import agree, agree_collectives
-from ragged.optim._base import GradientTransformation, first_tensor, zero_count
+from ragged.optim._base import GradientTransformation, first_tensor, keywords_checked, zero_count
 
 __all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_nonfinite", "nonfinite_report", "check_sharded_comm"]
 
@@ -118,6 +118,7 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
+@keywords_checked
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, *, comm) -> GradientTransformation:
     """Runs ``inner`` only on steps whose updates are finite on every rank (optax's
     ``apply_if_finite``).

@@ -37,7 +37,7 @@ import torch
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
 from ragged.optim._alias import adamw
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked
 from ragged.optim._combine import chain, multi_transform
 from ragged.optim._transform import _check_beta, add_decayed_weights, scale_by_learning_rate
 from ragged.optim._muon_plan import MuonPlan, Wave, default_muon_filter, muon_matrices, muon_plan
@@ -99,6 +99,7 @@ class ScaleByMuonState(NamedTuple):
     momentum: Any
 
 
+@keywords_checked
 def scale_by_muon(
     *,
     comm,
@@ -243,6 +244,7 @@ def _a2a(comm, output, input, output_splits, input_splits):
     return comm.all_to_all(output, input, list(output_splits), list(input_splits), async_op=True)
 
 
+@keywords_checked
 def muon(
     learning_rate: float | Schedule,
     *,

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ragged.optim._base import Schedule
+from ragged.optim._base import Schedule, keywords_checked
 from ragged._errors import RaggedValueError, check_int
 
 __all__ = [
@@ -44,6 +44,7 @@ def _check_values(**values) -> None:
             raise RaggedValueError(f"{name} must be a finite float, got {v!r}.")
 
 
+@keywords_checked
 def constant_schedule(value: float) -> Schedule:
     """Returns ``value`` at every step.
 
@@ -60,6 +61,7 @@ def constant_schedule(value: float) -> Schedule:
     return schedule
 
 
+@keywords_checked
 def linear_schedule(init_value: float, end_value: float, transition_steps: int) -> Schedule:
     """Goes linearly from ``init_value`` (count 0) to ``end_value`` (count ``transition_steps``),
     then stays at ``end_value``.
@@ -79,6 +81,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
     return schedule
 
 
+@keywords_checked
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``.
 
@@ -101,6 +104,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     return schedule
 
 
+@keywords_checked
 def warmup_cosine_decay_schedule(
     init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
 ) -> Schedule:

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._pytree import pytree
-from ragged.optim._base import EmptyState, GradientTransformation, Schedule, check_floating, check_like_state, zero_count
+from ragged.optim._base import (EmptyState, GradientTransformation, Schedule, check_floating, check_like_state,
+                                keywords_checked, zero_count)
 from ragged._errors import RaggedValueError
 
 __all__ = [
@@ -112,6 +113,7 @@ def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
     return wide * factor
 
 
+@keywords_checked
 def scale(step_size: float, *, donate: bool = False) -> GradientTransformation:
     """Multiplies updates by ``step_size`` (in place into the updates with ``donate=True``).
 
@@ -133,6 +135,7 @@ def scale(step_size: float, *, donate: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update, donates=donate)
 
 
+@keywords_checked
 def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> GradientTransformation:
     """Multiplies updates by ``step_size_fn(count)``; ``count`` starts at 0 (in place into the
     updates with ``donate=True``).
@@ -159,6 +162,7 @@ def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> Gradie
     return GradientTransformation(init, update, donates=donate)
 
 
+@keywords_checked
 def scale_by_learning_rate(
     learning_rate: float | Schedule, *, flip_sign: bool = True, donate: bool = False
 ) -> GradientTransformation:
@@ -229,6 +233,7 @@ def _adam_tree(updates, state: ScaleByAdamState, params, *, b1, b2, eps, lr, dec
     return unflat(0), ScaleByAdamState(count=count, mu=unflat(1), nu=unflat(2))
 
 
+@keywords_checked
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, donate: bool = False) -> GradientTransformation:
     """Rescales updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat) + eps)``.
 
@@ -264,6 +269,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, dona
     return GradientTransformation(lambda params: _adam_init(params, "scale_by_adam"), update, donates=donate)
 
 
+@keywords_checked
 def scale_by_adamw(
     learning_rate: float | Schedule,
     b1: float = 0.9,
@@ -314,6 +320,7 @@ def scale_by_adamw(
     return GradientTransformation(init, update, donates=donate, hyperparams=hyperparams)
 
 
+@keywords_checked
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     """Momentum: ``t = g + decay * t``; returns ``t`` (or ``g + decay * t`` with Nesterov).
 
@@ -345,6 +352,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@keywords_checked
 def add_decayed_weights(weight_decay: float = 0.0, *, donate: bool = False) -> GradientTransformation:
     """Adds ``weight_decay * params`` to the updates (decoupled weight decay when chained
     before :func:`scale_by_learning_rate`, as in ``torch.optim.AdamW``); in place into the

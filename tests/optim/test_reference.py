@@ -289,3 +289,38 @@ def test_adamw_params_for_other_params_than_its_state_are_a_clear_error():
     opt = rg.optim.adamw(1e-3, weight_decay=0.1)
     with pytest.raises(ValueError, match=r"adamw: the params do not match the optimizer state.*Fix: call opt.init"):
         opt.update(b, opt.init(b), a)
+
+
+# adam8 owns ragged/optim/_quant8.py this round; its two constructors get @keywords_checked there
+_NOT_YET_CHECKED = {"adamw_8bit", "scale_by_adam_8bit"}
+
+
+def test_every_public_constructor_names_the_keyword_meant():
+    """A misspelt keyword of any rg.optim constructor (anything returning a transformation or a
+    schedule) is a TypeError that suggests the right name, before anything is built."""
+    import inspect
+
+    checked = 0
+    for name in sorted(set(dir(rg.optim)) - _NOT_YET_CHECKED):
+        fn = getattr(rg.optim, name)
+        if not inspect.isfunction(fn) or inspect.signature(fn).return_annotation not in (
+                "GradientTransformation", "Schedule"):
+            continue
+        keywords = [p.name for p in inspect.signature(fn).parameters.values()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        wrong = keywords[-1][:-1] + "x" if keywords else "learning_rate"
+        with pytest.raises(TypeError) as info:
+            fn(**{wrong: 1})
+        assert isinstance(info.value, rg.RaggedError), name
+        want = f"did you mean `{keywords[-1]}`?" if keywords else "It takes no keywords."
+        assert f"rg.optim.{name}() got an unexpected keyword argument {wrong!r}" in str(info.value), str(info.value)
+        assert want in str(info.value), str(info.value)
+        checked += 1
+    assert checked >= 20  # the filter found the constructors
+
+
+@pytest.mark.parametrize("kw, meant", [({"lr": 1e-3}, "`learning_rate`"), ({"betas": (0.9, 0.99)}, "`b1` and `b2`"),
+                                       ({"weight_decy": 0.1}, "`weight_decay`")])
+def test_torch_spellings_name_the_keyword_to_use(kw, meant):
+    with pytest.raises(TypeError, match=f"did you mean {meant}"):
+        rg.optim.adamw(**kw) if "lr" in kw else rg.optim.adamw(1e-3, **kw)

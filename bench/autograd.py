@@ -76,7 +76,7 @@ def measure(hidden: int, chunks: int, repeats: int) -> dict:
 
 
 def main(argv=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -94,7 +94,7 @@ def main(argv=None):
         for name, (fwd, bwd) in r["times"].items():
             table.add_row(str(r["leaves"]), f"{r['numel']:,}", name, f"{statistics.median(fwd) * 1e3:.1f}",
                           f"{statistics.median(bwd) * 1e3:.1f}", f"{statistics.median(bwd) / ref:.2f}x")
-    Console(width=160).print(table)
+    make_console(min_width=160).print(table)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def _ci(ratios, n=2000):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     from bench._launch import launch
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                                   f"{statistics.median(ratios):.3f}x [{lo:.3f}-{hi:.3f}]",
                                   "" if extra is None else f"{extra * 1e6:+.0f} us",
                                   "" if extra is None else f"{extra * nbytes / t1 / 1e3:+,.0f} kB")
-    Console(width=max(140, Console().width)).print(table)
+    make_console(min_width=140).print(table)
     return 0
 
 

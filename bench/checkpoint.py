@@ -133,7 +133,7 @@ def _worker(rank, m, backend, mparams, iters, root):
 
 
 def main(argv=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     from bench._launch import launch
@@ -143,7 +143,7 @@ def main(argv=None):
     ap.add_argument("--mparams", type=float, default=16.0, help="millions of parameters (state is 3x)")
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args(argv)
-    console = Console()
+    console = make_console()
     root = tempfile.mkdtemp(prefix="ragged-ckpt-bench-")
     try:
         for m in args.world_sizes:

@@ -264,7 +264,7 @@ def _overhead(hiddens, reps=2000):
 
 
 def main(argv=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -300,7 +300,7 @@ def main(argv=None):
         table.add_row(str(m), str(h), f"{mb:.1f}", {"ag": "all-gather", "rs": "reduce-scatter"}[kind], name,
                       f"{med:.1f}", f"{mb / 1024 / (med / 1e3):.2f}", f"{med / statistics.median(r):.2f}x",
                       f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{min(ts):.1f}")
-    Console(width=200).print(table)
+    make_console(min_width=200).print(table)
     t_cost = Table(title="cost of the per-call agreement: handshake='header' (default) vs raw calls (bench/_raw.py), "
                          "same iterations")
     for col in ("W", "hidden", "MB", "collective", "header median ms", "raw median ms", "paired ratio", "95% CI",
@@ -319,7 +319,7 @@ def main(argv=None):
                        f"{statistics.median(ts):.2f}", f"{statistics.median(base):.2f}",
                        f"{statistics.median(ratios):.3f}x", f"{lo:.3f}-{hi:.3f}", f"{statistics.median(diffs):+.3f}",
                        f"{dlo:+.3f} to {dhi:+.3f}")
-    Console(width=200).print(t_cost)
+    make_console(min_width=200).print(t_cost)
     print("progress: timing ragged's own per-call cost on a 1-rank group", flush=True)
     over = _overhead(args.hidden)
     t2 = Table(title="ragged wrapper cost per call beyond the collective (7-leaf block, 1-rank gloo group)")
@@ -328,14 +328,14 @@ def main(argv=None):
     for kind, us in over.items():
         pct = ", ".join(f"W={m} h={h}: {100 * us / 1e3 / statistics.median(r):.2f}%" for (m, h, k), r in sorted(ref.items()) if k == kind)
         t2.add_row({"ag": "gather", "rs": "reduce_scatter (flat grad)"}[kind], f"{us:.0f}", pct)
-    Console(width=200).print(t2)
+    make_console(min_width=200).print(t2)
     t3 = Table(title="explicit plan agreement round per transform call (plan_check='every_call'), median after a barrier")
     for col in ("W", "us/call", "as % of the fastest raw median"):
         t3.add_column(col, justify="right" if col != "as % of the fastest raw median" else "left")
     for m, ms in sorted(agree.items()):
         pct = ", ".join(f"{k} h={h}: {100 * ms / statistics.median(r):.2f}%" for (w, h, k), r in sorted(ref.items()) if w == m)
         t3.add_row(str(m), f"{ms * 1e3:.0f}", pct)
-    Console(width=200).print(t3)
+    make_console(min_width=200).print(t3)
 
 
 def _median_ci(xs, level=0.95, resamples=2000):

@@ -142,10 +142,10 @@ def summarize(results) -> dict:
 
 
 def render(summary, title, console=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
-    console = console or Console(width=160)
+    console = console or make_console(min_width=160)
     t = Table(title=title, title_justify="left")
     for col in ("method", "step ms median [95% CI]", "warm-up s (compile)"):
         t.add_column(col, justify="left" if col == "method" else "right")

@@ -201,10 +201,10 @@ def _reserved(sa, sb) -> str:
 
 
 def render(rows, console=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
-    console = console or Console(width=max(200, Console().width))
+    console = console or make_console(min_width=200)
     t = Table(title="one rank's peak allocated memory during a training step, fake process group "
                     "(live tensor bytes from construction on; state = live at the step's start)", title_justify="left")
     for col in COLUMNS:

@@ -41,7 +41,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
+from ragged._console import console as make_console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import ragged as rg  # noqa: E402
@@ -299,7 +299,7 @@ def main():
                     help="step section: only torch's foreach AdamW and the two 8-bit kernels (compiled, eager)")
     ap.add_argument("--json", default=None, help="step section: write its rows (every timed round) to this JSON file")
     args = ap.parse_args()
-    console = Console(width=150)
+    console = make_console(min_width=150)
     if "state" in args.sections:
         section_state(console, args.world_size)
     if "muon" in args.sections:

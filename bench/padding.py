@@ -219,7 +219,7 @@ def checks(rows) -> list[tuple[str, bool, str]]:
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
+    from ragged._console import console as make_console
 
     from ragged._models import MODELS
 
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--markdown", action="store_true", help="also print the tables as markdown")
     args = ap.parse_args(argv)
-    console = Console(width=args.width or max(160, Console().width))
+    console = make_console(args.width, min_width=160)
     rows = sweep(args.models, args.world_sizes, args.granularities)
     console.print(table(rows))
     console.print(kinds_table(rows, args.world_sizes))

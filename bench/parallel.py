@@ -88,7 +88,7 @@ def run(models, degree, fsdp_sizes, granularities):
 
 
 def main(argv=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     from ragged import spec
@@ -119,7 +119,7 @@ def main(argv=None):
         else:
             table.add_row(r["model"], r["axis"], r["gran"], str(r["m"]), f"{r[1]:.2%}", f"{r['auto']:.2%}",
                           str(r["buffers"]), f"{r['fsdp2']:.2%}", f"{r['time 1']:.2f}s / {r['time auto']:.2f}s")
-    console = Console(width=max(150, Console().width))
+    console = make_console(min_width=150)
     console.print(table)
     for i, e in enumerate(errors, 1):
         console.print(f"[{i}] {e}", markup=False)

@@ -144,12 +144,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not args.all_cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     from ragged import spec
 
-    console = Console(width=max(140, Console().width))
+    console = make_console(min_width=140)
     cells = sweep(args.models, args.granularities, args.world_sizes, args.strategies)
 
     # ---- per model: whole-model padding, every strategy and peer ----------------------------

@@ -137,7 +137,7 @@ def compare(a, b):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     params = _params(args.model)
     grads = _grads(params, args.steps)
-    console = Console(width=max(140, Console().width))
+    console = make_console(min_width=140)
     n = sum(p.numel() for p in params.values())
     t = Table(title=f"8-bit AdamW on the {args.model} GPT ({n / 1e6:.1f}M params), {args.steps} steps of identical "
                     f"gradients: results at world size W vs W={args.worlds[0]}", title_justify="left")

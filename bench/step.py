@@ -303,10 +303,10 @@ def paired_ratio(summary, a="ragged", b="fsdp2") -> float:
 
 
 def render(summary, console=None):
-    from rich.console import Console
+    from ragged._console import console as make_console
     from rich.table import Table
 
-    console = console or Console(width=max(150, Console().width))
+    console = console or make_console(min_width=150)
     ms = summary["methods"]
     t = Table(title=f"{summary['model']}{'' if 'hf-' in summary['model'] else ' GPT'}, W={summary['world']}, {summary['policy']}, {summary['optim']}: one training step "
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")

@@ -9,12 +9,12 @@ import argparse
 import os
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 from ragged import spec
 from ragged._cli import DTYPES, UsageError, float_above, float_at_least, int_at_least, parse_granularity, unit_specs
 from ragged._cli_padding import explain_padding
+from ragged._console import console as make_console
 from ragged._models import MODELS, model_units, unit_numel
 from ragged._pytree import pytree
 from ragged._viz import visualize
@@ -45,7 +45,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warn-above", type=float_at_least(0.0), default=3.0, metavar="PCT",
                    help="explain units whose padding exceeds this percentage")
     p.add_argument("--visualize", action="store_true", help="draw the plan of one unit of each kind")
-    p.add_argument("--width", type=int_at_least(40), default=None, help="console width (default: the terminal's)")
+    p.add_argument("--width", type=int_at_least(40), default=None,
+                   help="console width (default: the terminal's; in a file or pipe, as wide as each table needs)")
     p.add_argument("--predict", action="store_true",
                    help="lower a training step at each world size: per-rank memory and communication, ragged vs the "
                         "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
@@ -118,7 +119,7 @@ def _max_buffers(text: str):
 def run_plan(args) -> int:
     """``plan``: with ``--predict`` / ``--sweep`` the lowered steps (``ragged/predict/_command.py``),
     else every unit kind planned at each world size, its padding beside the peers' and why."""
-    console = Console(width=args.width)
+    console = make_console(args.width)
     source = args.model or args.shapes
     args.world_size = list(dict.fromkeys(m for group in args.world_size for m in group))
     if (args.memory is None) == args.sweep:

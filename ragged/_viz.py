@@ -16,8 +16,6 @@ rank's exact ragged pieces. A plan with several buffers draws each rank's piece 
 
 from __future__ import annotations
 
-import os
-
 from ragged._errors import RaggedValueError
 
 __all__ = ["plan_summary", "visualize", "rank_table", "Rendering"]
@@ -61,16 +59,12 @@ class Rendering:
         return getattr(self.renderable, name)
 
     def __repr__(self) -> str:
-        # rich only when something is drawn (see the module docstring)
-        from rich.console import Console
-        from rich.measure import Measurement
+        # rich only when something is drawn (see the module docstring); a file or pipe cuts nothing
+        from ragged._console import console
 
-        console = Console()
-        if not console.is_terminal and "COLUMNS" not in os.environ:  # a file or pipe: nothing cut at 80
-            console = Console(width=max(80, Measurement.get(console, console.options.update(width=10_000),
-                                                             self.renderable).maximum))
-        with console.capture() as captured:
-            console.print(self.renderable)
+        out = console()
+        with out.capture() as captured:
+            out.print(self.renderable)
         return captured.get().rstrip("\n")
 
     __str__ = __repr__

@@ -253,8 +253,18 @@ def test_a_loss_that_does_not_fall_fails_the_job():
 
 
 @pytest.mark.slow
-def test_module_entry_point_runs():
+def test_module_entry_point_runs_and_a_pipe_keeps_every_digit():
+    """stdout is a pipe (not a terminal) and COLUMNS narrow: rich alone cuts every table there."""
+    from ragged import spec
+    from ragged._cli import unit_specs
+    from ragged._models import model_units
+
+    env = dict(os.environ, COLUMNS="40")
     out = subprocess.run([sys.executable, "-m", "ragged", "plan", "--model", "llama3-70b", "-m", "8"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    assert "layer x80" in out.stdout
+    assert "layer x80" in out.stdout and "…" not in out.stdout
+    layer = next(u for u in model_units("llama3-70b", dtype=torch.bfloat16) if u.kind == "layer")
+    plan = spec.make_plan(layer.params, unit_specs(layer.params, spec.Rows(1))[0], world_size=8,
+                           max_buffers="auto")  # as the command plans it
+    assert plan.shard_size > 10**8 and re.search(rf"│ +{plan.shard_size} │", out.stdout)

@@ -1,31 +1,20 @@
-"""What rank 0 of the ``train`` job prints: a console that never cuts a log line, progress (a
-rich bar in a terminal, plain lines in a log) and the final summary table.
+"""What rank 0 of the ``train`` job prints (on ``ragged._console.console()``, which never cuts a log
+line): progress (a rich bar in a terminal, plain lines in a log) and the final summary table.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["rss_mb", "console", "Progress", "print_summary"]
+__all__ = ["rss_mb", "Progress", "print_summary"]
 
 
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def console():
-    """Rank 0's console: rich in a terminal; in a log or CI (not a terminal) plain text that is
-    never cut at 80 columns."""
-    out = Console()
-    if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(width=200)
-    return out
 
 
 class Progress:

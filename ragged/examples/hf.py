@@ -32,9 +32,9 @@ Examples:
 
 from __future__ import annotations
 
-import json
-import math
+import contextlib
 import os
+import shutil
 import tempfile
 
 import torch
@@ -44,10 +44,11 @@ import torch.nn.functional as F
 import ragged as rg
 from ragged import fsdp
 from ragged._cli import DTYPES
+from ragged._console import console as make_console
 from ragged._errors import RaggedValueError
 from ragged.examples._recipe import no_decay_types, optimizer, specs_for
-from ragged.examples._train_report import console
-from ragged.examples.data import SyntheticLM, rank_slice
+from ragged.examples._train_loop import announce, finish, run_steps, summarize
+from ragged.examples.data import SyntheticLM
 
 __all__ = ["KINDS", "config", "build", "loss_fn", "blocks", "train"]
 
@@ -103,7 +104,8 @@ def loss_fn(model):
 
 def train(args) -> dict:
     """The ``--hf`` path of ``python -m ragged train`` in an initialised process group (every
-    rank); returns the summary."""
+    rank): the GPT path's loop, summary and verdict (``_train_loop.py``), then the save and its
+    reload check; returns the summary."""
     import transformers  # only when a Hugging Face model is made, not with ragged.examples
 
     rank, world = dist.get_rank(), dist.get_world_size()  # the options were checked by check_args, before any process
@@ -128,33 +130,37 @@ def train(args) -> dict:
                                                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
-    say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    n_params = sum(u.plan.numel for u in units)
-    if rank == 0:
-        console().print(f"[bold]ragged FSDP[/] · {world} ranks ({dist.get_backend()}) · HF {type(model).__name__} "
-                        f"{n_params / 1e6:.2f}M params, built on meta · optimizer {args.optimizer}", units)
-    history = []
-    for s in range(args.steps):
-        batch = tuple(x.to(comm.device) for x in rank_slice(task.batch(s, args.batch), rank, world))
-        state, m = step(state, batch)
-        history.append({"step": s, "loss": m["loss"], "peak_gathered_bytes": m["peak_gathered_bytes"]})
-        say(f"step {s}: loss {m['loss']:.4f}", flush=True)
-    summary = {"model": type(model).__name__, "world_size": world, "params": n_params, "steps": args.steps,
-               "first_loss": history[0]["loss"] if history else None,
-               "last_loss": history[-1]["loss"] if history else None, "ln_vocab": math.log(cfg.vocab_size)}
-    with tempfile.TemporaryDirectory() as tmp:
+    console = make_console() if rank == 0 else None
+    if console is not None:
+        announce(console, args, f"HF {type(model).__name__} built on meta,", units, task)
+    state, history, seconds = run_steps(args, step, state, task, comm.device, console)
+    summary = summarize(args, history, seconds, task, units, model=type(model).__name__)
+    with _one_temporary_directory() as tmp:  # the default: one directory every rank writes into
         where = args.save_pretrained or tmp
         fsdp.save_pretrained(units, state.shards, comm, where, module=model)  # by rank: one unit gathered at a time
         full = fsdp.export(units, state.shards, comm, module=model, device="cpu")  # rank 0 only: the check
         if rank == 0:
             summary.update(_reload(where, full, transformers), saved_to=args.save_pretrained)
-    if rank == 0:
-        say(f"exported {len(full)} tensors; save_pretrained -> {summary['saved_to'] or 'a temporary directory'}; "
-            f"from_pretrained reloads them with max |diff| {summary['reload_max_diff']:.1e}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"summary": summary, "history": history}, f, indent=1)
+    if console is not None:
+        finish(console, args, summary, history)
+        print(f"save_pretrained -> {args.save_pretrained or 'a temporary directory, removed (pass --save-pretrained DIR)'}"
+              f": {summary['exported']} tensors; from_pretrained reloads them with max |diff| "
+              f"{summary['reload_max_diff']:.1e}", flush=True)  # always, --quiet too: where the model went
     return summary
+
+
+@contextlib.contextmanager
+def _one_temporary_directory():
+    """A temporary directory rank 0 makes and every rank is told (a rank's own would be another
+    path, and ``save_pretrained`` refuses ranks that disagree on it); removed once all are done."""
+    path = [tempfile.mkdtemp(prefix="ragged-hf-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
 
 def _reload(where: str, full: dict, transformers) -> dict:

@@ -16,14 +16,11 @@ Examples:
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import pickle
 import socket
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -32,13 +29,13 @@ import torch.multiprocessing as mp
 import ragged as rg
 from ragged import fsdp
 from ragged._cli import DTYPES, UsageError
+from ragged._console import console as make_console
 from ragged.examples import hf
 from ragged.examples._recipe import no_decay_types, optimizer, specs_for
 from ragged.examples._train_args import EXPERTS, TOP_K, build_parser, check_args, launched_by_torchrun
 from ragged.examples._train_args import backend as pick_backend
-from ragged.examples._train_report import Progress, print_summary, rss_mb
-from ragged.examples._train_report import console as console_for_rank0
-from ragged.examples.data import SyntheticLM, rank_slice
+from ragged.examples._train_loop import announce, finish, run_steps, summarize
+from ragged.examples.data import SyntheticLM
 from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
 __all__ = ["build_parser", "configure", "check_args", "main", "main_from_args", "train"]
@@ -73,60 +70,14 @@ def train(args) -> dict:
                                                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
-    n_params = sum(u.plan.numel for u in units)
-    console = None
-    if rank == 0:
-        console = console_for_rank0()
-        console.print(f"[bold]ragged FSDP[/] · {world} ranks ({dist.get_backend()}) · GPT "
-                      f"{f'MoE ({cfg.num_experts} experts, top-{cfg.top_k}) ' if args.moe else ''}"
-                      f"{n_params / 1e6:.2f}M params · optimizer {args.optimizer} · "
-                      f"compute {args.compute_dtype} · micro-batches {args.micro_batches}")
-        console.print(units)
-        console.print(f"task: Markov(vocab {cfg.vocab_size}, branching {task.branching}) then copy; "
-                      f"loss starts near ln(vocab) = {math.log(cfg.vocab_size):.2f}; below {task.no_copy_floor:.2f} "
-                      f"the model copies (learnt); a perfect model reaches {task.floor:.2f}")
-
-    history, tokens_per_step = [], args.batch * args.seq
-    progress = Progress(console, args.steps, args.log_every, args.quiet) if rank == 0 else None
-    t_start = time.perf_counter()
-    try:
-        for s in range(args.steps):
-            batch = rank_slice(task.batch(s, args.batch), rank, world)
-            batch = tuple(x.to(device) for x in batch)
-            t0 = time.perf_counter()
-            state, m = step(state, batch)
-            dt = time.perf_counter() - t0
-            rec = {"step": s, "loss": m["loss"], "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "peak_gathered_bytes": m["peak_gathered_bytes"], "model_bytes": m["model_bytes"],
-                   "largest_unit_bytes": m["largest_unit_bytes"], "num_gathers": m["num_gathers"],
-                   "rss_mb": rss_mb()}
-            history.append(rec)
-            if progress is not None:
-                progress.update(s, rec)
-    finally:
-        if progress is not None:
-            progress.stop()
-    total = time.perf_counter() - t_start
-    steady = history[min(3, len(history) - 1):]
-    verdict = task.verdict([h["loss"] for h in history], min_steps=args.warmup + 10)
-    summary = {
-        "world_size": world, "backend": dist.get_backend(), "params": n_params, "steps": args.steps,
-        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-        "min_loss": min(h["loss"] for h in history), "ln_vocab": math.log(cfg.vocab_size), "floor": task.floor,
-        "no_copy_floor": task.no_copy_floor, "learnt": verdict.learnt, "verdict": verdict.line,
-        "exit_status": 0 if verdict.ok else 1,
-        "median_step_s": sorted(h["step_s"] for h in steady)[len(steady) // 2],
-        "tokens_per_s": tokens_per_step * len(history) / total,
-        "peak_gathered_bytes": max(h["peak_gathered_bytes"] for h in history),
-        "largest_unit_bytes": history[-1]["largest_unit_bytes"], "model_bytes": history[-1]["model_bytes"],
-        "max_rss_mb": rss_mb(), "args": vars(args) | {"func": None},
-    }
-    if rank == 0:
-        print_summary(console, summary)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"summary": summary, "history": history}, f, indent=1, default=str)
-        print(verdict.line, flush=True)
+    console = make_console() if rank == 0 else None
+    if console is not None:
+        announce(console, args, f"GPT{f' MoE ({cfg.num_experts} experts, top-{cfg.top_k})' if args.moe else ''}",
+                 units, task)
+    state, history, seconds = run_steps(args, step, state, task, device, console)
+    summary = summarize(args, history, seconds, task, units)
+    if console is not None:
+        finish(console, args, summary, history)
     return summary
 
 
@@ -155,7 +106,7 @@ def _run_in_group(args) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return summary.get("exit_status", 0)  # the --hf path has no verdict
+    return summary["exit_status"]
 
 
 def main_from_args(args) -> int:

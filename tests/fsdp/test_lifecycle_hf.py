@@ -126,6 +126,9 @@ def test_train_hf_subcommand_runs_the_whole_path(tmp_path, kind):
     data = json.loads(out.read_text())
     summary, history = data["summary"], data["history"]
     assert summary["world_size"] == 2 and len(history) == 6 and "built on meta" in proc.stdout
+    # the GPT path's summary and verdict, and where it saved, --quiet or not
+    assert "summary (rank 0)" in proc.stdout and summary["verdict"] in proc.stdout and "verdict: not judged" in proc.stdout
+    assert f"save_pretrained -> {saved}: " in proc.stdout and "train step" not in proc.stdout
     assert history[-1]["loss"] < history[0]["loss"]
     assert summary["reload_max_diff"] == 0.0 and "model.safetensors.index.json" in summary["saved_files"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, local_files_only=True)

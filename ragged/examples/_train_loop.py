@@ -1,0 +1,85 @@
+"""The loop both of the ``train`` job's models run (the example GPT and ``--hf``): rank 0 announces
+the run, every rank takes the steps (rank 0 shows progress), then the summary and the verdict of
+:meth:`ragged.examples.data.SyntheticLM.verdict`, which rank 0 prints (and writes with ``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch.distributed as dist
+
+from ragged.examples._train_report import Progress, print_summary, rss_mb
+from ragged.examples.data import rank_slice
+
+__all__ = ["announce", "run_steps", "summarize", "finish"]
+
+
+def announce(console, args, what: str, units, task) -> None:
+    """Rank 0's first lines: the run (``what``: the model), its units and the task."""
+    n_params = sum(u.plan.numel for u in units)
+    console.print(f"[bold]ragged FSDP[/] · {dist.get_world_size()} ranks ({dist.get_backend()}) · {what} "
+                  f"{n_params / 1e6:.2f}M params · optimizer {args.optimizer} · compute {args.compute_dtype} · "
+                  f"micro-batches {args.micro_batches}")
+    console.print(units)
+    console.print(f"task: Markov(vocab {task.vocab_size}, branching {task.branching}) then copy; loss starts near "
+                  f"ln(vocab) = {math.log(task.vocab_size):.2f}; below {task.no_copy_floor:.2f} the model copies "
+                  f"(learnt); a perfect model reaches {task.floor:.2f}")
+
+
+def run_steps(args, step, state, task, device, console):
+    """``args.steps`` steps on this rank's rows of the task's batches; returns ``(state, history,
+    seconds)`` (one record per step; the loop's wall time). ``console``: rank 0's, for progress
+    (None on the other ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    history, tokens_per_step = [], args.batch * args.seq
+    progress = Progress(console, args.steps, args.log_every, args.quiet) if console is not None else None
+    t_start = time.perf_counter()
+    try:
+        for s in range(args.steps):
+            batch = tuple(x.to(device) for x in rank_slice(task.batch(s, args.batch), rank, world))
+            t0 = time.perf_counter()
+            state, m = step(state, batch)
+            dt = time.perf_counter() - t0
+            rec = {"step": s, "loss": m["loss"], "step_s": dt, "tokens_per_s": tokens_per_step / dt,
+                   "peak_gathered_bytes": m["peak_gathered_bytes"], "model_bytes": m["model_bytes"],
+                   "largest_unit_bytes": m["largest_unit_bytes"], "num_gathers": m["num_gathers"],
+                   "rss_mb": rss_mb()}
+            history.append(rec)
+            if progress is not None:
+                progress.update(s, rec)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return state, history, time.perf_counter() - t_start
+
+
+def summarize(args, history, seconds: float, task, units, **extra) -> dict:
+    """The run's summary (every rank): losses, the verdict (``"verdict"``, ``"exit_status"``: 1
+    when the loss did not fall), speed (``seconds``: the loop's) and memory, and ``extra``."""
+    steady = history[min(3, len(history) - 1):]
+    verdict = task.verdict([h["loss"] for h in history], min_steps=args.warmup + 10)
+    return {
+        **extra, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "params": sum(u.plan.numel for u in units), "steps": args.steps,
+        "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+        "min_loss": min(h["loss"] for h in history), "ln_vocab": math.log(task.vocab_size), "floor": task.floor,
+        "no_copy_floor": task.no_copy_floor, "learnt": verdict.learnt, "verdict": verdict.line,
+        "exit_status": 0 if verdict.ok else 1,
+        "median_step_s": sorted(h["step_s"] for h in steady)[len(steady) // 2],
+        "tokens_per_s": args.batch * args.seq * len(history) / seconds,
+        "peak_gathered_bytes": max(h["peak_gathered_bytes"] for h in history),
+        "largest_unit_bytes": history[-1]["largest_unit_bytes"], "model_bytes": history[-1]["model_bytes"],
+        "max_rss_mb": rss_mb(), "args": vars(args) | {"func": None},
+    }
+
+
+def finish(console, args, summary: dict, history) -> None:
+    """Rank 0's last lines: the summary table, ``--json``'s file, the verdict line."""
+    print_summary(console, summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "history": history}, f, indent=1, default=str)
+    print(summary["verdict"], flush=True)

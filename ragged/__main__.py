@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
+import torch
+
+import ragged
 from ragged._cli import ArgumentParser, HelpFormatter, UsageError, usage_error
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
@@ -30,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m ragged`` parser, every subcommand configured."""
     parser = ArgumentParser(prog="python -m ragged", description="ragged: RaggedShard planning and FSDP tools.")
+    parser.add_argument("--version", action="version", version=f"ragged {ragged.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (help_text, target) in SUBCOMMANDS.items():

@@ -252,6 +252,14 @@ def test_a_loss_that_does_not_fall_fails_the_job():
     assert "train step" not in proc.stdout  # --quiet
 
 
+def test_version(capsys):
+    import ragged
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"ragged {ragged.__version__} (torch {torch.__version__})\n"
+
+
 @pytest.mark.slow
 def test_module_entry_point_runs_and_a_pipe_keeps_every_digit():
     """stdout is a pipe (not a terminal) and COLUMNS narrow: rich alone cuts every table there."""

@@ -38,3 +38,6 @@ def test_the_folder_holding_a_clone_named_ragged_imports_the_package(tmp_path):
     out = subprocess.run([python, "-c", "import ragged; print(callable(ragged.make_plan))"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "True", out.stderr
+    same = "import importlib.metadata as m, ragged; print(m.version('ragged-fsdp') == ragged.__version__)"
+    out = subprocess.run([python, "-c", same], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr  # one version: pyproject reads ragged.__version__

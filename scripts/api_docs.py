@@ -54,9 +54,13 @@ def _signature(name: str, fn) -> str:
 
 
 def public_names(module) -> list[tuple[str, object]]:
-    """``(name, object)`` for every public name ``module`` binds, in source order of binding."""
+    """``(name, object)`` for every public name ``module`` binds, in source order of binding, then
+    those it looks up on first use (a module ``__getattr__`` / ``__dir__``) that no documented
+    package binds itself (those are described there)."""
     out = []
-    for name, obj in vars(module).items():
+    bound = {id(obj) for pkg in PACKAGES for obj in vars(importlib.import_module(pkg)).values()}
+    lazy = [(name, getattr(module, name)) for name in dir(module) if name not in vars(module)]
+    for name, obj in [*vars(module).items(), *((n, o) for n, o in lazy if id(o) not in bound)]:
         if name.startswith("_") or isinstance(obj, types.ModuleType) or isinstance(obj, type(annotations)):
             continue
         out.append((name, obj))

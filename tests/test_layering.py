@@ -25,6 +25,10 @@ LAZY_UPWARD = {
         "step.lower: the predictor reads the step's schedule, so it sits above fsdp",
     ("ragged.fsdp", "ragged.predict"):
         "rg.fsdp.Lowered & co, published there first, are looked up in ragged.predict on first use",
+    ("ragged.fsdp", "ragged.checkpoint._pretrained"):
+        "rg.fsdp.save_pretrained lives with the Hugging Face reader in ragged.checkpoint (torch.distributed.checkpoint)",
+    ("ragged.fsdp", "ragged.checkpoint._fsdp2"):
+        "rg.fsdp.save_fsdp2 lives with the FSDP2 reader in ragged.checkpoint (torch.distributed.checkpoint)",
 }
 
 

@@ -1,5 +1,6 @@
-"""A ``torch.distributed.checkpoint`` directory written by FSDP2 or torchtitan as a lazy source
-of weights and AdamW state: :func:`fsdp2`.
+"""``torch.distributed.checkpoint`` directories of FSDP2 / torchtitan, weights and AdamW state:
+read lazily (:func:`fsdp2`), loaded by rank (what ``fsdp.init`` does with one,
+:meth:`FSDP2Checkpoint.load_by_rank`) and written by rank (``fsdp.save_fsdp2``).
 
 [Note: what an FSDP2 checkpoint holds]
 FSDP2 users save ``{"model": get_model_state_dict(model), "optimizer":
@@ -21,7 +22,34 @@ param groups, with ``torch.load(weights_only=True)``, and the step counts), on e
 (no collective): every rank comes to the same verdict, so a checkpoint that is not AdamW-shaped
 is refused everywhere before anything else happens. Tensors stay unread: ``fsdp.init(units,
 rg.checkpoint.fsdp2(path), opt, comm)`` then reads each rank's element ranges (see [Note:
-loading an FSDP2 checkpoint by rank] in ``fsdp/_fsdp2.py``).
+loading an FSDP2 checkpoint by rank]).
+
+[Note: loading an FSDP2 checkpoint by rank]
+A rank's piece of a leaf is one flat element range; the checkpoint stores FSDP2's ``Shard(0)``
+row blocks of the N-D tensor. The range becomes the few N-D boxes that tile it (see [Note: a flat
+range as boxes] in ``checkpoint/_boxes.py``), each a view of the rank's flat shard, and DCP reads
+exactly their overlap with the saved blocks (one plan for the whole model, parameters and both
+moments), casting into the master dtype on copy. Memory during the load: the rank's state plus
+one saved block at a time (DCP reads a stored chunk, then copies the overlap). Before any
+collective, the checkpoint is checked against the units and the optimizer on every rank from its
+metadata and small values alone (see [Note: what an FSDP2 checkpoint holds]), so every rank
+raises the same error naming the key: missing or unexpected parameters, shapes, dtypes that do
+not cast, moments missing for a parameter, and an ``lr`` / ``betas`` / ``eps`` /
+``weight_decay`` of a param group that differs from the ragged optimizer's (an ``lr`` schedule
+is compared at the checkpoint's step: ``schedule(step)`` is the learning rate of the next
+update, as a torch LR scheduler leaves it in the group). The loaded state is ragged's AdamW
+state: ``mu = exp_avg``, ``nu = exp_avg_sq``, ``count = step``.
+
+[Note: saving for FSDP2]
+``save_fsdp2`` writes the keys FSDP2's own ``dcp.save`` writes (``model.<fqn>``,
+``optimizer.state.<fqn>.exp_avg`` / ``exp_avg_sq`` / ``step``, the param group), each rank its
+boxes as chunks of the N-D tensors; DCP's load planner reads any chunking into FSDP2's row
+blocks, so ``dcp.load`` into ``get_model_state_dict`` / ``get_optimizer_state_dict`` of a
+``fully_shard`` model at any world size, then ``set_model_state_dict`` /
+``set_optimizer_state_dict``, continues the run. The param group is what
+``torch.optim.AdamW(params, lr, betas, eps, weight_decay)`` holds in this torch (its other
+options at their defaults), ``lr`` the next update's (a schedule's value at the step); a torch
+LR scheduler's own state is not written.
 """
 
 from __future__ import annotations
@@ -34,15 +62,21 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from ragged.checkpoint._dcp import Blob, Chunk, SingleProcess, dcp_load
+from ragged._errors import RaggedTypeError
+from ragged.checkpoint._boxes import box_range, boxes
+from ragged.checkpoint._dcp import Blob, Chunk, SingleProcess, dcp_load, dcp_save
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError, RefMapping, require_path
 from ragged.checkpoint._metadata import check_foreign, read_metadata
+from ragged.checkpoint._pretrained import check_weights, persistent_buffers, rank_ranges, renamed, zero_shards
+from ragged.checkpoint._torch_adamw import adamw_hyperparams, check_groups, read_groups, torch_group
+from ragged.fsdp._placeholder import tied_names
+from ragged.fsdp._units import Units
+from ragged.optim._transform import ScaleByAdamState, ScaleByScheduleState
+from ragged.transforms._check import poisons
 
-__all__ = ["DCPRef", "FSDP2Checkpoint", "fsdp2", "MOMENTS", "ADAMW_REQUIRED"]
+__all__ = ["DCPRef", "FSDP2Checkpoint", "fsdp2", "save_fsdp2", "MOMENTS"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-ADAMW_REQUIRED = ("lr", "betas", "eps", "weight_decay")
-_ADAMW_FLAGS = {"amsgrad": False, "maximize": False}  # torch.optim.AdamW options ragged's adamw does not have
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +131,11 @@ class FSDP2Checkpoint(RefMapping):
         opt = f", AdamW state at step {self.step}" if self.moments is not None else ""
         return f"fsdp2({self.path!r}: {len(self)} tensors{opt})"
 
+    def load_by_rank(self, units: Units, optimizer, comm, *, device: torch.device):
+        """``(shards, opt_state)`` of this rank, what ``fsdp.init(units, self, optimizer, ...)``
+        starts from (see :func:`load_fsdp2`)."""
+        return load_fsdp2(units, self, optimizer, comm, device=device)
+
 
 def _prefix(key: str) -> str:
     return f"{key}." if key else ""
@@ -118,49 +157,6 @@ def _read_small(path: str, metadata, blobs: list[str], scalars: list[str]) -> di
     dcp_load(path, pieces, metadata, SingleProcess(), f"fsdp2({path!r})")
     out.update({k: t.item() for k, t in dest.items()})
     return out
-
-
-def _param_groups(entries: dict[str, Any], head: str, fqns: list[str]) -> dict[str, dict[str, Any]]:
-    """``{fqn: its group}`` from the ``param_groups`` entries (nested by index or flat by fqn);
-    each group also says where it is stored (``"key"``: its DCP key prefix)."""
-    groups: dict[str, dict[str, Any]] = {}
-    for key, value in entries.items():
-        group, _, name = key[len(head):].rpartition(".")
-        groups.setdefault(group, {})[name] = value
-    by_fqn: dict[str, dict[str, Any]] = {}
-    for group, values in groups.items():
-        if group.isdigit():  # nested: param_groups.<i>.<name>, the group's fqns in "params"
-            members = values.get("params")
-            if not isinstance(members, list) or not all(isinstance(f, str) for f in members):
-                raise CheckpointMismatchError(f"DCP key {head + group + '.params'!r} is not the group's list of "
-                                              "parameter names (a param group of get_optimizer_state_dict).")
-            for fqn in members:
-                by_fqn[fqn] = {k: v for k, v in values.items() if k != "params"} | {"key": head + group}
-        else:  # flat (flatten_optimizer_state_dict=True): param_groups.<fqn>.<name>
-            by_fqn[group] = values | {"key": head + group}
-    lacking = [f for f in fqns if f not in by_fqn]
-    if lacking:
-        raise CheckpointMismatchError(f"no param group of {head[:-1]!r} holds {lacking[0]!r} ({len(lacking)} such "
-                                      "parameters have optimizer state but no group).")
-    for fqn in fqns:
-        group = by_fqn[fqn]
-        missing = [k for k in ADAMW_REQUIRED if k not in group]
-        if missing:
-            raise CheckpointMismatchError(f"the param group of {fqn!r} lacks {missing} ({group['key']}.*): not an "
-                                          "AdamW state (ragged loads torch.optim.AdamW's).")
-        odd = {k: group[k] for k, v in _ADAMW_FLAGS.items() if group.get(k, v) != v}
-        if group.get("weight_decay") and group.get("decoupled_weight_decay", True) is not True:
-            odd["decoupled_weight_decay"] = group["decoupled_weight_decay"]
-        if odd:
-            raise CheckpointMismatchError(f"the param group of {fqn!r} ({group['key']}.*) has {odd}: that is not "
-                                          "torch.optim.AdamW's update (ragged's adamw has no such option).")
-    return by_fqn
-
-
-def _renamer(rename):
-    if rename is None:
-        return lambda k: k
-    return rename if callable(rename) else (lambda k: rename.get(k, k))
 
 
 def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: str = "optimizer",
@@ -223,16 +219,9 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
     opt_head = _prefix(optimizer_key)
     model_head = _prefix(model_key)
     is_opt = (lambda k: k.startswith(opt_head)) if optimizer_key else (lambda k: False)
-    rename_fn = _renamer(rename)
-    refs = {}
-    for k, md in stored.items():
-        if k.startswith(model_head) and not is_opt(k) and (model_key or isinstance(md, dcp_md.TensorStorageMetadata)):
-            new = rename_fn(k[len(model_head):])
-            if new is None:
-                continue
-            if new in refs:
-                raise CheckpointMismatchError(f"rename maps DCP keys {refs[new].key!r} and {k!r} both to {new!r}.")
-            refs[new] = _ref(k, md)
+    model = {k[len(model_head):]: k for k, md in stored.items()
+             if k.startswith(model_head) and not is_opt(k) and (model_key or isinstance(md, dcp_md.TensorStorageMetadata))}
+    refs = {name: _ref(k, stored[k]) for name, k in renamed(model, rename, CheckpointMismatchError).items()}
     if not refs:
         raise CheckpointMismatchError(f"checkpoint {root!r} has no keys under {model_key!r} (its keys start "
                                       f"{sorted({k.split('.')[0] for k in stored})[:6]}); pass model_key= (\"\" for "
@@ -262,12 +251,188 @@ def fsdp2(path: str | os.PathLike, *, model_key: str = "model", optimizer_key: s
     if len(set(steps.values())) > 1 or any(s != int(s) or s < 0 for s in steps.values()):
         raise CheckpointMismatchError(f"the optimizer's steps differ between parameters or are not counts: "
                                       f"{dict(list(steps.items())[:4])}; ragged keeps one step count per optimizer.")
-    param_groups = _param_groups({k: small[k] for k in groups}, group_head, sorted(found))
+    param_groups = read_groups({k: small[k] for k in groups}, group_head, sorted(found))
     moments, by_name = {}, {}
-    for fqn, names in found.items():
-        new = rename_fn(fqn)
-        if new is not None:
-            moments[new] = tuple(_ref(names[m], stored[names[m]]) for m in MOMENTS)
-            by_name[new] = param_groups[fqn]
+    for new, (fqn, names) in renamed({f: (f, n) for f, n in found.items()}, rename, CheckpointMismatchError).items():
+        moments[new] = tuple(_ref(names[m], stored[names[m]]) for m in MOMENTS)
+        by_name[new] = param_groups[fqn]
     step = int(next(iter(steps.values()))) if steps else 0
     return FSDP2Checkpoint(root, metadata, model_key, optimizer_key, refs, moments, step, by_name)
+
+
+def _check_units(units: Units, where: str) -> None:
+    if not isinstance(units, Units):
+        raise RaggedTypeError(f"units must be rg.fsdp.make_units(model, world_size=...), got {type(units).__name__}.")
+    frozen = sorted(p for u in units for p in u.frozen)
+    if frozen:
+        raise CheckpointMismatchError(
+            f"{where}: parameters {frozen[:3]} are frozen; FSDP2 interop covers fully trainable units only "
+            "(not done yet). Fix: make the units with every parameter trainable.")
+
+
+def _check_optimizer(units: Units, ckpt, optimizer, where: str) -> None:
+    hp = adamw_hyperparams(optimizer, where)
+    shapes = {u.paths[leaf.index]: leaf.shape for u in units for leaf in u.plan.leaves + u.plan.replicated}
+    missing = [p for p in shapes if p not in ckpt.moments]
+    extra = [p for p in ckpt.moments if p not in shapes]
+    if missing or extra:
+        listed = "; ".join(f"{what} {names[:4]!r}" for what, names in (("missing", missing), ("unexpected", extra)) if names)
+        raise CheckpointMismatchError(
+            f"{where}: the optimizer state of {ckpt.path} does not cover the units' parameters: {listed} "
+            f"({ckpt.optimizer_key}.state.<name>.exp_avg). Fix: map names with rg.checkpoint.fsdp2(path, "
+            "rename=...), or load the weights only (optimizer=False).")
+    for p, shape in shapes.items():
+        for ref in ckpt.moments[p]:
+            if tuple(ref.shape) != tuple(shape):
+                raise CheckpointMismatchError(f"{where}: {ref.where()} is {tuple(ref.shape)}, the parameter {p!r} is "
+                                              f"{tuple(shape)}.")
+    check_groups(ckpt.param_groups, shapes, hp, ckpt.step, where)
+
+
+def _chunks(key: str, shape, flat: torch.Tensor, start: int, stop: int) -> list[Chunk]:
+    """Chunks of the flat range ``[start, stop)`` of the tensor ``key`` of ``shape``, their data
+    the views of ``flat`` (which holds exactly that range)."""
+    out = []
+    for offsets, sizes in boxes(tuple(shape), start, stop):
+        lo, hi = box_range(tuple(shape), (offsets, sizes))
+        out.append(Chunk(key, offsets, tuple(shape), flat[lo - start : hi - start].view(sizes)))
+    return out
+
+
+def _rank_chunks(units: Units, shards, keys_of, *, replicated: bool = True) -> list[Chunk]:
+    """The chunks of this rank's ranges of ``shards`` (see :func:`rank_ranges`), under each key of
+    ``keys_of(parameter name)``."""
+    return [c for name, leaf, start, stop, view in rank_ranges(units, shards, replicated=replicated)
+            for key in keys_of(name) for c in _chunks(key, leaf.shape, view, start, stop)]
+
+
+@poisons("comm")
+def load_fsdp2(units: Units, ckpt, optimizer, comm, *, device: torch.device):
+    """``(shards, opt_state)`` of this rank from ``ckpt`` (``rg.checkpoint.fsdp2(path)``); the
+    optimizer state is ``None`` when ``ckpt`` holds none (see [Note: loading an FSDP2 checkpoint
+    by rank]).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+        >>> torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        >>> model(torch.ones(1, 3, dtype=torch.float64)).sum().backward(); torch_opt.step()
+        >>> path = os.path.join(tempfile.mkdtemp(), "fsdp2")
+        >>> _ = dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, torch_opt)},
+        ...              checkpoint_id=path, no_dist=True)
+        >>> units = fsdp.make_units(model, world_size=3, groups=["0", "1"])
+        >>> def run(comm):
+        ...     state = fsdp.init(units, rg.checkpoint.fsdp2(path), rg.optim.adamw(1e-2, weight_decay=0.01), comm)
+        ...     return fsdp.export(units, state.shards, comm), int(state.opt_state[0].count)
+        >>> full, step = rg.collectives.simulate(3, run)[0]
+        >>> torch.equal(full["1.weight"], model[1].weight.detach()), step
+        (True, 1)
+    """
+    where = f"fsdp.init(units, {ckpt!r})"
+    _check_units(units, where)
+    check_weights(units, ckpt, where, reader="rg.checkpoint.fsdp2")
+    if ckpt.moments is not None:
+        _check_optimizer(units, ckpt, optimizer, where)
+    shards = zero_shards(units, comm, device)
+    chunks = _rank_chunks(units, shards, lambda p: [ckpt[p].key])
+    if ckpt.moments is not None:
+        mus, nus = ({k: d.zeros_like() for k, d in shards.items()} for _ in MOMENTS)
+        for i, moments in enumerate((mus, nus)):
+            chunks += _rank_chunks(units, moments, lambda p, i=i: [ckpt.moments[p][i].key])
+    with torch.no_grad():
+        dcp_load(ckpt.path, [c for c in chunks if c.tensor.numel()], ckpt.metadata, comm, f"fsdp.init({ckpt.path!r})")
+    if ckpt.moments is None:
+        return shards, None
+    # the state's structure from the optimizer itself, over meta stand-ins (no memory for moments it would zero)
+    fresh = optimizer.init({k: d.replace(data=d.data.to("meta"), replicated=d.replicated.to("meta"))
+                            for k, d in shards.items()})
+    if not (isinstance(fresh, tuple) and len(fresh) == 3 and isinstance(fresh[0], ScaleByAdamState)):
+        raise CheckpointMismatchError(f"{where}: the optimizer's state is not rg.optim.adamw's (ScaleByAdamState, ...).")
+    count = torch.full((), ckpt.step, dtype=fresh[0].count.dtype, device=device)
+    lr_state = ScaleByScheduleState(count.clone()) if isinstance(fresh[2], ScaleByScheduleState) else fresh[2]
+    return shards, (ScaleByAdamState(count=count, mu=mus, nu=nus), fresh[1], lr_state)
+
+
+def save_fsdp2(units: Units, state, comm, path: str | os.PathLike, *, optimizer=None, module=None,
+               model_key: str = "model", optimizer_key: str = "optimizer", flatten_optimizer: bool = False) -> list[str]:
+    """Writes ``state`` as the DCP checkpoint FSDP2 itself writes, so that a ``fully_shard``
+    model at any world size loads it with plain ``dcp.load`` and continues (see [Note: saving
+    for FSDP2]). Every rank calls it; each writes its own ranges.
+
+    Args:
+        units: the units ``state`` was made for.
+        state: a ``TrainState`` (``state.opt_state`` is written when ``optimizer`` is given).
+        comm: the shard group's collectives.
+        path: a new directory (DCP does not overwrite files of an earlier save).
+        optimizer: the ``rg.optim.adamw`` that made ``state.opt_state``; ``None`` writes the
+            model only.
+        module: the module the units were made from: its persistent buffers (rank 0) and its
+            tied aliases (``lm_head.weight``: the parameter's chunks once more) are written too,
+            as the ``get_model_state_dict`` that FSDP2 loads into holds them.
+        model_key: the key of the model's state dict (``""``: top level, as torchtitan).
+        optimizer_key: the key of the optimizer's state dict.
+        flatten_optimizer: write the param group once per parameter
+            (``param_groups.<fqn>.<name>``), as ``StateDictOptions(flatten_optimizer_state_dict=True)``
+            (torchtitan) expects; default: ``param_groups.0.<name>`` and its ``params`` list.
+
+    Returns:
+        The files this rank wrote.
+
+    Raises:
+        CheckpointMismatchError: ``optimizer`` is not ``rg.optim.adamw``, or frozen parameters.
+        CheckpointError: writing failed (raised on every rank).
+
+    Examples:
+        >>> import os, tempfile, torch, ragged as rg
+        >>> import torch.distributed.checkpoint as dcp
+        >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        >>> from ragged import fsdp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> units = fsdp.make_units(model, world_size=2, groups=["0", "1"])
+        >>> path = os.path.join(tempfile.mkdtemp(), "for-fsdp2")
+        >>> def run(comm):
+        ...     state = fsdp.init(units, model.state_dict(), rg.optim.adamw(1e-3), comm)
+        ...     return fsdp.save_fsdp2(units, state, comm, path)
+        >>> _ = rg.collectives.simulate(2, run)
+        >>> other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> sd = {"model": get_model_state_dict(other)}
+        >>> dcp.load(sd, checkpoint_id=path, no_dist=True)
+        >>> _ = set_model_state_dict(other, sd["model"])
+        >>> torch.equal(other[1].weight, model[1].weight)
+        True
+    """
+    where = f"fsdp.save_fsdp2(units, state, comm, {os.fspath(path)!r})"
+    _check_units(units, where)
+    shards, opt_state = state
+    hp = adamw_hyperparams(optimizer, where) if optimizer is not None else None
+    m, o = (f"{model_key}." if model_key else ""), f"{optimizer_key}."
+    writer = comm.rank == 0 and getattr(comm, "replica_rank", 0) == 0
+    names = [p for u in units for p in u.paths]
+    aliases: dict[str, list[str]] = {}
+    chunks = []
+    if module is not None:
+        for alias, first in tied_names(module).items():
+            aliases.setdefault(first, []).append(alias)
+        if writer:
+            for k, v in persistent_buffers(module, set(names)).items():
+                chunks += _chunks(m + k, tuple(v.shape), v.detach().reshape(-1), 0, v.numel())
+    chunks += _rank_chunks(units, shards, lambda p: [m + a for a in (p, *aliases.get(p, ()))], replicated=writer)
+    if hp is not None:
+        adam = opt_state[0]
+        step = int(adam.count)
+        for moments, name in zip((adam.mu, adam.nu), MOMENTS):
+            chunks += _rank_chunks(units, moments, lambda p, name=name: [f"{o}state.{p}.{name}"], replicated=writer)
+        if writer:
+            group = torch_group(hp, step)
+            for p in names:
+                chunks.append(Chunk(f"{o}state.{p}.step", (), (), torch.tensor(float(step), dtype=torch.float32)))
+                if flatten_optimizer:
+                    chunks += [Blob(f"{o}param_groups.{p}.{k}", v) for k, v in group.items()]
+            if not flatten_optimizer:
+                chunks += [Blob(f"{o}param_groups.0.{k}", v) for k, v in group.items()]
+                chunks.append(Blob(f"{o}param_groups.0.params", names))
+    chunks = [c for c in chunks if isinstance(c, Blob) or c.tensor.numel()]
+    return dcp_save(os.fspath(path), chunks, comm, f"save_fsdp2({os.fspath(path)!r})")

@@ -1,5 +1,6 @@
 """The safetensors file format, read and written with the standard library only: a header per
-file, element ranges of one tensor by byte offsets, and a writer.
+file, element ranges of one tensor by byte offsets (through a :class:`TensorRef`, or a
+:class:`Concat` of them), and a writer.
 
 [Note: reading safetensors by byte range]
 A ``.safetensors`` file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
@@ -17,7 +18,9 @@ overlap and end inside the file. A truncated file or a header that lies about it
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -27,7 +30,7 @@ import torch
 from ragged._errors import is_sizes
 from ragged.checkpoint._format import CheckpointCorruptError, open_regular
 
-__all__ = ["DTYPES", "READ_CHUNK_BYTES", "read_header", "read_range", "write_file"]
+__all__ = ["DTYPES", "READ_CHUNK_BYTES", "TensorRef", "Concat", "read_header", "read_range", "write_file"]
 
 DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -144,6 +147,106 @@ def read_range(path: str, key: str, entry: dict[str, Any], start: int, stop: int
             if not direct:
                 out[pos - start : hi - start].copy_(dst)
             pos = hi
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TensorRef:
+    """One tensor of a safetensors file, not read.
+
+    Attributes:
+        key: its name in the file.
+        file: the file's name in the directory.
+        path: the file's resolved path.
+        shape, dtype: as the header says.
+        begin: absolute byte offset of its first element.
+    """
+
+    key: str
+    file: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def sources(self) -> tuple[TensorRef, ...]:
+        return (self,)
+
+    def read(self, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor, read from the file only (into
+        ``out`` when given: 1-D, any dtype and device, cast on copy).
+
+        Examples:
+            >>> import os, tempfile, torch, ragged as rg
+            >>> from ragged.checkpoint._safetensors import write_file
+            >>> d = tempfile.mkdtemp()
+            >>> _ = write_file(os.path.join(d, "model.safetensors"), {"w": torch.arange(6.0).view(2, 3).bfloat16()})
+            >>> w = rg.checkpoint.pretrained(d)["w"]
+            >>> w.read(2, 5).tolist(), w.read(out=torch.empty(6, dtype=torch.float64)).dtype
+            ([2.0, 3.0, 4.0], torch.float64)
+        """
+        stop = self.numel if stop is None else stop
+        if not 0 <= start <= stop <= self.numel:
+            raise IndexError(f"{self.file}: {self.key!r} has {self.numel} elements; [{start}, {stop}) is out of range")
+        out = torch.empty(stop - start, dtype=self.dtype) if out is None else out
+        entry = {"dtype": self.dtype, "begin": self.begin}
+        read_range(self.path, self.key, entry, start, stop, out)
+        return out
+
+    def where(self) -> str:
+        return f"{self.file}: {self.key!r}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Concat:
+    """A tensor whose flattened values are its parts' flattened values one after another (a
+    stack or a dim-0 concatenation, e.g. Hugging Face's fused experts), not read.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> import ragged as rg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_file(os.path.join(d, "model.safetensors"), {"a": torch.zeros(2, 2), "b": torch.ones(2, 2)})
+        >>> w = rg.checkpoint.pretrained(d)
+        >>> Concat(parts=(w["a"], w["b"]), shape=(2, 2, 2)).read(3, 6).tolist()
+        [0.0, 1.0, 1.0]
+    """
+
+    parts: tuple[TensorRef, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if len({p.dtype for p in self.parts}) > 1:
+            raise CheckpointCorruptError(f"{self.parts[0].where()}: the parts of one fused tensor have different dtypes "
+                                         f"{sorted({str(p.dtype) for p in self.parts})}")
+        total = math.prod(self.shape)
+        if sum(p.numel for p in self.parts) != total:
+            raise CheckpointCorruptError(
+                f"{self.parts[0].where()}: the parts {[p.key for p in self.parts][:4]}... hold "
+                f"{sum(p.numel for p in self.parts)} elements, not the {total} of the fused shape {self.shape}")
+
+    dtype = property(lambda self: self.parts[0].dtype)
+    sources = property(lambda self: self.parts)
+    numel = property(lambda self: sum(p.numel for p in self.parts))
+
+    def where(self) -> str:
+        return f"{self.parts[0].file}: {self.parts[0].key!r} (+{len(self.parts) - 1} fused)"
+
+    def read(self, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened fused tensor (see :meth:`TensorRef.read`)."""
+        stop = self.numel if stop is None else stop
+        out = torch.empty(stop - start, dtype=self.dtype) if out is None else out
+        base = 0
+        for p in self.parts:
+            lo, hi = max(start, base), min(stop, base + p.numel)
+            if lo < hi:
+                p.read(lo - base, hi - base, out=out[lo - start : hi - start])
+            base += p.numel
+        return out
 
 
 def write_file(path: str, tensors: dict[str, torch.Tensor]) -> int:

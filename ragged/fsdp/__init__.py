@@ -18,8 +18,6 @@ from ragged.fsdp._trainable import trainable_shards as trainable_shards
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
 from ragged.fsdp._equal_start import ParamsMismatchError as ParamsMismatchError
-from ragged.fsdp._pretrained import save_pretrained as save_pretrained
-from ragged.fsdp._fsdp2 import save_fsdp2 as save_fsdp2
 from ragged.fsdp._data import DataGroup as DataGroup
 from ragged.fsdp._layout import MixedPrecision as MixedPrecision
 from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
@@ -33,14 +31,22 @@ from ragged.fsdp._step import make_step as make_step
 _PREDICT = ("Collective", "CostAnalysis", "Lowered", "MemoryAnalysis", "Activations", "profile_activations", "Link",
             "Network", "TimeEstimate")
 
+# Hugging Face and FSDP2 checkpoints are written where they are read, in ragged.checkpoint (which sits
+# above fsdp and loads torch.distributed.checkpoint): their writers are looked up there on first use.
+_CHECKPOINT = ("save_pretrained", "save_fsdp2")
+
 
 def __getattr__(name):
     if name in _PREDICT:
         import ragged.predict  # upward, on first use only (see above)
 
         return getattr(ragged.predict, name)
+    if name in _CHECKPOINT:
+        from ragged.checkpoint import _fsdp2, _pretrained  # upward, on first use only (see above)
+
+        return getattr(_pretrained if name == "save_pretrained" else _fsdp2, name)
     raise AttributeError(f"module 'ragged.fsdp' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PREDICT))
+    return sorted(set(globals()) | set(_PREDICT) | set(_CHECKPOINT))

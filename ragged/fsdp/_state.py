@@ -15,11 +15,11 @@ and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.
   loaded checkpoint; every parameter name of the units must be there;
 * for units made from a pytree, a pytree with the same key paths (dict or OrderedDict alike);
 * ``rg.checkpoint.pretrained(path)``, a Hugging Face directory: each rank reads only its own
-  element ranges (see [Note: loading pretrained weights by rank] in ``fsdp/_pretrained.py``).
+  element ranges (see [Note: loading pretrained weights by rank] in ``checkpoint/_pretrained.py``).
 * ``rg.checkpoint.fsdp2(path)``, a DCP directory FSDP2 or torchtitan wrote: each rank reads its
   own element ranges of the parameters and, when the directory holds AdamW state, of its moments,
   and the optimizer state continues from the saved step (see [Note: loading an FSDP2 checkpoint
-  by rank] in ``fsdp/_fsdp2.py``).
+  by rank] in ``checkpoint/_fsdp2.py``).
 
 Misuse is refused before any communication, with a short message naming the fix.
 """
@@ -41,8 +41,6 @@ from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._data import data_groups_option
 from ragged.fsdp._donate import check_not_donated
 from ragged.fsdp._equal_start import check_equal, check_source, shard_from, sync_buffers
-from ragged.fsdp._pretrained import is_pretrained, load_shards
-from ragged.fsdp._fsdp2 import is_fsdp2, load_fsdp2
 from ragged.fsdp._trainable import check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 
@@ -288,8 +286,9 @@ def init(
             "Fix: make_units(model, world_size=comm.world_size)."
         )
     source = check_source(broadcast_from, comm)
-    fsdp2 = is_fsdp2(params)
-    pretrained = is_pretrained(params) or fsdp2
+    # rg.checkpoint.pretrained(path) and fsdp2(path) load each rank's own ranges themselves (the
+    # formats live in ragged.checkpoint, above fsdp)
+    pretrained = callable(getattr(params, "load_by_rank", None))
     if module is not None and not (pretrained and isinstance(module, torch.nn.Module) and getattr(units, "is_module", 0)):
         raise RaggedTypeError("module= is the meta module the units were made from, for params = "
                               "rg.checkpoint.pretrained(path) or rg.checkpoint.fsdp2(path) (its buffers are computed, "
@@ -305,8 +304,7 @@ def init(
                                "torch.device('meta').")
     if pretrained:
         device = torch.device(device) if device is not None else comm.device
-        shards, opt_state = (load_fsdp2(units, params, optimizer, comm, device=device) if fsdp2
-                             else (load_shards(units, params, comm, device=device), None))
+        shards, opt_state = params.load_by_rank(units, optimizer, comm, device=device)
         buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
     elif not meta:
         trees = unit_trees(units, params)

@@ -148,6 +148,8 @@ BAD = {
     "weight-decay": (dict(opt=rg.optim.adamw(LR)), None, "has weight_decay=0.1"),
     "not-adamw": (dict(opt=rg.optim.sgd(LR)), None, "the optimizer must be rg.optim.adamw"),
     "model-key": (dict(model_key="net"), None, "has no keys under 'net'"),
+    "rename-clash": (dict(rename={"emb.weight": "out.weight"}), None,
+                     "rename maps 'emb.weight' and 'out.weight' both to 'out.weight'."),
 }
 
 

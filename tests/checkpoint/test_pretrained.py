@@ -15,7 +15,7 @@ import torch
 import ragged as rg
 from ragged import fsdp
 from ragged.checkpoint import CheckpointCorruptError, CheckpointMismatchError
-from ragged.checkpoint import _pretrained
+from ragged.checkpoint import _safetensors
 from ragged.checkpoint._safetensors import write_file
 
 
@@ -70,8 +70,8 @@ def _one_line(exc_info, *parts):
 def test_each_rank_reads_only_its_own_ranges(tmp_path, monkeypatch, m):
     path = _sharded(tmp_path)
     reads = []
-    real = _pretrained.read_range
-    monkeypatch.setattr(_pretrained, "read_range", lambda p, key, e, a, b, out: (reads.append((key, a, b)),
+    real = _safetensors.read_range
+    monkeypatch.setattr(_safetensors, "read_range", lambda p, key, e, a, b, out: (reads.append((key, a, b)),
                                                                                     real(p, key, e, a, b, out)))
     model = _model()
     units = fsdp.make_units(model, world_size=m, groups=["0", "1"])
@@ -113,6 +113,9 @@ def test_rename_maps_and_drops_keys(tmp_path):
     path = _dir(tmp_path, sd)
     assert _init_errors(path, rename=lambda k: None if "rotary" in k else k.removeprefix("model.")) == [None, None]
     assert "4 missing" in _init_errors(path, m=1)[0]
+    with pytest.raises(CheckpointCorruptError, match=re.escape("rename maps 'model.0.weight' and 'model.0.bias' both "
+                                                               "to '0.weight'.")):
+        rg.checkpoint.pretrained(path, rename={"model.0.bias": "0.weight", "model.0.weight": "0.weight"})
 
 
 def test_truncated_file_names_file_and_key(tmp_path):

@@ -31,6 +31,7 @@ directories PEFT users load:
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 
@@ -38,9 +39,10 @@ import torch
 
 from ragged._errors import RaggedValueError
 from ragged.fsdp._export import export
+from ragged.fsdp._placeholder import tied_names
 from ragged.fsdp._units import Units
 
-__all__ = ["is_peft", "save_adapters", "merge_plan"]
+__all__ = ["is_peft", "save_adapters", "merge_plan", "check_architecture"]
 
 
 def is_peft(module) -> bool:
@@ -215,3 +217,31 @@ def _merged_bias(layer: _Layer, full) -> torch.Tensor:
         if lora_bias is not None:
             bias += full[lora_bias] * scaling
     return bias
+
+
+def check_architecture(keys: list[str], module: torch.nn.Module) -> None:
+    """Refuses (every rank, from names only) ``keys`` that a Hugging Face ``module``'s
+    architecture, built afresh from its config on meta, does not have or lacks (tied aliases
+    aside): ``from_pretrained`` would drop the one and initialise the other at random."""
+    config, build = getattr(module, "config", None), getattr(type(module), "_from_config", None)
+    if config is None or not callable(build):
+        return
+    with torch.device("meta"):
+        reference = build(copy.deepcopy(config))
+    aliases = tied_names(reference)
+    expected = [k for k in reference.state_dict(keep_vars=True) if k not in aliases]
+    have, want = set(keys), set(expected)
+    unknown = [k for k in keys if k not in want]
+    missing = [k for k in expected if k not in have]
+    if not (unknown or missing):
+        return
+    more = lambda ks: f" (and {len(ks) - 1} more)" if len(ks) > 1 else ""  # noqa: E731
+    them = lambda ks: "them" if len(ks) > 1 else "it"  # noqa: E731
+    parts = ([f"has no weight {unknown[0]!r}{more(unknown)} (from_pretrained would drop {them(unknown)})"]
+             if unknown else []) + ([f"needs {missing[0]!r}{more(missing)}, which the module does not hold "
+                                     f"(from_pretrained would initialise {them(missing)} at random)"] if missing else [])
+    fix = ("the module holds PEFT layers: pass the PeftModel itself (module=peft_model; merged=True for the merged "
+           "model)" if any(".lora_" in k or ".base_layer." in k for k in unknown) else
+           "save the module the units were made from, or fsdp.export the state dict and write a format of your own")
+    raise RaggedValueError(f"save_pretrained: {type(reference).__name__} (the module's architecture, built from its "
+                           f"config) {' and '.join(parts)}. Fix: {fix}.")

@@ -4,9 +4,13 @@ Every flatten / map in ragged goes through :data:`pytree`, so custom nodes regis
 under the ``"ragged"`` namespace (DBuffer, optimizer states) are always seen as nodes.
 """
 
+import ast
+import re
 from collections.abc import Mapping
 
 import optree
+
+from ragged._errors import RaggedValueError
 
 pytree = optree.pytree.reexport(namespace="ragged", module="ragged.pytree")
 
@@ -21,6 +25,49 @@ def flatten_with_keystr(tree):
     """Flattens ``tree`` and returns ``(key path strings, leaves, treedef)``."""
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree, namespace="ragged")
     return [keystr(a) for a in accessors], leaves, treedef
+
+
+_TOKEN = re.compile(r"\[((?:'(?:[^'\\]|\\.)*')|(?:\"(?:[^\"\\]|\\.)*\")|[^\]]*)\]|\.([A-Za-z_]\w*)")
+
+
+def path_parts(path: str) -> list[str]:
+    """Splits a key path such as ``['layers'][0].mu['w']`` into ``['layers', '0', 'mu', 'w']``.
+
+    A string key that is itself a key path (FSDP units plan ``{key path: tensor}`` trees) is
+    split too.
+
+    Examples:
+        >>> from ragged._pytree import path_parts
+        >>> path_parts("['layers'][0].mu['w']")
+        ['layers', '0', 'mu', 'w']
+        >>> path_parts('''["['layers'][0]"]["['layers'][0]['w']"]''')
+        ['layers', '0', 'layers', '0', 'w']
+    """
+    if path == "<root>":
+        return []
+    parts, pos = [], 0
+    while pos < len(path):
+        match = _TOKEN.match(path, pos)
+        if match is None:
+            raise RaggedValueError(f"cannot parse key path {path!r} at position {pos}.")
+        bracket, attr = match.groups()
+        if attr is not None:
+            parts.append(attr)
+        else:
+            try:
+                value = ast.literal_eval(bracket)
+            except (ValueError, SyntaxError):
+                value = bracket
+            if isinstance(value, str) and value.startswith("["):
+                try:  # a key that is itself a key path (plans over {path: tensor} trees)
+                    parts.extend(path_parts(value))
+                    pos = match.end()
+                    continue
+                except ValueError:
+                    pass
+            parts.append(str(value))
+        pos = match.end()
+    return parts
 
 
 def key_mismatch(prefix, full, *, prefix_name: str, full_name: str) -> str | None:

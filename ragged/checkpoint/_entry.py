@@ -27,6 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ragged._errors import is_sizes
+from ragged._pytree import path_parts
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._format import CheckpointCorruptError
@@ -172,5 +173,5 @@ def consolidate_plan_leaves(path: str, entry: dict, keep=None) -> list[Consolida
             if keep is not None and leaf["path"] not in keep:
                 continue
             flat, pieces = full_tensor(fmt.leaf_fqn(path, leaf["path"]), numel_of(leaf["shape"]), fmt.dtype_from_name(dtype))
-            out.append(Consolidated(fmt.path_parts(leaf["path"]), "", flat.view(tuple(leaf["shape"])), pieces))
+            out.append(Consolidated(path_parts(leaf["path"]), "", flat.view(tuple(leaf["shape"])), pieces))
     return out

@@ -32,14 +32,12 @@ open descriptor. So a checkpoint can only make ragged read its own files.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import errno
 import hashlib
 import json
 import os
-import re
 import stat
 import warnings
 from collections.abc import Iterator, Mapping
@@ -47,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ragged._errors import RaggedError, RaggedValueError
+from ragged._errors import RaggedError
 
 __all__ = [
     "CheckpointError",
@@ -226,49 +224,6 @@ def leaf_fqn(entry_path: str, leaf_path: str) -> str:
 
 def per_rank_fqn(entry_path: str, rank: int) -> str:
     return f"{entry_path}@rank{rank}"
-
-
-# ---- key paths -> dotted names (for export) ---------------------------------------------------
-_TOKEN = re.compile(r"\[((?:'(?:[^'\\]|\\.)*')|(?:\"(?:[^\"\\]|\\.)*\")|[^\]]*)\]|\.([A-Za-z_]\w*)")
-
-
-def path_parts(path: str) -> list[str]:
-    """Splits a key path such as ``['layers'][0].mu['w']`` into ``['layers', '0', 'mu', 'w']``.
-
-    A string key that is itself a key path (FSDP units plan ``{key path: tensor}`` trees) is
-    split too.
-
-    Examples:
-        >>> path_parts("['layers'][0].mu['w']")
-        ['layers', '0', 'mu', 'w']
-        >>> path_parts('''["['layers'][0]"]["['layers'][0]['w']"]''')
-        ['layers', '0', 'layers', '0', 'w']
-    """
-    if path == "<root>":
-        return []
-    parts, pos = [], 0
-    while pos < len(path):
-        match = _TOKEN.match(path, pos)
-        if match is None:
-            raise RaggedValueError(f"cannot parse key path {path!r} at position {pos}.")
-        bracket, attr = match.groups()
-        if attr is not None:
-            parts.append(attr)
-        else:
-            try:
-                value = ast.literal_eval(bracket)
-            except (ValueError, SyntaxError):
-                value = bracket
-            if isinstance(value, str) and value.startswith("["):
-                try:  # a key that is itself a key path (plans over {path: tensor} trees)
-                    parts.extend(path_parts(value))
-                    pos = match.end()
-                    continue
-                except ValueError:
-                    pass
-            parts.append(str(value))
-        pos = match.end()
-    return parts
 
 
 # ---- names and files (see [Note: what a checkpoint may name]) --------------------------------

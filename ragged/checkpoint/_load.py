@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ragged._errors import RaggedKeyError
+from ragged._pytree import path_parts
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import SingleProcess, dcp_load, everyone, on_every_rank, reached
 from ragged.checkpoint._entry import LoadSite
@@ -249,7 +250,7 @@ def consolidate(
     pieces = []
     try:
         for p, entry in manifest["entries"].items():
-            parts = fmt.path_parts(p)
+            parts = path_parts(p)
             base = ".".join(parts)
             if head is None:
                 rel = parts

@@ -28,7 +28,7 @@ import torch
 
 from ragged._dbuffer import DBuffer
 from ragged._errors import RaggedTypeError, RaggedValueError
-from ragged._pytree import pytree
+from ragged._pytree import path_parts, pytree
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import EntryKind, Consolidated, compare_plans, full_tensor
@@ -246,5 +246,5 @@ class Quant8Kind(EntryKind):
                 scales = part.endswith("scales")
                 dtype = torch.uint8 if part.endswith("codes") else torch.float32
                 flat, pieces = full_tensor(fqn(path, leaf_path, part), k["blocks"] if scales else k["numel"], dtype)
-                out.append(Consolidated(fmt.path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
+                out.append(Consolidated(path_parts(leaf_path) + [part], "", flat if scales else flat.view(shapes[leaf_path]), pieces))
         return out

@@ -51,7 +51,7 @@ def test_save_load_any_plans(case):
 
 
 def _dotted(path):
-    from ragged.checkpoint._format import path_parts
+    from ragged._pytree import path_parts
 
     return ".".join(path_parts(path))
 

@@ -70,7 +70,7 @@ def test_consolidate_a_multi_buffer_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     simulate(3, lambda c: rg.checkpoint.save(path, {"params": rg.shard(plan, full["params"], rank=c.rank)}, c))
     exported = rg.checkpoint.consolidate(path, prefix="params")
-    from ragged.checkpoint._format import path_parts
+    from ragged._pytree import path_parts
 
     want = {".".join(path_parts(p)): t for p, t in tree_leaves_by_path(full["params"]).items()}
     assert exported.keys() == want.keys()

@@ -14,6 +14,7 @@ from ragged._errors import RaggedTypeError as RaggedTypeError
 from ragged._errors import RaggedValueError as RaggedValueError
 from ragged._pytree import pytree as pytree
 from ragged import collectives as collectives
+from ragged import quant as quant
 from ragged import transforms as transforms
 from ragged import fsdp as fsdp
 from ragged import predict as predict

@@ -26,7 +26,7 @@ import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "api.md")
-PACKAGES = ("ragged", "ragged.spec", "ragged.collectives", "ragged.transforms", "ragged.optim", "ragged.fsdp", "ragged.predict",
+PACKAGES = ("ragged", "ragged.spec", "ragged.quant", "ragged.collectives", "ragged.transforms", "ragged.optim", "ragged.fsdp", "ragged.predict",
             "ragged.parallel", "ragged.checkpoint", "ragged.testing", "ragged.models")
 SECTIONS = ("Args:", "Arguments:", "Returns:", "Yields:", "Raises:", "Examples:", "Example:", "Note:", "Notes:",
             "Attributes:", "See also:")

@@ -36,6 +36,7 @@ from ragged._dbuffer import DBuffer, unflatten
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, poisons
 from ragged.transforms._flat import _all_gather_flat_start, reduce_scatter_flat
+from ragged.transforms._quantized import format_key, formats_of, gather_launcher, quantize_replicated
 from ragged._errors import RaggedTypeError, RaggedValueError
 
 __all__ = ["gather", "gather_start", "gather_wait", "GatherPending"]
@@ -78,17 +79,25 @@ class _Box:
         self.handle = None
 
 
+def _plain_launch(plan, out, src, comm):
+    return _all_gather_flat_start(plan, out, src, comm)
+
+
 class _GatherStart(torch.autograd.Function):
+    """``launch(plan, out, src, comm)`` fills ``out`` (of ``dtype``) from every rank's ``src``:
+    the plain all-gather, or the quantized one (see [Note: the quantized all-gather] in
+    ``_quantized.py``, whose ``src`` is the master shard); backward is the same either way."""
+
     @staticmethod
-    def forward(src, comm, box, out, plan):
+    def forward(src, comm, box, out, plan, launch=_plain_launch, dtype=None):
         if out is None:
-            out = torch.empty(comm.world_size * src.numel(), dtype=src.dtype, device=src.device)
-        box.handle = _all_gather_flat_start(plan, out, src, comm)
+            out = torch.empty(comm.world_size * src.numel(), dtype=dtype or src.dtype, device=src.device)
+        box.handle = launch(plan, out, src, comm)
         return out
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.comm, ctx.plan = inputs[1], inputs[4]
+        ctx.comm, ctx.plan, ctx.src_dtype = inputs[1], inputs[4], inputs[0].dtype
 
     @staticmethod
     def backward(ctx, grad):
@@ -96,7 +105,7 @@ class _GatherStart(torch.autograd.Function):
         grad = grad.contiguous()
         out = torch.empty(grad.numel() // comm.world_size, dtype=grad.dtype, device=grad.device)
         reduce_scatter_flat(ctx.plan, out, grad, comm, op="sum")
-        return out, None, None, None, None
+        return out.to(ctx.src_dtype), None, None, None, None, None, None
 
 
 class AllReduceGrad(torch.autograd.Function):
@@ -167,7 +176,8 @@ def _check_cast(have: torch.dtype, dtype) -> None:
 
 
 @poisons("comm")
-def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> GatherPending:
+def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                 format=None) -> GatherPending:
     """Starts the all-gather of ``dbuf`` (for prefetch/overlap); finish with :func:`gather_wait`.
 
     Args:
@@ -177,6 +187,7 @@ def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: 
             only the S-element shard is cast). Default: ``dbuf.data.dtype``.
         out: optional flat ``m * S`` buffer to gather into (reused across steps it saves the
             allocation and first touch of fresh memory, see [Note: reusing gather buffers]).
+        format: quantize on the wire (see :func:`gather`).
 
     Returns:
         A :class:`GatherPending`; ``pending.buffer`` is the flat ``m * S`` output.
@@ -194,17 +205,23 @@ def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: 
     """
     _check_dbuf(dbuf, comm, "gather")
     _check_cast(dbuf.data.dtype, dtype)
-    out = _check_out(out, dbuf.plan.buffer_numel, dtype or dbuf.data.dtype, dbuf.data.device)  # before any collective
-    check_plan(dbuf.plan, comm, f"gather:{dtype or dbuf.data.dtype}")
-    src = dbuf.data if dtype is None or dtype == dbuf.data.dtype else dbuf.data.to(dtype)
-    rep = dbuf.replicated if dtype is None or dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
+    dtype = dtype or dbuf.data.dtype
+    out = _check_out(out, dbuf.plan.buffer_numel, dtype, dbuf.data.device)  # before any collective
+    formats = formats_of(dbuf.plan, format, "gather: format") if format is not None else None
+    check_plan(dbuf.plan, comm, f"gather:{dtype}" + ("" if formats is None else f":{format_key(formats)}"))
+    rep = dbuf.replicated if dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
+    if formats is None:
+        src, launch = (dbuf.data if dtype == dbuf.data.dtype else dbuf.data.to(dtype)), _plain_launch
+    else:  # the master shard is quantized; unquantized pieces are cast as they are written
+        src, launch = dbuf.data, gather_launcher(dbuf, comm, formats, dtype)
+        rep = quantize_replicated(dbuf.plan, formats, rep, dbuf.replicated)
     box = _Box()
     if torch.is_grad_enabled() and (src.requires_grad or rep.requires_grad):
-        buffer = _GatherStart.apply(src, comm, box, out, dbuf.plan)
+        buffer = _GatherStart.apply(src, comm, box, out, dbuf.plan, launch, dtype)
         if rep.numel():
             rep = AllReduceGrad.apply(rep, comm)
     else:  # nothing to differentiate: skip autograd.Function's per-call overhead (~0.1 ms)
-        buffer = _GatherStart.forward(src, comm, box, out, dbuf.plan)
+        buffer = _GatherStart.forward(src, comm, box, out, dbuf.plan, launch, dtype)
     return GatherPending(buffer=buffer, replicated=rep, handle=box.handle, plan=dbuf.plan, source=src)
 
 
@@ -229,7 +246,7 @@ def gather_wait(pending: GatherPending):
 
 
 @poisons("comm")
-def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None, format=None):
     """The full parameters: a pytree of views into ONE gathered flat buffer.
 
     See [Note: gather is one collective and zero per-leaf work] and [Note: gather's backward]:
@@ -243,6 +260,14 @@ def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.
         comm: the shard group's collectives (for HSDP: gathers within the shard group).
         dtype: compute dtype (cast the S-element shard, then gather). Default: the shard's.
         out: optional flat ``m * S`` buffer to gather into (see [Note: reusing gather buffers]).
+        format: quantize on the wire: a ``rg.quant`` format (every leaf of two or more
+            dimensions), or a callable ``LeafLayout -> format | None`` (per leaf). Each rank
+            quantizes the blocks it owns from its shard, codes and scales move in one
+            all-gather of bytes, and every gathered leaf it applies to is
+            ``rg.quant.dequantize(*rg.quant.quantize(w, fmt), fmt, dtype)`` of the whole tensor,
+            at any world size (see [Note: the quantized all-gather] in ``_quantized.py``).
+            Backward passes the gradient straight through to the shard. A leaf whose granule
+            does not hold whole blocks is refused before any communication.
 
     Returns:
         A pytree like the params the plan was made from.
@@ -260,4 +285,4 @@ def gather(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: torch.
         >>> rg.collectives.simulate(2, step)
         [True, True]
     """
-    return gather_wait(gather_start(dbuf, comm, dtype=dtype, out=out))
+    return gather_wait(gather_start(dbuf, comm, dtype=dtype, out=out, format=format))

@@ -117,14 +117,15 @@ def shard(layout, params, comm=None, *, rank: int | None = None):
 
 
 @overload
-def gather(dbuf: DBuffer, comm, /, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None): ...
+def gather(dbuf: DBuffer, comm, /, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+           format=None): ...
 
 
 @overload
 def gather(layout, shards, comm, /, *, dtype: torch.dtype | None = None): ...
 
 
-def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = None, format=None):
     """The full parameters from this rank's shards: ``gather(dbuf, comm, *, dtype=None,
     out=None)`` (a :class:`~ragged.DBuffer` carries its plan: the public contract's form) or
     ``gather(layout, shards, comm, *, dtype=None)`` (any layout, see [Note: one verb, any
@@ -142,6 +143,8 @@ def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = N
         comm: the layout's comm.
         dtype: compute dtype (the shard is cast, then gathered); keyword-only.
         out: a flat ``plan.buffer_numel`` buffer to gather into (the DBuffer form only).
+        format: quantize on the wire (a plan's DBuffer only): a ``rg.quant`` format or a
+            callable ``LeafLayout -> format | None``; see :func:`ragged.transforms._gather.gather`.
 
     Raises:
         RaggedTypeError: another number of positional arguments than the form takes (a
@@ -167,7 +170,7 @@ def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = N
                 "pass a dtype as dtype=."
             )
         dbuf, comm = args
-        return _gather.gather(dbuf, comm, dtype=dtype, out=out)
+        return _gather.gather(dbuf, comm, dtype=dtype, out=out, format=format)
     if len(args) != 3:
         raise RaggedTypeError(
             f"gather: the call is gather(layout, shards, comm, *, dtype=None) (three positional arguments) or "
@@ -183,10 +186,11 @@ def gather(*args, dtype: torch.dtype | None = None, out: torch.Tensor | None = N
                 f"gather: the DBuffer is of {shards.plan!r}, not of the plan given ({layout!r}). Fix: pass the plan "
                 "the DBuffer was sharded with (or just gather(dbuf, comm))."
             )
-        return _gather.gather(shards, comm, dtype=dtype, out=out)
+        return _gather.gather(shards, comm, dtype=dtype, out=out, format=format)
     ops = layout_ops(layout, "gather")
-    if out is not None:
-        raise RaggedTypeError(f"gather: out= is for one DBuffer of a LayoutPlan, not for a {type(layout).__name__}.")
+    for name, value in (("out", out), ("format", format)):
+        if value is not None:
+            raise RaggedTypeError(f"gather: {name}= is for one DBuffer of a LayoutPlan, not for a {type(layout).__name__}.")
     return ops.gather(layout, shards, comm, dtype)
 
 

@@ -24,6 +24,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
 from ragged.transforms._flat import _reduce_scatter_flat_start
+from ragged.transforms._quantized import format_key, formats_of, reduce_scatter_launch
 from ragged.spec._concat import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -116,7 +117,8 @@ def _pack(segs, leaves, numel, dtype, device):
 
 @poisons("comm")
 def reduce_scatter_start(
-    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None,
+    format=None,
 ) -> ReduceScatterPending:
     """Starts :func:`reduce_scatter`; finish with :func:`reduce_scatter_wait`.
 
@@ -137,10 +139,11 @@ def reduce_scatter_start(
         >>> rg.collectives.simulate(2, fn)   # the mean of 1 and 2
         [[1.5, 1.5], [1.5, 1.5]]
     """
-    return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out)
+    return _reduce_scatter_start(plan, grads, comm, op, dtype, replicated=replicated, out=out, format=format)
 
 
-def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False, label=None):
+def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False, label=None,
+                          format=None):
     """:func:`reduce_scatter_start`; ``agreed=True`` skips the cross-rank check for callers
     that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step); ``label``
     names the call to the comm (compared across ranks: the step's unit and program position)."""
@@ -154,6 +157,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         )
     rdtype = plan.dtype if dtype is None else dtype
     device = comm.device
+    formats = None if format is None else formats_of(plan, format, "reduce_scatter: format", replicated=False)
     rep_numel = replicated_size(plan)
     segs, rsegs = _segments(plan)
     if isinstance(grads, torch.Tensor):
@@ -195,10 +199,13 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
                 f"got {type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}."
             )
     if not agreed:
-        check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}")
+        check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}" + ("" if formats is None else f":{format_key(formats)}"))
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]
+    if formats is None:
+        handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]
+    else:  # see [Note: the quantized reduce-scatter] in _quantized.py
+        handles = [reduce_scatter_launch(plan, flat, out, comm, formats, label=label)]
     if rep.numel():
         kw = {} if label is None else {"label": f"{label} (replicated leaves)"}
         handles.append(comm.all_reduce(rep, op="sum", async_op=True, **kw))
@@ -248,7 +255,8 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
 
 @poisons("comm")
 def reduce_scatter(
-    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None
+    plan: LayoutPlan, grads, comm, *, op: str = "mean", dtype: torch.dtype | None = None, replicated=None, out=None,
+    format=None,
 ) -> DBuffer:
     """This rank's shard of the reduction (over every rank) of every rank's ``grads``.
 
@@ -266,6 +274,12 @@ def reduce_scatter(
             iff the plan has replicated leaves).
         out: optional ``(plan.shard_size,)`` tensor of the reduce dtype to reduce into (its
             storage becomes the result's ``data`` when the reduce dtype is ``plan.dtype``).
+        format: quantize on the wire: a ``rg.quant`` format (every sharded leaf of two or more
+            dimensions) or a callable ``LeafLayout -> format | None``. Each rank quantizes its
+            gradient block by block; the owner of each block receives every rank's codes and
+            scales in one all-to-all and sums them dequantized, in rank order, in float32
+            (float64 for a float64 reduce dtype): deterministic (see [Note: the quantized
+            reduce-scatter] in ``_quantized.py``). Replicated leaves are all-reduced unquantized.
 
     Returns:
         A :class:`~ragged.DBuffer` (padding is zero; replicated leaves all-reduced).
@@ -285,4 +299,5 @@ def reduce_scatter(
         >>> rg.collectives.simulate(2, step)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op=op, dtype=dtype, replicated=replicated, out=out))
+    return reduce_scatter_wait(reduce_scatter_start(plan, grads, comm, op=op, dtype=dtype, replicated=replicated, out=out,
+                                                    format=format))

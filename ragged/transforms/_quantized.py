@@ -1,0 +1,182 @@
+"""Quantized all-gather and reduce-scatter of a plan: codes and scales on block boundaries, one
+collective of bytes per plan (see [Note: one chunk of bytes per rank] in
+``ragged/quant/_wire.py``).
+
+[Note: the quantized all-gather]
+Each rank quantizes the blocks it owns from its master shard (no communication: it owns whole
+blocks, see [Note: which granules hold whole blocks]), writes their codes and scales, and the
+values of its unquantized pieces in the compute dtype, into its chunk; ONE all-gather of bytes
+moves every chunk; each rank then dequantizes every chunk into the unit's flat compute buffer
+(``m * S`` elements, padding zeroed), so the leaves stay zero-copy views of it and every
+gathered weight is ``dequantize(*quantize(w, fmt), fmt)`` of the whole tensor, bit for bit, at
+any world size. Backward is the plain reduce-scatter of the gradient with respect to those
+weights (the straight-through rule: that gradient updates the master).
+
+[Note: the quantized reduce-scatter]
+Each rank quantizes its whole gradient (``m * S`` elements) block by block, and sends every
+rank ``j`` the chunk of ``j``'s blocks (codes and scales; unquantized pieces as values): ONE
+all-to-all of equal chunks. Rank ``j`` dequantizes the chunk from rank 0, then adds rank 1's,
+..., rank ``m - 1``'s, in float32 (float64 for a float64 reduce dtype): rank order, whatever
+order the bytes arrived in, so the result is deterministic and equal to the rank-order
+reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ragged.collectives._base import completed
+from ragged.collectives._scratch import SCRATCH
+from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
+from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
+
+__all__ = ["gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+
+
+class _Decoding:
+    """A collective's handle whose ``wait()`` also runs ``finish`` once (the decode), then gives
+    the scratch buffers back."""
+
+    __slots__ = ("_handle", "_finish", "_buffers")
+
+    def __init__(self, handle, finish, buffers):
+        self._handle, self._finish, self._buffers = handle, finish, buffers
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        if self._handle is not None:
+            self._handle.wait()
+        finish, self._finish = self._finish, None
+        with torch.no_grad():
+            finish()
+        for b in self._buffers:
+            SCRATCH.give(b)
+
+    def is_completed(self) -> bool:
+        return self._finish is None or self._handle is None or completed(self._handle)
+
+
+def _scale_bytes(chunk, seg, count):
+    if seg.fmt.scale_nbytes == 4:
+        return chunk[seg.scales : seg.scales + 4 * count].view(torch.float32)
+    return chunk[seg.scales : seg.scales + count]
+
+
+def encode(wire: WireLayout, rank: int, source: torch.Tensor, chunk: torch.Tensor, *, global_positions: bool) -> None:
+    """``rank``'s pieces of ``source`` (its shard, or with ``global_positions`` a whole flat
+    buffer) into ``chunk`` (uint8, ``B`` bytes): codes and scales, or values."""
+    dtype = wire.dtype
+    for seg in wire.segments(rank):
+        pos = seg.global_offset if global_positions else seg.local_offset
+        x = source[pos : pos + seg.numel]
+        if seg.fmt is None:
+            chunk[seg.data : seg.data + seg.numel * dtype.itemsize].view(dtype).copy_(x)
+            continue
+        codes = chunk[seg.data : seg.data + seg.numel].view(seg.fmt.code_dtype)
+        _, scales = quantize_run(x, seg.cols, seg.fmt, codes=codes)
+        out = _scale_bytes(chunk, seg, scales.numel())
+        out.copy_(scales if seg.fmt.scale_nbytes == 4 else float_to_e8m0(scales))
+
+
+def _decoded(wire: WireLayout, seg, chunk: torch.Tensor, out=None):
+    """A segment's values from ``chunk`` (float32 products for quantized pieces, into ``out``
+    when given)."""
+    if seg.fmt is None:
+        values = chunk[seg.data : seg.data + seg.numel * wire.dtype.itemsize].view(wire.dtype)
+        return values if out is None else out.copy_(values)
+    codes = chunk[seg.data : seg.data + seg.numel].view(seg.fmt.code_dtype)
+    scales = _scale_bytes(chunk, seg, seg.numel // seg.fmt.block_numel)
+    if seg.fmt.scale_nbytes == 1:
+        scales = e8m0_to_float(scales)
+    return dequantize_run(codes, scales, seg.cols, seg.fmt, out=out)
+
+
+def _chunks(wire: WireLayout, buffer: torch.Tensor):
+    B = wire.chunk_nbytes
+    return [buffer[k * B : (k + 1) * B] for k in range(wire.plan.world_size)]
+
+
+def decode_gathered(wire: WireLayout, gathered: torch.Tensor, out: torch.Tensor) -> None:
+    """Every rank's chunk of ``gathered`` dequantized into the flat compute buffer ``out``;
+    padding zeroed."""
+    for rank, chunk in enumerate(_chunks(wire, gathered)):
+        for seg in wire.segments(rank):
+            _decoded(wire, seg, chunk, out[seg.global_offset : seg.global_offset + seg.numel])
+    for lo, hi in gaps(wire.plan):
+        out[lo:hi].zero_()
+
+
+def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (this rank's shard) <- the sum, in rank order, of every rank's chunk for it."""
+    acc_dtype = torch.promote_types(out.dtype, torch.float32)
+    acc = out if out.dtype == acc_dtype else torch.empty(out.shape, dtype=acc_dtype, device=out.device)
+    acc.zero_()
+    segs = wire.segments(rank)
+    for chunk in _chunks(wire, received):  # rank 0 first: the order is fixed, not the arrival's
+        for seg in segs:
+            acc[seg.local_offset : seg.local_offset + seg.numel].add_(_decoded(wire, seg, chunk))
+    if acc is not out:
+        out.copy_(acc)
+
+
+def gather_launcher(dbuf, comm, formats: tuple, dtype: torch.dtype):
+    """``launch(plan, out, master, comm) -> handle`` for ``_GatherStart``: encode this rank's
+    chunk from the master shard, all-gather the bytes, and decode into ``out`` on ``wait()``."""
+    wire = wire_layout(dbuf.plan, formats, dtype)
+
+    def launch(plan, out, master, comm):
+        B, device = wire.chunk_nbytes, master.device
+        send = SCRATCH.take(B, torch.uint8, device)
+        with torch.no_grad():
+            encode(wire, comm.rank, master.detach(), send, global_positions=False)
+        gathered = SCRATCH.take(wire.nbytes, torch.uint8, device)
+        handle = comm.all_gather_into(gathered, send, async_op=True)
+        return _Decoding(handle, lambda: decode_gathered(wire, gathered, out), (send, gathered))
+
+    return launch
+
+
+def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, formats: tuple, *, label=None):
+    """Starts the quantized reduce-scatter of the flat gradient ``flat`` (``m * S`` elements, the
+    reduce dtype) into ``out`` (``S``); returns a handle whose ``wait()`` sums in rank order."""
+    wire = wire_layout(plan, formats, flat.dtype)
+    B, m, device = wire.chunk_nbytes, plan.world_size, flat.device
+    send = SCRATCH.take(wire.nbytes, torch.uint8, device)
+    with torch.no_grad():
+        for dest, chunk in enumerate(_chunks(wire, send)):
+            encode(wire, dest, flat, chunk, global_positions=True)
+    received = SCRATCH.take(wire.nbytes, torch.uint8, device)
+    kw = {} if label is None else {"label": label}
+    handle = comm.all_to_all(received, send, [B] * m, [B] * m, async_op=True, **kw)
+    return _Decoding(handle, lambda: decode_sum(wire, comm.rank, received, out), (send, received))
+
+
+def quantize_replicated(plan, formats: tuple, replicated: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """``replicated`` (the compute copy of the replicated buffer) with every quantized leaf
+    replaced by ``dequantize(quantize(leaf))`` of the ``master`` buffer (no communication; a
+    fresh tensor, so gradients pass straight through the copy)."""
+    picked = [leaf for leaf in plan.replicated if formats[leaf.index] is not None]
+    if not picked:
+        return replicated
+    out = replicated.clone()
+    with torch.no_grad():
+        for leaf in picked:
+            fmt, cols = formats[leaf.index], leaf.shape[-1] if leaf.shape else 1
+            part = master.detach()[leaf.offset : leaf.stop]
+            codes, scales = quantize_run(part, cols, fmt)
+            dequantize_run(codes, scales, cols, fmt, out=out[leaf.offset : leaf.stop])
+    return out
+
+
+def formats_of(plan, choose, where: str, *, replicated: bool = True) -> tuple:
+    """:func:`ragged.quant._wire.leaf_formats` (the plan's check before any communication)."""
+    return leaf_formats(plan, choose, where=where, replicated=replicated)
+
+
+def format_key(formats: tuple) -> str:
+    """A short digest of every leaf's format: part of what the ranks agree on before the
+    collective (ranks quantizing differently would move chunks of different layouts)."""
+    return hashlib.sha256(repr(formats).encode()).hexdigest()[:12]

@@ -40,6 +40,7 @@ from ragged.fsdp._runtime import Run
 from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans
+from ragged.transforms._quantized import formats_digest
 
 __all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "MAX_ATTEMPTS"]
 
@@ -138,7 +139,7 @@ class ValueAndGrad:
         memo, policy = self.memo, self.policy
         token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{policy.frozen_dtype}:{self.micro_batches}:"
                  f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
-                 f"{memo.schedule.fingerprint()}:{self.frozen_digest}")
+                 f"{memo.schedule.fingerprint()}:{self.frozen_digest}:{formats_digest(self.layouts)}")
         check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
         rng = _rng_state(self.comm.device)
         for attempt in range(MAX_ATTEMPTS):

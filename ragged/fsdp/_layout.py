@@ -14,6 +14,8 @@ import torch
 from ragged._dbuffer import segments
 from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import Units
+from ragged.quant._format import Format
+from ragged.quant._wire import leaf_formats
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._concat import replicated_size
 
@@ -34,18 +36,33 @@ class MixedPrecision:
         frozen_dtype: dtype the frozen leaves (``requires_grad=False``) are gathered and computed
             in, e.g. ``torch.bfloat16`` for a LoRA base next to fp32 adapters, as FSDP2 users
             keep bf16 bases. ``None``: ``compute_dtype``. Their all-gather is then its own call
-            after the trainable part's (one dtype per collective).
+            after the trainable part's (one dtype per collective), unless the gather is quantized.
+        gather_format: quantize the all-gather: a ``rg.quant`` format (every leaf of two or more
+            dimensions; vectors travel unquantized), or a callable ``LeafLayout -> format | None``
+            that sees each plan leaf (``leaf.path``, ``leaf.shape``, ...). Each rank quantizes the
+            blocks it owns from its master shard; codes, scales and the unquantized leaves move
+            in ONE collective per unit (frozen part included); the parameters the model sees are
+            ``rg.quant.dequantize(*rg.quant.quantize(w, fmt), fmt, compute_dtype)`` of the whole
+            tensor at any world size, and their gradient updates the master (straight through).
+            A leaf whose granule does not hold whole blocks is refused when the step is made.
+        reduce_format: quantize the gradient reduce-scatter (same forms): each rank quantizes
+            its gradient per block, the owner of each block sums every rank's dequantized blocks
+            in float32 in rank order (deterministic). Replicated leaves are all-reduced exactly.
 
     Examples:
-        >>> import torch
+        >>> import torch, ragged as rg
         >>> from ragged import fsdp
         >>> fsdp.MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.float32, frozen_dtype=None)
+        >>> fsdp.MixedPrecision(gather_format=rg.quant.fp8(block=(128, 128)))
+        MixedPrecision(compute_dtype=None, reduce_dtype=None, frozen_dtype=None, gather_format=fp8(block=(128, 128)))
     """
 
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     frozen_dtype: torch.dtype | None = None
+    gather_format: object = None
+    reduce_format: object = None
 
     replace = dataclasses.replace
 
@@ -54,6 +71,18 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise RaggedTypeError(f"MixedPrecision.{name} must be a floating torch.dtype or None, got {value!r}.")
+        for name in ("gather_format", "reduce_format"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Format) and not callable(value):
+                raise RaggedTypeError(f"MixedPrecision.{name} must be None, a rg.quant format (rg.quant.fp8(...), "
+                                      f"int8(...), mxfp8(...)) or a callable leaf -> format | None, got {value!r}.")
+
+    def __repr__(self) -> str:
+        fields = [f"compute_dtype={self.compute_dtype}", f"reduce_dtype={self.reduce_dtype}",
+                  f"frozen_dtype={self.frozen_dtype}"]
+        fields += [f"{name}={getattr(self, name)!r}" for name in ("gather_format", "reduce_format")
+                   if getattr(self, name) is not None]
+        return f"MixedPrecision({', '.join(fields)})"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +110,10 @@ class UnitLayout:
         grad_numel, grad_nbytes: elements and bytes of the gradient buffer (compute dtype).
         grad_gaps: padding ranges of the gradient buffer (zero in it).
         grad_replicated_numel: elements of the replicated part of the gradient.
+        gather_formats: every leaf's format by index in the unit's plan (``None``: the gather
+            is not quantized); reduce_formats: the same over ``grad_plan``.
+        gather_dtypes: every leaf's compute dtype by index (trainable: ``dtype``, frozen:
+            ``frozen_dtype``): what an unquantized leaf travels in within a quantized gather.
     """
 
     index: int
@@ -101,6 +134,9 @@ class UnitLayout:
     grad_nbytes: int
     grad_gaps: tuple[tuple[int, int], ...]
     grad_replicated_numel: int
+    gather_formats: tuple | None = None
+    reduce_formats: tuple | None = None
+    gather_dtypes: tuple = ()
 
     @property
     def num_leaves(self) -> int:
@@ -135,6 +171,7 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
         frozen_dtype = policy.frozen_dtype or dtype
         offset = -(-grad_numel * itemsize // frozen_dtype.itemsize) * frozen_dtype.itemsize
         frozen_plan = None
+        gather_formats, reduce_formats = _formats(u, policy)
         if frozen_dtype != dtype and u.frozen:
             k = len(grad_plan.buffers) if grad_plan is not None else 0
             frozen_plan = plan.replace(leaves=(), replicated=(), shard_size=plan.shard_size - (grad_plan.shard_size if k else 0),
@@ -149,8 +186,22 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
             frozen=u.frozen, grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
             grad_gaps=_gaps(grad_plan) if grad_plan is not None else (),
             grad_replicated_numel=replicated_size(grad_plan) if grad_plan is not None else 0,
+            gather_formats=gather_formats, reduce_formats=reduce_formats,
+            gather_dtypes=tuple(frozen_dtype if u.paths[i] in u.frozen else dtype for i in range(len(u.paths))),
         ))
     return tuple(out)
+
+
+def _formats(unit, policy: MixedPrecision):
+    """The unit's gather and reduce formats per leaf (checked here, when the step is made: before
+    any communication, the same on every rank)."""
+    where = f"MixedPrecision.%s (unit {unit.name!r})"
+    gather = None if policy.gather_format is None else leaf_formats(unit.plan, policy.gather_format,
+                                                                    where=where % "gather_format")
+    grad_plan = unit.trainable_plan
+    reduce = None if policy.reduce_format is None or grad_plan is None else leaf_formats(
+        grad_plan, policy.reduce_format, where=where % "reduce_format", replicated=False)
+    return gather, reduce
 
 
 def _gaps(plan) -> tuple[tuple[int, int], ...]:

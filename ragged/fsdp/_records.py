@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 
 import torch
+from ragged.transforms._quantized import quantize_replicated
 
 __all__ = ["UnitRecord", "GradRecord", "UnitState", "storage_key"]
 
@@ -55,6 +56,8 @@ class UnitRecord:
             self.flat = raw[: split * layout.dtype.itemsize].view(layout.dtype)
             self.frozen_flat = raw[layout.frozen_offset:].view(layout.frozen_dtype)
         self.rflat = shard.replicated.detach().to(layout.dtype, copy=True)
+        if layout.gather_formats is not None:  # quantized leaves as the gather would give them
+            self.rflat = quantize_replicated(shard.plan, layout.gather_formats, self.rflat, shard.replicated)
         self.leaves, self.spans = {}, []
         for replicated, table in ((False, layout.leaves), (True, layout.replicated)):
             for path, start, stop, shape in table:

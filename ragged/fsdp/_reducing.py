@@ -196,7 +196,7 @@ class Gradients:
                 if b is not None:
                     streams.access(REDUCE, b.key)
             pending = _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
-                                            agreed=True, label=label)
+                                            agreed=True, label=label, formats=self.layouts[i].reduce_formats)
             read = streams.record(REDUCE)  # after the casts: the copies are all the collectives read
             for h in pending.handles:
                 streams.issued(REDUCE, h)

@@ -72,6 +72,7 @@ from ragged.fsdp._reducing import Gradients
 from ragged.fsdp._observed import Counters, Observer
 from ragged.fsdp._schedule import CollectiveSchedule, Program
 from ragged.transforms._flat import _all_gather_flat_start
+from ragged.transforms._quantized import unit_gather_start as quantized_gather_start
 
 __all__ = ["Run", "Context", "Cursor", "ENGINE_THREADS_MSG"]
 
@@ -293,14 +294,18 @@ class Run:
             if u.state is UnitState.FREE:
                 self._materialize(i)
             lay, shard = self.ctx.layouts[i], self.shards[self.ctx.layouts[i].name]
-            if lay.frozen_plan is None:  # one dtype: one launch for every buffer
+            if lay.gather_formats is not None:  # one collective of codes, scales and values for the whole unit
+                parts = []
+                u.source, works = [shard.data], [quantized_gather_start(lay, u, shard, self.comm, label)]
+            elif lay.frozen_plan is None:  # one dtype: one launch for every buffer
                 parts = [(shard.plan, u.flat, shard.data, label)]
             else:  # the frozen part in its own dtype: its own call, after the trainable part's
                 n = lay.grad_plan.shard_size if lay.grad_plan is not None else 0
                 parts = [(lay.frozen_plan, u.frozen_flat, shard.data[n:], label + " (frozen part)")]
                 if n:
                     parts.insert(0, (lay.grad_plan, u.flat, shard.data[:n], label))
-            u.source, works = [], []
+            if parts:
+                u.source, works = [], []
             for plan, out, data, what in parts:
                 u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
                 works.append(_all_gather_flat_start(plan, out, u.source[-1], self.comm, label=what))

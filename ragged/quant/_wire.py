@@ -141,7 +141,8 @@ class Segment:
         leaf: the leaf's layout.
         start, stop: the piece's elements of the leaf.
         local_offset: where the piece starts in the rank's shard.
-        fmt: its format, or None (travels as values of the collective's dtype).
+        fmt: its format, or None (travels as values of ``dtype``).
+        dtype: the dtype its values travel in when unquantized (the leaf's compute dtype).
         data: byte offset of its codes (or values) in the chunk.
         scales: byte offset of its scales (quantized pieces), else -1.
     """
@@ -151,6 +152,7 @@ class Segment:
     stop: int
     local_offset: int
     fmt: Format | None
+    dtype: torch.dtype
     data: int
     scales: int
 
@@ -182,13 +184,14 @@ class WireLayout:
     Attributes:
         plan: the layout.
         formats: every leaf's format by ``leaf.index`` (from :func:`leaf_formats`).
-        dtype: the dtype unquantized pieces travel in.
+        dtypes: every leaf's compute dtype by ``leaf.index`` (what its values travel in when
+            unquantized).
         chunk_nbytes: ``B``, the bytes of every rank's chunk.
     """
 
     plan: LayoutPlan
     formats: tuple
-    dtype: torch.dtype
+    dtypes: tuple
     chunk_nbytes: int
 
     @property
@@ -202,69 +205,67 @@ class WireLayout:
 
 
 def _segments_uncached(wire: WireLayout, rank: int) -> tuple[Segment, ...]:
-    itemsize = wire.dtype.itemsize
     pieces = wire.plan.local_pieces(rank)
     sizes: dict[int, int] = {}
     for p in pieces:
-        for size, nbytes in _items(p.numel, wire.formats[p.leaf.index], itemsize):
+        for size, nbytes in _items(p.numel, wire.formats[p.leaf.index], wire.dtypes[p.leaf.index].itemsize):
             sizes[size] = sizes.get(size, 0) + nbytes
     cursor, pos = {}, 0
     for size in sorted(sizes, reverse=True):
         cursor[size], pos = pos, pos + sizes[size]
     out = []
     for p in pieces:
-        fmt = wire.formats[p.leaf.index]
-        (dsize, dbytes), *rest = _items(p.numel, fmt, itemsize)
+        fmt, dtype = wire.formats[p.leaf.index], wire.dtypes[p.leaf.index]
+        (dsize, dbytes), *rest = _items(p.numel, fmt, dtype.itemsize)
         data, cursor[dsize] = cursor[dsize], cursor[dsize] + dbytes
         scales = -1
         if rest:
             (ssize, sbytes), = rest
             scales, cursor[ssize] = cursor[ssize], cursor[ssize] + sbytes
         out.append(Segment(leaf=p.leaf, start=p.start, stop=p.stop, local_offset=p.local_offset, fmt=fmt,
-                           data=data, scales=scales))
+                           dtype=dtype, data=data, scales=scales))
     return tuple(out)
 
 
 _segments = functools.lru_cache(maxsize=4096)(_segments_uncached)
 
 
-def _chunk_bytes(plan: LayoutPlan, formats: tuple, itemsize: int) -> int:
+def _chunk_bytes(plan: LayoutPlan, formats: tuple, dtypes: tuple) -> int:
     """The longest chunk over all ranks, by arithmetic on the buffers (no per-rank walk): every
     rank strictly inside a leaf holds ``S_b`` of its elements."""
     m = plan.world_size
     total = np.zeros(m + 1, dtype=np.int64)  # a difference array over ranks for the middle ranks
 
-    def cost(n, fmt):
-        return sum(b for _, b in _items(n, fmt, itemsize))
+    def cost(n, leaf):
+        return sum(b for _, b in _items(n, formats[leaf.index], dtypes[leaf.index].itemsize))
 
     starts = [o for o, _ in plan.buffers]
     for leaf in plan.leaves:
         if not leaf.numel:
             continue
-        fmt = formats[leaf.index]
         b = plan.buffer_index(leaf.offset)
         base, size = starts[b], plan.buffers[b][1]
         first, last = (leaf.offset - base) // size, (leaf.stop - 1 - base) // size
         if first == last:
-            total[first] += cost(leaf.numel, fmt)
-            total[first + 1] -= cost(leaf.numel, fmt)
+            total[first] += cost(leaf.numel, leaf)
+            total[first + 1] -= cost(leaf.numel, leaf)
             continue
         head = base + (first + 1) * size - leaf.offset
         tail = leaf.stop - base - last * size
         for rank, n in ((first, head), (last, tail)):
-            total[rank] += cost(n, fmt)
-            total[rank + 1] -= cost(n, fmt)
+            total[rank] += cost(n, leaf)
+            total[rank + 1] -= cost(n, leaf)
         if last > first + 1:
-            total[first + 1] += cost(size, fmt)
-            total[last] -= cost(size, fmt)
+            total[first + 1] += cost(size, leaf)
+            total[last] -= cost(size, leaf)
     longest = int(np.cumsum(total)[:m].max()) if m else 0
     return max(-(-longest // ALIGN) * ALIGN, ALIGN)
 
 
-@functools.lru_cache(maxsize=1024)
-def wire_layout(plan: LayoutPlan, formats: tuple, dtype: torch.dtype) -> WireLayout:
+def wire_layout(plan: LayoutPlan, formats: tuple, dtype) -> WireLayout:
     """The :class:`WireLayout` of ``plan`` with ``formats`` (by leaf index) and unquantized
-    pieces in ``dtype`` (cached: plans and formats are hashable).
+    pieces in ``dtype``: one dtype, or one per leaf index (cached: plans and formats are
+    hashable).
 
     Examples:
         >>> import torch, ragged as rg
@@ -278,10 +279,15 @@ def wire_layout(plan: LayoutPlan, formats: tuple, dtype: torch.dtype) -> WireLay
         >>> [(s.leaf.path, s.fmt, s.data, s.scales) for s in wire.segments(0)]   # fp32 scales, bf16, then codes
         [("['b']", None, 4, -1), ("['w']", fp8(block=(32, 32)), 68, 0)]
     """
-    if not isinstance(dtype, torch.dtype):
-        raise RaggedTypeError(f"wire_layout: dtype must be a torch.dtype, got {dtype!r}.")
-    nbytes = _chunk_bytes(plan, formats, dtype.itemsize)
-    return WireLayout(plan=plan, formats=formats, dtype=dtype, chunk_nbytes=nbytes)
+    dtypes = (dtype,) * len(formats) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    if len(dtypes) != len(formats) or not all(isinstance(d, torch.dtype) for d in dtypes):
+        raise RaggedTypeError(f"wire_layout: dtype must be a torch.dtype or one per leaf, got {dtype!r}.")
+    return _wire_layout(plan, formats, dtypes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _wire_layout(plan: LayoutPlan, formats: tuple, dtypes: tuple) -> WireLayout:
+    return WireLayout(plan=plan, formats=formats, dtypes=dtypes, chunk_nbytes=_chunk_bytes(plan, formats, dtypes))
 
 
 def gaps(plan: LayoutPlan) -> tuple[tuple[int, int], ...]:

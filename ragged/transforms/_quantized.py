@@ -23,6 +23,7 @@ reference bit for bit.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 
 import torch
@@ -32,7 +33,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
-__all__ = ["gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+__all__ = ["gather_start", "unit_gather_start", "formats_digest", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
 
 
 class _Decoding:
@@ -68,12 +69,11 @@ def _scale_bytes(chunk, seg, count):
 def encode(wire: WireLayout, rank: int, source: torch.Tensor, chunk: torch.Tensor, *, global_positions: bool) -> None:
     """``rank``'s pieces of ``source`` (its shard, or with ``global_positions`` a whole flat
     buffer) into ``chunk`` (uint8, ``B`` bytes): codes and scales, or values."""
-    dtype = wire.dtype
     for seg in wire.segments(rank):
         pos = seg.global_offset if global_positions else seg.local_offset
         x = source[pos : pos + seg.numel]
         if seg.fmt is None:
-            chunk[seg.data : seg.data + seg.numel * dtype.itemsize].view(dtype).copy_(x)
+            chunk[seg.data : seg.data + seg.numel * seg.dtype.itemsize].view(seg.dtype).copy_(x)
             continue
         codes = chunk[seg.data : seg.data + seg.numel].view(seg.fmt.code_dtype)
         _, scales = quantize_run(x, seg.cols, seg.fmt, codes=codes)
@@ -85,7 +85,7 @@ def _decoded(wire: WireLayout, seg, chunk: torch.Tensor, out=None):
     """A segment's values from ``chunk`` (float32 products for quantized pieces, into ``out``
     when given)."""
     if seg.fmt is None:
-        values = chunk[seg.data : seg.data + seg.numel * wire.dtype.itemsize].view(wire.dtype)
+        values = chunk[seg.data : seg.data + seg.numel * seg.dtype.itemsize].view(seg.dtype)
         return values if out is None else out.copy_(values)
     codes = chunk[seg.data : seg.data + seg.numel].view(seg.fmt.code_dtype)
     scales = _scale_bytes(chunk, seg, seg.numel // seg.fmt.block_numel)
@@ -99,14 +99,27 @@ def _chunks(wire: WireLayout, buffer: torch.Tensor):
     return [buffer[k * B : (k + 1) * B] for k in range(wire.plan.world_size)]
 
 
-def decode_gathered(wire: WireLayout, gathered: torch.Tensor, out: torch.Tensor) -> None:
-    """Every rank's chunk of ``gathered`` dequantized into the flat compute buffer ``out``;
-    padding zeroed."""
+def decode_gathered(wire: WireLayout, gathered: torch.Tensor, outputs) -> None:
+    """Every rank's chunk of ``gathered`` dequantized into the flat compute buffer; padding
+    zeroed. ``outputs``: ``((offset, tensor), ...)`` by offset, global element ``g`` lands in
+    ``tensor[g - offset]`` of the last one with ``offset <= g`` (a unit's trainable part and
+    its frozen part in another dtype: two typed views of one storage)."""
+    starts = [o for o, _ in outputs]
+
+    def target(lo, hi):
+        k = bisect.bisect_right(starts, lo) - 1
+        offset, out = outputs[k]
+        return out[lo - offset : hi - offset]
+
     for rank, chunk in enumerate(_chunks(wire, gathered)):
         for seg in wire.segments(rank):
-            _decoded(wire, seg, chunk, out[seg.global_offset : seg.global_offset + seg.numel])
+            _decoded(wire, seg, chunk, target(seg.global_offset, seg.global_offset + seg.numel))
     for lo, hi in gaps(wire.plan):
-        out[lo:hi].zero_()
+        for k, (offset, out) in enumerate(outputs):  # a gap may span the parts' boundary
+            end = outputs[k + 1][0] if k + 1 < len(outputs) else hi
+            a, b = max(lo, offset), min(hi, end)
+            if a < b:
+                out[a - offset : b - offset].zero_()
 
 
 def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.Tensor) -> None:
@@ -122,21 +135,25 @@ def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.T
         out.copy_(acc)
 
 
+def gather_start(wire: WireLayout, outputs, master: torch.Tensor, comm, *, label=None):
+    """Starts the quantized all-gather (see [Note: the quantized all-gather]): encodes this
+    rank's chunk from its ``master`` shard, all-gathers the bytes; the returned handle's
+    ``wait()`` decodes into ``outputs`` (see :func:`decode_gathered`)."""
+    B, device = wire.chunk_nbytes, master.device
+    send = SCRATCH.take(B, torch.uint8, device)
+    with torch.no_grad():
+        encode(wire, comm.rank, master.detach(), send, global_positions=False)
+    gathered = SCRATCH.take(wire.nbytes, torch.uint8, device)
+    kw = {} if label is None else {"label": label}
+    handle = comm.all_gather_into(gathered, send, async_op=True, **kw)
+    return _Decoding(handle, lambda: decode_gathered(wire, gathered, outputs), (send, gathered))
+
+
 def gather_launcher(dbuf, comm, formats: tuple, dtype: torch.dtype):
-    """``launch(plan, out, master, comm) -> handle`` for ``_GatherStart``: encode this rank's
-    chunk from the master shard, all-gather the bytes, and decode into ``out`` on ``wait()``."""
+    """``launch(plan, out, master, comm) -> handle`` for ``_GatherStart``: :func:`gather_start`
+    into the one flat output ``out``."""
     wire = wire_layout(dbuf.plan, formats, dtype)
-
-    def launch(plan, out, master, comm):
-        B, device = wire.chunk_nbytes, master.device
-        send = SCRATCH.take(B, torch.uint8, device)
-        with torch.no_grad():
-            encode(wire, comm.rank, master.detach(), send, global_positions=False)
-        gathered = SCRATCH.take(wire.nbytes, torch.uint8, device)
-        handle = comm.all_gather_into(gathered, send, async_op=True)
-        return _Decoding(handle, lambda: decode_gathered(wire, gathered, out), (send, gathered))
-
-    return launch
+    return lambda plan, out, master, comm: gather_start(wire, ((0, out),), master, comm)
 
 
 def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, formats: tuple, *, label=None):
@@ -180,3 +197,20 @@ def format_key(formats: tuple) -> str:
     """A short digest of every leaf's format: part of what the ranks agree on before the
     collective (ranks quantizing differently would move chunks of different layouts)."""
     return hashlib.sha256(repr(formats).encode()).hexdigest()[:12]
+
+
+def formats_digest(layouts) -> str:
+    """:func:`format_key` of every unit's gather and reduce formats (the step's agreement)."""
+    if all(l.gather_formats is None and l.reduce_formats is None for l in layouts):
+        return ""
+    return format_key(tuple((l.gather_formats, l.reduce_formats) for l in layouts))
+
+
+def unit_gather_start(layout, record, shard, comm, label):
+    """The step's quantized all-gather of one unit (``layout``: its ``UnitLayout``; ``record``:
+    its ``UnitRecord``): every leaf in its compute dtype, the trainable part into
+    ``record.flat`` and the frozen part into ``record.frozen_flat``."""
+    wire = wire_layout(shard.plan, layout.gather_formats, layout.gather_dtypes)
+    outputs = ((0, record.flat),) if layout.frozen_plan is None else \
+        ((0, record.flat), (layout.grad_numel, record.frozen_flat))
+    return gather_start(wire, outputs, shard.data, comm, label=label)

@@ -143,10 +143,11 @@ def reduce_scatter_start(
 
 
 def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False, label=None,
-                          format=None):
+                          format=None, formats=None):
     """:func:`reduce_scatter_start`; ``agreed=True`` skips the cross-rank check for callers
     that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step); ``label``
-    names the call to the comm (compared across ranks: the step's unit and program position)."""
+    names the call to the comm (compared across ranks: the step's unit and program position);
+    ``formats``: every leaf's format, resolved (instead of ``format``)."""
     check_plan_type(plan, "reduce_scatter")
     if op not in _OPS:
         raise RaggedValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
@@ -157,7 +158,8 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         )
     rdtype = plan.dtype if dtype is None else dtype
     device = comm.device
-    formats = None if format is None else formats_of(plan, format, "reduce_scatter: format", replicated=False)
+    if format is not None:  # ``formats``: already resolved by the caller (the step, when it was made)
+        formats = formats_of(plan, format, "reduce_scatter: format", replicated=False)
     rep_numel = replicated_size(plan)
     segs, rsegs = _segments(plan)
     if isinstance(grads, torch.Tensor):

@@ -40,16 +40,21 @@ def chooser(name: str):
         else None
 
 
-def run(comm, case: Case, gather: str | None, reduce: str | None = None):
-    """``fsdp_run`` with ``gather_format`` / ``reduce_format``: (full params, losses)."""
+def run(comm, case: Case, gather: str | None, reduce: str | None = None, *, compile: str | None = None):
+    """``fsdp_run`` with ``gather_format`` / ``reduce_format``: (full params, losses);
+    ``compile``: a torch.compile backend for every block (the step is given the module)."""
     model = case.model()
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
     pick = lambda name: (lambda leaf: chooser(name)(leaf.shape)) if name else None  # noqa: E731
     policy = fsdp.MixedPrecision(gather_format=pick(gather), reduce_format=pick(reduce))
-    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing), opt, comm,
-                          micro_batches=case.micro_batches, policy=policy)
+    if compile:
+        for block in model.blocks:
+            block.compile(backend=compile)
+    loss = loss_fn(model if compile else copy.deepcopy(model), checkpoint=case.activation_checkpointing)
+    step = fsdp.make_step(units, loss, opt, comm, micro_batches=case.micro_batches, policy=policy,
+                          module=model if compile else None)
     task, losses = case.task(), []
     index = getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank
     total = comm.world_size * getattr(comm, "num_replicas", 1)

@@ -32,6 +32,13 @@ def test_training_equals_the_straight_through_reference(key):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
 
 
+def test_compiled_blocks_equal_the_straight_through_reference():
+    case = Case(steps=2)
+    ref, _ = qc.gather_reference(case, "fp8")
+    for params, _ in rg.collectives.simulate(2, qc.run, case, "fp8", compile="aot_eager"):
+        assert qc.max_diff(params, ref) < 1e-10
+
+
 def test_hsdp_2x2_equals_the_straight_through_reference():
     case = Case()
     ref, _ = qc.gather_reference(case, "mxfp8")

@@ -114,7 +114,7 @@ class RaggedMethod:
 
     def __init__(self, cfg, *, seed, device, lr, policy, comm, optimizer=None, specs=None, donate=True, checkpoint=False,
                  keep_module=False, groups=None, max_buffers=1, compile=None, compiler="inductor", bind_module=False,
-                 lora=False):
+                 lora=False, gather_format=None, reduce_format=None):
         import ragged as rg
         from ragged import fsdp
         from torch.profiler import record_function
@@ -135,7 +135,9 @@ class RaggedMethod:
         self.state = fsdp.init(self.units, model, self.optimizer, comm, release_module=not keep_module)
         self.model = model
         self.step_fn = fsdp.make_step(self.units, ragged_loss(cfg, model, checkpoint), self.optimizer, comm,
-                                      policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce), donate=donate,
+                                      policy=fsdp.MixedPrecision(compute_dtype=compute, reduce_dtype=reduce,
+                                                                 gather_format=gather_format, reduce_format=reduce_format),
+                                      donate=donate,
                                       module=model if compile or bind_module else None)  # shards updated in place (the bench owns them)
         self.comm = comm
         self.metrics = {}

@@ -152,6 +152,21 @@ def quant8_tables(result: dict) -> list[str]:
     return ["\n".join(lines)]
 
 
+def quant_tables(result: dict) -> list[str]:
+    """``bench/quant.py``: bytes and step time per gather / reduce format, or the convergence run."""
+    from bench.quant import markdown
+
+    data = result["data"]
+    if "convergence" in data:
+        c = data["convergence"]
+        final = c["final_mean10"]
+        return ["| W | steps | fp8 tiles | final loss fp32 (mean of last 10) | fp8 gather + fp8 reduce-scatter | relative |\n"
+                "|---|---|---|---|---|---|\n"
+                f"| {c['world']} | {c['steps']} | {c['fp8_block'][0]} x {c['fp8_block'][1]} | {final['fp32']:.4f} | "
+                f"{final['fp8+rs']:.4f} | {c['rel_diff']:+.2%} |"]
+    return [markdown(cell) for cell in data["cells"]]
+
+
 def predict_time_tables(result: dict) -> list[str]:
     """``bench/predict.py --time``: the step time predicted from W = 1 pieces vs measured on gloo, per model."""
     from bench._predict_time import markdown
@@ -160,7 +175,8 @@ def predict_time_tables(result: dict) -> list[str]:
 
 
 RENDERERS = {"bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
-             "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables}
+             "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables,
+             "bench/quant.py": quant_tables}
 
 # The page: (heading, prose before the tables, result names in order). The prose says what is
 # measured and how; every figure is in a table.
@@ -215,6 +231,15 @@ the adapters alone need. **ragged-nccl-shaped** (`--nccl-shaped`) is the same ra
 transport NCCL uses (`from_torch(handshake="deferred")`: gloo's native
 collectives and the deferred ledger instead of the per-call headers), timed in the same repeats.""",
      ["step", "step-moe", "step-lora"]),
+    ("Quantized communication: bytes and step time (gloo, CPU)", """\
+`bench/quant.py` ([quantization.md](quantization.md)) runs one step of every method side by side on the
+same batch, order alternating, warm-up excluded, times the max over ranks: ragged with an fp32 and a
+bf16 gather, with an fp8 (128 x 128 tiles), int8 (32 x 32) and MXFP8 (1 x 32) gather in fp32 compute,
+with an fp8 gather plus an fp8 reduce-scatter, and FSDP2 in bf16. Bytes: every torch ProcessGroup call
+of one step on rank 0 (ragged over NCCL's transport, so each collective is counted as its kind); the
+paired ratio is the median over repeats of the method's time / the fp32 gather's in the same repeat.
+The convergence run trains the example GPT (`python -m ragged train`'s model) with fp32 and with an fp8
+gather plus an fp8 reduce-scatter on the same batches.""", ["quant", "quant-convergence"]),
     ("Step time: predicted before the run vs measured (gloo, CPU)", """\
 `bench/predict.py --time` (method: [predict.md](predict.md#step-time-against-the-measured-gloo-step))
 predicts the W = 2 and W = 4 step of each model in up to eight configurations from pieces measured

@@ -40,10 +40,11 @@ def chooser(name: str):
         else None
 
 
-def run(comm, case: Case, gather: str | None, reduce: str | None = None, *, compile: str | None = None):
+def run(comm, case: Case, gather: str | None, reduce: str | None = None, *, compile: str | None = None, device=None):
     """``fsdp_run`` with ``gather_format`` / ``reduce_format``: (full params, losses);
-    ``compile``: a torch.compile backend for every block (the step is given the module)."""
-    model = case.model()
+    ``compile``: a torch.compile backend for every block (the step is given the module);
+    ``device``: where the model and batches live (a CUDA device with NCCL)."""
+    model = case.model() if device is None else case.model().to(device)
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
@@ -59,7 +60,10 @@ def run(comm, case: Case, gather: str | None, reduce: str | None = None, *, comp
     index = getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank
     total = comm.world_size * getattr(comm, "num_replicas", 1)
     for s in range(case.steps):
-        state, m = step(state, rank_slice(task.batch(s, case.batch), index, total))
+        batch = rank_slice(task.batch(s, case.batch), index, total)
+        if device is not None:
+            batch = tuple(t.to(device) for t in batch)
+        state, m = step(state, batch)
         losses.append(float(m["loss"]))
     full = rg.gather(units, state.shards, comm)
     return {k: v.clone() for k, v in full.items()}, losses

@@ -11,6 +11,7 @@ from ragged.fsdp._units import picked_leaves
 from ragged.predict._persistent import meta_shards
 from ragged.predict._timeline import walk
 from ragged.transforms._check import agreement_collectives
+from ragged.transforms._quantized import unit_wire_bytes
 from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
 
 __all__ = ["Collective", "CostAnalysis", "cost_analysis"]
@@ -95,19 +96,21 @@ def cost_analysis(lowered) -> CostAnalysis:
 
     per_unit = {}
     for lay, n_g in zip(lowered.layouts, gathers):
-        gb = lay.nbytes  # the gathered buffer in the compute dtype
+        qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)  # quantized: chunks of bytes
+        gb = lay.nbytes if qgather is None else qgather  # the gathered buffer in the compute dtype
         add("all_gather", "shard", n_g, n_g * gb)
         unit = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": 0, "reduce_bytes": 0}
         gp = lay.grad_plan
         if gp is not None:
             rsize = (lay.reduce_dtype or gp.dtype).itemsize
-            add("reduce_scatter", "shard", k, k * gp.buffer_numel * rsize)
+            moved = gp.buffer_numel * rsize if qreduce is None else qreduce
+            add("reduce_scatter" if qreduce is None else "all_to_all", "shard", k, k * moved)
             rep = gp.replicated_numel * rsize
             if gp.replicated:
                 add("all_reduce", "shard", k, k * rep)
             if replicas > 1:
                 add("all_reduce", "replica", k * (1 + bool(gp.replicated)), k * (gp.shard_size * rsize + rep))
-            unit.update(reduces=k, reduce_bytes=k * (gp.buffer_numel * rsize + (rep if gp.replicated else 0)))
+            unit.update(reduces=k, reduce_bytes=k * (moved + (rep if gp.replicated else 0)))
         per_unit[lay.name] = unit
     for record in agreement_collectives(comm):  # the plan check, every step
         add(*record)

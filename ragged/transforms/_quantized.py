@@ -33,7 +33,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
-__all__ = ["gather_start", "unit_gather_start", "formats_digest", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
 
 
 class _Decoding:
@@ -214,3 +214,15 @@ def unit_gather_start(layout, record, shard, comm, label):
     outputs = ((0, record.flat),) if layout.frozen_plan is None else \
         ((0, record.flat), (layout.grad_numel, record.frozen_flat))
     return gather_start(wire, outputs, shard.data, comm, label=label)
+
+
+def unit_wire_bytes(plan, layout) -> tuple[int | None, int | None]:
+    """``(all-gather bytes, all-to-all bytes)`` of one unit's quantized collectives (``m * B``
+    each, ``None`` where that collective is not quantized): what ``step.lower`` counts. ``plan``:
+    the unit's plan; ``layout``: its ``UnitLayout``."""
+    gather = reduce = None
+    if layout.gather_formats is not None:
+        gather = wire_layout(plan, layout.gather_formats, layout.gather_dtypes).nbytes
+    if layout.reduce_formats is not None:
+        reduce = wire_layout(layout.grad_plan, layout.reduce_formats, layout.reduce_dtype or layout.grad_plan.dtype).nbytes
+    return gather, reduce

@@ -1,4 +1,5 @@
-"""The FSDP step with a quantized gather and reduce-scatter on 2 gloo ranks, in both transports:
+"""The FSDP step with a quantized gather and reduce-scatter on 2 gloo ranks, in both transports (and
+step.lower()'s count of its collectives, call by call and byte by byte, against the real run):
 float64 training equals the straight-through torch reference (AdamW, 3 steps, within 1e-10), and
 the quantized reduce-scatter equals SGD on rank-order sums of per-rank quantized gradients (the
 cases of tests/fsdp/_quant_cases.py, also run on simulated ranks in tests/fsdp/test_quant_step.py)."""
@@ -32,3 +33,17 @@ def test_quantized_reduce_scatter_equals_the_rank_order_reference(workers2):
     ref = qc.reduce_reference(case, 2, "mxfp8", "int8")
     for params, _ in workers2.run(_train, case, "mxfp8", "int8"):
         assert qc.max_diff(params, ref) < 1e-12
+
+
+def _lowered(case):
+    from tests.fsdp._lower_cases import measured
+
+    return measured(comm(), case, "adamw", gather="fp8", reduce="int8")
+
+
+def test_the_lowering_counts_the_quantized_collectives_exactly(workers2):
+    from tests.fsdp.test_lower import check
+
+    out = workers2.run(_lowered, Case(moe=True))
+    check(out)
+    assert all(o["calls"][("all_to_all", "shard")][0] > 0 for o in out)

@@ -63,6 +63,19 @@ def test_quantized_reduce_scatter_equals_the_rank_order_reference(name):
     assert qc.max_diff(plain, ref) > 1e-9
 
 
+@pytest.mark.parametrize("m, case, gather, reduce", [
+    (2, Case(), "fp8", "int8"),
+    (3, Case(moe=True, batch=6, frozen=("blocks.0",), micro_batches=2), "mxfp8", "fp8"),
+], ids=["dense-fp8-int8-m2", "moe-frozen-micro-mxfp8-fp8-m3"])
+def test_the_lowering_counts_codes_and_scales_exactly(m, case, gather, reduce):
+    from tests.fsdp._lower_cases import measured
+    from tests.fsdp.test_lower import check
+
+    out = rg.collectives.simulate(m, measured, case, "adamw", gather=gather, reduce=reduce)
+    check(out)
+    assert out[0]["calls"][("all_to_all", "shard")][0] > 0
+
+
 def _make(comm, policy, specs=qc.specs, model=None):
     model = model or Case().model()
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs)

@@ -32,20 +32,28 @@ def _optimizer(name: str, case, comm):
     return case.make_optimizer()
 
 
-def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call: bool = False):
+def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call: bool = False,
+             gather: str | None = None, reduce: str | None = None):
     """Trains ``case`` for ``steps`` steps; counts the last. Returns a dict of what was seen and
-    what the lowering predicts (plain values: picklable from gloo workers)."""
+    what the lowering predicts (plain values: picklable from gloo workers). ``gather`` /
+    ``reduce``: a format of ``tests/fsdp/_quant_cases.py`` for the gather / the reduce-scatter."""
+    from tests.fsdp import _quant_cases as qc
+
     model = case.model()
-    def specs(path, t):  # 8-bit AdamW quantizes blocks: 16 x 16 tiles of the matrices
+    def specs(path, t):  # 8-bit AdamW and the quantized collectives: 16 x 16 tiles of the matrices
         if case.replicate_vectors and t.dim() == 1:
             return rg.spec.Replicate()
+        if gather or reduce:
+            return qc.specs(path, t)
         return rg.spec.Blocks(16, 16) if optimizer == "adamw8bit" and t.dim() == 2 else None
 
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
     opt = _optimizer(optimizer, case, comm)
     state = fsdp.init(units, model, opt, comm)
     step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
-                          policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),
+                          policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype,
+                                                     gather_format=gather and (lambda leaf: qc.chooser(gather)(leaf.shape)),
+                                                     reduce_format=reduce and (lambda leaf: qc.chooser(reduce)(leaf.shape))),
                           prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward,
                           max_inflight_reduce=case.max_inflight_reduce)
@@ -72,7 +80,8 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         "metrics": {k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "num_gathers", "num_reduces")},
         "predicted": {"peak_gathered_bytes": mem.peak_gathered_bytes, "peak_grad_bytes": mem.peak_grad_bytes,
                       "peak_grad_bytes_low": mem.peak_grad_bytes_low,
-                      "num_gathers": cost.get("all_gather").calls, "num_reduces": cost.get("reduce_scatter").calls},
+                      "num_gathers": cost.get("all_gather").calls,
+                      "num_reduces": sum(u["reduces"] for u in cost.per_unit.values())},
         "frozen_units": [u.name for u in units if u.trainable_plan is None],
         "partly_frozen": [u.name for u in units if u.frozen and u.trainable_plan is not None],
         "buffers": max(u.plan.num_buffers for u in units),

@@ -249,9 +249,10 @@ def dt_loss(params, batch, tp_mesh=None):
     return (o + params["b2"] - y).pow(2).mean()
 
 
-def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, clip=None):
+def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, clip=None, weights=None):
     """Single-process float64 training on the global batch with torch.optim.AdamW (with
-    ``clip``: torch.optim.SGD after ``clip_grad_norm_(clip)``)."""
+    ``clip``: torch.optim.SGD after ``clip_grad_norm_(clip)``; ``weights``: what the forward reads
+    instead of the parameters, e.g. their straight-through quantization)."""
     if params is None:
         params = init_params(kind)
         params = rg.pytree.map(lambda t: t.clone().requires_grad_(), params)
@@ -260,8 +261,10 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, c
         else:
             opt = torch.optim.SGD(rg.pytree.leaves(params), lr=LR)
     losses = []
+    trained = params
     for step in range(start, start + steps):
         opt.zero_grad()
+        params = trained if weights is None else weights(trained)
         if kind in ("tp", "dt"):
             batches = [tp_batch(step, i) for i in range(n_batches)]
             x = torch.cat([b[0] for b in batches])
@@ -273,13 +276,13 @@ def reference_train(kind, steps, *, n_batches, params=None, opt=None, start=0, c
             loss = sum(moe_loss_sum(params, b) for b in batches) / (n_batches * TOKENS * D)
         loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(rg.pytree.leaves(params), clip)
+            torch.nn.utils.clip_grad_norm_(rg.pytree.leaves(trained), clip)
         opt.step()
         losses.append(loss.item())
-    return params, opt, losses
+    return trained, opt, losses
 
 
-def ep_fsdp_step(mc, *, data_axes=("ep",), clip=None):
+def ep_fsdp_step(mc, *, data_axes=("ep",), clip=None, policy=None):
     """FSDP x EP through ``rg.fsdp.make_step``: units of the EP-local params over ``mc["dp"]``,
     the all-to-all dispatch inside the loss, ``parallel.data_groups`` for the router's
     EP all-reduce; with ``clip``: SGD after ``clip_by_global_norm`` with the mesh-wide norm
@@ -301,12 +304,12 @@ def ep_fsdp_step(mc, *, data_axes=("ep",), clip=None):
     def loss_fn(params, batch):
         return moe_loss_sum(params, batch, mc["ep"]) / (TOKENS * D)  # this rank's mean
 
-    return units, state, fsdp.make_step(units, loss_fn, opt, mc["dp"], data_groups=axes), mplan
+    return units, state, fsdp.make_step(units, loss_fn, opt, mc["dp"], data_groups=axes, policy=policy), mplan
 
 
-def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None):
+def ep_fsdp_step_train(mc, steps, *, data_axes=("ep",), clip=None, policy=None):
     """Trains :func:`ep_fsdp_step` for ``steps``. Returns ``(EP-local params, losses, coords, mesh plan)``."""
-    units, state, step, mplan = ep_fsdp_step(mc, data_axes=data_axes, clip=clip)
+    units, state, step, mplan = ep_fsdp_step(mc, data_axes=data_axes, clip=clip, policy=policy)
     losses = []
     for s in range(steps):
         state, metrics = step(state, moe_batch(s, _data_index(mc)))

@@ -36,13 +36,13 @@ def test_quantized_reduce_scatter_equals_the_rank_order_reference(workers2):
 
 
 def _lowered(case):
-    from tests.fsdp._lower_cases import measured
+    from tests.predict._lower_cases import measured
 
     return measured(comm(), case, "adamw", gather="fp8", reduce="int8")
 
 
 def test_the_lowering_counts_the_quantized_collectives_exactly(workers2):
-    from tests.fsdp.test_lower import check
+    from tests.predict.test_lower import check
 
     out = workers2.run(_lowered, Case(moe=True))
     check(out)

@@ -68,8 +68,8 @@ def test_quantized_reduce_scatter_equals_the_rank_order_reference(name):
     (3, Case(moe=True, batch=6, frozen=("blocks.0",), micro_batches=2), "mxfp8", "fp8"),
 ], ids=["dense-fp8-int8-m2", "moe-frozen-micro-mxfp8-fp8-m3"])
 def test_the_lowering_counts_codes_and_scales_exactly(m, case, gather, reduce):
-    from tests.fsdp._lower_cases import measured
-    from tests.fsdp.test_lower import check
+    from tests.predict._lower_cases import measured
+    from tests.predict.test_lower import check
 
     out = rg.collectives.simulate(m, measured, case, "adamw", gather=gather, reduce=reduce)
     check(out)

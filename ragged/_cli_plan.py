@@ -52,6 +52,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon"), nargs="+", default=["adamw"],
                    help="with --predict: one or several (each is lowered)")
+    p.add_argument("--gather-format", choices=("none", "fp8", "int8", "mxfp8"), nargs="+", default=["none"],
+                   help="with --predict: quantize the all-gather (several: one configuration each): fp8 in 128 x 128 "
+                        "tiles, int8 in 32 x 32, mxfp8 in 1 x 32 blocks, wherever the blocks tile a matrix (docs/quantization.md)")
     p.add_argument("--compute-dtype", choices=("bf16", "fp32", "fp16"), default="bf16",
                    help="with --predict: the gathered (compute) dtype")
     p.add_argument("--mesh", type=_mesh, nargs="+", default=None, metavar="fsdp|hsdp:R",

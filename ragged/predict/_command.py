@@ -11,7 +11,7 @@ import collections
 import json
 import time
 
-from ragged import collectives, fsdp, optim, spec
+from ragged import collectives, fsdp, optim, quant, spec
 from ragged._cli import DTYPES, UsageError, unit_specs
 from ragged._models import model_units
 from ragged.predict._hardware import hardware_from
@@ -20,6 +20,8 @@ from ragged.predict._model_costs import step_activations, unit_costs
 from ragged.predict._peers import compare
 from ragged.predict._sweep import print_sweep
 from ragged.predict._tables import print_predict
+from ragged.quant._codec import fits_shape as quant_fits
+from ragged.quant._wire import run_unit
 
 __all__ = ["bundled_units", "step_over", "bundled_step", "predict_rows", "mesh_name", "predict_all", "run_predict"]
 
@@ -41,14 +43,33 @@ def bundled_units(source, world_size: int, *, dtype: str = "fp32", granularity=N
                            strategy=strategy, align=align, max_buffers=1 if strategy == "naive" else max_buffers)
 
 
-def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute_dtype: str = "bf16"):
+# plan --predict --gather-format: DeepSeek-V3's 128 x 128 fp8 tiles, 32 x 32 int8 tiles, OCP's MXFP8
+GATHER_FORMATS = {"fp8": quant.fp8(block=(128, 128)), "int8": quant.int8(block=(32, 32)), "mxfp8": quant.mxfp8(block=32)}
+
+
+def where_blocks_fit(fmt):
+    """``leaf -> fmt | None``: ``fmt`` for every sharded matrix its blocks tile and its granule
+    holds whole (see [Note: which granules hold whole blocks] in ``ragged/quant/_wire.py``); the
+    rest travels unquantized in the same collective."""
+    def choose(leaf):
+        if len(leaf.shape) < 2 or not quant_fits(tuple(leaf.shape), fmt):
+            return None
+        return fmt if leaf.granule and leaf.granule % run_unit(fmt, leaf.shape[-1]) == 0 else None
+
+    return choose
+
+
+def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute_dtype: str = "bf16",
+              gather_format: str = "none"):
     """A step over ``units`` on ``rg.collectives.abstract(units.world_size, num_replicas=...)`` (HSDP
-    when ``num_replicas > 1``: the units are the shard group's)."""
+    when ``num_replicas > 1``: the units are the shard group's); ``gather_format``: a key of
+    ``GATHER_FORMATS`` quantizes the gather wherever the blocks fit (``"none"``: not at all)."""
     comm = collectives.abstract(units.world_size, num_replicas=num_replicas)
     opt = {"adamw": lambda: optim.adamw(1e-3), "adamw8bit": lambda: optim.adamw_8bit(1e-3),
            "muon": lambda: optim.muon(1e-3, comm=comm)}[optimizer]()
+    gather = None if gather_format == "none" else where_blocks_fit(GATHER_FORMATS[gather_format])
     return fsdp.make_step(units, lambda params, batch: None, opt, comm,
-                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[compute_dtype]))
+                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[compute_dtype], gather_format=gather))
 
 
 def bundled_step(source, world_size: int, *, num_replicas: int = 1, optimizer: str = "adamw", dtype: str = "fp32",
@@ -114,8 +135,9 @@ def predict_rows(step, *, activations=None, network=None, compute=None, backward
     return row
 
 
-def _configs(args) -> list[tuple[int, int, str]]:
-    """``(world, replicas, optimizer)`` for every combination asked for; a mesh must split each world."""
+def _configs(args) -> list[tuple[int, int, str, str]]:
+    """``(world, replicas, optimizer, gather format)`` for every combination asked for; a mesh must
+    split each world."""
     meshes = list(dict.fromkeys(args.mesh or [1]))
     for m in args.world_size:
         for r in meshes:
@@ -123,7 +145,8 @@ def _configs(args) -> list[tuple[int, int, str]]:
                 raise UsageError(f"--mesh hsdp:{r} does not divide --world-size {m}: HSDP's {r} replica groups must "
                                  f"split the world evenly (shard group = world / {r}); pick an R that divides every "
                                  "world size, e.g. hsdp:2")
-    return [(m, r, opt) for m in args.world_size for r in meshes for opt in dict.fromkeys(args.optimizer)]
+    return [(m, r, opt, g) for m in args.world_size for r in meshes for opt in dict.fromkeys(args.optimizer)
+            for g in dict.fromkeys(getattr(args, "gather_format", None) or ["none"])]
 
 
 def _activation_note(args) -> str:
@@ -153,14 +176,17 @@ def predict_all(args) -> list[dict]:
     by_name = {c.name: c for c in costs}
     compute = {c.name: hw.seconds(c.flops_per_token * args.seq_len * args.batch) for c in costs}
     units, results = {}, []
-    for world, replicas, optimizer in configs:
+    for world, replicas, optimizer, gather in configs:
         t0 = time.perf_counter()
         shard = world // replicas
-        if shard not in units:
-            units[shard] = bundled_units(source, shard, dtype=args.dtype, granularity=args.granularity,
-                                         strategy=args.strategy, align=args.align, max_buffers=args.max_buffers,
-                                         layers_per_unit=args.layers_per_unit)
-        step = step_over(units[shard], num_replicas=replicas, optimizer=optimizer, compute_dtype=args.compute_dtype)
+        r, c = (1, 1) if gather == "none" else GATHER_FORMATS[gather].block
+        granularity = spec.Blocks(r, c) if r > 1 else args.granularity  # a quantized gather plans its tiles
+        if (shard, granularity) not in units:
+            units[shard, granularity] = bundled_units(source, shard, dtype=args.dtype, granularity=granularity,
+                                                      strategy=args.strategy, align=args.align,
+                                                      max_buffers=args.max_buffers, layers_per_unit=args.layers_per_unit)
+        step = step_over(units[shard, granularity], num_replicas=replicas, optimizer=optimizer,
+                         compute_dtype=args.compute_dtype, gather_format=gather)
         build = time.perf_counter() - t0
         activations = step_activations([by_name[n] for n in step.units.names], assumed_schedule(step.units))
         row = predict_rows(step, activations=activations,
@@ -169,11 +195,24 @@ def predict_all(args) -> list[dict]:
         # the lowering's lines say activations and compute were given; these notes say how (analytic, assumed)
         row["assumed"] = ([_activation_note(args), _compute_note(args)] + hw.assumed()
                           + [a for a in row["assumed"] if not a.startswith(("activations:", "compute:"))])
+        if gather != "none":  # the tables show the configuration in the optimizer's column
+            optimizer = f"{optimizer}+{gather}"
         row.update(model=str(source), optimizer=optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                   gather_format=gather, quantized_share=_quantized_share(step) if gather != "none" else 0.0,
                    seq_len=args.seq_len, batch=args.batch, checkpointing=args.checkpointing,
                    flops_per_token=sum(c.flops_per_token for c in costs), build_seconds=build)
         results.append(row)
     return results
+
+
+def _quantized_share(step) -> float:
+    """The share of the sharded elements the step's gather quantizes."""
+    total = done = 0
+    for unit, lay in zip(step.units, step.value_and_grad.layouts):
+        for leaf in unit.plan.leaves:
+            total += leaf.numel
+            done += leaf.numel if lay.gather_formats and lay.gather_formats[leaf.index] is not None else 0
+    return done / total if total else 0.0
 
 
 def run_predict(args, console) -> int:
@@ -186,4 +225,10 @@ def run_predict(args, console) -> int:
         print(json.dumps(results, indent=1))
     else:
         print_predict(results, args, console)
+        for r in results:
+            if r["gather_format"] != "none":
+                fmt = GATHER_FORMATS[r["gather_format"]]
+                console.print(f"[dim]gather: m={r['world_size']} {r['mesh']} {r['optimizer']}: {fmt!r} quantizes "
+                              f"{r['quantized_share']:.1%} of the sharded elements (the matrices it tiles, planned "
+                              "with its blocks); the rest travels unquantized in the same collective[/]")
     return 0

@@ -161,3 +161,20 @@ def test_predict_muon_is_the_lowering_with_its_owner_exchange(capsys, tmp_path):
     exchange = lowered.cost_analysis().get("all_to_all")
     assert exchange.calls > 0 and exchange.bytes > 0
     assert [c for c in row["collectives"] if c["kind"] == "all_to_all"][0]["bytes"] == exchange.bytes
+
+
+def test_predict_with_a_quantized_gather_is_the_lowering(capsys, tmp_path):
+    from ragged import spec
+    from ragged.predict._command import bundled_units, step_over
+
+    path = shapes_file(tmp_path)
+    rows = predict_json(capsys, "--shapes", path, "-m", "16", "--predict", "--dtype", "fp32",
+                        "--gather-format", "none", "mxfp8", "int8")
+    assert [r["gather_format"] for r in rows] == ["none", "mxfp8", "int8"]
+    plain, mx, i8 = ({c["kind"]: c["bytes"] for c in r["collectives"]} for r in rows)
+    # mxfp8 plans rows:1 as before and moves a code byte per element (+ 1/32 for scales) instead of bf16's 2
+    assert 0.5 < mx["all_gather"] / plain["all_gather"] < 0.53
+    assert rows[1]["quantized_share"] > 0.9 and rows[0]["quantized_share"] == 0.0
+    lowered = step_over(bundled_units(path, 16, dtype="fp32", granularity=spec.Blocks(32, 32)),
+                        gather_format="int8").lower()
+    assert {c.kind: c.bytes for c in lowered.cost_analysis().collectives}["all_gather"] == i8["all_gather"]

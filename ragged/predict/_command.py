@@ -8,6 +8,7 @@ step's time, both from labelled assumptions (``ragged/predict/_model_costs.py``,
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import time
 
@@ -35,8 +36,8 @@ def bundled_units(source, world_size: int, *, dtype: str = "fp32", granularity=N
                                    for u in model_units(source, dtype=master, layers_per_unit=layers_per_unit))
     granularity = spec.Rows(1) if granularity is None else granularity
 
-    def specs(path, t):
-        leaf_specs, _ = unit_specs({"x": t}, granularity)
+    def specs(path, t):  # ``granularity``: a spec, or a function of the tensor (a quantized gather's tiles)
+        leaf_specs, _ = unit_specs({"x": t}, granularity(t) if callable(granularity) else granularity)
         return leaf_specs["x"] if isinstance(leaf_specs, dict) else leaf_specs
 
     return fsdp.make_units(tree, world_size=world_size, groups=lambda path: path[2:path.index("']")], specs=specs,
@@ -57,6 +58,14 @@ def where_blocks_fit(fmt):
         return fmt if leaf.granule and leaf.granule % run_unit(fmt, leaf.shape[-1]) == 0 else None
 
     return choose
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(fmt, otherwise):
+    """The granularity of a tensor under a quantized gather: ``fmt``'s ``r x c`` blocks (``r > 1``) for
+    every matrix they tile, ``otherwise`` elsewhere (cached: one function, so units are built once)."""
+    r, c = fmt.block
+    return lambda t: spec.Blocks(r, c) if r > 1 and t.dim() >= 2 and quant_fits(tuple(t.shape), fmt) else otherwise
 
 
 def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute_dtype: str = "bf16",
@@ -179,8 +188,7 @@ def predict_all(args) -> list[dict]:
     for world, replicas, optimizer, gather in configs:
         t0 = time.perf_counter()
         shard = world // replicas
-        r, c = (1, 1) if gather == "none" else GATHER_FORMATS[gather].block
-        granularity = spec.Blocks(r, c) if r > 1 else args.granularity  # a quantized gather plans its tiles
+        granularity = args.granularity if gather == "none" else _tiles(GATHER_FORMATS[gather], args.granularity)
         if (shard, granularity) not in units:
             units[shard, granularity] = bundled_units(source, shard, dtype=args.dtype, granularity=granularity,
                                                       strategy=args.strategy, align=args.align,

@@ -34,6 +34,7 @@ import dataclasses
 
 from ragged._errors import RaggedValueError
 from ragged.predict._timeline import walk
+from ragged.transforms._quantized import unit_wire_bytes
 
 __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
 
@@ -149,10 +150,15 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
+    wire = [unit_wire_bytes(lowered.units[lay.name].plan, lay) for lay in lays]  # quantized: chunks of bytes
+
     def reduce(i):
         gp = lays[i].grad_plan
         rsize = (lays[i].reduce_dtype or gp.dtype).itemsize
-        end = issue("reduce_scatter", gp.buffer_numel * rsize)
+        if wire[i][1] is None:
+            end = issue("reduce_scatter", gp.buffer_numel * rsize)
+        else:  # the quantized reduce-scatter: an all-to-all of every rank's chunks (the same volume per rank)
+            end = issue("all_to_all", wire[i][1])
         if gp.replicated:
             end = issue("all_reduce", gp.replicated_numel * rsize)
         if R > 1:
@@ -171,7 +177,8 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             issue("all_reduce", 16, network.replica, R)
     for action, *args in walk(lowered):  # the program in issue order (shared with the memory timeline)
         if action == "gather":
-            done[args[0]] = issue("all_gather", lays[args[0]].nbytes)
+            i = args[0]
+            done[i] = issue("all_gather", lays[i].nbytes if wire[i][0] is None else wire[i][0])
         elif action == "reduce":
             reduce(args[0])
         elif action == "forward":

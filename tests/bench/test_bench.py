@@ -261,3 +261,29 @@ def test_collectives_bench_runs(capsys):
     collectives.main(["--world-sizes", "2", "--hidden", "16", "--iters", "1"])
     out = capsys.readouterr().out
     assert "rg.gather (out= reused buffer)" in out and "FSDP2-style" in out
+
+
+def _quant_smoke(rank, world, backend):
+    from bench.quant import _bench
+    from bench.step import CONFIGS
+
+    opts = dict(cfg=CONFIGS["tiny"], methods=["fp32", "int8", "mxfp8", "fsdp2-bf16"], repeats=1, warmup=1, batch=2,
+                lr=1e-3, transport={"handshake": "deferred"})
+    return _bench(rank, world, backend, opts)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quant_bench_counts_the_quantized_bytes_at_the_process_group():
+    """One tiny run of bench/quant.py: every method trains on the same batches (the quantized ones
+    within their rounding of fp32's loss), and a quantized gather moves a byte per element plus its
+    scales where fp32 moves four."""
+    from bench._launch import launch
+    from bench.quant import markdown, summarize
+
+    s = summarize("tiny", 2, launch(2, _quant_smoke, backend="gloo", timeout=600))
+    ms = s["methods"]
+    fp32 = ms["fp32"]["comm"]["all_gather"]
+    assert 0.25 < ms["mxfp8"]["comm"]["all_gather"] / fp32 < 0.3 and 0.25 < ms["int8"]["comm"]["all_gather"] / fp32 < 0.3
+    assert all(abs(m["final_loss"] - ms["fp32"]["final_loss"]) < 0.05 for m in ms.values())
+    assert "| mxfp8 |" in markdown(s)

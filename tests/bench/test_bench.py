@@ -267,7 +267,7 @@ def _quant_smoke(rank, world, backend):
     from bench.quant import _bench
     from bench.step import CONFIGS
 
-    opts = dict(cfg=CONFIGS["tiny"], methods=["fp32", "int8", "mxfp8", "fsdp2-bf16"], repeats=1, warmup=1, batch=2,
+    opts = dict(cfg=CONFIGS["tiny"], methods=["fp32", "int8", "mxfp8"], repeats=1, warmup=1, batch=2,
                 lr=1e-3, transport={"handshake": "deferred"})
     return _bench(rank, world, backend, opts)
 

@@ -1,45 +1,44 @@
-"""The quantized all-gather and reduce-scatter on real gloo ranks, in both transports (gloo's
-default and NCCL's shape): the weights every rank gathers equal the single-process quantizer at
-W = 2, 4 and HSDP 2 x 2 (W = 1 and 3 on the simulated backend: tests/transforms/test_quantized.py),
-the reduce-scatter equals its rank-order reference, gradients pass straight through, and the
-bytes at the torch.distributed boundary (every ProcessGroup call counted by bench/_counts.py):
-an fp8 128 x 128 all-gather at most 0.51x bf16's, its reduce-scatter at most 0.52x."""
+"""Quantized communication on 2 real gloo ranks, in both transports (gloo's default and NCCL's
+shape); every world size 1..4 and HSDP 2 x 2 on the simulated backend (tests/transforms/
+test_quantized.py, tests/fsdp/test_quant_step.py):
+
+* the weights every rank gathers equal the single-process quantizer, the reduce-scatter equals
+  its rank-order reference, gradients pass straight through;
+* the bytes at the torch.distributed boundary (every ProcessGroup call counted by
+  bench/_counts.py): an fp8 128 x 128 all-gather at most 0.51x bf16's, its reduce-scatter 0.52x;
+* the FSDP step: float64 training equals the straight-through torch reference (AdamW, 3 steps,
+  within 1e-10), the quantized reduce-scatter equals SGD on rank-order sums of per-rank quantized
+  gradients, and step.lower() counts its collectives call by call and byte by byte."""
 
 import pytest
 import torch
 
 import ragged as rg
 from ragged import spec
-from tests.distributed._harness import both_transports, comm, mesh, transport, workers_fixture
+from tests.distributed._harness import both_transports, comm, workers_fixture
+from tests.fsdp import _quant_cases as qc
+from tests.fsdp._cases import Case
 from tests.transforms import _quant_cases as cases
 
 pytestmark = pytest.mark.distributed
 
 workers2 = workers_fixture(2)
-workers4 = workers_fixture(4)
 transport_fixture = both_transports()
 
 
-def _formats_case(hsdp: bool = False, variants: bool = True):
-    c = rg.collectives.from_torch(mesh((2, 2)), **transport()) if hsdp else comm()
-    out = []
+def _formats_case():
+    c, out = comm(), []
     for name in sorted(cases.FORMATS):
         out.append(cases.gathered_equal_reference(c, name))
+        out.append(cases.gathered_equal_reference(c, name, torch.bfloat16, 2))  # bf16 compute, 2 buffers
         out.append(cases.reduce_scatter_equals_rank_order(c, name))
-        if variants:  # bf16 compute over a multi-buffer plan, a float64 mean, gradients straight through
-            out.append(cases.gathered_equal_reference(c, name, torch.bfloat16, 2))
-            out.append(cases.reduce_scatter_equals_rank_order(c, name, "mean", torch.float64))
-            out.append(cases.straight_through(c, name))
+        out.append(cases.reduce_scatter_equals_rank_order(c, name, "mean", torch.float64))
+        out.append(cases.straight_through(c, name))
     return out
 
 
-def test_quantized_collectives_on_2_ranks(workers2):
+def test_quantized_collectives(workers2):
     assert all(all(r) for r in workers2.run(_formats_case))
-
-
-def test_quantized_collectives_on_4_ranks_and_hsdp_2x2(workers4):
-    assert all(all(r) for r in workers4.run(_formats_case, False, False))
-    assert all(all(r) for r in workers4.run(_formats_case, True, False))
 
 
 _COUNTER = {}
@@ -79,3 +78,36 @@ def _bytes_case():
 def test_fp8_moves_about_half_of_bf16s_bytes_at_the_process_group(workers2):
     for ag, rs in workers2.run(_bytes_case):
         assert 0.45 < ag <= 0.51 and 0.45 < rs <= 0.52, (ag, rs)
+
+
+def _train(case, gather, reduce=None):
+    return qc.run(comm(), case, gather, reduce)
+
+
+def test_step_training_equals_the_straight_through_reference(workers2):
+    case = Case(moe=True, micro_batches=2)
+    ref, ref_losses = qc.gather_reference(case, "fp8")
+    for params, losses in workers2.run(_train, case, "fp8"):
+        assert qc.max_diff(params, ref) < 1e-10
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
+
+
+def test_step_reduce_scatter_equals_the_rank_order_reference(workers2):
+    case = Case(optimizer="sgd", lr=0.5, steps=2)
+    ref = qc.reduce_reference(case, 2, "mxfp8", "int8")
+    for params, _ in workers2.run(_train, case, "mxfp8", "int8"):
+        assert qc.max_diff(params, ref) < 1e-12
+
+
+def _lowered(case):
+    from tests.predict._lower_cases import measured
+
+    return measured(comm(), case, "adamw", gather="fp8", reduce="int8")
+
+
+def test_the_lowering_counts_the_quantized_collectives_exactly(workers2):
+    from tests.predict.test_lower import check
+
+    out = workers2.run(_lowered, Case(moe=True))
+    check(out)
+    assert all(o["calls"][("all_to_all", "shard")][0] > 0 for o in out)

@@ -1,6 +1,6 @@
 """The FSDP step with a quantized gather (and reduce-scatter) against torch references, on any
 comm (simulated ranks: tests/fsdp/test_quant_step.py; gloo ranks in both transports:
-tests/distributed/test_quant_step_gloo.py).
+tests/distributed/test_quant_gloo.py).
 
 * ``gather_reference``: unsharded ``torch.optim.AdamW`` on the whole batch, the forward reading
   ``w + (dequantize(quantize(w)) - w).detach()`` for every quantized parameter (the straight-through

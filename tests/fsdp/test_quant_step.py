@@ -2,7 +2,7 @@
 equals the straight-through torch reference (float64, 3 AdamW steps, within 1e-10) for every
 format, dense and MoE, micro-batches, activation checkpointing, HSDP 2 x 2 and frozen blocks; the
 quantized reduce-scatter equals its rank-order reference; refusals when the step is made. The
-same cases on gloo ranks: tests/distributed/test_quant_step_gloo.py."""
+same cases on gloo ranks: tests/distributed/test_quant_gloo.py."""
 
 import dataclasses
 import re

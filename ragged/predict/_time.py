@@ -39,6 +39,19 @@ from ragged.transforms._quantized import unit_wire_bytes
 __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
 
 
+def _moved(lowered) -> list:
+    """Per unit, ``(all-gather bytes, (kind, bytes) of its gradient reduction)``: the gathered buffer
+    and the reduce-scatter in the reduce dtype, or, quantized, the chunks of bytes (an all-gather;
+    the reduce-scatter an all-to-all of the same volume per rank)."""
+    out = []
+    for lay in lowered.layouts:
+        qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)
+        gp = lay.grad_plan
+        plain = ("reduce_scatter", gp.buffer_numel * (lay.reduce_dtype or gp.dtype).itemsize) if gp is not None else None
+        out.append((lay.nbytes if qgather is None else qgather, plain if qreduce is None else ("all_to_all", qreduce)))
+    return out
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Link:
     """One mesh axis: ``alpha`` seconds per call, ``bandwidth`` bytes per second.
@@ -150,15 +163,12 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
-    wire = [unit_wire_bytes(lowered.units[lay.name].plan, lay) for lay in lays]  # quantized: chunks of bytes
+    moved = _moved(lowered)
 
     def reduce(i):
         gp = lays[i].grad_plan
         rsize = (lays[i].reduce_dtype or gp.dtype).itemsize
-        if wire[i][1] is None:
-            end = issue("reduce_scatter", gp.buffer_numel * rsize)
-        else:  # the quantized reduce-scatter: an all-to-all of every rank's chunks (the same volume per rank)
-            end = issue("all_to_all", wire[i][1])
+        end = issue(*moved[i][1])
         if gp.replicated:
             end = issue("all_reduce", gp.replicated_numel * rsize)
         if R > 1:
@@ -177,8 +187,7 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             issue("all_reduce", 16, network.replica, R)
     for action, *args in walk(lowered):  # the program in issue order (shared with the memory timeline)
         if action == "gather":
-            i = args[0]
-            done[i] = issue("all_gather", lays[i].nbytes if wire[i][0] is None else wire[i][0])
+            done[args[0]] = issue("all_gather", moved[args[0]][0])
         elif action == "reduce":
             reduce(args[0])
         elif action == "forward":

@@ -134,3 +134,45 @@ def test_expert_parallel_step_equals_the_straight_through_reference():
         assert max((a - b).abs().max().item() for a, b in zip(rg.pytree.leaves(local), rg.pytree.leaves(want))) < 1e-10
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
     assert qc.max_diff({"r": plain["router"]}, {"r": ref["router"]}) > 1e-8   # the quantization showed
+
+
+def _qlora(comm, model, choose):
+    import copy
+
+    from tests.fsdp._cases import lm_batches, train_sharded
+
+    policy = fsdp.MixedPrecision(frozen_dtype=torch.float32, gather_format=choose)
+    params, _ = train_sharded(comm, copy.deepcopy(model), lm_batches(), policy=policy)
+    return params
+
+
+def test_a_frozen_base_gathered_quantized_trains_its_adapters_like_torch():
+    """QLoRA's traffic: peft's LoRA on a float64 Llama, the frozen base gathered in MXFP8 into its
+    own float32 compute dtype (one collective with the float64 adapters): the adapters train like
+    torch.optim.AdamW on the same model whose base weights are dequantize(quantize(w)) in float32."""
+    import copy
+
+    from ragged.quant._codec import fits_shape
+    from tests.distributed.test_finetune_gloo import lora_llama
+    from tests.fsdp._cases import lm_batches, train_reference
+
+    fmt = rg.quant.mxfp8(block=16)
+    base = lambda shape, path: len(shape) >= 2 and "lora_" not in path and fits_shape(tuple(shape), fmt)  # noqa: E731
+    model = lora_llama()
+    full, _ = rg.collectives.simulate(2, _qlora, model, lambda leaf: fmt if base(leaf.shape, leaf.path) else None)
+    ref_model = copy.deepcopy(model)
+    quantized = 0
+    for name, p in ref_model.named_parameters():
+        if not p.requires_grad:
+            if base(p.shape, name):
+                p.data = rg.quant.dequantize(*rg.quant.quantize(p.data, fmt), fmt, dtype=torch.float32)
+                quantized += 1
+            else:
+                p.data = p.data.float()
+    ref = train_reference(ref_model, lm_batches())
+    assert quantized >= 4
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            assert (full[k] - ref[k]).abs().max().item() < 1e-10, k
+        else:
+            assert torch.equal(full[k], p)  # the float64 master of a frozen leaf never changes

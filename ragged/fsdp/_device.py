@@ -38,7 +38,10 @@ once that stream is ordered after every other stream's use of it:
   cast to the reduce dtype right after the start, else the reduce-scatter itself, when it is
   waited: the point ``max_inflight_reduce`` bounds);
 * what a side stream allocates for itself (the cast shard, the cast gradient, the
-  reduce-scatter's output) is used by that stream alone until the end-of-call wait.
+  reduce-scatter's output) is used by that stream alone until the end-of-call wait;
+* the quantized collectives' chunks of bytes come from the collectives' scratch pool, which
+  hands a buffer given back on a stream only to that stream again (see [Note: scratch across
+  streams] in ``ragged/collectives/_scratch.py``).
 
 On the CPU (gloo, the simulated backend, the fake process group) :class:`HostStreams` makes
 every one of these calls a no-op: collectives run on gloo's threads and are waited on the

@@ -2,6 +2,7 @@
 
 import torch
 
+from ragged.collectives import _scratch
 from ragged.collectives._scratch import _Scratch
 
 
@@ -38,3 +39,19 @@ def test_inside_torch_func_a_fresh_buffer_is_handed_out():
     g = torch.func.grad(f)(torch.ones(3))
     assert torch.equal(g, 2 * torch.ones(3))
     assert pool.take(3, torch.float32, "cpu").data_ptr() == kept.data_ptr()  # still there for later
+
+
+def test_a_buffer_given_back_on_one_stream_is_handed_only_to_that_stream(monkeypatch):
+    """See [Note: scratch across streams]: on CUDA a buffer is given back while its stream may still
+    read it, so another stream must not get it (streams stood in by names here)."""
+    current = ["gather"]
+    monkeypatch.setattr(_scratch, "current_stream", lambda device: current[0])
+    pool = _Scratch(keep=2)
+    a = pool.take(8, torch.uint8, "cpu")
+    pool.give(a)
+    current[0] = "reduce"
+    b = pool.take(8, torch.uint8, "cpu")
+    assert b.data_ptr() != a.data_ptr()
+    pool.give(b)
+    current[0] = "gather"
+    assert pool.take(8, torch.uint8, "cpu").data_ptr() == a.data_ptr()

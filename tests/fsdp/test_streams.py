@@ -3,7 +3,8 @@ on the CPU through the real ``CudaStreams`` over a recording fake of the ``torch
 (``tests/fsdp/_streams.py``): results equal the host path's, no two streams touch a buffer
 unordered (the race detector), gathers and reduce-scatters overlap compute, and the detector
 does catch a missing fence or wait, each both ways a unit gets its gathered memory (a pool block
-swapped in, or its storage resized: ``ragged._compat.CAN_SWAP_STORAGE``). Also: a backward whose
+swapped in, or its storage resized: ``ragged._compat.CAN_SWAP_STORAGE``); the quantized
+collectives' scratch buffers never pass from one side stream to the other. Also: a backward whose
 callbacks come from two autograd threads is refused on every rank."""
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import torch
 
 import ragged as rg
 from ragged import _compat
+from ragged.collectives import _scratch
 from ragged.fsdp import _device, _pool, _runtime
+from ragged.transforms import _quantized
+from tests.fsdp import _quant_cases as qc
 from tests.fsdp._cases import Case, fsdp_run
 from tests.fsdp._streams import FakeCudaApi, RecordingStreams
 
@@ -130,3 +134,70 @@ def test_the_cuda_checks_pass_on_the_cpu_with_fake_streams():
     on_gpu.test_side_streams_give_the_result_of_no_streams(results)
     on_gpu.test_bf16_compute_with_fp32_reductions_stays_close_to_fp32(results)
     assert results["fp64_max_diff"] < 1e-10 and results["fp64_loss_diff"] < 1e-9, results
+
+
+class _RankScratch:
+    """The quantized collectives' scratch pool as each rank's device sees it: one real pool per
+    simulated rank (one process per rank in a real run), whose buffers are reported to the rank's
+    current ``RecordingStreams`` as device memory: a ``take`` writes the buffer on the current
+    stream (the encode, the collective's output), a ``give`` reads it there (the decode queued on
+    the waiting stream). ``reused`` counts, per stream, the takes a free buffer served."""
+
+    def __init__(self, recorders: dict):
+        self.recorders, self.pools, self.seen = recorders, {}, {}
+        self.reused = collections.Counter()
+
+    def _here(self):
+        t = threading.get_ident()
+        rec = self.recorders[t]
+        return self.pools.setdefault(t, _scratch._Scratch()), rec, rec.fake.current_name()
+
+    def take(self, numel, dtype, device):
+        pool, rec, stream = self._here()
+        buf = pool.take(numel, dtype, device)
+        key = ("scratch", id(buf))
+        if id(buf) in self.seen:
+            self.reused[stream] += 1
+            rec.access(stream, key, write=True)
+        else:
+            self.seen[id(buf)] = buf  # kept alive: ids stay unique
+            rec.alloc(stream, key, buf.numel() * buf.element_size())
+        return buf
+
+    def give(self, buf):
+        pool, rec, stream = self._here()
+        rec.access(stream, ("scratch", id(buf)))
+        pool.give(buf)
+
+
+def test_quantized_collectives_on_two_side_streams_never_share_a_scratch_buffer(monkeypatch):
+    """A unit's fp8 gather and its fp8 reduce-scatter move chunks of one size here (float64
+    throughout, the same blocks), so one pool for both side streams handed the buffer a
+    reduce-scatter had just given back to the next all-gather, which wrote it while the reduce
+    stream could still be summing out of it (see [Note: scratch across streams] in
+    ragged/collectives/_scratch.py): a race here, a wrong gradient or weight on a GPU. Keyed by
+    stream, each side stream reuses only its own buffers, and the results are the host's."""
+    case = Case(num_layers=2, steps=2)
+    host = rg.collectives.simulate(2, qc.run, case, "fp8", "fp8")
+    apis, recorders, made = {}, {}, []
+
+    def streams_for(device):
+        t = threading.get_ident()
+        recorders[t] = RecordingStreams(apis.setdefault(t, FakeCudaApi()))
+        made.append(recorders[t])
+        return recorders[t]
+
+    def current_stream(device):
+        api = apis[threading.get_ident()]
+        return api.by_name[api.current_name()]
+
+    scratch = _RankScratch(recorders)
+    monkeypatch.setattr(_runtime, "streams_for", streams_for)
+    monkeypatch.setattr(_quantized, "SCRATCH", scratch)
+    monkeypatch.setattr(_scratch, "current_stream", current_stream)
+    fake = rg.collectives.simulate(2, qc.run, case, "fp8", "fp8")
+    problems = [p for s in made for p in s.problems]
+    assert problems == [], problems[:5]
+    assert scratch.reused[_device.GATHER] and scratch.reused[_device.REDUCE], scratch.reused  # the pool is in play
+    for (hp, hl), (fp, fl) in zip(host, fake):
+        assert hl == fl and all(torch.equal(hp[k], fp[k]) for k in hp)

@@ -12,21 +12,20 @@ muon    Newton-Schulz work per rank (every 2-D matrix and every expert matrix of
         flops over ranks and the largest single matrix (balanced means max - min <= one
         matrix), for owners balanced within one unit and jointly over the whole model.
 step    Wall time of one optimizer step on one process (torch.set_num_threads(1)) over the same
-        fp32 parameters: ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW`` foreach and
-        for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one flat tensor,
-        and ``rg.optim.adamw_8bit`` on the DBuffer: its compiled update (``kernel="compiled"``,
-        ``torch.compile`` of the fused update; functional and ``donate=True``, in place as
-        torch's) and its eager torch ops (``kernel="eager"``, ``donate=True``). Each of ours
-        includes ``apply_updates``; the donated ones refill the donated gradient buffer, as the
-        next backward would. Every method runs once before the timed rounds (the 8-bit update
-        compiles there; the time is printed). Median of --iters, interleaved, and the paired
-        ratio (median over rounds of method / torch foreach per-leaf in the same round).
-        ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``: only torch's
-        foreach AdamW and the two 8-bit kernels; ``--json FILE``: the rows, every round's time
-        and the command.
+        fp32 parameters (four decoder layers of ``--hidden``: 12.6M parameters at 512, 28 leaves;
+        ``Blocks(32, 32)`` on the matrices): ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW``
+        foreach, fused and for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one
+        flat tensor, and ``rg.optim.adamw_8bit`` on the DBuffer (functional and ``donate=True``,
+        in place as torch's). Each of ours includes ``apply_updates``; the donated ones refill
+        the donated gradient buffer, as the next backward would. Every method runs twice before
+        the timed rounds. Median of --iters, interleaved, and the paired ratios (median over
+        rounds of method / torch's foreach or fused AdamW in the same round, with a bootstrap
+        95% interval). ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``:
+        only torch's foreach and fused AdamW and the 8-bit update; ``--json FILE``: the rows,
+        every round's time and the command (``bench/report.py`` renders them).
 
 Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
-      python3 bench/optim.py --sections step --only-8bit --iters 15 --json optim-step.json
+      python3 bench/report.py record optim-step -- python3 bench/optim.py --sections step --only-8bit --iters 21
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ import ragged as rg  # noqa: E402
 from ragged import spec  # noqa: E402
 from ragged._dbuffer import DBuffer  # noqa: E402
 
-from bench._measure import Timer, interleaved, paired  # noqa: E402
+from bench._measure import Timer, interleaved, median_ci  # noqa: E402
 
 
 def specs_for(params):
@@ -179,9 +178,9 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
         opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **kw)
         return opt.step
 
-    q8 = lambda kernel, donate: ours(  # noqa: E731
-        lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=donate, kernel=kernel), donate)
-    methods = {"torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True)}
+    q8 = lambda donate: ours(lambda: rg.optim.adamw_8bit(1e-3, weight_decay=0.1, donate=donate), donate)  # noqa: E731
+    methods = {"torch AdamW foreach (per-leaf)": torch_opt(False, foreach=True),
+               "torch AdamW fused (per-leaf)": torch_opt(False, fused=True)}
     if not only_8bit:
         methods.update({
             "rg.optim.adamw (DBuffer, functional)": ours(lambda: rg.optim.adamw(1e-3, weight_decay=0.1)),
@@ -191,16 +190,8 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
                 rg.optim.scale_by_adam(), rg.optim.add_decayed_weights(0.1), rg.optim.scale_by_learning_rate(1e-3))),
             "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
             "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
-            "rg.optim.adamw_8bit (functional, kernel='compiled')": q8("compiled", False),
         })
-    methods.update({
-        "rg.optim.adamw_8bit (donate=True, kernel='compiled')": q8("compiled", True),
-        "rg.optim.adamw_8bit (donate=True, kernel='eager')": q8("eager", True),
-    })
-    t0 = time.perf_counter()
-    for step in methods.values():  # the first compile of the 8-bit update, outside the timed rounds
-        step()
-    first = time.perf_counter() - t0
+    methods.update({"rg.optim.adamw_8bit (functional)": q8(False), "rg.optim.adamw_8bit (donate=True)": q8(True)})
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def timed(fn):
@@ -212,24 +203,25 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
 
     times = interleaved({k: timed(v) for k, v in methods.items()}, iters, warmup=2)  # warm-up: state allocation
     title = (f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, {dev.type}, 1 thread (median of "
-             f"{iters}, interleaved; paired: median over rounds of method / torch foreach per-leaf in the same round; "
-             f"first calls incl. the 8-bit update's compile: {first:.0f} s)")
+             f"{iters}, interleaved; paired: median over rounds of method / torch's AdamW in the same round, "
+             "bootstrap 95% interval in brackets)")
     table = Table(title=title)
-    table.add_column("method")
-    table.add_column("ms", justify="right")
-    table.add_column("vs torch foreach per-leaf (ratio of medians)", justify="right")
-    table.add_column("paired ratio", justify="right")
-    ref = times["torch AdamW foreach (per-leaf)"]
-    base = statistics.median(ref)
+    for col in ("method", "ms", "paired vs torch foreach", "paired vs torch fused"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    refs = {"foreach": times["torch AdamW foreach (per-leaf)"], "fused": times["torch AdamW fused (per-leaf)"]}
     rows = []
     for k, ts in times.items():
-        t = statistics.median(ts)
-        rows.append({"method": k, "ms": t * 1e3, "ratio_of_medians": t / base, "paired": paired(ts, ref),
-                     "seconds": ts})
-        table.add_row(k, f"{t * 1e3:.1f}", f"{t / base:.2f}x", f"{paired(ts, ref):.2f}x")
+        row = {"method": k, "ms": statistics.median(ts) * 1e3, "seconds": ts}
+        cells = []
+        for ref, ref_ts in refs.items():
+            ratios = [a / b for a, b in zip(ts, ref_ts)]
+            row[f"paired_{ref}"], row[f"ci_{ref}"] = statistics.median(ratios), median_ci(ratios)
+            cells.append(f"{row[f'paired_{ref}']:.2f}x [{row[f'ci_{ref}'][0]:.2f}-{row[f'ci_{ref}'][1]:.2f}]")
+        rows.append(row)
+        table.add_row(k, f"{row['ms']:.1f}", *cells)
     console.print(table)
     return {"section": "step", "device": dev.type, "numel": n, "leaves": len(params), "iters": iters,
-            "first_calls_s": first, "torch": torch.__version__, "rows": rows}
+            "torch": torch.__version__, "rows": rows}
 
 
 def _muon_worker(rank, m, backend, iters, size):
@@ -296,7 +288,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--device", default="cpu", help="step section: where the parameters live (cpu, cuda)")
     ap.add_argument("--only-8bit", action="store_true",
-                    help="step section: only torch's foreach AdamW and the two 8-bit kernels (compiled, eager)")
+                    help="step section: only torch's foreach and fused AdamW and the 8-bit update")
     ap.add_argument("--json", default=None, help="step section: write its rows (every timed round) to this JSON file")
     args = ap.parse_args()
     console = make_console(min_width=150)

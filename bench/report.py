@@ -167,6 +167,18 @@ def quant_tables(result: dict) -> list[str]:
     return [markdown(cell) for cell in data["cells"]]
 
 
+def optim_tables(result: dict) -> list[str]:
+    """``bench/optim.py --sections step``: one optimizer step per method, paired against torch's AdamW."""
+    d = result["data"]
+    lines = [f"| method ({d['numel'] / 1e6:.1f}M fp32 params, {d['leaves']} leaves, {d['device']}, 1 thread, "
+             f"{d['iters']} rounds) | ms (median) | paired vs torch foreach [95% CI] | paired vs torch fused [95% CI] |",
+             "|---|---|---|---|"]
+    for r in d["rows"]:
+        cells = [f"{r[f'paired_{k}']:.2f}x [{r[f'ci_{k}'][0]:.2f}-{r[f'ci_{k}'][1]:.2f}]" for k in ("foreach", "fused")]
+        lines.append(f"| {r['method']} | {r['ms']:.1f} | " + " | ".join(cells) + " |")
+    return ["\n".join(lines)]
+
+
 def predict_time_tables(result: dict) -> list[str]:
     """``bench/predict.py --time``: the step time predicted from W = 1 pieces vs measured on gloo, per model."""
     from bench._predict_time import markdown
@@ -176,7 +188,8 @@ def predict_time_tables(result: dict) -> list[str]:
 
 RENDERERS = {"bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
              "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables,
-             "bench/quant.py": quant_tables}
+             "bench/quant.py": quant_tables,
+             "bench/optim.py": optim_tables}
 
 # The page: (heading, prose before the tables, result names in order). The prose says what is
 # measured and how; every figure is in a table.
@@ -204,6 +217,13 @@ The dense GPT's parameters and the same gradients for a few steps at each world 
 quantized per local shard (FSDP2 + torchao style: 1024-element blocks of each rank's piece) and with
 ragged's `Blocks(32, 32)` (the plan's tiles, which no rank boundary cuts); results compared bit for bit
 with the first world size. Deterministic.""", ["quant8"]),
+    ("8-bit AdamW: the step against torch's AdamW", """\
+One optimizer step on one thread over the same fp32 parameters (four decoder layers at hidden 512,
+`Blocks(32, 32)` on the matrices): torch's `AdamW` with `foreach=True` and with `fused=True` on the
+per-leaf tensors, and `rg.optim.adamw_8bit` on the DBuffer, functional and with `donate=True` (in
+place, as torch's; ours include `apply_updates`). The methods alternate within each round; the
+paired ratio is the median over rounds of method / torch's step in the same round, with a bootstrap
+95% interval.""", ["optim-step"]),
     ("Memory at large W: one rank on torch's fake process group", """\
 Each cell is two fresh processes (one per method) that join a W-rank fake process group as one rank:
 collectives return at once and move no data, every allocation is real. ragged (`rg.fsdp` step, AdamW,

@@ -40,11 +40,6 @@ ragged does about it:
   a compiled function of that one call fails alike, without ragged; float32, ``aot_eager`` and
   torch 2.13 / 2.14 pass). It is torch's, in the user's compiled blocks, so ragged does not work
   around it: :data:`INDUCTOR_CPU_FP64_ATTENTION_BACKWARD` says where the float64 inductor test runs.
-* **adamw_8bit's compiled kernel.** torch 2.11's inductor fails to lower the fused 8-bit update
-  of ``spec.Elements(256)`` buffers (``LoweringException: KeyError: 'unbacked_bindings'`` at an
-  ``aten.slice``); ``Blocks(32, 32)``'s compiles, and torch 2.13 / 2.14 compile both.
-  ``kernel="auto"`` already falls back to the eager ops with a warning; ``kernel="compiled"``
-  raises, and :data:`ADAMW_8BIT_COMPILE_NOTE` makes its message name the torch it needs.
 * **Older torch.** Below 2.11 nothing is tested; importing ragged raises :class:`ImportError`
   naming the range instead of failing later in some collective. Above the range (2.15+)
   ragged imports: the bound in ``pyproject.toml`` says what was tested, an import does not
@@ -67,7 +62,7 @@ from torch.torch_version import TorchVersion
 
 __all__ = [
     "TORCH_RANGE", "CAN_SWAP_STORAGE", "DYNAMO_TRACES_TREESPEC_EQ", "INDUCTOR_CPU_FP64_ATTENTION_BACKWARD",
-    "ADAMW_8BIT_COMPILE_NOTE", "all_gather_single", "reduce_scatter_single",
+    "all_gather_single", "reduce_scatter_single",
 ]
 
 TORCH_RANGE = ("2.11", "2.15")  # supported: >= first, < second (pyproject.toml says the same)
@@ -99,9 +94,3 @@ DYNAMO_TRACES_TREESPEC_EQ = TorchVersion(torch.__version__) >= "2.13"
 #: torch 2.11 (see [Note: torch 2.11 to 2.14]); torch 2.13 and 2.14 (2.12 not run).
 INDUCTOR_CPU_FP64_ATTENTION_BACKWARD = TorchVersion(torch.__version__) >= "2.13"
 
-#: What a failed compile of the fused ``adamw_8bit`` update adds to its error: torch 2.11's inductor
-#: fails to lower some of them (see [Note: torch 2.11 to 2.14]); torch 2.13 and 2.14 compile every
-#: one the tests use.
-ADAMW_8BIT_COMPILE_NOTE = "" if TorchVersion(torch.__version__) >= "2.13" else (
-    " torch 2.11's inductor fails to lower some of these updates (in the tests: spec.Elements(256)'s (1, 256)"
-    " blocks; Blocks(32, 32) compiles); the compiled kernel needs torch >= 2.13 (tested: 2.13.0, 2.14.1).")

@@ -9,6 +9,8 @@
 #      collectives' streams on and off, bf16 compute / fp32 reduce, the memory harness on the GPU);
 #   2. step-fp32, step-bf16: bench/step.py at W=1 on NCCL, ragged vs FSDP2 vs unsharded: step time
 #      (paired ratios with bootstrap CIs) and peak allocated / reserved memory;
+#   2b. optim-8bit: bench/optim.py's step section on the GPU, rg.optim.adamw_8bit against torch's
+#      foreach and fused AdamW (paired ratios with bootstrap CIs);
 #   3. memory: bench/memory.py, one rank's peak at W=8 on torch's fake process group, on the GPU;
 #   4. calibrate: bench/calibrate.py, the per-call cost of all-gather / reduce-scatter at W=1 NCCL.
 # All stages share one deadline (BUDGET seconds, default 420 on the GPU, 1800 with --dry-run;
@@ -105,6 +107,8 @@ if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
     stage cuda-tests 300 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
     stage step-fp32 200 "$PY" bench/step.py --model tiny --world 1 --repeats 2 --warmup 1 --backend gloo \
         --json "$W/step.jsonl" --markdown
+    stage optim-8bit 200 "$PY" bench/optim.py --sections step --only-8bit --hidden 128 --iters 2 \
+        --json "$W/optim-step.json"
     stage memory 300 "$PY" bench/memory.py --models tiny --world 8 --checkpointing on --warmup 1 \
         --json "$W/memory.jsonl" --markdown
     stage calibrate 200 "$PY" bench/calibrate.py --sizes-mib 1 --iters 3 --backend gloo --json "$W/calibrate.jsonl"
@@ -115,6 +119,8 @@ else
         --json "$W/step.jsonl" --markdown
     stage step-bf16 75 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 --policy bf16 \
         --json "$W/step.jsonl" --markdown
+    stage optim-8bit 40 "$PY" bench/optim.py --sections step --only-8bit --device cuda --iters 15 \
+        --json "$W/optim-step.json"
     stage memory 100 "$PY" bench/memory.py --models dense moe moe-few --world 8 --checkpointing on off --warmup 1 \
         --json "$W/memory.jsonl" --markdown
     stage calibrate 45 "$PY" bench/calibrate.py --sizes-mib 1 16 256 --iters 20 --json "$W/calibrate.jsonl"

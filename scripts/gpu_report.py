@@ -1,6 +1,7 @@
 """Collects what ``scripts/gpu_check.sh`` wrote under OUTDIR into ``summary.json`` and ``summary.md``:
 the machine, each stage's exit status and time, the CUDA tests' outcome, the step tables
-(``bench/step.py --json``), the memory table (``bench/memory.py --json``) and the per-call
+(``bench/step.py --json``), the optimizer step of 8-bit AdamW against torch's AdamW
+(``bench/optim.py --json``), the memory table (``bench/memory.py --json``) and the per-call
 cost of the collectives at W=1 (``bench/calibrate.py --json``).
 
     python3 scripts/gpu_report.py OUTDIR [--dry-run 0|1]
@@ -27,6 +28,13 @@ def _lines(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _json(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _tests(path):
     """``{tests, failures, errors, skipped}`` and the names of the tests that did not pass, from a JUnit file."""
     if not os.path.isfile(path):
@@ -48,6 +56,7 @@ def main(argv=None) -> int:
 
     from bench.memory import markdown as memory_markdown
     from bench.memory import row
+    from bench.report import optim_tables
     from bench.step import markdown as step_markdown
 
     out = args.outdir
@@ -66,8 +75,9 @@ def main(argv=None) -> int:
     cells = _lines(os.path.join(out, "memory.jsonl"))
     calls = _lines(os.path.join(out, "calibrate.jsonl"))
     tests = _tests(os.path.join(out, "cuda-tests.xml"))
-    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "memory": cells,
-               "calibrate": calls}
+    optim = _json(os.path.join(out, "optim-step.json"))
+    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "optim": optim,
+               "memory": cells, "calibrate": calls}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -80,6 +90,9 @@ def main(argv=None) -> int:
                    f"{tests['skipped']} skipped" + (f"; not passed: {', '.join(tests['not_passed'])}" if tests["not_passed"] else "")]
     for s in steps:
         md += ["", f"## Training step ({s.get('backend', '?')})", "", step_markdown(s)]
+    if optim is not None:
+        md += ["", f"## One optimizer step: 8-bit AdamW against torch's AdamW ({optim['device']})", "",
+               optim_tables({"data": optim})[0]]
     if cells:
         rows = [row(c["model"], c["checkpointing"], c, c.get("units", "default")) for c in cells]
         md += ["", "## One rank's peak memory, fake process group", "", memory_markdown(rows)]

@@ -2,8 +2,8 @@
 
 Which elements are quantized and why the state is the same at every world size: [Note: blocks
 are the plan's blocks] (``_quant8_state.py``). The codes: [Note: dynamic quantization maps]
-(``_quant8_codec.py``). How the update runs, compiled or eager: [Note: one update, compiled or
-eager] (``_quant8_fused.py``).
+(``_quant8_codec.py``). How one chunk's update runs: [Note: one chunk, no allocation]
+(``_quant8_fused.py``).
 
 [Note: one update]
 Per quantized piece one step decodes both moments, runs Adam in fp32, writes the update (plus
@@ -16,12 +16,11 @@ block's new absmax and encodes both moments:
     u = u + p * weight_decay;  u = u * -lr                        (adamw_8bit)
     absmax = max |m| per block;  code = encode(m * (1 / absmax))  (same for v)
 
-It runs over chunks of whole blocks, as one torch function that ``torch.compile`` fuses (or the
-same ops eagerly). Only single-rounding float32 ops in this order -- never lerp / addcmul /
-add(alpha=), whose vectorised and scalar-tail paths may differ by an FMA -- and a correctly
-rounded square root, so the state never depends on where an element sits in the buffer, nor on
-the world size. Small and non-block leaves and replicated leaves keep fp32 moments, updated by
-the same formula in eager torch ops.
+It runs over chunks of whole blocks (on a CPU, sized for the cache). Only single-rounding
+float32 ops in this order -- never lerp / addcmul / add(alpha=), whose vectorised and scalar-tail
+paths may differ by an FMA -- and a correctly rounded square root, so the state never depends on
+where an element sits in the buffer, nor on the world size. Small and non-block leaves and
+replicated leaves keep fp32 moments, updated by the same formula and the same function.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
 from ragged.optim._base import GradientTransformation, Schedule, zero_count
-from ragged.optim._quant8_codec import codec
+from ragged.optim._quant8_codec import Workspace, codec
 from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
@@ -78,7 +77,7 @@ def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
 
 
 class _Hyper:
-    """The scalars of one step: ``hp`` (float32, as torch rounds Python scalars; see
+    """The scalars of one step: ``hp`` (float32, as torch rounds Python scalars; indexed as in
     ``_quant8_fused``) and the flags that select the formula's optional terms."""
 
     def __init__(self, b1, b2, eps, count, decay, lr):
@@ -88,71 +87,60 @@ class _Hyper:
         parts = [c(b1), c(1.0 - b1), c(b2), c(1.0 - b2), c(eps), 1.0 - b1**t, torch.sqrt(1.0 - b2**t),
                  c(decay or 0.0), lr_t]
         self.hp = torch.stack(parts).to(torch.float32)
-        self.flags = (decay is not None, lr is not None, eps == 0)
+        self.flags = dict(decay=decay is not None, lr=lr is not None, zero_eps=eps == 0)
         self._on: dict = {}
 
-    def on(self, device) -> torch.Tensor:
-        """``hp`` on ``device`` (copied once per device)."""
+    def on(self, device) -> tuple[torch.Tensor, ...]:
+        """``hp`` on ``device``, as 0-dim tensors (copied once per device)."""
         key = str(device)
         if key not in self._on:
-            self._on[key] = self.hp.to(device)
+            self._on[key] = self.hp.to(device).unbind(0)
         return self._on[key]
 
 
-def _adam(m, v, g, p, h: _Hyper, *, fresh: bool):
-    decay, lr, zero_eps = h.flags
-    return fused.adam(m, v, g, p, h.on(g.device), decay=decay, lr=lr, zero_eps=zero_eps, fresh=fresh)
-
-
-def _piece(q, g, p, out, codes_in, scales_in, codes_out, scales_out, h: _Hyper, cm, cv, kernel) -> None:
-    """One quantized piece, chunk by chunk (see [Note: one update, compiled or eager]); the
-    tensors are the whole shard's (elements) and the moments' compact arrays, the results are
-    written into ``out``, ``codes_out`` and ``scales_out``."""
-    fn = fused.update_fn(kernel, g.device, (q.br, q.bc), h.flags)
-    hp = h.on(g.device)
-    for c in chunks(q):
-        u, mc, ms, vc, vs = fn(g, p, *codes_in, *scales_in, hp, cm, cv, c.local_offset, c.code_offset, c.scale_offset,
-                               c.rows, c.cols, c.bands, c.tiles)
-        at = lambda t, lo, n: t[lo : lo + n]  # noqa: E731
-        shape = (c.rows, c.cols)
-        at(out, c.local_offset, c.numel).view(shape).copy_(u)
-        at(codes_out[0], c.code_offset, c.numel).view(shape).copy_(mc)
-        at(codes_out[1], c.code_offset, c.numel).view(shape).copy_(vc)
-        at(scales_out[0], c.scale_offset, c.num_blocks).copy_(ms)
-        at(scales_out[1], c.scale_offset, c.num_blocks).copy_(vs)
-
-
-def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *, min_size, donate, kernel):
+def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *, min_size, donate):
     """One DBuffer's step: ``(update DBuffer, new moments)``."""
     lay = shard_layout(g, min_size)
     dev = g.data.device
-    cm, cv = codec(True, dev), codec(False, dev)
+    hp = h.on(dev)
     gdata = g.data.to(torch.float32)
     in_place = donate and gdata is g.data and not g.data.requires_grad
-    pdata = p.data.detach().to(torch.float32) if h.flags[0] else None
-    if in_place:  # the update overwrites the gradient piece by piece, after reading it
-        out = gdata
-        _zero_padding(out, g)
-        codes_out, scales_out = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
+    pdata = p.data.detach().to(torch.float32) if h.flags["decay"] else None
+    codes, scales = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
+    if in_place:  # the update overwrites the gradient chunk by chunk, after reading it
+        out, new_codes, new_scales = gdata, codes, scales
     else:
         out = torch.empty(g.data.shape, dtype=torch.float32, device=dev)  # every element is written below
-        _zero_padding(out, g)
-        codes_out = (torch.empty_like(mom.mu_codes), torch.empty_like(mom.nu_codes))
-        scales_out = (torch.empty_like(mom.mu_scales), torch.empty_like(mom.nu_scales))
-    codes_in, scales_in = (mom.mu_codes, mom.nu_codes), (mom.mu_scales, mom.nu_scales)
-    for q in lay.qpieces:
-        _piece(q, gdata, pdata, out, codes_in, scales_in, codes_out, scales_out, h, cm, cv, kernel)
+        new_codes = tuple(torch.empty_like(t) for t in codes)
+        new_scales = tuple(torch.empty_like(t) for t in scales)
+    _zero_padding(out, g)
+    pieces = [c for q in lay.qpieces for c in chunks(q, dev.type)]
+    if pieces:
+        ws = Workspace(max(c.numel for c in pieces), dev)
+        cm, cv = codec(True, dev), codec(False, dev)
+        for c in pieces:
+            fused.chunk_update(c, gdata, pdata, out, codes, scales, new_codes, new_scales, hp, cm, cv, ws, **h.flags)
     mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
     if lay.num_fp32:
-        idx = lay.fp32_index
-        pf = None if pdata is None else pdata.index_select(0, idx)
-        mu_fp32, nu_fp32, u = _adam(mom.mu_fp32, mom.nu_fp32, gdata.index_select(0, idx), pf, h, fresh=in_place)
-        out.index_copy_(0, idx, u)
+        mu_fp32, nu_fp32, u = _adam(mu_fp32, nu_fp32, gdata, pdata, lay.fp32_index, hp, h, in_place)
+        out.index_copy_(0, lay.fp32_index, u)
     prep = None if pdata is None else p.replicated.detach().to(torch.float32)
-    mu_rep, nu_rep, u_rep = _adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), prep, h, fresh=in_place)
-    new = Quant8Moments(*codes_out, *scales_out, mu_fp32, nu_fp32, mu_rep, nu_rep)
+    mu_rep, nu_rep, u_rep = _adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), prep, None, hp, h, in_place)
+    new = Quant8Moments(*new_codes, *new_scales, mu_fp32, nu_fp32, mu_rep, nu_rep)
     wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
     return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
+
+
+def _adam(mu, nu, g, p, index, hp, h: _Hyper, in_place: bool):
+    """The fp32 moments' step (elements ``index`` of ``g`` and ``p``, or all of them):
+    ``(new mu, new nu, update)``; the moments in place when ``in_place``."""
+    if index is not None:
+        g = g.index_select(0, index)
+        p = None if p is None else p.index_select(0, index)
+    m, v = (mu, nu) if in_place else (mu.clone(), nu.clone())
+    u = torch.empty_like(m)
+    fused.adam_into(m, v, g, p, hp, u, torch.empty_like(m), **h.flags)
+    return m, v, u
 
 
 def _check_state(flat_g, flat_m, min_size) -> None:
@@ -169,7 +157,7 @@ def _check_state(flat_g, flat_m, min_size) -> None:
             )
 
 
-def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, lr, min_size, donate, kernel):
+def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, lr, min_size, donate):
     """The step over every DBuffer of ``updates``: ``(new updates, new ScaleByAdam8bitState)``."""
     _check_dbuffers(updates, "updates")
     flat_g, treedef = pytree.flatten(updates, is_leaf=is_dbuffer)
@@ -178,7 +166,7 @@ def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, l
     flat_p = pytree.leaves(params, is_leaf=is_dbuffer) if decay is not None else [None] * len(flat_g)
     count = state.count + 1
     h = _Hyper(b1, b2, eps, count, decay, lr)
-    results = [_step_buffer(g, m, p, h, min_size=min_size, donate=donate, kernel=kernel)
+    results = [_step_buffer(g, m, p, h, min_size=min_size, donate=donate)
                for g, m, p in zip(flat_g, flat_m, flat_p)]
     new_updates = pytree.unflatten(treedef, [r[0] for r in results])
     moments = pytree.unflatten(pytree.structure(state.moments, is_leaf=_is_moments), [r[1] for r in results])
@@ -193,7 +181,6 @@ def _init(params, min_size):
 
 def scale_by_adam_8bit(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096, donate: bool = False,
-    kernel: str = "auto",
 ) -> GradientTransformation:
     """Adam's rescaling with block-wise 8-bit moments (see [Note: blocks are the plan's blocks]).
 
@@ -209,10 +196,6 @@ def scale_by_adam_8bit(
             :func:`ragged.optim.scale_by_adam` does): no shard-sized allocation per step, but
             the caller must not read the old state or the gradients afterwards. Results are
             bit-identical to ``donate=False``.
-        kernel: how the update runs: ``"auto"`` (default: compiled by ``torch.compile`` when
-            it compiles and reproduces the eager ops, else eager, with a warning),
-            ``"compiled"`` or ``"eager"``; all give bit-identical results (the rule: [Note: one
-            update, compiled or eager] in ``ragged/optim/_quant8_fused.py``).
 
     The params must be a DBuffer or a pytree of DBuffers.
 
@@ -230,12 +213,11 @@ def scale_by_adam_8bit(
         1.0
     """
     _check_adam(b1, b2, eps)
-    fused.check_kernel(kernel)
 
     def update(updates, state, params=None):
         del params
         return _step(updates, state, None, b1=b1, b2=b2, eps=eps, decay=None, lr=None, min_size=min_size,
-                     donate=donate, kernel=kernel)
+                     donate=donate)
 
     return GradientTransformation(lambda params: _init(params, min_size), update, donates=donate)
 
@@ -249,7 +231,6 @@ def adamw_8bit(
     *,
     min_size: int = 4096,
     donate: bool = False,
-    kernel: str = "auto",
 ) -> GradientTransformation:
     """AdamW with block-wise 8-bit moments over the plan's blocks (same contract as
     :func:`ragged.optim.adamw`).
@@ -257,7 +238,7 @@ def adamw_8bit(
     ``chain(scale_by_adam_8bit, add_decayed_weights, scale_by_learning_rate)`` fused into one
     pass per block (same state, bit-identical results). ``donate=True`` updates the state in
     place and writes the update into the gradient buffer (see :func:`scale_by_adam_8bit`);
-    results are bit-identical. ``kernel``: see :func:`scale_by_adam_8bit`.
+    results are bit-identical.
 
     About 2 bytes of state per parameter plus 8 bytes per block (e.g. +0.008 B/param for
     ``Blocks(32, 32)``), and fp32 moments for small or non-block leaves (see
@@ -278,7 +259,6 @@ def adamw_8bit(
         (torch.uint8, 8)
     """
     _check_adam(b1, b2, eps, weight_decay, learning_rate)
-    fused.check_kernel(kernel)
     scheduled = callable(learning_rate)
 
     def init(params):
@@ -293,7 +273,7 @@ def adamw_8bit(
             _check_dbuffers(params, "params")
         lr = -1.0 * learning_rate(lr_state.count) if scheduled else -learning_rate
         updates, adam = _step(updates, adam, params, b1=b1, b2=b2, eps=eps, decay=weight_decay or None, lr=lr,
-                              min_size=min_size, donate=donate, kernel=kernel)
+                              min_size=min_size, donate=donate)
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
         return updates, (adam, decay_state, new_lr_state)
 

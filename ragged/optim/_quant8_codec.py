@@ -1,4 +1,4 @@
-"""Block-wise 8-bit quantization: the dynamic maps and a codec of codes + one absmax per block.
+"""Block-wise 8-bit quantization: the dynamic maps, their codes, and blocks of a 2-D tensor.
 
 [Note: dynamic quantization maps]
 Both Adam moments are stored as 8-bit codes into a 256-entry (255 used for the signed map) table
@@ -11,19 +11,30 @@ up to exactly 1.0 (the absmax element of a block is represented exactly). The al
 0. The first moment uses the signed map (7 non-sign bits), the second moment, which is never
 negative, the unsigned one (all 8 bits).
 
-[Note: exact nearest-code lookup without a search]
+[Note: the nearest code in four integer ops]
 A block is normalised by multiplying with the reciprocal of its absmax (one division per
 block; the absmax element becomes 1.0 or the float just below it, whose nearest code is 1.0).
 The code of a normalised value ``x`` is ``z + sign(x) * n(|x|)``, where ``z`` is the code of 0
-and ``n(a)`` counts the positive midpoints between neighbouring table values that are below
+and ``n(a)`` counts the positive midpoints between neighbouring table values that lie below
 ``a`` (the map is symmetric, so this is the nearest value; a tie goes to the smaller magnitude).
-``n`` is read from one table indexed by the top bits (``KEY_SHIFT``) of ``a``'s float32 pattern
-(monotone in ``a``): each entry packs the count of midpoints below its interval and the low bits
-of the one midpoint inside it, or a sentinel when there is none (the key is chosen so that no
-interval holds two; checked when the table is built). Keys below the smallest midpoint's are
-clamped to one entry that says 0, keys above 1.0 to the entry of 1.0. That is a handful of
-element-wise integer ops and one lookup instead of a binary search per element, and, like
-everything here, exact and independent of where an element sits in the buffer.
+For ``a >= 0`` the float32 pattern, read as an int32, is monotone in ``a``, so ``n`` counts the
+midpoints' patterns below ``a``'s. Split the pattern into its top 15 bits (the key) and its low
+16 bits: no key's interval holds two midpoints (checked when the table is built), so ``n`` is
+the count ``base`` of midpoints below the interval plus 1 if ``a``'s low bits exceed those of
+the one midpoint ``t`` inside it. One int32 per key, ``(base << 17) + (2^17 - 1 - t) -
+(key << 16)`` (``t = 2^16 - 1`` where the interval holds none), turns that into
+
+    n = (bits + lookup[bits >> 16]) >> 17
+
+since ``bits - (key << 16)`` is the low part and it carries into bit 17 exactly when it exceeds
+``t``. Every key from 0 to ``2^15 - 1`` has an entry (|x| above 1.0, infinite or NaN: the count
+of all midpoints), so there is no clamp. The signed map adds ``z`` in the table and applies the
+sign on the uint8 code: ``(n ^ s) + s`` with ``s = 0xFF`` for a set sign bit, which is ``z - n``
+modulo 256. ``tests/optim/test_quant8.py`` compares the codes with the count of midpoints below
+``|x|`` on every pattern of every key that holds a midpoint and on both ends of every other key
+(between them the sum is linear in the low bits, so that covers all 2^32 patterns, as does
+enumerating them), and that count with the nearest table value. A NaN gets the code of 1.0 or
+-1.0 by its sign bit (its block's absmax is NaN, so the block decodes to NaN whatever the codes).
 """
 
 from __future__ import annotations
@@ -31,12 +42,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["dynamic_map", "Codec", "codec", "KEY_SHIFT"]
+__all__ = ["dynamic_map", "Codec", "codec", "Workspace", "blocks_of", "absmax_into", "mul_blocks"]
 
-KEY_SHIFT = 16  # the lookup key keeps 8 exponent + 7 mantissa bits of |x|
-_ONE_BITS = 0x3F800000  # float32 1.0
+SHIFT = 17  # the count sits above the low 16 bits of the pattern and their carry
+_KEYS = 1 << 15  # every non-negative float32 pattern's top 15 bits
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -64,6 +74,31 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
 
 
+class Workspace:
+    """Scratch tensors of one step, reused chunk after chunk (no allocation inside the loop):
+    three fp32 (``a``, ``b``, ``c``), the int64 lookup index, the int32 sum and the uint8 sign.
+
+    Examples:
+        >>> ws = Workspace(8, "cpu")
+        >>> ws.take(3).c.shape, ws.take(3).idx.dtype
+        (torch.Size([3]), torch.int64)
+    """
+
+    def __init__(self, numel: int, device):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.a, self.b, self.c = (torch.empty(numel, **f32) for _ in range(3))
+        self.idx = torch.empty(numel, dtype=torch.int64, device=device)
+        self.acc = torch.empty(numel, dtype=torch.int32, device=device)
+        self.sign = torch.empty(numel, dtype=torch.uint8, device=device)
+
+    def take(self, n: int) -> "Workspace":
+        """The first ``n`` elements of every scratch tensor (views)."""
+        out = Workspace.__new__(Workspace)
+        for k in ("a", "b", "c", "idx", "acc", "sign"):
+            setattr(out, k, getattr(self, k)[:n])
+        return out
+
+
 class Codec:
     """Codes of one dynamic map, and the tables that encode and decode them.
 
@@ -73,9 +108,8 @@ class Codec:
         signed: which map.
         table: fp32 ``[256]``: the value of each code (the signed map's unused code 255 reads 1.0).
         zero: the code of 0.
-        packed: int32 lookup table of the encoder (see [Note: exact nearest-code lookup without a
-            search]); entry ``key - key_min``.
-        key_min, key_max: the range keys are clamped to.
+        lookup: int32 ``[2^15]``: the encoder's entry per key (see [Note: the nearest code in
+            four integer ops]).
     """
 
     def __init__(self, signed: bool, device):
@@ -84,34 +118,49 @@ class Codec:
         self.zero = int((values == 0).nonzero()[0, 0])
         pos = values[self.zero :].double()  # 0, then the positive values ascending
         mids = ((pos[:-1] + pos[1:]) / 2).to(torch.float32).view(torch.int32).long()  # positive midpoints
-        low = (1 << KEY_SHIFT) - 1
-        self.key_min = int(mids[0] >> KEY_SHIFT) - 1  # this key and all below: no midpoint below them
-        self.key_max = _ONE_BITS >> KEY_SHIFT
-        keys = torch.arange(self.key_min, self.key_max + 1, dtype=torch.int64)
-        base = torch.searchsorted(mids, keys << KEY_SHIFT, right=False)  # midpoints below the interval
-        inside = torch.searchsorted(mids, ((keys + 1) << KEY_SHIFT) - 1, right=True) - base
+        keys = torch.arange(_KEYS, dtype=torch.int64)
+        base = torch.searchsorted(mids, keys << 16, right=False)  # midpoints below each key's interval
+        inside = torch.searchsorted(mids, ((keys + 1) << 16) - 1, right=True) - base
         if int(inside.max()) > 1:
-            raise AssertionError("quantization map too fine for the lookup key; lower KEY_SHIFT")
-        thr = torch.where(inside > 0, mids[base.clamp(max=len(mids) - 1)] & low, torch.tensor(low + 1))
-        self.packed = ((base << (KEY_SHIFT + 1)) | thr).to(torch.int32).to(device)
+            raise AssertionError("quantization map too fine for a 15-bit key")
+        low = torch.where(inside > 0, mids[base.clamp(max=len(mids) - 1)] & 0xFFFF, torch.tensor(0xFFFF))
+        entry = ((base + self.zero) << SHIFT) + ((1 << SHIFT) - 1 - low) - (keys << 16)
+        self.lookup = entry.to(torch.int32).to(device)
         table = torch.cat([values, values[-1:]]) if len(values) == 255 else values
         self.table = table.to(device)
 
+    def decode_into(self, codes: torch.Tensor, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``out`` (fp32) = the table values of ``codes`` (uint8, flat; ``idx``: int64 scratch)."""
+        idx.copy_(codes)
+        return torch.index_select(self.table, 0, idx, out=out)
+
+    def encode_into(self, a: torch.Tensor, sign: torch.Tensor | None, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        """``out`` (uint8) = the codes of the values ``|a|`` (fp32, flat, non-negative: the
+        normalised magnitudes) with the signs of ``sign`` (fp32, flat; signed map only), as in
+        [Note: the nearest code in four integer ops]. Uses ``ws.idx``, ``ws.acc``, ``ws.sign``."""
+        bits = a.view(torch.int32)
+        ws.idx.copy_(torch.bitwise_right_shift(bits, 16, out=ws.acc))  # a shift into int64 is slower
+        torch.index_select(self.lookup, 0, ws.idx, out=ws.acc)
+        ws.acc.add_(bits).bitwise_right_shift_(SHIFT)
+        out.copy_(ws.acc)
+        if self.signed:
+            torch.bitwise_right_shift(sign.view(torch.int32), 31, out=ws.acc)  # -1 where the sign bit is set
+            ws.sign.copy_(ws.acc)  # 0xFF or 0
+            out.bitwise_xor_(ws.sign).add_(ws.sign)
+        return out
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """fp32 table values of ``codes`` (uint8, any shape): the normalised values."""
-        return self.table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
+        return self.table.index_select(0, codes.reshape(-1).long()).view(codes.shape)
 
     def encode(self, x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-        """uint8 codes of ``x * inv_scale`` (broadcast; ``inv_scale``: the reciprocal of each
-        element's block absmax, so that the product lies in [-1, 1])."""
-        normed = x * inv_scale
-        bits = normed.view(torch.int32) & 0x7FFFFFFF  # |normed|'s pattern
-        key = (bits >> KEY_SHIFT).clamp_(self.key_min, self.key_max).sub_(self.key_min)
-        entry = self.packed.index_select(0, key.reshape(-1)).view(key.shape)
-        n = (entry >> (KEY_SHIFT + 1)).add_(((bits & ((1 << KEY_SHIFT) - 1)) > (entry & ((1 << (KEY_SHIFT + 1)) - 1))))
-        if self.zero:
-            n = torch.where(normed < 0, self.zero - n, n + self.zero)
-        return n.to(torch.uint8)
+        """uint8 codes of ``x * inv_scale`` (broadcast; ``inv_scale`` positive: the reciprocal
+        of each element's block absmax, so that the product lies in [-1, 1])."""
+        x = x.to(torch.float32)
+        normed = (x.abs() * inv_scale).reshape(-1).contiguous()
+        sign = torch.broadcast_to(x, torch.broadcast_shapes(x.shape, inv_scale.shape)).reshape(-1).contiguous()
+        out = torch.empty(normed.shape, dtype=torch.uint8, device=x.device)
+        return self.encode_into(normed, sign, out, Workspace(normed.numel(), x.device)).view(sign.shape)
 
     def encode_blocks(self, x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes a 2-D fp32 ``(rows, cols)`` tensor in ``block = (r, c)`` tiles (the last
@@ -132,23 +181,20 @@ class Codec:
             >>> [round(v, 4) for v in y[0].tolist()]  # each block's absmax exact, the rest to the nearest code
             [0.4938, -1.0, 0.0, 2.0, 0.2562]
         """
-        codes, absmax = self.encode_grid(x, block, grid_of(x.shape, block))
-        return codes.reshape(-1), absmax
+        x = x.to(torch.float32).contiguous()
+        ws = Workspace(x.numel(), x.device)
+        a = torch.abs(x, out=ws.a.view(x.shape))
+        grid = torch.empty(grid_of(x.shape, block), dtype=torch.float32, device=x.device)
+        absmax_into(a, grid, block)
+        inv = 1.0 / torch.where(grid > 0, grid, torch.ones_like(grid))
+        mul_blocks(a, inv, block, out=a)
+        codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
+        return self.encode_into(ws.a, x.reshape(-1), codes, ws), grid.reshape(-1)
 
     def decode_blocks(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
         """fp32 ``shape = (rows, cols)`` values of :meth:`encode_blocks`' output."""
-        return self.decode_grid(codes, absmax, shape, block, grid_of(shape, block))
-
-    def encode_grid(self, x: torch.Tensor, block, grid) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`encode_blocks` with the ``grid`` (:func:`grid_of`) given; the codes as
-        ``(rows, cols)``."""
-        absmax = tiled(x.abs(), block, grid).amax(dim=(1, 3))
-        inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        return self.encode(x, per_element(inv, x.shape, block, grid)), absmax.reshape(-1)
-
-    def decode_grid(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block, grid) -> torch.Tensor:
-        """:meth:`decode_blocks` with the ``grid`` (:func:`grid_of`) given."""
-        return self.decode(codes).view(shape).mul_(per_element(absmax, shape, block, grid))
+        x = self.decode(codes).view(shape)
+        return mul_blocks(x, absmax.view(grid_of(shape, block)), block, out=x)
 
 
 def grid_of(shape, block) -> tuple[int, int]:
@@ -156,23 +202,42 @@ def grid_of(shape, block) -> tuple[int, int]:
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
-def tiled(x: torch.Tensor, block: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
-    """``x`` (rows, cols), zero-padded to whole tiles, viewed as ``(bands, r, tiles, c)``
-    (``grid``: :func:`grid_of`)."""
+@functools.lru_cache(maxsize=4096)
+def _rects(rows: int, cols: int, r: int, c: int) -> tuple:
+    """The rectangles of whole-height / whole-width blocks: ``(row slice, col slice, band
+    slice, tile slice, block height, block width)`` each; one when ``r`` and ``c`` divide."""
+    def parts(n, b):
+        whole, rest = divmod(n, b)
+        out = [(0, whole * b, 0, whole, b)] if whole else []
+        return out + ([(whole * b, n, whole, whole + 1, rest)] if rest else [])
+
+    return tuple((slice(r0, r1), slice(c0, c1), slice(b0, b1), slice(t0, t1), h, w)
+                 for r0, r1, b0, b1, h in parts(rows, r) for c0, c1, t0, t1, w in parts(cols, c))
+
+
+def blocks_of(x: torch.Tensor, block) -> list[tuple[torch.Tensor, tuple[slice, slice]]]:
+    """``x`` (rows, cols) as views ``(bands, h, tiles, w)`` of whole blocks (up to four: the
+    main part, the short last band, the narrow last tile, their corner), each with its slices
+    of the ``(bands, tiles)`` grid."""
     rows, cols = x.shape
-    (r, c), (bands, tiles) = block, grid
-    pc, pr = tiles * c - cols, bands * r - rows
-    if torch.compiler.is_compiling() or pr or pc:  # compiled: no branch on the sizes (one graph for all)
-        x = F.pad(x, (0, pc, 0, pr))
-    return x.view(bands, r, tiles, c)
+    return [(x[rs, cs].view(-1, h, (cs.stop - cs.start) // w, w), (bs, ts))
+            for rs, cs, bs, ts, h, w in _rects(rows, cols, block[0], block[1])]
 
 
-def per_element(x: torch.Tensor, shape, block, grid) -> torch.Tensor:
-    """The ``shape = (rows, cols)`` tensor of each element's block value, from one value per
-    block ``x`` (band-major; a broadcast view, which a compiled graph reads by index)."""
-    (r, c), (bands, tiles) = block, grid
-    full = x.reshape(bands, 1, tiles, 1).expand(bands, r, tiles, c).reshape(bands * r, tiles * c)
-    return full[: shape[0], : shape[1]]
+def mul_blocks(x: torch.Tensor, per_block: torch.Tensor, block, *, out: torch.Tensor) -> torch.Tensor:
+    """``out = x * per_block`` broadcast over each block (``per_block``: ``(bands, tiles)``;
+    ``out`` may be ``x``)."""
+    for (xv, (bs, ts)), (ov, _) in zip(blocks_of(x, block), blocks_of(out, block)):
+        torch.mul(xv, per_block[bs, ts][:, None, :, None], out=ov)
+    return out
+
+
+def absmax_into(a: torch.Tensor, grid: torch.Tensor, block) -> torch.Tensor:
+    """``grid`` (``(bands, tiles)``) = the max of ``a`` (rows, cols; already absolute) per block."""
+    for view, (bs, ts) in blocks_of(a, block):  # rows first: an element-wise max of whole rows
+        rows_max = view[:, 0] if view.shape[1] == 1 else torch.amax(view, dim=1)
+        torch.amax(rows_max, dim=2, out=grid[bs, ts])
+    return grid
 
 
 @functools.lru_cache(maxsize=None)

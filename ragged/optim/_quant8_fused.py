@@ -1,211 +1,100 @@
-"""The fused 8-bit AdamW update of one chunk of whole blocks: torch ops that ``torch.compile`` fuses.
+"""The fused 8-bit AdamW update of one chunk of whole blocks, in place in a few scratch tensors.
 
-[Note: one update, compiled or eager]
+[Note: one chunk, no allocation]
 One step of a chunk (a run of whole blocks of one quantized piece, see ``chunks`` in
-``_quant8_state.py``) is one function of torch ops, :func:`chunk_update`: decode both moments
-(table lookup times the block's absmax), Adam in float32, the update, each block's new absmax,
-encode both moments (the formula: [Note: one update] in ``_quant8.py``). Eager, that is ~40
-passes over the chunk; ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) fuses it into one
-kernel. ragged calls no compiler of its own: inductor does, with its own toolchain and cache.
-Both forms run the very same ops, so they agree bit for bit as long as the compiler keeps
-float32 semantics, which the compile options pin: no FMA contraction
-(``cpp.enable_floating_point_contract_flag="off"``; on Triton ``emulate_precision_casts``, which
-turns fp fusion off), a correctly rounded division on Triton
-(``eager_numerics.division_rounding``) and no flush of denormals to zero
-(``eager_numerics.disable_ftz``). The square root is taken in float64 and rounded (correct on
-every backend); NaN is tested with ``isnan`` (inductor compiles C++ with
-``-fno-finite-math-only``).
+``_quant8_state.py``) decodes both moments, runs Adam in float32, writes the update, takes each
+block's new absmax and encodes both moments (the formula: [Note: one update] in
+``_quant8.py``). It is about 45 torch ops, every one writing into a scratch tensor of the step's
+:class:`~ragged.optim._quant8_codec.Workspace` or into the result itself (``out=`` and in-place
+ops): no allocation per op, so nothing is paged in per step and a chunk's temporaries stay in
+the cache while the next op reads them. The scale of each block is broadcast, not expanded
+(``mul_blocks``), the encoder is one table lookup and four integer ops ([Note: the nearest code
+in four integer ops]), and the decoder one lookup. Every op rounds once, in float32, in the
+formula's order -- never ``lerp`` / ``addcmul`` / ``add(alpha=)``, whose vectorised and
+scalar-tail paths may differ by an FMA -- and the square root is IEEE's (correctly rounded on the
+CPU and on CUDA, so it equals the float64 root rounded to float32), so the state never depends on
+where an element sits in the buffer or on the world size.
 
-The rule (``kernel=`` of :func:`ragged.optim.adamw_8bit`):
-
-* ``"eager"``: the torch ops as they are.
-* ``"compiled"``: the compiled form; an error if it does not compile, or if its first chunk
-  differs from the eager ops' by one bit.
-* ``"auto"`` (default): ``$RAGGED_QUANT8_KERNEL`` when set (``compiled`` or ``eager``; the test
-  suite sets ``eager``), else the compiled form when it compiles and its first chunk equals the
-  eager ops' bit for bit, else the eager ops, with one ``RuntimeWarning`` saying why.
-
-That decision is made once per process and key: (device, block shape, flags of the formula).
-One key is one compiled graph: every size is symbolic (buffers, pieces, chunks, offsets; the
-step's scalars travel as one float32 tensor; sizes of 1 are not specialized), so a training run
-compiles each key once, on its first chunk, and never recompiles (``tests/optim/test_quant8.py``
-counts dynamo's graphs). The first compile takes ~20-60 s on a 2-core CPU (inductor caches it on
-disk for the next process). Inside an outer ``torch.compile`` the eager function is called, and
-traced into the outer graph.
+The same ops run inside a user's ``torch.compile`` (dynamo traces the in-place ops like any
+others); ragged calls no compiler of its own.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
+import math
 
+import numpy as np
 import torch
-import torch.fx.experimental._config
 
-from ragged import _compat
-from ragged._errors import RaggedValueError
-from ragged.optim._quant8_codec import Codec
+from ragged.optim._quant8_codec import Codec, Workspace, absmax_into, mul_blocks
 
-__all__ = ["KERNELS", "ENV", "check_kernel", "adam", "chunk_update", "update_fn"]
-
-KERNELS = ("auto", "compiled", "eager")
-ENV = "RAGGED_QUANT8_KERNEL"
+__all__ = ["adam_into", "sqrt_into", "chunk_update"]
 
 # hp: the step's scalars, one float32 tensor (rounded as torch rounds Python scalars); its indexes
 B1, OMB1, B2, OMB2, EPS, BC1, BC2, DECAY, LR = range(9)
 
 
-def check_kernel(kernel: str) -> None:
-    """Raises unless ``kernel`` (and ``$RAGGED_QUANT8_KERNEL`` for ``"auto"``) names a rule."""
-    if kernel not in KERNELS:
-        raise RaggedValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
-    env = os.environ.get(ENV)
-    if kernel == "auto" and env is not None and env not in KERNELS[1:]:
-        raise RaggedValueError(f"${ENV} must be one of {KERNELS[1:]} (or unset), got {env!r}.")
-
-
-def adam(m, v, g, p, hp, *, decay: bool, lr: bool, zero_eps: bool, fresh: bool):
-    """The formula of [Note: one update, two paths] on fp32 tensors (``m``, ``v`` updated in
-    place when ``fresh``); returns ``(m, v, u)``. ``p`` is used when ``decay``."""
-    m = m.mul_(hp[B1]) if fresh else m * hp[B1]
-    m.add_(g * hp[OMB1])
-    v = v.mul_(hp[B2]) if fresh else v * hp[B2]
-    v.add_((g * g).mul_(hp[OMB2]))
-    u = torch.sqrt(v.double()).to(torch.float32).div_(hp[BC2]).add_(hp[EPS])  # float64 root: correctly rounded
-    u = torch.div(m, u).div_(hp[BC1])
-    if zero_eps:
-        u = torch.where(torch.isnan(u), torch.zeros_like(u), u)
+def adam_into(m, v, g, p, hp, u, tmp, *, decay: bool, lr: bool, zero_eps: bool) -> torch.Tensor:
+    """The formula of [Note: one update] on fp32 tensors of one shape: ``m`` and ``v`` are
+    updated in place, the update is written into ``u`` (which may be ``g``'s memory: ``g`` is
+    read before ``u`` is written); ``tmp`` is scratch; ``p`` is read when ``decay``. ``hp``:
+    the step's scalars (0-dim float32 tensors, indexed by ``B1`` ... ``LR``)."""
+    m.mul_(hp[B1]).add_(torch.mul(g, hp[OMB1], out=tmp))
+    torch.mul(g, g, out=tmp)
+    v.mul_(hp[B2]).add_(tmp.mul_(hp[OMB2]))
+    sqrt_into(v, u).div_(hp[BC2]).add_(hp[EPS])
+    torch.div(m, u, out=u).div_(hp[BC1])
+    if zero_eps:  # 0 / 0 where v and m are 0
+        u.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
     if decay:
-        u.add_(p * hp[DECAY])
+        u.add_(torch.mul(p, hp[DECAY], out=tmp))
     if lr:
         u.mul_(hp[LR])
-    return m, v, u
+    return u
 
 
-def chunk_update(g, p, mu_codes, nu_codes, mu_scales, nu_scales, hp, cm: Codec, cv: Codec, *, block, grid, decay,
-                 lr, zero_eps):
-    """One chunk's step (see [Note: one update, compiled or eager]).
+def sqrt_into(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the correctly rounded float32 square root of ``v`` (contiguous fp32). torch's
+    own float32 root on the CPU is MKL's, within an ulp (off by one in ~15% of the values), so
+    the CPU takes numpy's (the processor's instruction, correctly rounded) and every other
+    device, or a graph being compiled, the float64 root rounded to float32 (the same value:
+    the float64 root is within an ulp of float64, and no float32 root lies that close to a
+    float32 rounding boundary)."""
+    if v.device.type == "cpu" and not torch.compiler.is_compiling():
+        np.sqrt(v.numpy(), out=out.numpy())
+        return out
+    return out.copy_(torch.sqrt(v.double()))
+
+
+def chunk_update(c, g, p, out, codes, scales, new_codes, new_scales, hp, cm: Codec, cv: Codec, ws: Workspace, *,
+                 decay: bool, lr: bool, zero_eps: bool) -> None:
+    """One chunk's step (see [Note: one chunk, no allocation]).
 
     Args:
-        g, p: fp32 ``(rows, cols)`` gradient and params (``p`` read when ``decay``).
-        mu_codes, nu_codes: uint8 codes of the chunk (``rows * cols``).
-        mu_scales, nu_scales: fp32 absmax per block (band-major).
-        hp: float32 ``[9]``: ``b1, 1 - b1, b2, 1 - b2, eps, 1 - b1^t, sqrt(1 - b2^t), decay, -lr``.
+        c: the chunk (a ``QPiece``: offsets into the shard and the compact arrays, rows, cols, block).
+        g, p, out: the whole shard's fp32 gradient, params (read when ``decay``) and update (written).
+        codes, scales: ``(mu, nu)`` uint8 codes and fp32 absmax per block, compact (read).
+        new_codes, new_scales: the same, written (may be ``codes`` / ``scales``: each chunk's are
+            read before they are written).
+        hp: the step's scalars (see :func:`adam_into`).
         cm, cv: the codecs of the two moments.
-        block: ``(br, bc)``.
-        grid: ``(bands, tiles)``: blocks along the rows and the columns (given, not derived, so
-            that the compiled graph has no rounding division of sizes to reason about).
-
-    Returns:
-        ``(update, mu codes, mu scales, nu codes, nu scales)``: update and codes ``(rows, cols)``.
+        ws: scratch for at least ``c.numel`` elements.
     """
-    shape = g.shape
-    m = cm.decode_grid(mu_codes, mu_scales, shape, block, grid)
-    v = cv.decode_grid(nu_codes, nu_scales, shape, block, grid)
-    m, v, u = adam(m, v, g, p, hp, decay=decay, lr=lr, zero_eps=zero_eps, fresh=True)
-    mc, ms = cm.encode_grid(m, block, grid)
-    vc, vs = cv.encode_grid(v, block, grid)
-    return u, mc, ms, vc, vs
-
-
-# pinned so that the compiled form computes what the eager ops compute (see the Note)
-_OPTIONS = {
-    "cpp": {"cpp.enable_floating_point_contract_flag": "off"},
-    "cuda": {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
-             "eager_numerics.disable_ftz": True},
-}
-
-_lock = threading.Lock()
-_compiled: dict = {}  # key -> compiled function, or the reason it is not used (str)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _first(fn, eager, args):
-    """The compiled function's first call, checked against the eager ops: outputs, or a reason."""
-    try:
-        got = fn(*args)
-    except Exception as e:  # noqa: BLE001 - any failure to compile means: the eager ops
-        return None, f"torch.compile failed: {type(e).__name__}: {str(e).strip()[:500]}"
-    want = eager(*args)
-    for name, a, b in zip(("update", "mu codes", "mu scales", "nu codes", "nu scales"), got, want):
-        if not torch.equal(_bits(a), _bits(b)):
-            return None, f"the compiled update's {name} differ from the eager ops' on its first chunk"
-    return got, ""
-
-
-def _chunk_at(g, p, mu_codes, nu_codes, mu_scales, nu_scales, hp, cm, cv, e0, c0, s0, rows, cols, bands, tiles, block,
-              flags):
-    """:func:`chunk_update` on one chunk of whole buffers, given as offsets and sizes."""
-    n, nb = rows * cols, bands * tiles
-    for c in (cm, cv):  # the tables' sizes as constants: a lookup needs no bounds check
-        torch._check(c.table.shape[0] == 256)
-        torch._check(c.packed.shape[0] == c.key_max - c.key_min + 1)
-    el = lambda t: t[e0 : e0 + n].view(rows, cols)  # noqa: E731
-    return chunk_update(el(g), None if p is None else el(p), mu_codes[c0 : c0 + n], nu_codes[c0 : c0 + n],
-                        mu_scales[s0 : s0 + nb], nu_scales[s0 : s0 + nb], hp, cm, cv, block=block,
-                        grid=(bands, tiles), decay=flags[0], lr=flags[1], zero_eps=flags[2])
-
-
-_ARGS = "g, p, mu_codes, nu_codes, mu_scales, nu_scales, hp, cm, cv, e0, c0, s0, rows, cols, bands, tiles"
-
-
-def _bound(block, flags):
-    """:func:`_chunk_at` with the block shape and the flags written into the function's code as
-    literals: dynamo makes every other int symbolic under ``dynamic=True`` (closure and default
-    values included), but a literal is a constant of the graph (known loop bounds). Each key gets
-    a code object of its own, and dynamo keeps its graphs per code object (at most
-    ``recompile_limit``), so no two keys share one cache. The sizes and offsets are symbolic,
-    and the buffers start at offset 0, so nothing specializes on where a chunk sits."""
-    br, bc = (int(x) for x in block)
-    name = f"adam8_{br}x{bc}_" + "".join("1" if f else "0" for f in flags)
-    src = f"def {name}({_ARGS}):\n    return _chunk_at({_ARGS}, ({br}, {bc}), {tuple(bool(f) for f in flags)!r})\n"
-    scope = {"_chunk_at": _chunk_at}
-    exec(compile(src, f"<ragged.optim._quant8_fused {name}>", "exec"), scope)  # noqa: S102 - literals only
-    return scope[name]
-
-
-def _eager(block, flags):
-    return lambda *args: _chunk_at(*args, block, flags)
-
-
-def update_fn(kernel: str, device: torch.device, block, flags):
-    """The function that runs one chunk (the arguments of :func:`_chunk_at` up to ``tiles``)
-    under the rule of [Note: one update, compiled or eager]."""
-    if kernel == "auto":
-        kernel = os.environ.get(ENV, "auto")
-    if kernel == "eager" or torch.compiler.is_compiling():
-        return _eager(block, flags)
-    key = (device.type, device.index, tuple(block), flags)
-    hit = _compiled.get(key)
-    if callable(hit):
-        return hit
-    if isinstance(hit, str):
-        if kernel == "compiled":
-            raise RaggedValueError(
-                f"kernel='compiled' (the update of {tuple(block)} blocks on {device.type}, torch {torch.__version__}): "
-                f"{hit}.{_compat.ADAMW_8BIT_COMPILE_NOTE} Fix: kernel='auto' (falls back to eager ops) or "
-                "kernel='eager'.")
-        return _eager(block, flags)
-    return lambda *args: _first_call(kernel, key, device, args)
-
-
-def _first_call(kernel, key, device, args):
-    with _lock:
-        if key not in _compiled:
-            options = _OPTIONS["cuda" if device.type == "cuda" else "cpp"]
-            fn = torch.compile(_bound(key[2], key[3]), dynamic=True, options=options)
-            # traced with sizes of 1 not specialized: a chunk of one band, tile or row runs the
-            # same graph as any other (the setting matters only while dynamo traces)
-            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-                out, why = _first(fn, _eager(key[2], key[3]), args)
-            _compiled[key] = fn if out is not None else why
-            if out is not None:
-                return out
-            if kernel == "auto":
-                warnings.warn(f"adamw_8bit: using eager torch ops for the 8-bit update on {device.type} ({why}).",
-                              RuntimeWarning, stacklevel=4)
-    return update_fn(kernel, device, key[2], key[3])(*args)
+    n, shape, block = c.numel, (c.rows, c.cols), (c.br, c.bc)
+    grid = (c.bands, c.tiles)
+    w = ws.take(n)
+    el = lambda t: t[c.local_offset : c.local_offset + n].view(shape)  # noqa: E731
+    code = lambda t: t[c.code_offset : c.code_offset + n]  # noqa: E731
+    scale = lambda t: t[c.scale_offset : c.scale_offset + c.num_blocks].view(grid)  # noqa: E731
+    m, v = w.a.view(shape), w.b.view(shape)
+    for x, cd, k in ((m, cm, 0), (v, cv, 1)):
+        cd.decode_into(code(codes[k]), x.view(-1), w.idx)
+        mul_blocks(x, scale(scales[k]), block, out=x)
+    adam_into(m, v, el(g), None if p is None else el(p), hp, el(out), w.c.view(shape), decay=decay, lr=lr,
+              zero_eps=zero_eps)
+    for x, cd, k in ((m, cm, 0), (v, cv, 1)):
+        a = torch.abs(x, out=w.c.view(shape))
+        absmax = absmax_into(a, scale(new_scales[k]), block)
+        inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        mul_blocks(a, inv, block, out=a).abs_()  # abs: inf * 0 (an infinite absmax) is a NaN with its sign bit set
+        cd.encode_into(w.c, x.view(-1), code(new_codes[k]), w)

@@ -286,15 +286,19 @@ def adam8bit_leaf_state(moments: Quant8Moments, dbuf: DBuffer, *, min_size: int 
     return out
 
 
-CHUNK = 1 << 18  # elements quantized at a time by the torch kernel: bounds its temporaries
+# Elements updated at a time, per device type: on a CPU a chunk's scratch (~30 bytes per element)
+# stays in the last-level cache between the update's ops; a GPU takes a whole piece at once.
+CHUNK = {"cpu": 1 << 18}
+CHUNK_ELSEWHERE = 1 << 62
 
 
-def chunks(q: QPiece, limit: int = CHUNK):
-    """``q`` cut into sub-pieces of whole blocks, about ``limit`` elements each.
+def chunks(q: QPiece, device_type: str = "cpu"):
+    """``q`` cut into sub-pieces of whole blocks, about ``CHUNK[device_type]`` elements each.
 
     Every block is quantized on its own, so the cut changes no code and no scale; it only
-    bounds the temporaries (decoded moments, lookup keys) to one chunk instead of one leaf.
+    bounds the update's scratch (decoded moments, lookup keys) to one chunk instead of one leaf.
     """
+    limit = CHUNK.get(device_type, CHUNK_ELSEWHERE)
     if q.numel <= limit:
         yield q
         return

@@ -90,11 +90,11 @@ class _Hyper:
         self.flags = dict(decay=decay is not None, lr=lr is not None, zero_eps=eps == 0)
         self._on: dict = {}
 
-    def on(self, device) -> tuple[torch.Tensor, ...]:
-        """``hp`` on ``device``, as 0-dim tensors (copied once per device)."""
+    def on(self, device) -> fused.Scalars:
+        """``hp`` on ``device`` (copied once per device)."""
         key = str(device)
         if key not in self._on:
-            self._on[key] = self.hp.to(device).unbind(0)
+            self._on[key] = fused.Scalars(self.hp.to(device))
         return self._on[key]
 
 

@@ -11,30 +11,33 @@ up to exactly 1.0 (the absmax element of a block is represented exactly). The al
 0. The first moment uses the signed map (7 non-sign bits), the second moment, which is never
 negative, the unsigned one (all 8 bits).
 
-[Note: the nearest code in four integer ops]
+[Note: the nearest code from the float's bits]
 A block is normalised by multiplying with the reciprocal of its absmax (one division per
 block; the absmax element becomes 1.0 or the float just below it, whose nearest code is 1.0).
 The code of a normalised value ``x`` is ``z + sign(x) * n(|x|)``, where ``z`` is the code of 0
 and ``n(a)`` counts the positive midpoints between neighbouring table values that lie below
 ``a`` (the map is symmetric, so this is the nearest value; a tie goes to the smaller magnitude).
-For ``a >= 0`` the float32 pattern, read as an int32, is monotone in ``a``, so ``n`` counts the
-midpoints' patterns below ``a``'s. Split the pattern into its top 15 bits (the key) and its low
-16 bits: no key's interval holds two midpoints (checked when the table is built), so ``n`` is
-the count ``base`` of midpoints below the interval plus 1 if ``a``'s low bits exceed those of
-the one midpoint ``t`` inside it. One int32 per key, ``(base << 17) + (2^17 - 1 - t) -
-(key << 16)`` (``t = 2^16 - 1`` where the interval holds none), turns that into
+Read as an int32, the float32 pattern of ``x >= 0`` is monotone in ``x``; flipping every bit of
+a negative ``x`` (``bits ^ (bits >> 31)``) makes it monotone over [-1, 1] (and non-negative), so
+the code is a non-decreasing step function ``F`` of that key ``y``, one step per midpoint. Split
+``y`` into its top 15 bits (the key) and its low 16 bits: no key's interval holds two steps
+(checked when the table is built), so ``F(y)`` is ``F`` at the interval's start plus 1 where the
+low bits pass the one step ``t`` inside it. One int32 per key,
+``(F(key << 16) << 16) + (2^16 - 1 - t) - (key << 16)`` (``t = 2^16 - 1`` where the interval holds
+no step), turns that into
 
-    n = (bits + lookup[bits >> 16]) >> 17
+    code = (y + lookup[y >> 16]) >> 16
 
-since ``bits - (key << 16)`` is the low part and it carries into bit 17 exactly when it exceeds
-``t``. Every key from 0 to ``2^15 - 1`` has an entry (|x| above 1.0, infinite or NaN: the count
-of all midpoints), so there is no clamp. The signed map adds ``z`` in the table and applies the
-sign on the uint8 code: ``(n ^ s) + s`` with ``s = 0xFF`` for a set sign bit, which is ``z - n``
-modulo 256. ``tests/optim/test_quant8.py`` compares the codes with the count of midpoints below
-``|x|`` on every pattern of every key that holds a midpoint and on both ends of every other key
-(between them the sum is linear in the low bits, so that covers all 2^32 patterns, as does
-enumerating them), and that count with the nearest table value. A NaN gets the code of 1.0 or
--1.0 by its sign bit (its block's absmax is NaN, so the block decodes to NaN whatever the codes).
+since ``y - (key << 16)`` is the low part and it carries into bit 16 exactly when it exceeds
+``t``. Every key from 0 to ``2^15 - 1`` has an entry, so nothing is clamped and no pattern
+indexes outside the table. The second moment is never negative: its key is ``|x|``'s pattern.
+``|x|`` reaches 2 only in a block whose absmax is infinite or NaN, where ``inf * 0`` makes NaN
+and every value decodes to inf or NaN whatever its code; there the code is what the table says
+(a NaN gets the code of 0 in the first moment and of 1.0 in the second).
+``tests/optim/test_quant8.py`` compares the codes with the count of midpoints below ``|x|`` on
+every pattern of every interval that holds a step and on both ends of every other interval
+(between them the sum is linear in the low bits, so that covers all 2^32 patterns with ``|x| <
+2``, as does enumerating them), and that count with the nearest table value.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ import functools
 
 import torch
 
-__all__ = ["dynamic_map", "Codec", "codec", "Workspace", "blocks_of", "absmax_into", "mul_blocks"]
+__all__ = ["dynamic_map", "Codec", "codec", "Workspace", "blocks_of", "absmax_into", "mul_blocks", "inverse"]
 
-SHIFT = 17  # the count sits above the low 16 bits of the pattern and their carry
-_KEYS = 1 << 15  # every non-negative float32 pattern's top 15 bits
+_KEYS = 1 << 15  # every non-negative int32's top 15 bits
+_FLIP = 0x7FFFFFFF  # y = _FLIP - |x|'s pattern for a negative x
+_NEGATIVE = 0x40000000  # the keys of negative x (|x| < 2) start here (the signed map)
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -76,7 +80,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 class Workspace:
     """Scratch tensors of one step, reused chunk after chunk (no allocation inside the loop):
-    three fp32 (``a``, ``b``, ``c``), the int64 lookup index, the int32 sum and the uint8 sign.
+    three fp32 (``a``, ``b``, ``c``), the int64 lookup index and an int32.
 
     Examples:
         >>> ws = Workspace(8, "cpu")
@@ -89,12 +93,11 @@ class Workspace:
         self.a, self.b, self.c = (torch.empty(numel, **f32) for _ in range(3))
         self.idx = torch.empty(numel, dtype=torch.int64, device=device)
         self.acc = torch.empty(numel, dtype=torch.int32, device=device)
-        self.sign = torch.empty(numel, dtype=torch.uint8, device=device)
 
     def take(self, n: int) -> "Workspace":
         """The first ``n`` elements of every scratch tensor (views)."""
         out = Workspace.__new__(Workspace)
-        for k in ("a", "b", "c", "idx", "acc", "sign"):
+        for k in ("a", "b", "c", "idx", "acc"):
             setattr(out, k, getattr(self, k)[:n])
         return out
 
@@ -108,8 +111,8 @@ class Codec:
         signed: which map.
         table: fp32 ``[256]``: the value of each code (the signed map's unused code 255 reads 1.0).
         zero: the code of 0.
-        lookup: int32 ``[2^15]``: the encoder's entry per key (see [Note: the nearest code in
-            four integer ops]).
+        lookup: int32 ``[2^15]``: the encoder's entry per key (see [Note: the nearest code from
+            the float's bits]).
     """
 
     def __init__(self, signed: bool, device):
@@ -118,35 +121,45 @@ class Codec:
         self.zero = int((values == 0).nonzero()[0, 0])
         pos = values[self.zero :].double()  # 0, then the positive values ascending
         mids = ((pos[:-1] + pos[1:]) / 2).to(torch.float32).view(torch.int32).long()  # positive midpoints
-        keys = torch.arange(_KEYS, dtype=torch.int64)
-        base = torch.searchsorted(mids, keys << 16, right=False)  # midpoints below each key's interval
-        inside = torch.searchsorted(mids, ((keys + 1) << 16) - 1, right=True) - base
+        # where the code rises by one along y: just above each midpoint, and (signed) where a
+        # negative |x| falls to a midpoint (y = _FLIP - |x|'s pattern)
+        steps = mids + 1 if not signed else torch.cat([mids + 1, _FLIP - mids]).sort().values
+        starts = torch.arange(_KEYS, dtype=torch.int64) << 16
+        after = torch.searchsorted(steps, starts, right=True)  # the first step past each start
+        inside = torch.searchsorted(steps, starts + (1 << 16), right=False) - after
         if int(inside.max()) > 1:
             raise AssertionError("quantization map too fine for a 15-bit key")
-        low = torch.where(inside > 0, mids[base.clamp(max=len(mids) - 1)] & 0xFFFF, torch.tensor(0xFFFF))
-        entry = ((base + self.zero) << SHIFT) + ((1 << SHIFT) - 1 - low) - (keys << 16)
-        self.lookup = entry.to(torch.int32).to(device)
+        t = torch.where(inside > 0, (steps[after.clamp(max=len(steps) - 1)] - 1) & 0xFFFF, torch.tensor(0xFFFF))
+        self.lookup = ((self.code_of_key(starts, mids) << 16) + (0xFFFF - t) - starts).to(torch.int32).to(device)
         table = torch.cat([values, values[-1:]]) if len(values) == 255 else values
         self.table = table.to(device)
+
+    def code_of_key(self, y: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+        """The code of each key ``y`` (int64) by its definition: ``z`` plus or minus the count of
+        ``mids`` (the positive midpoints' patterns) below the magnitude's pattern."""
+        if not self.signed:
+            return torch.searchsorted(mids, y, right=False)
+        neg = y >= _NEGATIVE
+        n = torch.searchsorted(mids, torch.where(neg, _FLIP - y, y), right=False)
+        return torch.where(neg, self.zero - n, self.zero + n)
 
     def decode_into(self, codes: torch.Tensor, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``out`` (fp32) = the table values of ``codes`` (uint8, flat; ``idx``: int64 scratch)."""
         idx.copy_(codes)
         return torch.index_select(self.table, 0, idx, out=out)
 
-    def encode_into(self, a: torch.Tensor, sign: torch.Tensor | None, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
-        """``out`` (uint8) = the codes of the values ``|a|`` (fp32, flat, non-negative: the
-        normalised magnitudes) with the signs of ``sign`` (fp32, flat; signed map only), as in
-        [Note: the nearest code in four integer ops]. Uses ``ws.idx``, ``ws.acc``, ``ws.sign``."""
-        bits = a.view(torch.int32)
-        ws.idx.copy_(torch.bitwise_right_shift(bits, 16, out=ws.acc))  # a shift into int64 is slower
-        torch.index_select(self.lookup, 0, ws.idx, out=ws.acc)
-        ws.acc.add_(bits).bitwise_right_shift_(SHIFT)
-        out.copy_(ws.acc)
+    def encode_into(self, x: torch.Tensor, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        """``out`` (uint8) = the codes of ``x`` (fp32, flat: normalised values; overwritten with
+        their keys), as in [Note: the nearest code from the float's bits]. Uses ``ws.idx`` and
+        ``ws.acc``."""
+        y = x.view(torch.int32)
         if self.signed:
-            torch.bitwise_right_shift(sign.view(torch.int32), 31, out=ws.acc)  # -1 where the sign bit is set
-            ws.sign.copy_(ws.acc)  # 0xFF or 0
-            out.bitwise_xor_(ws.sign).add_(ws.sign)
+            y.bitwise_xor_(torch.bitwise_right_shift(y, 31, out=ws.acc))
+        else:
+            x.abs_()
+        ws.idx.copy_(torch.bitwise_right_shift(y, 16, out=ws.acc))  # a shift into int64 is slower
+        torch.index_select(self.lookup, 0, ws.idx, out=ws.acc)
+        out.copy_(ws.acc.add_(y).bitwise_right_shift_(16))
         return out
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
@@ -156,11 +169,10 @@ class Codec:
     def encode(self, x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
         """uint8 codes of ``x * inv_scale`` (broadcast; ``inv_scale`` positive: the reciprocal
         of each element's block absmax, so that the product lies in [-1, 1])."""
-        x = x.to(torch.float32)
-        normed = (x.abs() * inv_scale).reshape(-1).contiguous()
-        sign = torch.broadcast_to(x, torch.broadcast_shapes(x.shape, inv_scale.shape)).reshape(-1).contiguous()
-        out = torch.empty(normed.shape, dtype=torch.uint8, device=x.device)
-        return self.encode_into(normed, sign, out, Workspace(normed.numel(), x.device)).view(sign.shape)
+        normed = (x.to(torch.float32) * inv_scale).contiguous()
+        out = torch.empty(normed.shape, dtype=torch.uint8, device=normed.device)
+        self.encode_into(normed.view(-1), out.view(-1), Workspace(normed.numel(), normed.device))
+        return out
 
     def encode_blocks(self, x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes a 2-D fp32 ``(rows, cols)`` tensor in ``block = (r, c)`` tiles (the last
@@ -183,13 +195,11 @@ class Codec:
         """
         x = x.to(torch.float32).contiguous()
         ws = Workspace(x.numel(), x.device)
-        a = torch.abs(x, out=ws.a.view(x.shape))
         grid = torch.empty(grid_of(x.shape, block), dtype=torch.float32, device=x.device)
-        absmax_into(a, grid, block)
-        inv = 1.0 / torch.where(grid > 0, grid, torch.ones_like(grid))
-        mul_blocks(a, inv, block, out=a)
+        absmax_into(torch.abs(x, out=ws.a.view(x.shape)), grid, block)
+        mul_blocks(x, inverse(grid), block, out=ws.a.view(x.shape))
         codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
-        return self.encode_into(ws.a, x.reshape(-1), codes, ws), grid.reshape(-1)
+        return self.encode_into(ws.a, codes, ws), grid.reshape(-1)
 
     def decode_blocks(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
         """fp32 ``shape = (rows, cols)`` values of :meth:`encode_blocks`' output."""
@@ -238,6 +248,11 @@ def absmax_into(a: torch.Tensor, grid: torch.Tensor, block) -> torch.Tensor:
         rows_max = view[:, 0] if view.shape[1] == 1 else torch.amax(view, dim=1)
         torch.amax(rows_max, dim=2, out=grid[bs, ts])
     return grid
+
+
+def inverse(absmax: torch.Tensor) -> torch.Tensor:
+    """``1 / absmax`` per block, 1 where the absmax is 0 (an all-zero block)."""
+    return torch.where(absmax > 0, absmax, 1.0).reciprocal_()
 
 
 @functools.lru_cache(maxsize=None)

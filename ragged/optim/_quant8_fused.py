@@ -4,19 +4,22 @@
 One step of a chunk (a run of whole blocks of one quantized piece, see ``chunks`` in
 ``_quant8_state.py``) decodes both moments, runs Adam in float32, writes the update, takes each
 block's new absmax and encodes both moments (the formula: [Note: one update] in
-``_quant8.py``). It is about 45 torch ops, every one writing into a scratch tensor of the step's
-:class:`~ragged.optim._quant8_codec.Workspace` or into the result itself (``out=`` and in-place
-ops): no allocation per op, so nothing is paged in per step and a chunk's temporaries stay in
-the cache while the next op reads them. The scale of each block is broadcast, not expanded
-(``mul_blocks``), the encoder is one table lookup and four integer ops ([Note: the nearest code
-in four integer ops]), and the decoder one lookup. Every op rounds once, in float32, in the
-formula's order -- never ``lerp`` / ``addcmul`` / ``add(alpha=)``, whose vectorised and
-scalar-tail paths may differ by an FMA -- and the square root is IEEE's (correctly rounded on the
-CPU and on CUDA, so it equals the float64 root rounded to float32), so the state never depends on
-where an element sits in the buffer or on the world size.
+``_quant8.py``). It is about 35 torch ops over the chunk, every one writing into a scratch tensor
+of the step's :class:`~ragged.optim._quant8_codec.Workspace` or into the result itself (``out=``
+and in-place ops): no allocation per op, so nothing is paged in per step and a chunk's
+temporaries stay in the cache while the next op reads them. The scale of each block is
+broadcast, not expanded (``mul_blocks``); a moment decodes with one table lookup and encodes with
+one lookup and a few integer ops on the float's bits ([Note: the nearest code from the float's
+bits]).
 
-The same ops run inside a user's ``torch.compile`` (dynamo traces the in-place ops like any
-others); ragged calls no compiler of its own.
+Every op rounds once, in float32, in the formula's order, so the state never depends on where
+an element sits in the buffer or on the world size. Never ``lerp``, ``addcmul`` or
+``add(alpha=)``: their vectorised and scalar-tail paths may differ by an FMA. ``x + s * t`` is
+one ``addcdiv(x, t, 1, value=s)`` on the CPU (``x + (s * t) / 1``: a division and an addition
+never fuse) and a product then a sum elsewhere (CUDA's ``addcdiv`` is one FMA). The square root
+is correctly rounded (:func:`sqrt_into`). ``tests/optim/test_quant8.py`` checks every code,
+scale and parameter against the formula written out leaf by leaf.
+ragged calls no compiler of its own.
 """
 
 from __future__ import annotations
@@ -26,31 +29,50 @@ import math
 import numpy as np
 import torch
 
-from ragged.optim._quant8_codec import Codec, Workspace, absmax_into, mul_blocks
+from ragged.optim._quant8_codec import Codec, Workspace, absmax_into, inverse, mul_blocks
 
-__all__ = ["adam_into", "sqrt_into", "chunk_update"]
+__all__ = ["Scalars", "adam_into", "add_scaled", "sqrt_into", "chunk_update"]
 
 # hp: the step's scalars, one float32 tensor (rounded as torch rounds Python scalars); its indexes
 B1, OMB1, B2, OMB2, EPS, BC1, BC2, DECAY, LR = range(9)
+
+
+_ONE = torch.ones(())
 
 
 def adam_into(m, v, g, p, hp, u, tmp, *, decay: bool, lr: bool, zero_eps: bool) -> torch.Tensor:
     """The formula of [Note: one update] on fp32 tensors of one shape: ``m`` and ``v`` are
     updated in place, the update is written into ``u`` (which may be ``g``'s memory: ``g`` is
     read before ``u`` is written); ``tmp`` is scratch; ``p`` is read when ``decay``. ``hp``:
-    the step's scalars (0-dim float32 tensors, indexed by ``B1`` ... ``LR``)."""
-    m.mul_(hp[B1]).add_(torch.mul(g, hp[OMB1], out=tmp))
-    torch.mul(g, g, out=tmp)
-    v.mul_(hp[B2]).add_(tmp.mul_(hp[OMB2]))
-    sqrt_into(v, u).div_(hp[BC2]).add_(hp[EPS])
+    the step's scalars (:class:`Scalars`)."""
+    add_scaled(m.mul_(hp[B1]), g, hp, OMB1, tmp)
+    add_scaled(v.mul_(hp[B2]), torch.mul(g, g, out=tmp), hp, OMB2, tmp)
+    torch.addcdiv(hp[EPS], sqrt_into(v, u), hp[BC2], out=u)  # eps + sqrt(v) / bc2: 1 * q is exact
     torch.div(m, u, out=u).div_(hp[BC1])
     if zero_eps:  # 0 / 0 where v and m are 0
         u.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
     if decay:
-        u.add_(torch.mul(p, hp[DECAY], out=tmp))
+        add_scaled(u, p, hp, DECAY, tmp)
     if lr:
         u.mul_(hp[LR])
     return u
+
+
+class Scalars(tuple):
+    """The step's scalars as 0-dim float32 tensors (indexed by ``B1`` ... ``LR``), and the same
+    values as Python floats (``.floats``)."""
+
+    def __new__(cls, hp: torch.Tensor):
+        out = super().__new__(cls, hp.unbind(0))
+        out.floats = tuple(hp.tolist())
+        return out
+
+
+def add_scaled(x: torch.Tensor, t: torch.Tensor, hp: Scalars, k: int, tmp: torch.Tensor) -> torch.Tensor:
+    """``x += t * hp[k]``, rounded twice (see [Note: one chunk, no allocation])."""
+    if x.device.type == "cpu":
+        return x.addcdiv_(t, _ONE, value=hp.floats[k])
+    return x.add_(torch.mul(t, hp[k], out=tmp))
 
 
 def sqrt_into(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -92,9 +114,8 @@ def chunk_update(c, g, p, out, codes, scales, new_codes, new_scales, hp, cm: Cod
         mul_blocks(x, scale(scales[k]), block, out=x)
     adam_into(m, v, el(g), None if p is None else el(p), hp, el(out), w.c.view(shape), decay=decay, lr=lr,
               zero_eps=zero_eps)
-    for x, cd, k in ((m, cm, 0), (v, cv, 1)):
-        a = torch.abs(x, out=w.c.view(shape))
-        absmax = absmax_into(a, scale(new_scales[k]), block)
-        inv = 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        mul_blocks(a, inv, block, out=a).abs_()  # abs: inf * 0 (an infinite absmax) is a NaN with its sign bit set
-        cd.encode_into(w.c, x.view(-1), code(new_codes[k]), w)
+    normed = w.c.view(shape)
+    absmax_into(torch.abs(m, out=normed), scale(new_scales[0]), block)
+    cm.encode_into(mul_blocks(m, inverse(scale(new_scales[0])), block, out=normed).view(-1), code(new_codes[0]), w)
+    absmax_into(v, scale(new_scales[1]), block)  # v >= 0
+    cv.encode_into(mul_blocks(v, inverse(scale(new_scales[1])), block, out=normed).view(-1), code(new_codes[1]), w)

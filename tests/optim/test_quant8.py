@@ -143,27 +143,24 @@ def _midpoint_counts(signed, magnitudes):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_encode_counts_midpoints_on_every_pattern(signed):
-    """The encoder's four integer ops give the count of midpoints below |x| (plus the code of
-    0, times the sign) for every float32 pattern: every pattern of each 16-bit key interval
-    that holds a midpoint, and both ends of every other interval (there the sum is linear in
-    the low bits). Both signs; NaN patterns count every midpoint (the code of +-1.0)."""
+    """The encoder's integer ops give the code of 0 plus or minus the count of midpoints below
+    |x|, for every float32 pattern with |x| < 2 (unsigned map: every pattern, by |x|). Within
+    one 16-bit key interval the code ``(y + lookup[key]) >> 16`` is non-decreasing in the key
+    ``y`` (x's pattern, every bit flipped where x < 0), so checking both ends of every interval
+    and the patterns on both sides of every midpoint, for both signs, checks them all."""
     c = codec(signed, "cpu")
     values = rg.optim.dynamic_map(signed)
     mids = ((values[values >= 0][:-1].double() + values[values >= 0][1:].double()) / 2).float()
-    keys = torch.unique(mids.view(torch.int32) >> 16)
-    whole = ((keys[:, None] << 16) + torch.arange(1 << 16, dtype=torch.int32)).reshape(-1)
-    every = torch.arange(1 << 15, dtype=torch.int32) << 16
-    bits = torch.cat([whole, every, every + 0xFFFF])
-    mags = bits.view(torch.float32)
-    want = torch.where(mags.isnan(), len(mids), _midpoint_counts(signed, mags.nan_to_num(nan=2.0)))
-    out = torch.empty(len(bits), dtype=torch.uint8)
-    ws = Workspace(len(bits), "cpu")
-    for sign in (1, -1):
-        signs = mags if sign == 1 else (bits | -(1 << 31)).view(torch.float32)
-        got = c.encode_into(mags, signs, out, ws).long()
-        assert torch.equal(got, c.zero + sign * want), sign
-        if not signed:
-            break
+    starts = torch.arange(1 << 15, dtype=torch.int32) << 16
+    near = mids.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)
+    magnitudes = torch.cat([starts, starts + 0xFFFF, near.reshape(-1)]).view(torch.float32)
+    x = torch.cat([magnitudes, -magnitudes])
+    if signed:
+        x = x[x.abs() < 2]
+    n = _midpoint_counts(signed, x.abs())
+    want = c.zero + torch.where(x.view(torch.int32) < 0, -n, n) if signed else n
+    got = c.encode_into(x.clone(), torch.empty(len(x), dtype=torch.uint8), Workspace(len(x), "cpu"))
+    assert torch.equal(got.long(), want)
 
 
 @pytest.mark.parametrize("signed", [True, False])

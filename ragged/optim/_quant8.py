@@ -10,17 +10,21 @@ Per quantized piece one step decodes both moments, runs Adam in fp32, writes the
 ``weight_decay * p``, times ``-lr``, when :func:`adamw_8bit` fuses the chain), takes each
 block's new absmax and encodes both moments:
 
-    m = table_mu[code] * absmax_mu;  m = m * b1 + g * (1 - b1)
-    v = table_nu[code] * absmax_nu;  v = v * b2 + (g * g) * (1 - b2)
-    u = m / (sqrt(v) / sqrt(1 - b2^t) + eps) / (1 - b1^t)        (eps == 0: NaN -> 0)
+    m = table_mu[code] * (absmax_mu * b1) + g * (1 - b1)
+    v = table_nu[code] * (absmax_nu * b2) + (g * g) * (1 - b2)
+    u = m / (sqrt(v) + eps * c2) * (c2 / c1)      c1 = 1 - b1^t, c2 = sqrt(1 - b2^t); eps == 0: NaN -> 0
     u = u + p * weight_decay;  u = u * -lr                        (adamw_8bit)
     absmax = max |m| per block;  code = encode(m * (1 / absmax))  (same for v)
+
+(Adam's ``m / c1 / (sqrt(v) / c2 + eps)``, each constant computed once per step in float64 and
+rounded to float32.) The fp32 moments of the leaves that are not quantized take ``m * b1`` for
+the first product.
 
 It runs over chunks of whole blocks (on a CPU, sized for the cache). Only single-rounding
 float32 ops in this order -- never lerp / addcmul / add(alpha=), whose vectorised and scalar-tail
 paths may differ by an FMA -- and a correctly rounded square root, so the state never depends on
 where an element sits in the buffer, nor on the world size. Small and non-block leaves and
-replicated leaves keep fp32 moments, updated by the same formula and the same function.
+replicated leaves keep fp32 moments, updated by the same function.
 """
 
 from __future__ import annotations
@@ -77,15 +81,15 @@ def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
 
 
 class _Hyper:
-    """The scalars of one step: ``hp`` (float32, as torch rounds Python scalars; indexed as in
-    ``_quant8_fused``) and the flags that select the formula's optional terms."""
+    """The scalars of one step: ``hp`` (float32, each computed in float64 and rounded once;
+    indexed as in ``_quant8_fused``) and the flags that select the formula's optional terms."""
 
     def __init__(self, b1, b2, eps, count, decay, lr):
         t = count.to(torch.float64)
         c = lambda x: torch.as_tensor(x, dtype=torch.float64, device=count.device)  # noqa: E731
         lr_t = c(1.0) if lr is None else torch.as_tensor(lr, device=count.device).to(torch.float64)
-        parts = [c(b1), c(1.0 - b1), c(b2), c(1.0 - b2), c(eps), 1.0 - b1**t, torch.sqrt(1.0 - b2**t),
-                 c(decay or 0.0), lr_t]
+        c1, c2 = 1.0 - b1**t, torch.sqrt(1.0 - b2**t)
+        parts = [c(b1), c(1.0 - b1), c(b2), c(1.0 - b2), eps * c2, c2 / c1, c(decay or 0.0), lr_t]
         self.hp = torch.stack(parts).to(torch.float32)
         self.flags = dict(decay=decay is not None, lr=lr is not None, zero_eps=eps == 0)
         self._on: dict = {}
@@ -138,6 +142,8 @@ def _adam(mu, nu, g, p, index, hp, h: _Hyper, in_place: bool):
         g = g.index_select(0, index)
         p = None if p is None else p.index_select(0, index)
     m, v = (mu, nu) if in_place else (mu.clone(), nu.clone())
+    m.mul_(hp[fused.B1])
+    v.mul_(hp[fused.B2])
     u = torch.empty_like(m)
     fused.adam_into(m, v, g, p, hp, u, torch.empty_like(m), **h.flags)
     return m, v, u

@@ -214,39 +214,50 @@ def grid_of(shape, block) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _rects(rows: int, cols: int, r: int, c: int) -> tuple:
-    """The rectangles of whole-height / whole-width blocks: ``(row slice, col slice, band
-    slice, tile slice, block height, block width)`` each; one when ``r`` and ``c`` divide."""
+    """The rectangles of whole-height / whole-width blocks of a ``(rows, cols)`` tensor, each
+    ``(row slice, col slice, (bands, h, tiles, w), band slice, tile slice)``; one rectangle
+    with ``None`` slices when ``r`` and ``c`` divide (the whole tensor, no slicing)."""
+    if rows % r == 0 and cols % c == 0:
+        return ((None, None, (rows // r, r, cols // c, c), None, None),)
+
     def parts(n, b):
         whole, rest = divmod(n, b)
         out = [(0, whole * b, 0, whole, b)] if whole else []
         return out + ([(whole * b, n, whole, whole + 1, rest)] if rest else [])
 
-    return tuple((slice(r0, r1), slice(c0, c1), slice(b0, b1), slice(t0, t1), h, w)
+    return tuple((slice(r0, r1), slice(c0, c1), (b1 - b0, h, t1 - t0, w), slice(b0, b1), slice(t0, t1))
                  for r0, r1, b0, b1, h in parts(rows, r) for c0, c1, t0, t1, w in parts(cols, c))
 
 
-def blocks_of(x: torch.Tensor, block) -> list[tuple[torch.Tensor, tuple[slice, slice]]]:
+def blocks_of(x: torch.Tensor, block) -> list[tuple[torch.Tensor, tuple]]:
     """``x`` (rows, cols) as views ``(bands, h, tiles, w)`` of whole blocks (up to four: the
     main part, the short last band, the narrow last tile, their corner), each with its slices
-    of the ``(bands, tiles)`` grid."""
-    rows, cols = x.shape
-    return [(x[rs, cs].view(-1, h, (cs.stop - cs.start) // w, w), (bs, ts))
-            for rs, cs, bs, ts, h, w in _rects(rows, cols, block[0], block[1])]
+    of the ``(bands, tiles)`` grid (``None``: all of it)."""
+    return [(x.view(shape) if rs is None else x[rs, cs].view(shape), (bs, ts))
+            for rs, cs, shape, bs, ts in _rects(x.shape[0], x.shape[1], block[0], block[1])]
+
+
+def _grid(per_block: torch.Tensor, where: tuple) -> torch.Tensor:
+    bs, ts = where
+    part = per_block if bs is None else per_block[bs, ts]
+    return part.view(part.shape[0], 1, part.shape[1], 1)
 
 
 def mul_blocks(x: torch.Tensor, per_block: torch.Tensor, block, *, out: torch.Tensor) -> torch.Tensor:
     """``out = x * per_block`` broadcast over each block (``per_block``: ``(bands, tiles)``;
     ``out`` may be ``x``)."""
-    for (xv, (bs, ts)), (ov, _) in zip(blocks_of(x, block), blocks_of(out, block)):
-        torch.mul(xv, per_block[bs, ts][:, None, :, None], out=ov)
+    parts = blocks_of(x, block)
+    outs = parts if out is x else blocks_of(out, block)
+    for (xv, where), (ov, _) in zip(parts, outs):
+        torch.mul(xv, _grid(per_block, where), out=ov)
     return out
 
 
 def absmax_into(a: torch.Tensor, grid: torch.Tensor, block) -> torch.Tensor:
-    """``grid`` (``(bands, tiles)``) = the max of ``a`` (rows, cols; already absolute) per block."""
+    """``grid`` (``(bands, tiles)``) = the max of ``a`` (rows, cols; non-negative) per block."""
     for view, (bs, ts) in blocks_of(a, block):  # rows first: an element-wise max of whole rows
         rows_max = view[:, 0] if view.shape[1] == 1 else torch.amax(view, dim=1)
-        torch.amax(rows_max, dim=2, out=grid[bs, ts])
+        torch.amax(rows_max, dim=2, out=grid if bs is None else grid[bs, ts])
     return grid
 
 

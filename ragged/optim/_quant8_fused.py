@@ -33,24 +33,24 @@ from ragged.optim._quant8_codec import Codec, Workspace, absmax_into, inverse, m
 
 __all__ = ["Scalars", "adam_into", "add_scaled", "sqrt_into", "chunk_update"]
 
-# hp: the step's scalars, one float32 tensor (rounded as torch rounds Python scalars); its indexes
-B1, OMB1, B2, OMB2, EPS, BC1, BC2, DECAY, LR = range(9)
+# hp: the step's scalars, one float32 tensor (see [Note: one update] in _quant8.py); its indexes
+B1, OMB1, B2, OMB2, EPS, SCALE, DECAY, LR = range(8)
 
 
 _ONE = torch.ones(())
 
 
-def adam_into(m, v, g, p, hp, u, tmp, *, decay: bool, lr: bool, zero_eps: bool) -> torch.Tensor:
-    """The formula of [Note: one update] on fp32 tensors of one shape: ``m`` and ``v`` are
-    updated in place, the update is written into ``u`` (which may be ``g``'s memory: ``g`` is
-    read before ``u`` is written); ``tmp`` is scratch; ``p`` is read when ``decay``. ``hp``:
-    the step's scalars (:class:`Scalars`)."""
-    add_scaled(m.mul_(hp[B1]), g, hp, OMB1, tmp)
-    add_scaled(v.mul_(hp[B2]), torch.mul(g, g, out=tmp), hp, OMB2, tmp)
-    torch.addcdiv(hp[EPS], sqrt_into(v, u), hp[BC2], out=u)  # eps + sqrt(v) / bc2: 1 * q is exact
-    torch.div(m, u, out=u).div_(hp[BC1])
+def adam_into(mb, vb, g, p, hp, u, tmp, *, decay: bool, lr: bool, zero_eps: bool) -> torch.Tensor:
+    """The formula of [Note: one update] on fp32 tensors of one shape, from ``mb = m * b1`` and
+    ``vb = v * b2`` (updated in place into the new moments); the update is written into ``u``
+    (which may be ``g``'s memory: ``g`` is read before ``u`` is written); ``tmp`` is scratch;
+    ``p`` is read when ``decay``. ``hp``: the step's scalars (:class:`Scalars`)."""
+    m = add_scaled(mb, g, hp, OMB1, tmp)
+    v = add_scaled(vb, torch.mul(g, g, out=tmp), hp, OMB2, tmp)
+    torch.div(m, sqrt_into(v, u).add_(hp[EPS]), out=u)
     if zero_eps:  # 0 / 0 where v and m are 0
         u.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    u.mul_(hp[SCALE])
     if decay:
         add_scaled(u, p, hp, DECAY, tmp)
     if lr:
@@ -104,18 +104,18 @@ def chunk_update(c, g, p, out, codes, scales, new_codes, new_scales, hp, cm: Cod
     """
     n, shape, block = c.numel, (c.rows, c.cols), (c.br, c.bc)
     grid = (c.bands, c.tiles)
+    at, codes_at, scales_at = slice(c.local_offset, c.local_offset + n), slice(c.code_offset, c.code_offset + n), \
+        slice(c.scale_offset, c.scale_offset + c.num_blocks)
+    m, v, normed = ws.a[:n], ws.b[:n], ws.c[:n]
     w = ws.take(n)
-    el = lambda t: t[c.local_offset : c.local_offset + n].view(shape)  # noqa: E731
-    code = lambda t: t[c.code_offset : c.code_offset + n]  # noqa: E731
-    scale = lambda t: t[c.scale_offset : c.scale_offset + c.num_blocks].view(grid)  # noqa: E731
-    m, v = w.a.view(shape), w.b.view(shape)
-    for x, cd, k in ((m, cm, 0), (v, cv, 1)):
-        cd.decode_into(code(codes[k]), x.view(-1), w.idx)
-        mul_blocks(x, scale(scales[k]), block, out=x)
-    adam_into(m, v, el(g), None if p is None else el(p), hp, el(out), w.c.view(shape), decay=decay, lr=lr,
-              zero_eps=zero_eps)
-    normed = w.c.view(shape)
-    absmax_into(torch.abs(m, out=normed), scale(new_scales[0]), block)
-    cm.encode_into(mul_blocks(m, inverse(scale(new_scales[0])), block, out=normed).view(-1), code(new_codes[0]), w)
-    absmax_into(v, scale(new_scales[1]), block)  # v >= 0
-    cv.encode_into(mul_blocks(v, inverse(scale(new_scales[1])), block, out=normed).view(-1), code(new_codes[1]), w)
+    for x, cd, k, b in ((m, cm, 0, B1), (v, cv, 1, B2)):  # m * b1 and v * b2
+        cd.decode_into(codes[k][codes_at], x, w.idx)
+        mul_blocks(x.view(shape), scales[k][scales_at].view(grid) * hp[b], block, out=x.view(shape))
+    adam_into(m, v, g[at], None if p is None else p[at], hp, out[at], normed, decay=decay, lr=lr, zero_eps=zero_eps)
+    ms, vs = new_scales[0][scales_at].view(grid), new_scales[1][scales_at].view(grid)
+    absmax_into(torch.abs(m, out=normed).view(shape), ms, block)
+    cm.encode_into(mul_blocks(m.view(shape), inverse(ms), block, out=normed.view(shape)).view(-1),
+                   new_codes[0][codes_at], w)
+    absmax_into(v.view(shape), vs, block)  # v >= 0
+    cv.encode_into(mul_blocks(v.view(shape), inverse(vs), block, out=normed.view(shape)).view(-1),
+                   new_codes[1][codes_at], w)

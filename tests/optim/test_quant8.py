@@ -317,8 +317,9 @@ BIG_SPECS = dict(SPECS, wide=spec.Blocks(32, 32), long=spec.Elements(256), one_b
 
 
 def _reference(params, specs, steps, *, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, min_size=1000):
-    """8-bit AdamW written out leaf by leaf from its definition, for comparison: codes by the
-    midpoint search, each block's absmax and scale spelled out per block, the float64 root."""
+    """8-bit AdamW written out leaf by leaf from its definition ([Note: one update]), for
+    comparison: codes by the midpoint search, each block's absmax and scale spelled out per
+    block, the float64 root."""
     maps = {s: rg.optim.dynamic_map(s) for s in (True, False)}
 
     def encode(x, signed, br, bc):
@@ -332,9 +333,9 @@ def _reference(params, specs, steps, *, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, wei
         n = _midpoint_counts(signed, normed.abs().reshape(-1))
         return torch.where(normed.reshape(-1) < 0, zero - n, zero + n).to(torch.uint8), absmax
 
-    def decode(codes, absmax, signed, shape, br, bc):
+    def decode(codes, absmax, signed, shape, br, bc, decay):  # the values times b1 (or b2)
         table = torch.cat([maps[signed], maps[signed][-1:]])
-        per = absmax.repeat_interleave(br, 0)[: shape[0]].repeat_interleave(bc, 1)[:, : shape[1]]
+        per = (absmax * decay).repeat_interleave(br, 0)[: shape[0]].repeat_interleave(bc, 1)[:, : shape[1]]
         return table[codes.long()].view(shape) * per
 
     plan = rg.make_plan(params, specs, world_size=1)
@@ -354,17 +355,18 @@ def _reference(params, specs, steps, *, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, wei
         for path, leaf in leaves.items():
             block, shape, st = state[path]
             g, p = grads[leaf.index].reshape(shape), out[path].reshape(shape)
+            f32 = lambda x: torch.tensor(x, dtype=torch.float64).float()  # noqa: E731
             if st is None:  # step 0: zero moments (zero codes and scales)
-                m, v = torch.zeros(shape), torch.zeros(shape)
+                mb, vb = torch.zeros(shape), torch.zeros(shape)
             elif block is None:
-                m, v = st
+                mb, vb = st[0] * f32(b1), st[1] * f32(b2)
             else:
-                m, v = decode(*st[0], True, shape, *block), decode(*st[1], False, shape, *block)
-            m = m * torch.tensor(b1) + g * torch.tensor(1 - b1)
-            v = v * torch.tensor(b2) + (g * g) * torch.tensor(1 - b2)
-            bc1, bc2 = torch.tensor(1 - b1**t), torch.tensor(math.sqrt(1 - b2**t))
-            u = m / (torch.sqrt(v.double()).float() / bc2 + torch.tensor(eps)) / bc1
-            u = (u + p * torch.tensor(weight_decay)) * torch.tensor(-lr)
+                mb, vb = decode(*st[0], True, shape, *block, f32(b1)), decode(*st[1], False, shape, *block, f32(b2))
+            m = mb + g * f32(1 - b1)
+            v = vb + (g * g) * f32(1 - b2)
+            c1, c2 = 1 - b1**t, torch.sqrt(1 - b2 ** torch.tensor(t, dtype=torch.float64))
+            u = m / (torch.sqrt(v.double()).float() + (eps * c2).float()) * (c2 / c1).float()
+            u = (u + p * f32(weight_decay)) * f32(-lr)
             out[path] = (p + u).view(leaf.shape)
             st = (m, v) if block is None else (encode(m, True, *block), encode(v, False, *block))
             state[path] = (block, shape, st)

@@ -102,7 +102,8 @@ def test_main_sh_refuses_a_bad_value_before_training():
 @pytest.mark.slow
 def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     """scripts/gpu_check.sh --dry-run on the CPU: the CUDA tests are collected (and skip), the step
-    bench, the memory harness, the calibration and the report each start and finish, and what
+    bench, the 8-bit optimizer step, the memory harness, the calibration and the report each start
+    and finish, and what
     comes back fits the device tool's limit (at most 8 files in OUTDIR, the logs packed)."""
     import json
     import tarfile
@@ -115,12 +116,15 @@ def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["env.txt", "gpu-check.tar.gz", "stages.jsonl", "summary.json",
                                                       "summary.md"]
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["stage"] for s in summary["stages"]] == ["cuda-tests", "step-fp32", "memory", "calibrate"]
+    assert [s["stage"] for s in summary["stages"]] == ["cuda-tests", "step-fp32", "optim-8bit", "memory", "calibrate"]
     assert all(s["rc"] == 0 for s in summary["stages"])
     assert summary["cuda_tests"]["tests"] >= 5 and summary["step"] and summary["memory"] and summary["calibrate"]
+    assert "rg.optim.adamw_8bit (donate=True)" in [r["method"] for r in summary["optim"]["rows"]]
     md = (out / "summary.md").read_text()
     assert "## Training step" in md and "fake process group" in md and "## One collective call at W=1" in md
+    assert "## One optimizer step: 8-bit AdamW against torch's AdamW" in md
     with tarfile.open(out / "gpu-check.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    assert {"cuda-tests.log", "cuda-tests.xml", "step.jsonl", "memory.jsonl", "calibrate.jsonl", "summary.md"} <= names
+    assert {"cuda-tests.log", "cuda-tests.xml", "step.jsonl", "optim-step.json", "memory.jsonl", "calibrate.jsonl",
+            "summary.md"} <= names
     assert "torch " in (out / "env.txt").read_text()

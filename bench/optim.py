@@ -16,13 +16,14 @@ step    Wall time of one optimizer step on one process (torch.set_num_threads(1)
         ``Blocks(32, 32)`` on the matrices): ``rg.optim.adamw`` on a DBuffer, ``torch.optim.AdamW``
         foreach, fused and for-loop on the per-leaf tensors, ``torch.optim.AdamW`` foreach on one
         flat tensor, and ``rg.optim.adamw_8bit`` on the DBuffer (functional and ``donate=True``,
-        in place as torch's). Each of ours includes ``apply_updates``; the donated ones refill
-        the donated gradient buffer, as the next backward would. Every method runs twice before
-        the timed rounds. Median of --iters, interleaved, and the paired ratios (median over
-        rounds of method / torch's foreach or fused AdamW in the same round, with a bootstrap
-        95% interval). ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``:
-        only torch's foreach and fused AdamW and the 8-bit update; ``--json FILE``: the rows,
-        every round's time and the command (``bench/report.py`` renders them).
+        in place as torch's). Each of ours includes ``apply_updates``. Every method runs twice
+        before the timed rounds; the donated ones refill the gradient buffer before each step (a
+        backward's work, for torch's optimizer too), timed apart and not counted. Median of
+        --iters, interleaved, and the paired ratios (median over rounds of method / torch's
+        foreach or fused AdamW in the same round, with a bootstrap 95% interval).
+        ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``: only torch's
+        foreach and fused AdamW and the 8-bit update; ``--json FILE``: the rows, every round's
+        time and the command (``bench/report.py`` renders them).
 
 Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
       python3 bench/report.py record optim-step -- python3 bench/optim.py --sections step --only-8bit --iters 21
@@ -132,6 +133,9 @@ def section_muon(console, m_list):
     console.print(table)
 
 
+STEP, REFILL = "step", "refill"  # the timed phases of a donated method
+
+
 def section_step(console, iters, hidden, device="cpu", only_8bit=False):
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -160,10 +164,12 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
 
         def step():
             g = box["g"]
-            if donate:  # the gradient buffer is donated: refill it as the next backward would
-                g.data.copy_(gsh.data)
+            if donate:  # the update overwrote the gradients: refill them, as the next backward
+                g.data.copy_(gsh.data)  # would (for torch's optimizer too), timed apart
+                yield REFILL
             u, box["s"] = opt.update(g, box["s"], box["p"])
             box["p"] = rg.apply_updates(box["p"], u, donate=donate)
+            yield STEP
 
         return step
 
@@ -196,12 +202,19 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
 
     def timed(fn):
         def run():
-            fn()
-            sync()
+            out = fn()
+            for phase in out if out is not None else ():
+                sync()
+                yield phase
+            if out is None:
+                sync()
+                yield STEP
 
         return run
 
     times = interleaved({k: timed(v) for k, v in methods.items()}, iters, warmup=2)  # warm-up: state allocation
+    times = {k[: -len(STEP) - 1] if k.endswith(" " + STEP) else k: ts for k, ts in times.items()
+             if not k.endswith(" " + REFILL)}
     title = (f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, {dev.type}, 1 thread (median of "
              f"{iters}, interleaved; paired: median over rounds of method / torch's AdamW in the same round, "
              "bootstrap 95% interval in brackets)")

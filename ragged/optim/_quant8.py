@@ -122,8 +122,9 @@ def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *
     if pieces:
         ws = Workspace(max(c.numel for c in pieces), dev)
         cm, cv = codec(True, dev), codec(False, dev)
+        decayed = (scales[0] * hp[fused.B1], scales[1] * hp[fused.B2])  # (before new_scales overwrites scales)
         for c in pieces:
-            fused.chunk_update(c, gdata, pdata, out, codes, scales, new_codes, new_scales, hp, cm, cv, ws, **h.flags)
+            fused.chunk_update(c, gdata, pdata, out, codes, decayed, new_codes, new_scales, hp, cm, cv, ws, **h.flags)
     mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
     if lay.num_fp32:
         mu_fp32, nu_fp32, u = _adam(mu_fp32, nu_fp32, gdata, pdata, lay.fp32_index, hp, h, in_place)

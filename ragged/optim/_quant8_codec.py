@@ -46,7 +46,8 @@ import functools
 
 import torch
 
-__all__ = ["dynamic_map", "Codec", "codec", "Workspace", "blocks_of", "absmax_into", "mul_blocks", "inverse"]
+__all__ = ["dynamic_map", "Codec", "codec", "Workspace", "blocks_of", "absmax_into", "abs_blocks", "mul_blocks",
+           "inverse"]
 
 _KEYS = 1 << 15  # every non-negative int32's top 15 bits
 _FLIP = 0x7FFFFFFF  # y = _FLIP - |x|'s pattern for a negative x
@@ -84,8 +85,8 @@ class Workspace:
 
     Examples:
         >>> ws = Workspace(8, "cpu")
-        >>> ws.take(3).c.shape, ws.take(3).idx.dtype
-        (torch.Size([3]), torch.int64)
+        >>> ws.c.shape, ws.idx.dtype
+        (torch.Size([8]), torch.int64)
     """
 
     def __init__(self, numel: int, device):
@@ -93,13 +94,7 @@ class Workspace:
         self.a, self.b, self.c = (torch.empty(numel, **f32) for _ in range(3))
         self.idx = torch.empty(numel, dtype=torch.int64, device=device)
         self.acc = torch.empty(numel, dtype=torch.int32, device=device)
-
-    def take(self, n: int) -> "Workspace":
-        """The first ``n`` elements of every scratch tensor (views)."""
-        out = Workspace.__new__(Workspace)
-        for k in ("a", "b", "c", "idx", "acc"):
-            setattr(out, k, getattr(self, k)[:n])
-        return out
+        self.views: dict = {}  # chunk shape -> views of the above (see _quant8_fused.chunk_update)
 
 
 class Codec:
@@ -148,19 +143,17 @@ class Codec:
         idx.copy_(codes)
         return torch.index_select(self.table, 0, idx, out=out)
 
-    def encode_into(self, x: torch.Tensor, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
-        """``out`` (uint8) = the codes of ``x`` (fp32, flat: normalised values; overwritten with
-        their keys), as in [Note: the nearest code from the float's bits]. Uses ``ws.idx`` and
-        ``ws.acc``."""
-        y = x.view(torch.int32)
+    def encode_into(self, y: torch.Tensor, out: torch.Tensor, idx: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        """``out`` (uint8, flat) = the codes of the normalised values whose float32 patterns are
+        ``y`` (int32, contiguous; overwritten with their keys), as in [Note: the nearest code
+        from the float's bits]. ``idx`` (int64) and ``acc`` (int32): scratch of ``out``'s size."""
         if self.signed:
-            y.bitwise_xor_(torch.bitwise_right_shift(y, 31, out=ws.acc))
+            y.bitwise_xor_(torch.bitwise_right_shift(y, 31, out=acc))
         else:
-            x.abs_()
-        ws.idx.copy_(torch.bitwise_right_shift(y, 16, out=ws.acc))  # a shift into int64 is slower
-        torch.index_select(self.lookup, 0, ws.idx, out=ws.acc)
-        out.copy_(ws.acc.add_(y).bitwise_right_shift_(16))
-        return out
+            y.bitwise_and_(0x7FFFFFFF)  # |x|
+        idx.copy_(torch.bitwise_right_shift(y, 16, out=acc))  # a shift into int64 is slower
+        torch.index_select(self.lookup, 0, idx, out=acc)
+        return out.copy_(acc.add_(y).bitwise_right_shift_(16))
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """fp32 table values of ``codes`` (uint8, any shape): the normalised values."""
@@ -171,7 +164,8 @@ class Codec:
         of each element's block absmax, so that the product lies in [-1, 1])."""
         normed = (x.to(torch.float32) * inv_scale).contiguous()
         out = torch.empty(normed.shape, dtype=torch.uint8, device=normed.device)
-        self.encode_into(normed.view(-1), out.view(-1), Workspace(normed.numel(), normed.device))
+        ws = Workspace(normed.numel(), normed.device)
+        self.encode_into(normed.view(-1).view(torch.int32), out.view(-1), ws.idx, ws.acc)
         return out
 
     def encode_blocks(self, x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,15 +190,18 @@ class Codec:
         x = x.to(torch.float32).contiguous()
         ws = Workspace(x.numel(), x.device)
         grid = torch.empty(grid_of(x.shape, block), dtype=torch.float32, device=x.device)
-        absmax_into(torch.abs(x, out=ws.a.view(x.shape)), grid, block)
-        mul_blocks(x, inverse(grid), block, out=ws.a.view(x.shape))
+        a = blocks_of(ws.a.view(x.shape), block)
+        absmax_into(abs_blocks(blocks_of(x, block), a), grid)
+        mul_blocks(blocks_of(x, block), inverse(grid), a)
         codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
-        return self.encode_into(ws.a, codes, ws), grid.reshape(-1)
+        return self.encode_into(ws.a.view(torch.int32), codes, ws.idx, ws.acc), grid.reshape(-1)
 
     def decode_blocks(self, codes: torch.Tensor, absmax: torch.Tensor, shape, block: tuple[int, int]) -> torch.Tensor:
         """fp32 ``shape = (rows, cols)`` values of :meth:`encode_blocks`' output."""
         x = self.decode(codes).view(shape)
-        return mul_blocks(x, absmax.view(grid_of(shape, block)), block, out=x)
+        parts = blocks_of(x, block)
+        mul_blocks(parts, absmax.view(grid_of(shape, block)), parts)
+        return x
 
 
 def grid_of(shape, block) -> tuple[int, int]:
@@ -237,25 +234,26 @@ def blocks_of(x: torch.Tensor, block) -> list[tuple[torch.Tensor, tuple]]:
             for rs, cs, shape, bs, ts in _rects(x.shape[0], x.shape[1], block[0], block[1])]
 
 
-def _grid(per_block: torch.Tensor, where: tuple) -> torch.Tensor:
-    bs, ts = where
-    part = per_block if bs is None else per_block[bs, ts]
-    return part.view(part.shape[0], 1, part.shape[1], 1)
+def mul_blocks(parts: list, per_block: torch.Tensor, out: list) -> None:
+    """``out = parts * per_block``, broadcast over each block (``parts``, ``out``:
+    :func:`blocks_of` of two tensors of one shape, possibly the same; ``per_block``:
+    ``(bands, tiles)``)."""
+    for (xv, (bs, ts)), (ov, _) in zip(parts, out):
+        grid = per_block if bs is None else per_block[bs, ts]
+        torch.mul(xv, grid.view(grid.shape[0], 1, grid.shape[1], 1), out=ov)
 
 
-def mul_blocks(x: torch.Tensor, per_block: torch.Tensor, block, *, out: torch.Tensor) -> torch.Tensor:
-    """``out = x * per_block`` broadcast over each block (``per_block``: ``(bands, tiles)``;
-    ``out`` may be ``x``)."""
-    parts = blocks_of(x, block)
-    outs = parts if out is x else blocks_of(out, block)
-    for (xv, where), (ov, _) in zip(parts, outs):
-        torch.mul(xv, _grid(per_block, where), out=ov)
+def abs_blocks(parts: list, out: list) -> list:
+    """``out = |parts|`` (:func:`blocks_of` lists); returns ``out``."""
+    for (xv, _), (ov, _) in zip(parts, out):
+        torch.abs(xv, out=ov)
     return out
 
 
-def absmax_into(a: torch.Tensor, grid: torch.Tensor, block) -> torch.Tensor:
-    """``grid`` (``(bands, tiles)``) = the max of ``a`` (rows, cols; non-negative) per block."""
-    for view, (bs, ts) in blocks_of(a, block):  # rows first: an element-wise max of whole rows
+def absmax_into(parts: list, grid: torch.Tensor) -> torch.Tensor:
+    """``grid`` (``(bands, tiles)``) = the max per block of the non-negative ``parts``
+    (:func:`blocks_of`)."""
+    for view, (bs, ts) in parts:  # rows first: an element-wise max of whole rows
         rows_max = view[:, 0] if view.shape[1] == 1 else torch.amax(view, dim=1)
         torch.amax(rows_max, dim=2, out=grid if bs is None else grid[bs, ts])
     return grid

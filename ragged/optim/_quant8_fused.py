@@ -25,11 +25,12 @@ ragged calls no compiler of its own.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ragged.optim._quant8_codec import Codec, Workspace, absmax_into, inverse, mul_blocks
+from ragged.optim._quant8_codec import Codec, Workspace, abs_blocks, absmax_into, blocks_of, inverse, mul_blocks
 
 __all__ = ["Scalars", "adam_into", "add_scaled", "sqrt_into", "chunk_update"]
 
@@ -88,34 +89,57 @@ def sqrt_into(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(torch.sqrt(v.double()))
 
 
-def chunk_update(c, g, p, out, codes, scales, new_codes, new_scales, hp, cm: Codec, cv: Codec, ws: Workspace, *,
+def chunk_update(c, g, p, out, codes, decayed, new_codes, new_scales, hp, cm: Codec, cv: Codec, ws: Workspace, *,
                  decay: bool, lr: bool, zero_eps: bool) -> None:
     """One chunk's step (see [Note: one chunk, no allocation]).
 
     Args:
         c: the chunk (a ``QPiece``: offsets into the shard and the compact arrays, rows, cols, block).
         g, p, out: the whole shard's fp32 gradient, params (read when ``decay``) and update (written).
-        codes, scales: ``(mu, nu)`` uint8 codes and fp32 absmax per block, compact (read).
-        new_codes, new_scales: the same, written (may be ``codes`` / ``scales``: each chunk's are
-            read before they are written).
+        codes: ``(mu, nu)`` uint8 codes, compact (read).
+        decayed: ``(mu, nu)`` absmax per block times ``b1`` / ``b2``, compact (read).
+        new_codes, new_scales: codes and absmax per block, written (``new_codes`` may be
+            ``codes``: each chunk's are read before they are written).
         hp: the step's scalars (see :func:`adam_into`).
         cm, cv: the codecs of the two moments.
         ws: scratch for at least ``c.numel`` elements.
     """
-    n, shape, block = c.numel, (c.rows, c.cols), (c.br, c.bc)
-    grid = (c.bands, c.tiles)
-    at, codes_at, scales_at = slice(c.local_offset, c.local_offset + n), slice(c.code_offset, c.code_offset + n), \
-        slice(c.scale_offset, c.scale_offset + c.num_blocks)
-    m, v, normed = ws.a[:n], ws.b[:n], ws.c[:n]
-    w = ws.take(n)
-    for x, cd, k, b in ((m, cm, 0, B1), (v, cv, 1, B2)):  # m * b1 and v * b2
+    n, grid = c.numel, (c.bands, c.tiles)
+    at, codes_at = slice(c.local_offset, c.local_offset + n), slice(c.code_offset, c.code_offset + n)
+    scales_at = slice(c.scale_offset, c.scale_offset + c.num_blocks)
+    w = _views(ws, c)
+    for k, (x, xb, cd) in enumerate(((w.m, w.m_blocks, cm), (w.v, w.v_blocks, cv))):  # m * b1, v * b2
         cd.decode_into(codes[k][codes_at], x, w.idx)
-        mul_blocks(x.view(shape), scales[k][scales_at].view(grid) * hp[b], block, out=x.view(shape))
-    adam_into(m, v, g[at], None if p is None else p[at], hp, out[at], normed, decay=decay, lr=lr, zero_eps=zero_eps)
+        mul_blocks(xb, decayed[k][scales_at].view(grid), xb)
+    adam_into(w.m, w.v, g[at], None if p is None else p[at], hp, out[at], w.normed, decay=decay, lr=lr,
+              zero_eps=zero_eps)
     ms, vs = new_scales[0][scales_at].view(grid), new_scales[1][scales_at].view(grid)
-    absmax_into(torch.abs(m, out=normed).view(shape), ms, block)
-    cm.encode_into(mul_blocks(m.view(shape), inverse(ms), block, out=normed.view(shape)).view(-1),
-                   new_codes[0][codes_at], w)
-    absmax_into(v.view(shape), vs, block)  # v >= 0
-    cv.encode_into(mul_blocks(v.view(shape), inverse(vs), block, out=normed.view(shape)).view(-1),
-                   new_codes[1][codes_at], w)
+    mul_blocks(w.m_blocks, inverse(absmax_into(abs_blocks(w.m_blocks, w.normed_blocks), ms)), w.normed_blocks)
+    cm.encode_into(w.bits, new_codes[0][codes_at], w.idx, w.acc)
+    mul_blocks(w.v_blocks, inverse(absmax_into(w.v_blocks, vs)), w.normed_blocks)  # v >= 0: no abs
+    cv.encode_into(w.bits, new_codes[1][codes_at], w.idx, w.acc)
+
+
+class _Views(NamedTuple):
+    m: torch.Tensor
+    v: torch.Tensor
+    normed: torch.Tensor
+    bits: torch.Tensor  # normed's int32 patterns
+    idx: torch.Tensor
+    acc: torch.Tensor
+    m_blocks: list
+    v_blocks: list
+    normed_blocks: list
+
+
+def _views(ws: Workspace, c) -> _Views:
+    """The workspace's tensors cut to chunk ``c``'s size and viewed in its blocks (made once per
+    chunk shape in a step: most chunks of a buffer share a few shapes)."""
+    key = (c.rows, c.cols, c.br, c.bc)
+    hit = ws.views.get(key)
+    if hit is None:
+        n, shape, block = c.numel, (c.rows, c.cols), (c.br, c.bc)
+        m, v, normed = ws.a[:n], ws.b[:n], ws.c[:n]
+        blocks = [blocks_of(t.view(shape), block) for t in (m, v, normed)]
+        hit = ws.views[key] = _Views(m, v, normed, normed.view(torch.int32), ws.idx[:n], ws.acc[:n], *blocks)
+    return hit

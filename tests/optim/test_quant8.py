@@ -159,7 +159,8 @@ def test_encode_counts_midpoints_on_every_pattern(signed):
         x = x[x.abs() < 2]
     n = _midpoint_counts(signed, x.abs())
     want = c.zero + torch.where(x.view(torch.int32) < 0, -n, n) if signed else n
-    got = c.encode_into(x.clone(), torch.empty(len(x), dtype=torch.uint8), Workspace(len(x), "cpu"))
+    ws = Workspace(len(x), "cpu")
+    got = c.encode_into(x.clone().view(torch.int32), torch.empty(len(x), dtype=torch.uint8), ws.idx, ws.acc)
     assert torch.equal(got.long(), want)
 
 

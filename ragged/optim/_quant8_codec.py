@@ -34,10 +34,10 @@ indexes outside the table. The second moment is never negative: its key is ``|x|
 ``|x|`` reaches 2 only in a block whose absmax is infinite or NaN, where ``inf * 0`` makes NaN
 and every value decodes to inf or NaN whatever its code; there the code is what the table says
 (a NaN gets the code of 0 in the first moment and of 1.0 in the second).
-``tests/optim/test_quant8.py`` compares the codes with the count of midpoints below ``|x|`` on
-every pattern of every interval that holds a step and on both ends of every other interval
-(between them the sum is linear in the low bits, so that covers all 2^32 patterns with ``|x| <
-2``, as does enumerating them), and that count with the nearest table value.
+``tests/optim/test_quant8.py`` compares the codes with the count of midpoints below ``|x|`` at
+both ends of every interval and on both sides of every midpoint (within an interval the code is
+non-decreasing in ``y``, so that covers every pattern with ``|x| < 2``; enumerating all 2^32
+patterns once agreed too), and that count with the nearest table value.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@
 One step of a chunk (a run of whole blocks of one quantized piece, see ``chunks`` in
 ``_quant8_state.py``) decodes both moments, runs Adam in float32, writes the update, takes each
 block's new absmax and encodes both moments (the formula: [Note: one update] in
-``_quant8.py``). It is about 35 torch ops over the chunk, every one writing into a scratch tensor
-of the step's :class:`~ragged.optim._quant8_codec.Workspace` or into the result itself (``out=``
-and in-place ops): no allocation per op, so nothing is paged in per step and a chunk's
-temporaries stay in the cache while the next op reads them. The scale of each block is
-broadcast, not expanded (``mul_blocks``); a moment decodes with one table lookup and encodes with
-one lookup and a few integer ops on the float's bits ([Note: the nearest code from the float's
-bits]).
+``_quant8.py``). It is about 35 passes of torch ops over the chunk (and a few ops per block),
+each writing into a scratch tensor of the step's
+:class:`~ragged.optim._quant8_codec.Workspace` or into the result itself (``out=`` and in-place
+ops): no allocation per op, so nothing is paged in per step and a chunk's temporaries stay in
+the cache while the next op reads them. The scale of each block is broadcast, not expanded
+(``mul_blocks``); a moment decodes with one table lookup and encodes with one lookup and a few
+integer ops on the float's bits ([Note: the nearest code from the float's bits]).
 
 Every op rounds once, in float32, in the formula's order, so the state never depends on where
 an element sits in the buffer or on the world size. Never ``lerp``, ``addcmul`` or

@@ -69,9 +69,15 @@ class Scalars(tuple):
         return out
 
 
+def _cpu_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t``'s ops take the CPU's forms (numpy's root, ``addcdiv``); the other forms give
+    the same bits (``tests/optim/test_quant8.py`` runs both on the CPU)."""
+    return t.device.type == "cpu"
+
+
 def add_scaled(x: torch.Tensor, t: torch.Tensor, hp: Scalars, k: int, tmp: torch.Tensor) -> torch.Tensor:
     """``x += t * hp[k]``, rounded twice (see [Note: one chunk, no allocation])."""
-    if x.device.type == "cpu":
+    if _cpu_kernels(x):
         return x.addcdiv_(t, _ONE, value=hp.floats[k])
     return x.add_(torch.mul(t, hp[k], out=tmp))
 
@@ -83,7 +89,7 @@ def sqrt_into(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     device, or a graph being compiled, the float64 root rounded to float32 (the same value:
     the float64 root is within an ulp of float64, and no float32 root lies that close to a
     float32 rounding boundary)."""
-    if v.device.type == "cpu" and not torch.compiler.is_compiling():
+    if _cpu_kernels(v) and not torch.compiler.is_compiling():
         np.sqrt(v.numpy(), out=out.numpy())
         return out
     return out.copy_(torch.sqrt(v.double()))

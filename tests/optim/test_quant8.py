@@ -424,6 +424,18 @@ def test_non_finite_gradients_poison_only_their_blocks():
         assert torch.equal(blocks(getattr(clean, k))[~hit], blocks(getattr(poisoned, k))[~hit]), k
 
 
+def test_other_devices_forms_give_the_cpus_bits(monkeypatch):
+    """The forms the update takes off the CPU (a product then a sum instead of ``addcdiv``, the
+    float64 root instead of numpy's) give the CPU forms' state and updates bit for bit."""
+    runs = {}
+    for cpu in (True, False):
+        monkeypatch.setattr(_quant8_fused, "_cpu_kernels", lambda t, cpu=cpu: cpu)
+        runs[cpu] = _run(2, steps=3, params=_big_params(), specs=BIG_SPECS)
+    _assert_same_state(_leaf_states(*runs[True]), _leaf_states(*runs[False]), "forms")
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_equals_cpu():

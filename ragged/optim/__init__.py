@@ -48,3 +48,13 @@ from ragged.optim._transform import scale_by_adamw as scale_by_adamw
 from ragged.optim._transform import scale_by_learning_rate as scale_by_learning_rate
 from ragged.optim._transform import scale_by_schedule as scale_by_schedule
 from ragged.optim._transform import trace as trace
+from ragged.optim._precond import ShampooFactors as ShampooFactors
+from ragged.optim._precond import SoapFactors as SoapFactors
+from ragged.optim._precond import block_state as block_state
+from ragged.optim._precond import preconditioned_leaves as preconditioned_leaves
+from ragged.optim._soap import SoapState as SoapState
+from ragged.optim._soap import eigenbasis as eigenbasis
+from ragged.optim._soap import soap as soap
+from ragged.optim._shampoo import ShampooState as ShampooState
+from ragged.optim._shampoo import inverse_root as inverse_root
+from ragged.optim._shampoo import shampoo as shampoo

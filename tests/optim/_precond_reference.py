@@ -92,7 +92,7 @@ def soap_reference(params: dict, grads: list[dict], blocks: dict, hp: dict) -> d
             state[k] = SoapBlock((1, 1)), torch.zeros_like(v), torch.zeros_like(v)
     for step, g_all in enumerate(grads):
         t = step  # Adam steps taken so far + 1 on steps after the first
-        lr = hp["lr"]
+        lr = hp["lr"](step) if callable(hp["lr"]) else hp["lr"]
         for k in p:
             g = g_all[k].to(torch.float64)
             if step == 0:
@@ -176,5 +176,6 @@ def shampoo_reference(params: dict, grads: list[dict], blocks: dict, hp: dict) -
                             pre = pre * grm[rs, cs].norm() / (pre.norm() + 1e-16)
                         dm[rs, cs] = pre
                 direction = dm.reshape(g.shape)
-            p[k] = p[k] - hp["lr"] * (direction + hp["weight_decay"] * p[k])
+            lr = hp["lr"](t - 1) if callable(hp["lr"]) else hp["lr"]
+            p[k] = p[k] - lr * (direction + hp["weight_decay"] * p[k])
     return p

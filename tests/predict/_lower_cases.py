@@ -20,12 +20,16 @@ from bench._counts import CommCounter, storage_by_category
 
 
 def _optimizer(name: str, case, comm):
-    """The optimizers lowered: the case's own, 8-bit AdamW, and the ones that communicate (Muon's
-    owner exchange; a global norm clip and a finiteness agreement around AdamW)."""
+    """The optimizers lowered: the case's own, 8-bit AdamW, SOAP and Shampoo (per-block state), and the
+    ones that communicate (Muon's owner exchange; a global norm clip and a finiteness agreement around AdamW)."""
     if name == "adamw8bit":
         return rg.optim.adamw_8bit(case.lr, min_size=256)
     if name == "muon":
         return rg.optim.muon(case.lr, comm=comm, num_waves=2)
+    if name == "soap":
+        return rg.optim.soap(case.lr, precondition_frequency=1)
+    if name == "shampoo":
+        return rg.optim.shampoo(case.lr, precondition_frequency=1)
     if name == "clip-finite":
         return rg.optim.apply_if_finite(rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=comm, error_if_nonfinite=True),
                                                        case.make_optimizer()), 2, comm=comm)
@@ -40,12 +44,13 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
     from tests.fsdp import _quant_cases as qc
 
     model = case.model()
-    def specs(path, t):  # 8-bit AdamW and the quantized collectives: 16 x 16 tiles of the matrices
+    def specs(path, t):  # 8-bit AdamW, the quantized collectives, SOAP / Shampoo: 16 x 16 tiles of the matrices
         if case.replicate_vectors and t.dim() == 1:
             return rg.spec.Replicate()
         if gather or reduce:
             return qc.specs(path, t)
-        return rg.spec.Blocks(16, 16) if optimizer == "adamw8bit" and t.dim() == 2 else None
+        blocks = optimizer == "adamw8bit" and t.dim() == 2 or optimizer in ("soap", "shampoo") and t.dim() >= 2
+        return rg.spec.Blocks(16, 16) if blocks else None
 
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
     opt = _optimizer(optimizer, case, comm)

@@ -36,6 +36,8 @@ CASES = {
     "muon-m3": (3, Case(batch=6), "muon", 2),
     "muon-multibuffer-moe": (2, Case(moe=True, max_buffers="auto"), "muon", 2),
     "clip-finite": (2, Case(), "clip-finite", 2),
+    "soap-moe-m3": (3, Case(moe=True, batch=6), "soap", 2),
+    "shampoo": (2, Case(), "shampoo", 2),
 }
 
 
@@ -64,8 +66,23 @@ def test_lowered_step_is_exact(name):
         assert out[0]["buffers"] > 1
     if "8bit" in name:
         assert any(k.endswith("_codes") for k in out[0]["state"]) and any(k.endswith("_scales") for k in out[0]["state"])
+    if name.startswith(("soap", "shampoo")):  # the blocks' state by category; the update declares no collective
+        derived = ("left_basis", "right_basis") if name.startswith("soap") else ("left_root", "right_root", "graft_nu")
+        for field in ("mu", "left_stats", "right_stats", *derived):
+            assert all(o["state"][f"optimizer.{field}"] > 0 for o in out), field
     if m > 2 and "8bit" in name:  # codes cover what each rank holds: the ranks differ, and so does the prediction
         assert len({tuple(sorted(o["state"].items())) for o in out}) > 1
+
+
+def test_soap_and_shampoo_add_no_collective_to_the_lowered_step():
+    model = GPT(Case().config(), device="meta")
+    units = fsdp.make_units(model, world_size=64, specs=lambda path, t: rg.spec.Blocks(16, 16) if t.dim() >= 2 else None)
+    comm = rg.collectives.abstract(64)
+    cost = {name: fsdp.make_step(units, lambda p, b: 0, opt, comm).lower().cost_analysis().collectives
+            for name, opt in [("adamw", rg.optim.adamw(1e-3)), ("soap", rg.optim.soap(1e-3)),
+                              ("shampoo", rg.optim.shampoo(1e-3))]}
+    assert rg.optim.soap(1e-3).collectives is None and rg.optim.shampoo(1e-3).collectives is None
+    assert cost["soap"] == cost["adamw"] == cost["shampoo"]
 
 
 def test_first_call_lowers_with_the_initial_schedule():

@@ -23,6 +23,7 @@ from ragged.checkpoint._entry import (
     plan_leaf_tensors,
 )
 from ragged.checkpoint._format import CheckpointCorruptError, PerRank
+from ragged.checkpoint._blocks import BlockFactorsKind
 from ragged.checkpoint._packed import PackedKind
 from ragged.checkpoint._quant8 import Quant8Kind
 from ragged.spec._plan import LayoutPlan
@@ -31,7 +32,8 @@ __all__ = ["KINDS", "kind_of", "kind_named", "is_entry", "tensor_digest"]
 
 _SUPPORTED = (
     "DBuffers, torch tensors, rg.checkpoint.PerRank(tensor), 8-bit Adam moments bound with "
-    "rg.checkpoint.bind_quant8, packed states bound with rg.checkpoint.bind_packed / bind_muon, "
+    "rg.checkpoint.bind_quant8, packed states bound with rg.checkpoint.bind_packed / bind_muon, SOAP / "
+    "Shampoo block matrices (rg.optim.SoapFactors / ShampooFactors), "
     "LayoutPlans, and Python scalars "
     "(bool, int, float, str, None)"
 )
@@ -262,7 +264,8 @@ class ValueKind(EntryKind):
 
 
 #: Every kind, in the order leaves are matched (the first that claims a leaf describes it).
-KINDS: tuple[EntryKind, ...] = (DBufferKind(), Quant8Kind(), PackedKind(), PerRankKind(), TensorKind(), PlanKind(), ValueKind())
+KINDS: tuple[EntryKind, ...] = (DBufferKind(), Quant8Kind(), PackedKind(), BlockFactorsKind(), PerRankKind(), TensorKind(),
+                                 PlanKind(), ValueKind())
 _BY_NAME = {k.name: k for k in KINDS}
 
 

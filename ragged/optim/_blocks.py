@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -51,7 +52,7 @@ import torch
 from ragged._errors import LayoutError
 from ragged.spec import Blocks, Elements, LayoutPlan, LeafLayout, Rows
 
-__all__ = ["BlockRule", "Part", "LeafBlocks", "BlockLayout", "block_layout", "batches", "gather", "scatter"]
+__all__ = ["BlockRule", "Part", "LeafBlocks", "BlockLayout", "block_layout", "leaf_parts", "batches", "gather", "scatter"]
 
 BATCH_BLOCKS = 64  # at most this many blocks per batch ...
 BATCH_ELEMENTS = 1 << 18  # ... and about this many elements (one block at least)
@@ -256,6 +257,22 @@ def block_layout(rule: BlockRule, plan: LayoutPlan, rank: int) -> BlockLayout:
         else:
             parts += _parts_2d(piece.leaf, block, piece.start, piece.stop, piece.local_offset, rank)
     return BlockLayout(rule, plan, rank, tuple(leaves), tuple(parts))
+
+
+def leaf_parts(leaf: LeafBlocks) -> tuple[tuple[str, int, int, int], ...]:
+    """``(part, rows, cols, count)`` of every part of a preconditioned leaf, in the whole leaf
+    (every rank's parts of the leaf have these shapes; see [Note: blocks by part and ordinal])."""
+    r, c = leaf.block
+    if len(leaf.shape) == 1:
+        n = leaf.shape[0]
+        parts = (("interior", 1, c, n // c), ("right", 1, n % c, 1 if n % c else 0))
+    else:
+        cols = leaf.shape[-1]
+        rows = math.prod(leaf.shape) // cols
+        fb, er, ft, ec = rows // r, rows % r, cols // c, cols % c
+        parts = (("interior", r, c, fb * ft), ("right", r, ec, fb if ec else 0), ("bottom", er, c, ft if er else 0),
+                 ("corner", er, ec, 1 if er and ec else 0))
+    return tuple(p for p in parts if p[3])
 
 
 def batches(p: Part):

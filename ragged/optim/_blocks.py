@@ -54,8 +54,9 @@ from ragged.spec import Blocks, Elements, LayoutPlan, LeafLayout, Rows
 
 __all__ = ["BlockRule", "Part", "LeafBlocks", "BlockLayout", "block_layout", "leaf_parts", "batches", "gather", "scatter"]
 
-BATCH_BLOCKS = 64  # at most this many blocks per batch ...
-BATCH_ELEMENTS = 1 << 18  # ... and about this many elements (one block at least)
+BATCH_BLOCKS = 64  # at most this many blocks per batch, about this many elements (one block at least) ...
+BATCH_ELEMENTS = 1 << 18
+BATCHES_PER_PART = 8  # ... and a part in about this many batches: a rank boundary wastes at most one batch's zero slots
 PARTS = ("interior", "right", "bottom", "corner")
 
 
@@ -97,7 +98,7 @@ class Part:
     @property
     def batch(self) -> int:
         """Blocks per batch: a function of the leaf's part only (never of the rank)."""
-        return max(1, min(self.count, BATCH_BLOCKS, BATCH_ELEMENTS // (self.rows * self.cols)))
+        return max(1, min(-(-self.count // BATCHES_PER_PART), BATCH_BLOCKS, BATCH_ELEMENTS // (self.rows * self.cols)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -102,12 +102,12 @@ def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
 def _power_qr(stats, basis, nu, dim: int):
     """One power iteration of ``basis`` against ``stats`` and a QR, the columns first sorted by
     their eigenvalue estimates (and ``nu`` with them, along ``dim``)."""
-    est = ((stats @ basis) * basis).sum(-2)  # diag(Q^T S Q)
+    product = stats @ basis
+    est = (product * basis).sum(-2)  # diag(Q^T S Q)
     order = torch.argsort(est, dim=-1, descending=True, stable=True)
     idx = order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)
     nu = nu.gather(dim, idx.expand_as(nu))
-    basis = basis.gather(-1, order.unsqueeze(-2).expand_as(basis))
-    return torch.linalg.qr(stats @ basis).Q, nu
+    return torch.linalg.qr(product.gather(-1, order.unsqueeze(-2).expand_as(product))).Q, nu  # S (Q sorted)
 
 
 class _Hyper(NamedTuple):

@@ -28,14 +28,17 @@ EXACT_BLOCKS = {"w": (4, 4), "e": (4, 4)}  # the others fall back (1-D, replicat
 
 
 def edge_params(dtype=torch.float32) -> dict:
-    """Edge tiles in both directions, a 3-D leaf, a 1-D leaf of Elements granules (precondition_1d)."""
+    """Edge tiles in both directions, a 3-D leaf, a 1-D leaf of Elements granules (precondition_1d),
+    leaves of 32 interior 5 x 7 and 18 33 x 31 blocks (sizes whose rounding in MKL depends on the slot: see
+    _blocks.py), computed in batches of 4 and 3 that rank boundaries cut."""
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    return {"w": r(10, 13), "e": r(3, 8, 6), "v": r(23), "b": r(7), "n": r(3)}
+    return {"w": r(10, 13), "e": r(3, 8, 6), "v": r(23), "b": r(7), "n": r(3), "big": r(40, 30), "odd": r(297, 62)}
 
 
 EDGE_SPECS = {"w": spec.Blocks(4, 5), "e": spec.Blocks(4, 4), "v": spec.Elements(5), "b": spec.Rows(1),
-              "n": spec.Replicate()}
+              "n": spec.Replicate(), "big": spec.Blocks(5, 7),
+              "odd": spec.Blocks(33, 31)}
 
 
 def grads(params: dict, steps: int = STEPS, seed: int = 100) -> list[dict]:

@@ -10,9 +10,13 @@ from ragged import optim, spec
 __all__ = ["specs_for", "no_decay_types", "optimizer"]
 
 
-def specs_for(optimizer: str):
-    """The specs ``optimizer`` needs: 8-bit AdamW's 32 x 32 quantization blocks (None: the default rows)."""
-    if optimizer != "adamw_8bit":
+def specs_for(args):
+    """The specs the job's ``--optimizer`` needs: SOAP's / Shampoo's ``--precondition-block`` blocks, 8-bit
+    AdamW's 32 x 32 quantization blocks (None: the default rows)."""
+    if args.optimizer in ("soap", "shampoo"):  # b x b blocks, each preconditioned where it lives
+        b = args.precondition_block
+        return lambda name, t: spec.Blocks(b, b) if t.dim() == 2 or t.dim() > 2 and t.shape[-2] % b == 0 else None
+    if args.optimizer != "adamw_8bit":
         return None
     def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
         return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
@@ -29,7 +33,8 @@ def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:
 
 def optimizer(args, comm, units, no_decay: tuple[type, ...]):
     """The job's optimizer from its options: warmup then cosine to lr / 10; AdamW's decay groups (no decay on
-    ``no_decay`` modules' parameters), SGD or Muon; global-norm clipping when ``--clip`` > 0."""
+    ``no_decay`` modules' parameters), SOAP or Shampoo on the decay group (AdamW on the other), SGD or Muon;
+    global-norm clipping when ``--clip`` > 0."""
     steps = max(args.steps, args.warmup + 1)
     lr = optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, steps, end_value=args.lr / 10)
     if args.optimizer in ("adamw", "adamw_8bit"):
@@ -38,6 +43,16 @@ def optimizer(args, comm, units, no_decay: tuple[type, ...]):
             {"decay": make(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate),
              "no_decay": optim.adamw(lr, b2=0.98)},  # norms and embeddings: few or row-wise, fp32 moments
             units.param_groups({no_decay: "no_decay"}, default="decay"), compact=("no_decay",))
+    elif args.optimizer in ("soap", "shampoo"):  # norms and embeddings: AdamW without decay, as above
+        groups = units.param_groups({no_decay: "no_decay"}, default="decay")
+        decayed = lambda leaf: groups(leaf) == "decay"  # noqa: E731
+        if args.optimizer == "soap":
+            pre = optim.soap(lr, weight_decay=args.weight_decay, precondition_frequency=args.precondition_frequency,
+                             precondition_filter=decayed)
+        else:
+            pre = optim.shampoo(lr, weight_decay=args.weight_decay, precondition_frequency=args.precondition_frequency,
+                                grafting_b2=0.98, precondition_filter=decayed)
+        core = optim.multi_transform({"decay": pre, "no_decay": optim.adamw(lr, b2=0.98)}, groups, compact=("no_decay",))
     elif args.optimizer == "sgd":
         core = optim.sgd(lr, momentum=0.9, donate=not args.no_donate)
     else:

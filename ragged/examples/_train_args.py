@@ -51,7 +51,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--batch", type=int_at_least(1), default=32,
                    help="global batch (sequences), split over ranks and micro-batches")
     g.add_argument("--micro-batches", type=int_at_least(1), default=1, help="gradient accumulation steps per rank")
-    g.add_argument("--optimizer", choices=["adamw", "adamw_8bit", "muon", "sgd"], default="adamw", help="optimizer")
+    g.add_argument("--optimizer", choices=["adamw", "adamw_8bit", "muon", "sgd", "soap", "shampoo"], default="adamw",
+                   help="optimizer")
+    g.add_argument("--precondition-block", type=int_at_least(1), default=128,
+                   help="soap / shampoo: b x b blocks of the matrices (spec.Blocks(b, b)), each preconditioned where it lives")
+    g.add_argument("--precondition-frequency", type=int_at_least(1), default=10,
+                   help="soap / shampoo: steps between refreshes of the eigenbases / inverse roots")
     g.add_argument("--lr", type=float_above(0.0), default=3e-3, help="peak learning rate (warmup, then cosine to lr/10)")
     g.add_argument("--warmup", type=int_at_least(0), default=10, help="linear warmup steps")
     g.add_argument("--weight-decay", type=float_at_least(0.0), default=0.1, help="decoupled weight decay")

@@ -119,7 +119,7 @@ def train(args) -> dict:
         cfg = config(args.hf, vocab_size=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn,
                      seq=args.seq, experts=args.experts, top_k=args.top_k)
     model = build(cfg)  # meta: nothing allocated, nothing initialised yet
-    units = fsdp.make_units(model, world_size=world, specs=specs_for(args.optimizer))
+    units = fsdp.make_units(model, world_size=world, specs=specs_for(args))
     opt = optimizer(args, comm, units, no_decay_types(model))
     if args.from_pretrained:  # each rank reads its own byte ranges; buffers computed, model keeps placeholders
         state = fsdp.init(units, weights, opt, comm, module=model, seed=args.seed)

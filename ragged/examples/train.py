@@ -61,7 +61,7 @@ def train(args) -> dict:
                     top_k=(args.top_k or TOP_K) if args.moe else TOP_K)
     model = GPT(cfg, device=device)
     model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same weights on every rank (drawn on CPU)
-    units = fsdp.make_units(model, world_size=world, specs=specs_for(args.optimizer))
+    units = fsdp.make_units(model, world_size=world, specs=specs_for(args))
     opt = optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,

@@ -25,6 +25,8 @@ step    Wall time of one optimizer step on one process (torch.set_num_threads(1)
         foreach and fused AdamW and the 8-bit update; ``--json FILE``: the rows, every round's
         time and the command (``bench/report.py`` renders them).
 
+precond-step, precond-balance   SOAP and Shampoo: see ``bench/_precond.py``.
+
 Run:  python3 bench/optim.py [--sections state muon step] [--world-size 8] [--iters 7]
       python3 bench/report.py record optim-step -- python3 bench/optim.py --sections step --only-8bit --iters 21
 """
@@ -292,7 +294,10 @@ def section_muon_gloo(console, m, iters, size):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", default=["state", "muon", "step", "muon-gloo"],
-                    choices=["state", "muon", "step", "muon-gloo"])
+                    choices=["state", "muon", "step", "muon-gloo", "precond-step", "precond-balance"])
+    ap.add_argument("--block", type=int, default=128, help="precond sections: the b of Blocks(b, b)")
+    ap.add_argument("--models", nargs="+", default=["dense", "moe"], help="precond-balance: bench/step.py models")
+    ap.add_argument("--balance-world-sizes", type=int, nargs="+", default=[2, 4], help="precond-balance: W")
     ap.add_argument("--gloo-world-size", type=int, default=2)
     ap.add_argument("--muon-size", type=int, default=256)
     ap.add_argument("--world-size", type=int, default=8)
@@ -302,7 +307,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="step section: where the parameters live (cpu, cuda)")
     ap.add_argument("--only-8bit", action="store_true",
                     help="step section: only torch's foreach and fused AdamW and the 8-bit update")
-    ap.add_argument("--json", default=None, help="step section: write its rows (every timed round) to this JSON file")
+    ap.add_argument("--json", default=None, help="step / precond sections: write their rows (every timed round) to this "
+                                                 "JSON file")
     args = ap.parse_args()
     console = make_console(min_width=150)
     if "state" in args.sections:
@@ -317,6 +323,18 @@ def main():
                 json.dump(out, f, indent=1)
     if "muon-gloo" in args.sections:
         section_muon_gloo(console, args.gloo_world_size, args.iters, args.muon_size)
+    precond = []
+    if "precond-step" in args.sections:
+        from bench._precond import section_step as precond_step
+
+        precond.append(precond_step(console, args.iters, args.hidden, args.block))
+    if "precond-balance" in args.sections:
+        from bench._precond import section_balance
+
+        precond.append(section_balance(console, args.models, args.balance_world_sizes, args.block, args.iters))
+    if precond and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(["python3", *sys.argv]), "sections": precond}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ __all__ = ["BlockRule", "Part", "LeafBlocks", "BlockLayout", "block_layout", "le
 
 BATCH_BLOCKS = 64  # at most this many blocks per batch, about this many elements (one block at least) ...
 BATCH_ELEMENTS = 1 << 18
-BATCHES_PER_PART = 8  # ... and a part in about this many batches: a rank boundary wastes at most one batch's zero slots
+BATCHES_PER_PART = 8  # ... a part in about this many batches: a rank boundary wastes at most one batch's zero slots ...
+BATCH_MIN_ELEMENTS = 1 << 14  # ... but not so small that each call's own cost dominates (tiny blocks)
 PARTS = ("interior", "right", "bottom", "corner")
 
 
@@ -98,7 +99,9 @@ class Part:
     @property
     def batch(self) -> int:
         """Blocks per batch: a function of the leaf's part only (never of the rank)."""
-        return max(1, min(-(-self.count // BATCHES_PER_PART), BATCH_BLOCKS, BATCH_ELEMENTS // (self.rows * self.cols)))
+        size = self.rows * self.cols
+        want = max(-(-self.count // BATCHES_PER_PART), -(-BATCH_MIN_ELEMENTS // size))
+        return max(1, min(self.count, want, BATCH_BLOCKS, BATCH_ELEMENTS // size))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

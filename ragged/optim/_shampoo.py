@@ -122,8 +122,8 @@ def _blocks_step(h: _Hyper):
     """One step of a batch of blocks (see [Note: Shampoo's step, as Distributed Shampoo runs it])."""
     def fn(x):
         g = x["G"].to(h.md)
-        left = x["L"] * h.b2 + (g @ g.mT) * h.weight
-        right = x["R"] * h.b2 + (g.mT @ g) * h.weight
+        left = torch.baddbmm(x["L"], g, g.mT, beta=h.b2, alpha=h.weight)
+        right = torch.baddbmm(x["R"], g.mT, g, beta=h.b2, alpha=h.weight)
         xl, xr = x["XL"], x["XR"]
         if h.root:
             xl = inverse_root(left / h.bc2, h.exponent, h.eps)

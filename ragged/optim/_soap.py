@@ -120,21 +120,37 @@ class _Hyper(NamedTuple):
     refresh: bool
 
 
+def _statistics(x, g, h: _Hyper):
+    """``L = sb L + (1 - sb) G G^T``, ``R = sb R + (1 - sb) G^T G`` of a batch."""
+    return (torch.baddbmm(x["L"], g, g.mT, beta=h.sb, alpha=1.0 - h.sb),
+            torch.baddbmm(x["R"], g.mT, g, beta=h.sb, alpha=1.0 - h.sb))
+
+
 def _first(h: _Hyper):
     """The first step of a batch of blocks: statistics from ``G``, bases by ``eigh``."""
     def fn(x):
-        g = x["G"].to(h.md)
-        left = x["L"] * h.sb + (g @ g.mT) * (1.0 - h.sb)
-        right = x["R"] * h.sb + (g.mT @ g) * (1.0 - h.sb)
+        left, right = _statistics(x, x["G"].to(h.md), h)
         return {"L": left, "R": right, "QL": eigenbasis(left), "QR": eigenbasis(right)}
 
     return fn
 
 
 def _adam(m, v, g, h: _Hyper):
+    """Adam's moments and direction on a flat tensor, in single-rounding ops (elements move with
+    the world size: see the module docstring)."""
     m = m * h.b1 + g * (1.0 - h.b1)
     v = v * h.b2 + (g * g) * (1.0 - h.b2)
     u = m / (v.sqrt() + h.eps)
+    return m, v, (u.nan_to_num_(nan=0.0) if h.eps == 0 else u)
+
+
+def _adam_batch(m, v, g, h: _Hyper):
+    """The same on a batch of blocks, fused: there every element has one fixed place at every world
+    size (see [Note: fixed slots, the same numbers at every world size]), so an FMA is harmless."""
+    m = torch.lerp(m, g, 1.0 - h.b1)
+    v = torch.mul(v, h.b2).addcmul_(g, g, value=1.0 - h.b2)
+    u = torch.sqrt(v).add_(h.eps)
+    u = torch.div(m, u, out=u)
     return m, v, (u.nan_to_num_(nan=0.0) if h.eps == 0 else u)
 
 
@@ -143,12 +159,11 @@ def _step(h: _Hyper):
     def fn(x):
         g, ql, qr = x["G"].to(h.md), x["QL"], x["QR"]
         w = x["M"].dtype
-        m, v, d = _adam(x["M"], x["V"], (ql.mT @ g @ qr).to(w), h)
+        m, v, d = _adam_batch(x["M"], x["V"], (ql.mT @ g @ qr).to(w), h)
         u = (ql @ d.to(h.md) @ qr.mT).to(w)
         if h.normalize:
             u = u / (u.square().mean((-2, -1), keepdim=True).sqrt() + 1e-30)
-        left = x["L"] * h.sb + (g @ g.mT) * (1.0 - h.sb)
-        right = x["R"] * h.sb + (g.mT @ g) * (1.0 - h.sb)
+        left, right = _statistics(x, g, h)
         if h.refresh:
             original = ql @ m.to(h.md) @ qr.mT
             ql, v = _power_qr(left, ql, v, -2)

@@ -24,6 +24,13 @@ def test_the_page_is_the_rendering_of_the_committed_results():
     assert page == report.render(results), "docs/performance.md is stale: run python3 bench/report.py render"
 
 
+def test_the_optimizers_page_tables_are_the_rendering_of_the_committed_results():
+    with open(report.OPTIMIZERS_PAGE, encoding="utf-8") as f:
+        page = f.read()
+    assert page == report.with_block(page, report.render_block(report.load_results())), (
+        "docs/optimizers.md's SOAP / Shampoo tables are stale: run python3 bench/report.py render")
+
+
 def test_every_table_has_one_header_line_with_commit_machine_command_and_date():
     with open(report.PAGE, encoding="utf-8") as f:
         lines = f.read().splitlines()

@@ -32,9 +32,17 @@ __all__ = ["section_step", "section_balance", "refresh_flops"]
 
 
 def block_specs(b: int):
-    """``Blocks(b, b)`` for the matrices whose bands line up (2-D, or a 3-D stack whose rows ``b`` divides)."""
+    """``Blocks(b, b)`` for the matrices; a stack of matrices (3-D experts) whose rows ``b`` does not
+    divide gets ``Blocks(r, b)`` with ``r`` halved until it does (its bands must line up), so no matrix
+    falls back to the element-wise method: a fallback leaf costs nothing on a refresh, and mixing it
+    with blocks would unbalance the ranks' refresh work (the plan balances elements)."""
     def one(name, t):
-        return spec.Blocks(b, b) if t.dim() == 2 or (t.dim() > 2 and t.shape[-2] % b == 0) else None
+        if t.dim() < 2:
+            return None
+        r = b
+        while t.dim() > 2 and t.shape[-2] % r:
+            r //= 2
+        return spec.Blocks(r, b)
 
     return one
 

@@ -14,14 +14,22 @@ def specs_for(args):
     """The specs the job's ``--optimizer`` needs: SOAP's / Shampoo's ``--precondition-block`` blocks, 8-bit
     AdamW's 32 x 32 quantization blocks (None: the default rows)."""
     if args.optimizer in ("soap", "shampoo"):  # b x b blocks, each preconditioned where it lives
-        b = args.precondition_block
-        return lambda name, t: spec.Blocks(b, b) if t.dim() == 2 or t.dim() > 2 and t.shape[-2] % b == 0 else None
+        return lambda name, t: _precondition_blocks(t.shape, args.precondition_block) if t.dim() >= 2 else None
     if args.optimizer != "adamw_8bit":
         return None
     def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
         return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
 
     return specs
+
+
+def _precondition_blocks(shape, b: int):
+    """``Blocks(b, b)``; for a stack of matrices (fused experts) whose rows ``b`` does not divide, ``Blocks(r, b)``
+    with ``r`` halved until it does (the bands of consecutive matrices must line up): every matrix is preconditioned."""
+    r = b
+    while len(shape) > 2 and shape[-2] % r:
+        r //= 2
+    return spec.Blocks(r, b)
 
 
 def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:

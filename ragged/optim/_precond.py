@@ -209,9 +209,8 @@ def preconditioned_leaves(opt_state) -> dict[str, LeafBlocks]:
 
     Returns:
         ``{path: LeafBlocks(path, shape, granularity, block, blocks, reason)}``; ``path`` is the
-        leaf's key path, after the DBuffer's own key path in ``opt_state``'s factors when there are
-        several DBuffers (FSDP units). ``block`` is None for a leaf that falls back, with the
-        ``reason``.
+        leaf's key path (after ``[i]``, the DBuffer's index, when two DBuffers hold leaves of the
+        same path). ``block`` is None for a leaf that falls back, with the ``reason``.
 
     Examples:
         >>> import torch, ragged as rg
@@ -229,11 +228,12 @@ def preconditioned_leaves(opt_state) -> dict[str, LeafBlocks]:
     if not found:
         raise RaggedValueError("preconditioned_leaves: opt_state holds no SOAP or Shampoo state (SoapFactors / "
                                "ShampooFactors); pass the state of rg.optim.soap or rg.optim.shampoo.")
-    several = len({(f.layout.plan, f.layout.rank) for f in found}) > 1
+    paths = [leaf.path for f in found for leaf in f.layout.leaves]
+    clash = len(paths) != len(set(paths))  # FSDP units' plans name their leaves in full: no clash
     out = {}
     for i, f in enumerate(found):
         for leaf in f.layout.leaves:
-            out[(f"[{i}]" if several else "") + leaf.path] = leaf
+            out[(f"[{i}]" if clash else "") + leaf.path] = leaf
     return out
 
 

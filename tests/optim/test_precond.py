@@ -220,3 +220,26 @@ def test_apply_if_finite_skips_a_nan_step_on_a_refresh(name):
     got = rg.unflatten(plan, local.data, local.replicated)
     for k in params:
         torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name, options", [
+    ("soap", {"normalize_grads": True, "correct_bias": False}),
+    ("shampoo", {"grafting": None, "exponent": 1 / 3, "b2": 1.0, "b1": 0.0}),
+])
+def test_other_options_match_the_reference(name, options):
+    """SOAP's per-block normalisation without bias correction; Shampoo without grafting, with another
+    root and summed (AdaGrad) statistics, no filtered gradient."""
+    params = cases.exact_params()
+    gs = cases.grads(params)
+    hp = dict(cases.SOAP_HP if name == "soap" else cases.SHAMPOO_HP, **options)
+    if name == "soap":
+        make = lambda: cases.make_soap(normalize_grads=True, correct_bias=False)  # noqa: E731
+        want = cases.ref.soap_reference(params, gs, cases.EXACT_BLOCKS, hp)
+    else:
+        make = lambda: rg.optim.shampoo(hp["lr"], b1=0.0, b2=1.0, matrix_eps=hp["matrix_eps"],  # noqa: E731
+                                        weight_decay=hp["weight_decay"], precondition_frequency=cases.FREQ,
+                                        grafting=None, inverse_exponent_override=1 / 3, matrix_dtype=torch.float64)
+        want = cases.ref.shampoo_reference(params, gs, cases.EXACT_BLOCKS, hp)
+    got = cases.run_world(params, cases.EXACT_SPECS, gs, make, 2)["params"]
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")

@@ -193,7 +193,12 @@ def check_state(rule: BlockRule, bufs, factors) -> None:
                                f"{len(bufs)} DBuffers. Fix: call opt.init on the DBuffer(s) whose gradients you pass.")
     for d, f in zip(bufs, factors):
         lay = f.layout
-        if lay.plan != d.plan or lay.rank != d.rank or lay.rule != rule:
+        if lay.plan == d.plan and lay.rank == d.rank and lay.rule != rule:
+            raise RaggedValueError(
+                f"{rule.name}: the optimizer state was built with other block options ({lay.rule}) than this "
+                f"optimizer's ({rule}; a precondition_filter compares by identity). Fix: update with the optimizer "
+                "whose init built the state.")
+        if lay.plan != d.plan or lay.rank != d.rank:
             raise RaggedValueError(
                 f"{rule.name}: the updates (DBuffer of rank {d.rank}, {d.plan!r}) do not match the optimizer state "
                 f"(built for rank {lay.rank}, {lay.plan!r}). Fix: call opt.init on the DBuffer(s) whose gradients "

@@ -140,6 +140,13 @@ def test_bad_hyperparameters_are_refused_by_name():
             make()
     with pytest.raises(TypeError, match="DBuffers"):
         rg.optim.soap(1e-3).init({"w": torch.zeros(4, 4)})
+    plan = rg.make_plan({"w": torch.zeros(4, 4)}, spec.Blocks(2, 2), world_size=2)
+    local, other = (rg.shard(plan, {"w": torch.zeros(4, 4)}, rank=r) for r in (0, 1))
+    state = rg.optim.soap(1e-3).init(local)
+    with pytest.raises(rg.RaggedError, match=r"state was built for .*DBuffer\(rank=0"):
+        rg.optim.soap(1e-3).update(other, state, other)
+    with pytest.raises(rg.RaggedError, match="other block options"):
+        rg.optim.soap(1e-3, max_precondition_dim=1).update(local, state, local)
 
 
 # ---- chained with clipping, schedules, multi_transform, apply_if_finite ---------------------------

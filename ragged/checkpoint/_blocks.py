@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ragged._errors import RaggedValueError
+from ragged._pytree import path_parts
 from ragged.checkpoint import _format as fmt
 from ragged.checkpoint._dcp import Piece
 from ragged.checkpoint._entry import Consolidated, EntryKind, compare_plans, full_tensor
@@ -113,5 +114,5 @@ class BlockFactorsKind(EntryKind):
         dtype = fmt.dtype_from_name(entry["dtype"])
         for fqn, leaf_path, part, field, count, n in self._tensors(path, entry):
             flat, pieces = full_tensor(fqn, count * n * n, dtype)
-            out.append(Consolidated(fmt.path_parts(leaf_path) + [part, field], "", flat.view(count, n, n), pieces))
+            out.append(Consolidated(path_parts(leaf_path) + [part, field], "", flat.view(count, n, n), pieces))
         return out

@@ -26,7 +26,8 @@ Everything comes from values the step already holds and that decide what a real 
 * peak: the program's gathers, frees and reduce-scatters walked in the runtime's order
   (``_timeline.walk``), with the flat gradient buffer of a unit alive from its first
   gradient's segment until its reduce-scatter is waited (at the latest: ``max_inflight_reduce``
-  later; the runtime may finish one earlier), and the model's own bytes at each point
+  later; the runtime may finish one earlier), a quantized collective's scratch while it is in
+  flight (see [Note: the wire scratch in the timeline]), and the model's own bytes at each point
   (``activations``: saved tensors, temporaries, leaf gradients), which do not depend on the world
   size but not on shapes alone either: measured once on one device by
   :func:`~ragged.predict.profile_activations` (see [Note: measuring activations on one device]);
@@ -72,10 +73,14 @@ class MemoryAnalysis:
             keeps up, like torch's fake process group, whose collectives return at once).
         peak_at: ``(unit, phase)`` where the peak is reached.
         peak_parts: the transient bytes at the peak by kind (``gathered``, ``grad_buffers``,
-            ``reduce_copies``, ``grad_shards``, ``activations``).
+            ``reduce_copies``, ``grad_shards``, ``wire_scratch``, ``activations``).
         peak_gathered_bytes, peak_grad_bytes: the step's metrics of those names, predicted
             (``peak_grad_bytes``: reduce-scatters waited as late as the runtime may; ``peak_grad_bytes_low``:
             each done by the next point, the least it can reach: the metric lies between them).
+        peak_scratch_bytes, peak_scratch_bytes_low: the most scratch the quantized collectives in
+            flight hold at once (``wire_scratch``: each all-gather's ``B + m * B`` bytes, each
+            reduce-scatter's ``2 * m * B``, see [Note: the wire scratch in the timeline]), with
+            reduce-scatters waited late and early as above; 0 without quantized collectives.
         assumed: which numbers are assumed, not derived.
 
     Examples:
@@ -102,6 +107,8 @@ class MemoryAnalysis:
     peak_gathered_bytes: int
     peak_grad_bytes: int
     peak_grad_bytes_low: int
+    peak_scratch_bytes: int = 0
+    peak_scratch_bytes_low: int = 0
     assumed: tuple[str, ...] = ()
 
 
@@ -215,7 +222,8 @@ class Lowered:
                               max_rank=top, min_rank=low, min_bytes=totals[low], peak_bytes=persistent + sum(parts.values()),
                               peak_bytes_low=persistent + int(round(least)) + workspace_bytes, peak_at=(unit, phase), peak_parts=parts,
                               peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
-                              peak_grad_bytes_low=early["grad_buffers"], assumed=tuple(assumed))
+                              peak_grad_bytes_low=early["grad_buffers"], peak_scratch_bytes=peaks["wire_scratch"],
+                              peak_scratch_bytes_low=early["wire_scratch"], assumed=tuple(assumed))
 
     def estimate_time(self, network, **kwargs) -> TimeEstimate:
         """Step time from an alpha-beta ``network``: see :func:`ragged.predict._time.estimate_time`."""

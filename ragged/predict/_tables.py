@@ -35,15 +35,16 @@ def print_predict(results, args, console) -> None:
                           gib(s["reduce_bytes"]), gib(s["largest_gathered_bytes"]))
     console.print(table)
     steps = Table(title="ragged's step per rank", header_style="bold", title_justify="left")
-    for col in ("m", "mesh", "optimizer", "peak GiB", "peak at",
-                "activations / gathered / grad buffers / reduce copies / grad shards GiB", "collectives (calls)",
-                "lowering s"):
+    kinds = ("activations", "gathered", "grad_buffers", "reduce_copies", "grad_shards")
+    if any(r["peak_parts"].get("wire_scratch") for r in results):  # a quantized collective's, at the peak
+        kinds += ("wire_scratch",)
+    for col in ("m", "mesh", "optimizer", "peak GiB", "peak at", " / ".join(k.replace("_", " ") for k in kinds) + " GiB",
+                "collectives (calls)", "lowering s"):
         steps.add_column(col, justify="right")
     for r in results:
         p = r["peak_parts"]
         steps.add_row(str(r["world_size"]), r["mesh"], r["optimizer"], gib(r["peak_bytes"]), " ".join(r["peak_at"]),
-                      " / ".join(gib(p.get(k, 0)) for k in ("activations", "gathered", "grad_buffers", "reduce_copies",
-                                                             "grad_shards")),
+                      " / ".join(gib(p.get(k, 0)) for k in kinds),
                       ", ".join(f"{c['kind']}@{c['axis']} {c['calls']}" for c in r["collectives"]),
                       f"{r['build_seconds'] + r['lower_seconds']:.1f}")
     console.print(steps)

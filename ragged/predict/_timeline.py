@@ -4,6 +4,8 @@ the transient memory, point by point (``_time.py`` into a step time)."""
 
 from __future__ import annotations
 
+from ragged.transforms._quantized import unit_scratch_bytes
+
 __all__ = ["walk", "timeline"]
 
 
@@ -44,6 +46,88 @@ def walk(lowered):
     yield ("end",)
 
 
+class _Live:
+    """The transient bytes alive by kind while :func:`timeline` walks the program, and the points
+    noted so far (see [Note: the wire scratch in the timeline])."""
+
+    def __init__(self, lowered, early: bool):
+        self.lays, self.early = lowered.layouts, early
+        self.inflight = lowered.step.value_and_grad.max_inflight_reduce
+        self.live = {"gathered": 0, "grad_buffers": 0, "reduce_copies": 0, "grad_shards": 0, "wire_scratch": 0,
+                     "activations": 0}
+        self.alive, self.grads, self.pending, self.shards_done = set(), set(), [], set()
+        self.points, self.peaks = [], {"gathered": 0, "grad_buffers": 0, "wire_scratch": 0}
+        self.scratch = [unit_scratch_bytes(lowered.units[lay.name].plan, lay) for lay in self.lays]
+        self.in_flight = {}  # unit -> its all-gather's scratch, until the runtime waits it
+
+    def note(self, unit, phase, model=None):
+        if model is not None:
+            self.live["activations"] = model
+        self.points.append((self.lays[unit].name if unit is not None else "-", phase, dict(self.live)))
+        for key in self.peaks:
+            self.peaks[key] = max(self.peaks[key], self.live[key])
+
+    def waited(self, units):
+        """The runtime waits these units' all-gathers: their scratch goes back to the pool."""
+        for i in units:
+            self.live["wire_scratch"] -= self.in_flight.pop(i, 0)
+
+    def gather(self, i):
+        self.waited((i,))  # a unit gathered again: its previous all-gather is waited first
+        if self.scratch[i][0]:
+            self.in_flight[i] = self.scratch[i][0]
+            self.live["wire_scratch"] += self.scratch[i][0]
+        if i not in self.alive:
+            self.alive.add(i)
+            self.live["gathered"] += self.lays[i].nbytes
+
+    def free(self, i):
+        self.waited((i,))
+        if i in self.alive:
+            self.alive.discard(i)
+            self.live["gathered"] -= self.lays[i].nbytes
+
+    def rcopy(self, i):
+        """The flat gradient (compute dtype) copied into the reduce dtype (the policy's, else the master's)."""
+        lay = self.lays[i]
+        dt = lay.reduce_dtype or lay.grad_plan.dtype
+        return lay.grad_plan.buffer_numel * dt.itemsize if dt != lay.dtype else 0
+
+    def take(self, i):
+        if i not in self.grads:
+            self.grads.add(i)
+            self.live["grad_buffers"] += self.lays[i].grad_nbytes
+
+    def reduce(self, i, where):
+        live = self.live
+        self.take(i)  # a unit whose gradients never reached a buffer: the runtime takes one now
+        self.grads.discard(i)
+        if self.rcopy(i):
+            live["grad_buffers"] -= self.lays[i].grad_nbytes
+            live["reduce_copies"] += self.rcopy(i)
+        self.pending.append(i)
+        live["wire_scratch"] += self.scratch[i][1]
+        if i not in self.shards_done:  # the reduce-scatter's output, from its start
+            self.shards_done.add(i)
+            gp = self.lays[i].grad_plan
+            live["grad_shards"] += (gp.shard_size + gp.replicated_numel) * gp.dtype.itemsize
+        self.note(i, where)
+        while len(self.pending) > self.inflight:
+            self.finish_oldest()
+
+    def finish_oldest(self):
+        i = self.pending.pop(0)
+        self.live["wire_scratch"] -= self.scratch[i][1]
+        if self.rcopy(i):
+            self.live["reduce_copies"] -= self.rcopy(i)
+        else:
+            self.live["grad_buffers"] -= self.lays[i].grad_nbytes
+
+    def settle(self):
+        while self.early and self.pending:
+            self.finish_oldest()
+
+
 def timeline(lowered, *, early: bool = False):
     """The step's transient memory, point by point: ``(points, peaks)``, ``points`` a list of
     ``(unit, phase, parts)`` where ``parts`` are the bytes alive by kind at that point (see
@@ -51,81 +135,57 @@ def timeline(lowered, *, early: bool = False):
     segment before and after the runtime first acts inside it; at a reduce-scatter
     (``activations``: the model's own bytes there, from ``lowered.activations``). ``early``: every reduce-scatter is done
     by the next point (the least memory the runtime can reach); default: waited only when
-    ``max_inflight_reduce`` forces it (the most)."""
-    step, sched, lays, act = lowered.step, lowered.schedule, lowered.layouts, lowered.activations
-    inflight = step.value_and_grad.max_inflight_reduce
-    live = {"gathered": 0, "grad_buffers": 0, "reduce_copies": 0, "grad_shards": 0, "activations": 0}
-    alive, grads, pending, shards_done = set(), set(), [], set()
-    out, peaks = [], {"gathered": 0, "grad_buffers": 0}
+    ``max_inflight_reduce`` forces it (the most).
 
-    def note(unit, phase, model=None):
-        if model is not None:
-            live["activations"] = model
-        out.append((lays[unit].name if unit is not None else "-", phase, dict(live)))
-        peaks["gathered"] = max(peaks["gathered"], live["gathered"])
-        peaks["grad_buffers"] = max(peaks["grad_buffers"], live["grad_buffers"])
-
-    def rcopy(i):  # the flat gradient (compute dtype) copied into the reduce dtype (the policy's, else the master's)
-        dt = lays[i].reduce_dtype or lays[i].grad_plan.dtype
-        return lays[i].grad_plan.buffer_numel * dt.itemsize if dt != lays[i].dtype else 0
-
-    def finish_oldest():
-        i = pending.pop(0)
-        if rcopy(i):
-            live["reduce_copies"] -= rcopy(i)
-        else:
-            live["grad_buffers"] -= lays[i].grad_nbytes
-
-    def settle():
-        while early and pending:
-            finish_oldest()
-
-    def take(i):
-        if i not in grads:
-            grads.add(i)
-            live["grad_buffers"] += lays[i].grad_nbytes
-
-    k, post = step.micro_batches, None
+    [Note: the wire scratch in the timeline]
+    A quantized collective holds scratch from its start until the runtime waits it
+    (``ragged/transforms/_quantized.py``: ``gather_scratch``, ``reduce_scatter_scratch``), counted
+    as ``wire_scratch``. A unit's all-gather is waited when the unit is first read: forward entry
+    ``c`` reads ``forward[c]`` right after issuing its own gathers (the next unit's prefetch), so
+    both are in flight at that entry's point and the read unit's is released after it; a backward
+    segment's units are waited at its start (released after its first point), except the loss's
+    segment, where the start prefetch is issued first (released after its second point); a free
+    or a new gather of the unit waits it too. A reduce-scatter's scratch lives as its reduce
+    copy does, until it is waited (``max_inflight_reduce`` later at the latest, the next point
+    with ``early``). Each point thus holds the scratch of a moment in its interval: the peak of
+    ``wire_scratch`` is the most the runtime holds at once (between the two bounds for
+    reduce-scatters). Not counted: the encode's and decode's float32 temporaries (kernel
+    workspace) and the free buffers the scratch pool keeps for the next call (up to two per
+    size and stream, see [Note: one scratch pool] in ``ragged/collectives/_scratch.py``)."""
+    sched, act, k = lowered.schedule, lowered.activations, lowered.step.micro_batches
+    mem, post, loss_reads = _Live(lowered, early), None, ()
     for action, *args in walk(lowered):
         if post is not None and action not in ("grad_buffer", "gather"):  # the segment once those are in
-            note(*post)
-            post = None
-        if action == "gather" and args[0] not in alive:
-            alive.add(args[0])
-            live["gathered"] += lays[args[0]].nbytes
-        elif action == "free" and args[0] in alive:
-            alive.discard(args[0])
-            live["gathered"] -= lays[args[0]].nbytes
+            mem.note(*post)
+            mem.waited(loss_reads)
+            post, loss_reads = None, ()
+        if action == "gather":
+            mem.gather(args[0])
+        elif action == "free":
+            mem.free(args[0])
         elif action == "event":
-            settle()
+            mem.settle()
             if act:
-                live["activations"] = act.events[args[0]]
+                mem.live["activations"] = act.events[args[0]]
         elif action == "reduce":
-            i, where = args
-            take(i)  # a unit whose gradients never reached a buffer: the runtime takes one now
-            grads.discard(i)
-            if rcopy(i):
-                live["grad_buffers"] -= lays[i].grad_nbytes
-                live["reduce_copies"] += rcopy(i)
-            pending.append(i)
-            if i not in shards_done:  # the reduce-scatter's output, from its start
-                shards_done.add(i)
-                gp = lays[i].grad_plan
-                live["grad_shards"] += (gp.shard_size + gp.replicated_numel) * gp.dtype.itemsize
-            note(i, where)
-            while len(pending) > inflight:
-                finish_oldest()
+            mem.reduce(*args)
         elif action == "grad_buffer":
-            settle()
-            take(args[0])
+            mem.settle()
+            mem.take(args[0])
         elif action in ("forward", "backward"):
             c, mb = args
             where = f"{action} {'entry' if action == 'forward' else 'segment'} {c}" + (f" (micro-batch {mb})" if k > 1 else "")
             model = (None, None) if act is None else (act.forward[c], None) if action == "forward" else act.backward[c]
-            note(sched.forward[c], where, model[0])
+            mem.note(sched.forward[c], where, model[0])
+            reads = {sched.forward[c]} | (set(sched.needs[c]) if action == "backward" else set())
             if action == "backward":
                 post = (sched.forward[c], where + ", gradients in", model[1])
-    while pending:
-        finish_oldest()
-    note(None, "end of backward")
-    return out, peaks
+            if action == "backward" and c == len(sched.forward) - 1:  # the loss's: the start prefetch comes first
+                loss_reads = reads
+            else:
+                mem.waited(reads)
+    while mem.pending:
+        mem.finish_oldest()
+    mem.waited(list(mem.in_flight))
+    mem.note(None, "end of backward")
+    return mem.points, mem.peaks

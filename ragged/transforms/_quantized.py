@@ -33,7 +33,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
-__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "unit_scratch_bytes", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
 
 
 class _Decoding:
@@ -135,15 +135,26 @@ def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.T
         out.copy_(acc)
 
 
+def gather_scratch(wire: WireLayout) -> tuple[int, int]:
+    """The scratch buffers (bytes) a quantized all-gather holds until its handle is waited: its
+    own chunk (``B``) and every rank's (``m * B``)."""
+    return wire.chunk_nbytes, wire.nbytes
+
+
+def reduce_scatter_scratch(wire: WireLayout) -> tuple[int, int]:
+    """The scratch buffers (bytes) a quantized reduce-scatter holds until its handle is waited: the
+    chunks it sends and the chunks it receives (``m * B`` each)."""
+    return wire.nbytes, wire.nbytes
+
+
 def gather_start(wire: WireLayout, outputs, master: torch.Tensor, comm, *, label=None):
     """Starts the quantized all-gather (see [Note: the quantized all-gather]): encodes this
     rank's chunk from its ``master`` shard, all-gathers the bytes; the returned handle's
     ``wait()`` decodes into ``outputs`` (see :func:`decode_gathered`)."""
-    B, device = wire.chunk_nbytes, master.device
-    send = SCRATCH.take(B, torch.uint8, device)
+    device = master.device
+    send, gathered = (SCRATCH.take(n, torch.uint8, device) for n in gather_scratch(wire))
     with torch.no_grad():
         encode(wire, comm.rank, master.detach(), send, global_positions=False)
-    gathered = SCRATCH.take(wire.nbytes, torch.uint8, device)
     kw = {} if label is None else {"label": label}
     handle = comm.all_gather_into(gathered, send, async_op=True, **kw)
     return _Decoding(handle, lambda: decode_gathered(wire, gathered, outputs), (send, gathered))
@@ -161,11 +172,10 @@ def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, for
     reduce dtype) into ``out`` (``S``); returns a handle whose ``wait()`` sums in rank order."""
     wire = wire_layout(plan, formats, flat.dtype)
     B, m, device = wire.chunk_nbytes, plan.world_size, flat.device
-    send = SCRATCH.take(wire.nbytes, torch.uint8, device)
+    send, received = (SCRATCH.take(n, torch.uint8, device) for n in reduce_scatter_scratch(wire))
     with torch.no_grad():
         for dest, chunk in enumerate(_chunks(wire, send)):
             encode(wire, dest, flat, chunk, global_positions=True)
-    received = SCRATCH.take(wire.nbytes, torch.uint8, device)
     kw = {} if label is None else {"label": label}
     handle = comm.all_to_all(received, send, [B] * m, [B] * m, async_op=True, **kw)
     return _Decoding(handle, lambda: decode_sum(wire, comm.rank, received, out), (send, received))
@@ -216,13 +226,27 @@ def unit_gather_start(layout, record, shard, comm, label):
     return gather_start(wire, outputs, shard.data, comm, label=label)
 
 
-def unit_wire_bytes(plan, layout) -> tuple[int | None, int | None]:
-    """``(all-gather bytes, all-to-all bytes)`` of one unit's quantized collectives (``m * B``
-    each, ``None`` where that collective is not quantized): what ``step.lower`` counts. ``plan``:
-    the unit's plan; ``layout``: its ``UnitLayout``."""
+def unit_wires(plan, layout) -> tuple[WireLayout | None, WireLayout | None]:
+    """The wire layouts of one unit's quantized all-gather and reduce-scatter (``None`` where that
+    collective is not quantized), as the step builds them. ``plan``: the unit's plan; ``layout``:
+    its ``UnitLayout``."""
     gather = reduce = None
     if layout.gather_formats is not None:
-        gather = wire_layout(plan, layout.gather_formats, layout.gather_dtypes).nbytes
+        gather = wire_layout(plan, layout.gather_formats, layout.gather_dtypes)
     if layout.reduce_formats is not None:
-        reduce = wire_layout(layout.grad_plan, layout.reduce_formats, layout.reduce_dtype or layout.grad_plan.dtype).nbytes
+        reduce = wire_layout(layout.grad_plan, layout.reduce_formats, layout.reduce_dtype or layout.grad_plan.dtype)
     return gather, reduce
+
+
+def unit_wire_bytes(plan, layout) -> tuple[int | None, int | None]:
+    """``(all-gather bytes, all-to-all bytes)`` of one unit's quantized collectives (``m * B``
+    each, ``None`` where that collective is not quantized): what ``step.lower`` counts."""
+    return tuple(None if w is None else w.nbytes for w in unit_wires(plan, layout))
+
+
+def unit_scratch_bytes(plan, layout) -> tuple[int, int]:
+    """``(gather, reduce-scatter)`` scratch bytes one unit's quantized collectives hold while in
+    flight (0 where not quantized): what ``step.lower``'s memory timeline counts."""
+    gather, reduce = unit_wires(plan, layout)
+    return (0 if gather is None else sum(gather_scratch(gather)),
+            0 if reduce is None else sum(reduce_scatter_scratch(reduce)))

@@ -2,13 +2,17 @@
 
 ``measured(comm, case, optimizer)`` trains the tiny GPT of ``tests/fsdp/_cases.py`` for two steps
 (the first learns the collective schedule), counting every collective of the second step at the
-``Collectives`` boundary (``bench/_counts.CommCounter``), and returns what it saw next to the
-lowering of the same step: the comparison is the test's.
+``Collectives`` boundary (``bench/_counts.CommCounter``) and the most scratch its quantized
+collectives hold at once (:class:`ScratchMeter`: every buffer they take from the scratch pool until
+they give it back), and returns what it saw next to the lowering of the same step: the comparison
+is the test's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 
 import ragged as rg
 from ragged import fsdp
@@ -34,6 +38,58 @@ def _optimizer(name: str, case, comm):
         return rg.optim.apply_if_finite(rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=comm, error_if_nonfinite=True),
                                                        case.make_optimizer()), 2, comm=comm)
     return case.make_optimizer()
+
+
+class ScratchMeter:
+    """Stands between the quantized collectives (``ragged/transforms/_quantized.py``) and the real
+    scratch pool: per thread (a simulated rank, or a gloo worker's), the bytes taken and not yet
+    given back, and their most at once while ``active``."""
+
+    _lock, _users, _real = threading.Lock(), 0, None
+    _local = threading.local()
+
+    def take(self, numel, dtype, device):
+        buf = self._real.take(numel, dtype, device)
+        here = self._local
+        if getattr(here, "active", False):
+            here.mine[id(buf)] = buf.numel() * buf.element_size()
+            here.held += here.mine[id(buf)]
+            here.peak = max(here.peak, here.held)
+        return buf
+
+    def give(self, buf):
+        mine = getattr(self._local, "mine", {})
+        if id(buf) in mine:
+            self._local.held -= mine.pop(id(buf))
+        self._real.give(buf)
+
+    def start(self):
+        """Counts this thread's takes from now on."""
+        self._local.active, self._local.held, self._local.peak, self._local.mine = True, 0, 0, {}
+
+    def stop(self) -> int:
+        """Stops counting; the most bytes held at once since :meth:`start`."""
+        self._local.active = False
+        return self._local.peak
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls):
+        """The meter in place of the quantized collectives' pool (shared by every rank's thread)."""
+        from ragged.transforms import _quantized
+
+        with cls._lock:
+            if cls._users == 0:
+                cls._real, _quantized.SCRATCH = _quantized.SCRATCH, cls()
+            cls._users += 1
+            meter = _quantized.SCRATCH
+        try:
+            yield meter
+        finally:
+            with cls._lock:
+                cls._users -= 1
+                if cls._users == 0:
+                    _quantized.SCRATCH = cls._real
 
 
 def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call: bool = False,
@@ -67,9 +123,14 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
     task = case.task()
     replicas = getattr(comm, "num_replicas", 1)
     index, total = getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, comm.world_size * replicas
-    for s in range(steps):
-        counter.active = "step" if s == (0 if first_call else steps - 1) else None
-        state, metrics = step(state, rank_slice(task.batch(s, case.batch), index, total))
+    with ScratchMeter.installed() as meter:
+        for s in range(steps):
+            counted = s == (0 if first_call else steps - 1)
+            counter.active = "step" if counted else None
+            if counted:
+                meter.start()
+            state, metrics = step(state, rank_slice(task.batch(s, case.batch), index, total))
+        scratch = meter.stop()
     counter.active = None
     lowered = step.lower(schedule=CollectiveSchedule.initial(len(units)) if first_call else None)
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
@@ -82,9 +143,11 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         "objects": counter.calls[("step", "object", "mesh")],
         "predicted_calls": {(c.kind, c.axis): (c.calls, c.bytes) for c in cost.collectives},
         "predicted_objects": cost.objects,
-        "metrics": {k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "num_gathers", "num_reduces")},
+        "metrics": {**{k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "num_gathers", "num_reduces")},
+                    "peak_scratch_bytes": scratch},
         "predicted": {"peak_gathered_bytes": mem.peak_gathered_bytes, "peak_grad_bytes": mem.peak_grad_bytes,
-                      "peak_grad_bytes_low": mem.peak_grad_bytes_low,
+                      "peak_grad_bytes_low": mem.peak_grad_bytes_low, "peak_scratch_bytes": mem.peak_scratch_bytes,
+                      "peak_scratch_bytes_low": mem.peak_scratch_bytes_low,
                       "num_gathers": cost.get("all_gather").calls,
                       "num_reduces": sum(u["reduces"] for u in cost.per_unit.values())},
         "frozen_units": [u.name for u in units if u.trainable_plan is None],

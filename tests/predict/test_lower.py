@@ -49,6 +49,7 @@ def check(out):
         got, want = o["metrics"], o["predicted"]
         assert got["peak_gathered_bytes"] == want["peak_gathered_bytes"]
         assert want["peak_grad_bytes_low"] <= got["peak_grad_bytes"] <= want["peak_grad_bytes"]
+        assert want["peak_scratch_bytes_low"] <= got["peak_scratch_bytes"] <= want["peak_scratch_bytes"]
         assert (got["num_gathers"], got["num_reduces"]) == (want["num_gathers"], want["num_reduces"])
 
 

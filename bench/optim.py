@@ -20,10 +20,14 @@ step    Wall time of one optimizer step on one process (torch.set_num_threads(1)
         before the timed rounds; the donated ones refill the gradient buffer before each step (a
         backward's work, for torch's optimizer too), timed apart and not counted. Median of
         --iters, interleaved, and the paired ratios (median over rounds of method / torch's
-        foreach or fused AdamW in the same round, with a bootstrap 95% interval).
+        foreach or fused AdamW in the same round, with a bootstrap 95% interval), and the minor
+        page faults of each step (fresh memory paged in: torch's foreach step allocates its
+        temporaries each time, and in this process glibc returns them between steps; run with
+        ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set high to keep them).
         ``--device cuda``: the same on the GPU (synchronized); ``--only-8bit``: only torch's
-        foreach and fused AdamW and the 8-bit update; ``--json FILE``: the rows, every round's
-        time and the command (``bench/report.py`` renders them).
+        foreach and fused AdamW and the donated 8-bit update (in place, as torch's: no fresh
+        memory per step in any of the three); ``--json FILE``: the rows, every round's time and
+        the command (``bench/report.py`` renders them).
 
 precond-step, precond-balance   SOAP and Shampoo: see ``bench/_precond.py``.
 
@@ -50,7 +54,7 @@ import ragged as rg  # noqa: E402
 from ragged import spec  # noqa: E402
 from ragged._dbuffer import DBuffer  # noqa: E402
 
-from bench._measure import Timer, interleaved, median_ci  # noqa: E402
+from bench._measure import Timer, interleaved, median_ci, process_work  # noqa: E402
 
 
 def specs_for(params):
@@ -199,41 +203,52 @@ def section_step(console, iters, hidden, device="cpu", only_8bit=False):
             "torch AdamW for-loop (per-leaf)": torch_opt(False, foreach=False),
             "torch AdamW foreach (one flat tensor)": torch_opt(True, foreach=True),
         })
-    methods.update({"rg.optim.adamw_8bit (functional)": q8(False), "rg.optim.adamw_8bit (donate=True)": q8(True)})
+    if not only_8bit:  # its fresh memory each step (page faults) would weigh on its neighbours' times
+        methods["rg.optim.adamw_8bit (functional)"] = q8(False)
+    methods["rg.optim.adamw_8bit (donate=True)"] = q8(True)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def timed(fn):
+    faults = {k: [] for k in methods}  # minor page faults of each step: fresh memory paged in
+
+    def timed(name, fn):
         def run():
+            f0 = process_work()[1]
             out = fn()
-            for phase in out if out is not None else ():
-                sync()
-                yield phase
             if out is None:
                 sync()
+                faults[name].append(process_work()[1] - f0)
                 yield STEP
+                return
+            for phase in out:
+                sync()
+                if phase == STEP:
+                    faults[name].append(process_work()[1] - f0)
+                yield phase
+                f0 = process_work()[1]
 
         return run
 
-    times = interleaved({k: timed(v) for k, v in methods.items()}, iters, warmup=2)  # warm-up: state allocation
+    times = interleaved({k: timed(k, v) for k, v in methods.items()}, iters, warmup=2)  # warm-up: allocation
     times = {k[: -len(STEP) - 1] if k.endswith(" " + STEP) else k: ts for k, ts in times.items()
              if not k.endswith(" " + REFILL)}
     title = (f"one AdamW step, {n / 1e6:.1f}M fp32 params, {len(params)} leaves, {dev.type}, 1 thread (median of "
              f"{iters}, interleaved; paired: median over rounds of method / torch's AdamW in the same round, "
              "bootstrap 95% interval in brackets)")
     table = Table(title=title)
-    for col in ("method", "ms", "paired vs torch foreach", "paired vs torch fused"):
+    for col in ("method", "ms", "paired vs torch foreach", "paired vs torch fused", "page faults / step"):
         table.add_column(col, justify="left" if col == "method" else "right")
     refs = {"foreach": times["torch AdamW foreach (per-leaf)"], "fused": times["torch AdamW fused (per-leaf)"]}
     rows = []
     for k, ts in times.items():
-        row = {"method": k, "ms": statistics.median(ts) * 1e3, "seconds": ts}
+        row = {"method": k, "ms": statistics.median(ts) * 1e3, "seconds": ts,
+               "page_faults": statistics.median(faults[k][-iters:])}
         cells = []
         for ref, ref_ts in refs.items():
             ratios = [a / b for a, b in zip(ts, ref_ts)]
             row[f"paired_{ref}"], row[f"ci_{ref}"] = statistics.median(ratios), median_ci(ratios)
             cells.append(f"{row[f'paired_{ref}']:.2f}x [{row[f'ci_{ref}'][0]:.2f}-{row[f'ci_{ref}'][1]:.2f}]")
         rows.append(row)
-        table.add_row(k, f"{row['ms']:.1f}", *cells)
+        table.add_row(k, f"{row['ms']:.1f}", *cells, f"{row['page_faults']:,.0f}")
     console.print(table)
     return {"section": "step", "device": dev.type, "numel": n, "leaves": len(params), "iters": iters,
             "torch": torch.__version__, "rows": rows}
@@ -306,7 +321,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--device", default="cpu", help="step section: where the parameters live (cpu, cuda)")
     ap.add_argument("--only-8bit", action="store_true",
-                    help="step section: only torch's foreach and fused AdamW and the 8-bit update")
+                    help="step section: only torch's foreach and fused AdamW and the donated 8-bit update")
     ap.add_argument("--json", default=None, help="step / precond sections: write their rows (every timed round) to this "
                                                  "JSON file")
     args = ap.parse_args()

@@ -177,11 +177,11 @@ def optim_tables(result: dict) -> list[str]:
     if "sections" in d:
         return precond_tables(result)
     lines = [f"| method ({d['numel'] / 1e6:.1f}M fp32 params, {d['leaves']} leaves, {d['device']}, 1 thread, "
-             f"{d['iters']} rounds) | ms (median) | paired vs torch foreach [95% CI] | paired vs torch fused [95% CI] |",
-             "|---|---|---|---|"]
+             f"{d['iters']} rounds) | ms (median) | paired vs torch foreach [95% CI] | paired vs torch fused [95% CI] | "
+             "page faults / step |", "|---|---|---|---|---|"]
     for r in d["rows"]:
         cells = [f"{r[f'paired_{k}']:.2f}x [{r[f'ci_{k}'][0]:.2f}-{r[f'ci_{k}'][1]:.2f}]" for k in ("foreach", "fused")]
-        lines.append(f"| {r['method']} | {r['ms']:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['method']} | {r['ms']:.1f} | " + " | ".join(cells) + f" | {r['page_faults']:,.0f} |")
     return ["\n".join(lines)]
 
 
@@ -272,7 +272,11 @@ One optimizer step on one thread over the same fp32 parameters (four decoder lay
 per-leaf tensors, and `rg.optim.adamw_8bit` on the DBuffer, functional and with `donate=True` (in
 place, as torch's; ours include `apply_updates`). The methods alternate within each round; the
 paired ratio is the median over rounds of method / torch's step in the same round, with a bootstrap
-95% interval.""", ["optim-step"]),
+95% interval. Page faults: the minor faults of one step, memory paged in fresh. torch's foreach step
+allocates its temporaries each time; in this process glibc hands them back to the system between
+steps, and how much of that a training process pays depends on its allocator (with
+`MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` set high glibc keeps the memory and the foreach
+step pays none).""", ["optim-step"]),
     ("Memory at large W: one rank on torch's fake process group", """\
 Each cell is two fresh processes (one per method) that join a W-rank fake process group as one rank:
 collectives return at once and move no data, every allocation is real. ragged (`rg.fsdp` step, AdamW,

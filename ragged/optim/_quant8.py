@@ -35,7 +35,7 @@ from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
-from ragged.optim._base import GradientTransformation, Schedule, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, keywords_checked, zero_count
 from ragged.optim._quant8_codec import Workspace, codec
 from ragged.optim._quant8_state import (
     Quant8Moments,
@@ -186,6 +186,7 @@ def _init(params, min_size):
     return ScaleByAdam8bitState(count=zero_count(params), moments=moments)
 
 
+@keywords_checked
 def scale_by_adam_8bit(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, min_size: int = 4096, donate: bool = False,
 ) -> GradientTransformation:
@@ -229,6 +230,7 @@ def scale_by_adam_8bit(
     return GradientTransformation(lambda params: _init(params, min_size), update, donates=donate)
 
 
+@keywords_checked
 def adamw_8bit(
     learning_rate: float | Schedule,
     b1: float = 0.9,

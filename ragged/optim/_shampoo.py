@@ -41,7 +41,7 @@ import torch
 from ragged._dbuffer import is_dbuffer
 from ragged._errors import RaggedValueError, check_int
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, zero_count
 from ragged.optim._blocks import BlockRule, gather, scatter
 from ragged.optim._precond import (
     ShampooFactors,
@@ -179,6 +179,7 @@ def _buffer(g, mu, gnu, f: ShampooFactors, h: _Hyper, flat: dict):
     return (p_d, d_r), mu, gnu, factors
 
 
+@keywords_checked
 def shampoo(
     learning_rate: float | Schedule,
     b1: float = 0.9,

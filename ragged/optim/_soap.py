@@ -40,7 +40,7 @@ import torch
 from ragged._dbuffer import is_dbuffer
 from ragged._errors import RaggedValueError, check_int
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, zero_count
 from ragged.optim._blocks import BlockRule, gather, scatter
 from ragged.optim._precond import (
     SoapFactors,
@@ -201,6 +201,7 @@ def _buffer(g, mu, nu, f: SoapFactors, h: _Hyper, first: bool):
     return (u_d, u_r), mu.replace(data=m_d, replicated=m_r), nu.replace(data=v_d, replicated=v_r), factors
 
 
+@keywords_checked
 def soap(
     learning_rate: float | Schedule,
     b1: float = 0.95,

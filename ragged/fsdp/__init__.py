@@ -13,12 +13,12 @@ from ragged.fsdp._placeholder import Placeholder as Placeholder
 from ragged.fsdp._placeholder import ShardedParameterError as ShardedParameterError
 from ragged.fsdp._placeholder import release as release
 from ragged.fsdp._placeholder import tied_names as tied_names
-from ragged.fsdp._state import TrainState as TrainState
+from ragged.fsdp._trainable import TrainState as TrainState
 from ragged.fsdp._trainable import trainable_shards as trainable_shards
 from ragged.fsdp._export import export as export
 from ragged.fsdp._state import init as init
 from ragged.fsdp._equal_start import ParamsMismatchError as ParamsMismatchError
-from ragged.fsdp._data import DataGroup as DataGroup
+from ragged.fsdp._step import DataGroup as DataGroup
 from ragged.fsdp._layout import MixedPrecision as MixedPrecision
 from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
 from ragged.fsdp._grad import value_and_grad as value_and_grad

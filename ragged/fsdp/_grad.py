@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._dbuffer import DBuffer
-from ragged._errors import PlanMismatchError, RaggedError, RaggedKeyError, RaggedTypeError, RaggedValueError, check_int
+from ragged._errors import PlanMismatchError, RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.collectives._agree import agree
 from ragged.fsdp._compiled import regions
@@ -38,6 +38,7 @@ from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
 from ragged.fsdp._runtime import Run
 from ragged.fsdp._schedule import CollectiveSchedule, program
+from ragged.fsdp._trainable import check_shards
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans
 from ragged.transforms._quantized import formats_digest
@@ -129,9 +130,7 @@ class ValueAndGrad:
         """Loss, gradients and what the step needs besides (see [Note: one agreement at the start
         of a call, one at the end]); ``data_groups`` as in :func:`make_step` (only the loss and the
         agreement span them here; the step reduces the gradients over them)."""
-        missing = [u.name for u in self.units if u.name not in shards]
-        if missing:
-            raise RaggedKeyError(f"state.shards lacks units {missing}; build the state with rg.fsdp.init(units, ...).")
+        check_shards(self.units, shards)
         for u in self.units:
             if shards[u.name].plan != u.plan:
                 raise RaggedValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")

@@ -2,6 +2,59 @@
 that sees every read of a unit, the markers, the saved-tensor hooks, backward under the mode,
 and the binding of a module's parameter attributes to the step's leaves.
 
+[Note: how a unit is gathered, used and released without module hooks]
+For every unit the step allocates one flat buffer of ``m * S`` elements (compute dtype) and
+makes every parameter a *leaf tensor that is a view of it* (zero-copy: the all-gather writes
+straight into the storage the parameters read). The buffer's storage is released
+(``untyped_storage().resize_(0)``, as FSDP2 does) and brought back only when the schedule says:
+
+* forward: the loss runs under a ``TorchFunctionMode`` that looks at the storage of every
+  tensor argument of every torch call. A call that reads a unit's storage moves the schedule on
+  to that unit's next entry: the entries passed free what is no longer needed (reshard after
+  forward), gather the unit and start the next entry's all-gather (prefetch).
+* saved tensors: under ``torch.autograd.graph.saved_tensors_hooks``, a tensor saved for
+  backward that lives in a unit's storage is packed as ``(unit, offset, size, stride)``, not
+  kept alive; its unpack in backward reads the unit the schedule has gathered by then.
+* gradients: each parameter leaf has a ``register_post_accumulate_grad_hook`` that copies its
+  gradient into the unit's flat gradient buffer (laid out like the plan, padding zero) and
+  drops it: one copy per gradient, as FSDP2's copy-in. A unit's reduce-scatter
+  (``rg.reduce_scatter_start`` on the flat buffer) starts at a point of backward every rank
+  reaches in the same order, once backward is provably done with it; leaves without a gradient
+  on this rank contribute zeros. At most ``max_inflight_reduce`` reduce-scatters are in flight.
+
+Which collectives run, in which order, is decided by a schedule every rank agrees on, never by
+what this rank's data touched: see [Note: a collective order that does not depend on data] in
+``_schedule.py`` (the pure part), [Note: markers and tags] in ``_runtime.py`` (how backward
+progress is observed) and [Note: one agreement at the start of a call, one at the end] in
+``_grad.py`` (deviations, failures, reruns).
+
+``spec.Replicate()`` leaves of a unit are views of a copy of the shard's replicated buffer (in
+the compute dtype) made once per call: never gathered, never freed. Their gradients go to a small
+per-unit buffer that rides along the unit's reduce-scatter as its all-reduced part.
+
+Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a leaf's
+``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
+before the forward would funnel every gradient through nodes that autograd schedules last.
+
+[Note: limits of gathering on use]
+* The loss must read parameters through torch calls (any op, method or view property; only
+  metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
+  (custom ``Function.backward``, recomputation) gathers too: tensors saved with
+  ``ctx.save_for_backward`` through the saved-tensor hooks, parameters (or views of them) kept
+  as plain ``ctx`` attributes on their first use in a torch call (tested).
+* Recomputation inside the model (``torch.utils.checkpoint`` in a module's forward, Hugging
+  Face ``gradient_checkpointing_enable()``) needs ``make_step(..., module=model)``; without it,
+  backward reading the module's own parameters raises (see [Note: binding a module] in
+  ``_intercept.py``).
+* ``torch.compile``: a compiled module of ``make_step(..., module=model)`` is one opaque call
+  that reads its parameters' units, gathered at its boundary; a compiled block is one unit, as
+  in eager, a compiled whole model keeps every unit gathered while it runs. Compiled code the
+  step cannot see is refused (see [Note: compiled regions] in ``_compiled.py``).
+* A unit read where the schedule has it freed is served zeros on that rank and the call is rerun
+  with the learnt schedule; the first call learns the usual patterns (a tied or reused unit, a
+  checkpointed layer). What depends on the data in a way one schedule cannot cover raises
+  :class:`~ragged.PlanMismatchError` on every rank, never a collective mismatch.
+
 [Note: backward under the mode]
 Python code that autograd runs in backward (recomputation, custom ``Function.backward``) must
 gather what it reads, so the engine runs with the function mode active. The engine snapshots

@@ -45,7 +45,7 @@ class UnitRecord:
     __slots__ = ("layout", "flat", "frozen_flat", "rflat", "leaves", "spans", "state", "handle", "source", "scheduled",
                  "block")
 
-    def __init__(self, layout, shard, device):
+    def __init__(self, layout, plan, replicated: torch.Tensor, device):
         self.layout = layout
         split = layout.grad_numel
         if layout.frozen_plan is None:
@@ -55,9 +55,9 @@ class UnitRecord:
             raw = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
             self.flat = raw[: split * layout.dtype.itemsize].view(layout.dtype)
             self.frozen_flat = raw[layout.frozen_offset:].view(layout.frozen_dtype)
-        self.rflat = shard.replicated.detach().to(layout.dtype, copy=True)
+        self.rflat = replicated.detach().to(layout.dtype, copy=True)
         if layout.gather_formats is not None:  # quantized leaves as the gather would give them
-            self.rflat = quantize_replicated(shard.plan, layout.gather_formats, self.rflat, shard.replicated)
+            self.rflat = quantize_replicated(plan, layout.gather_formats, self.rflat, replicated)
         self.leaves, self.spans = {}, []
         for replicated, table in ((False, layout.leaves), (True, layout.replicated)):
             for path, start, stop, shape in table:

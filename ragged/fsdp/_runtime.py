@@ -167,7 +167,7 @@ class Run:
         self.log = _tracer(self.trace, self.cursor, layouts)
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
-        self.units = [UnitRecord(lay, shards[lay.name], comm.device) for lay in layouts]
+        self.units = [UnitRecord(lay, shards[lay.name].plan, shards[lay.name].replicated, comm.device) for lay in layouts]
         self.key_to_unit = {storage_key(u.flat): i for i, u in enumerate(self.units)}
         self.leaf_of = {id(t): (i, j) for i, u in enumerate(self.units) for j, (t, *_) in enumerate(u.spans)}
         self.params_tree = units.merge({lay.name: u.leaves for lay, u in zip(layouts, self.units)})

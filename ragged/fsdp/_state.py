@@ -1,4 +1,4 @@
-"""What a training step threads and how it is made and read: :class:`TrainState`, :func:`init`,
+"""How the state a training step threads (``_trainable.TrainState``) is made and read: :func:`init`,
 and the :class:`Units` layout of the verbs (``rg.shard`` / ``rg.gather`` / ``rg.reduce_scatter`` /
 ``rg.global_norm`` of ``units`` over ``{unit name: DBuffer}``, see [Note: one verb, any layout] in
 ``ragged/transforms/_layouts.py``).
@@ -27,7 +27,7 @@ Misuse is refused before any communication, with a short message naming the fix.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -38,21 +38,12 @@ from ragged._pytree import flatten_with_keystr
 from ragged.fsdp._materialize import default_init, materialize_buffers, materialize_unit
 from ragged.fsdp._placeholder import LOCK, Placeholder, release
 from ragged.fsdp._units import Units, picked_leaves
-from ragged.fsdp._data import data_groups_option
-from ragged.fsdp._donate import check_not_donated
 from ragged.fsdp._equal_start import check_equal, check_source, shard_from, sync_buffers
-from ragged.fsdp._trainable import check_trainable, trainable_shards
+from ragged.fsdp._step import data_groups_option
+from ragged.fsdp._trainable import TrainState, check_not_donated, check_trainable, trainable_shards
 from ragged.transforms._layouts import LayoutOps, register_layout
 
-__all__ = ["TrainState", "init", "unit_trees"]
-
-
-class TrainState(NamedTuple):
-    """What a step threads: this rank's parameter shards (``{unit name: DBuffer}``) and the
-    optimizer state over them."""
-
-    shards: dict[str, DBuffer]
-    opt_state: Any
+__all__ = ["init", "unit_trees"]
 
 
 def _shard(units: Units, params, comm) -> dict[str, DBuffer]:

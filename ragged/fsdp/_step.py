@@ -1,98 +1,78 @@
-"""The functional FSDP training step: ``(shards, opt_state), batch -> (shards', opt_state'), metrics``.
+"""The functional FSDP training step: ``(shards, opt_state), batch -> (shards', opt_state'), metrics``;
+how a unit is gathered on use: [Note: how a unit is gathered, used and released without module
+hooks] in ``_intercept.py``.
 
-[Note: how a unit is gathered, used and released without module hooks]
-For every unit the step allocates one flat buffer of ``m * S`` elements (compute dtype) and
-makes every parameter a *leaf tensor that is a view of it* (zero-copy: the all-gather writes
-straight into the storage the parameters read). The buffer's storage is released
-(``untyped_storage().resize_(0)``, as FSDP2 does) and brought back only when the schedule says:
+[Note: data groups]
+A *data axis* is a mesh axis, named by a string, whose ranks see different data (the FSDP
+axis always is one; an EP axis usually is; see [Note: data axes] in
+``ragged/parallel/_transforms.py``). ``rg.fsdp`` knows no mesh: it takes each extra data axis
+as a :class:`DataGroup`, that axis's ``comm`` and which parameters are replicated over it
+(``parallel.data_groups(mplan, mcomm, ("ep",))`` builds them from a mesh plan). After the
+reduce-scatter over the shard group, the gradients of the replicated parameters are
+all-reduced over each data group and every gradient is divided by its size.
 
-* forward: the loss runs under a ``TorchFunctionMode`` that looks at the storage of every
-  tensor argument of every torch call. A call that reads a unit's storage moves the schedule on
-  to that unit's next entry: the entries passed free what is no longer needed (reshard after
-  forward), gather the unit and start the next entry's all-gather (prefetch).
-* saved tensors: under ``torch.autograd.graph.saved_tensors_hooks``, a tensor saved for
-  backward that lives in a unit's storage is packed as ``(unit, offset, size, stride)``, not
-  kept alive; its unpack in backward reads the unit the schedule has gathered by then.
-* gradients: each parameter leaf has a ``register_post_accumulate_grad_hook`` that copies its
-  gradient into the unit's flat gradient buffer (laid out like the plan, padding zero) and
-  drops it: one copy per gradient, as FSDP2's copy-in. A unit's reduce-scatter
-  (``rg.reduce_scatter_start`` on the flat buffer) starts at a point of backward every rank
-  reaches in the same order, once backward is provably done with it; leaves without a gradient
-  on this rank contribute zeros. At most ``max_inflight_reduce`` reduce-scatters are in flight.
-
-Which collectives run, in which order, is decided by a schedule every rank agrees on, never by
-what this rank's data touched: see [Note: a collective order that does not depend on data] in
-``_schedule.py`` (the pure part), [Note: markers and tags] in ``_runtime.py`` (how backward
-progress is observed) and [Note: one agreement at the start of a call, one at the end] in
-``_grad.py`` (deviations, failures, reruns).
-
-``spec.Replicate()`` leaves of a unit are views of a copy of the shard's replicated buffer (in
-the compute dtype) made once per call: never gathered, never freed. Their gradients go to a small
-per-unit buffer that rides along the unit's reduce-scatter as its all-reduced part.
-
-Per-leaf leaves (rather than one flat leaf with views) matter: autograd runs a leaf's
-``AccumulateGrad`` as soon as its gradient is ready, whereas views of one flat leaf created
-before the forward would funnel every gradient through nodes that autograd schedules last.
+[Note: parameters without a gradient]
+``torch.optim`` skips a parameter whose ``.grad`` is ``None``: no update, no weight decay, no
+moment decay. The step knows per leaf whether any rank produced a gradient (folded into its
+end-of-call agreement, see ``_grad.py``). When some leaf got none, it saves that leaf's elements
+of every optimizer-state subtree laid out like the shards (``{unit: DBuffer}``: Adam's moments,
+momentum), runs the optimizer, writes the saved elements back and zeroes the leaf's update.
+So the leaf and its state are left exactly as they were, whether the optimizer updates in place
+or not. Two differences from ``torch.optim`` remain, stated here: step counters are per
+optimizer, not per parameter (a leaf skipped in some steps gets the bias correction of the
+optimizer's count when it is next used; exact whenever a leaf is used in every step or never),
+and state not laid out like the shards (the 8-bit AdamW codes) still advances for such leaves.
+``make_step(skip_unused=False)`` treats them as zero gradients instead.
 
 [Note: the walk of one step]
-``state, metrics = step(state, batch)`` top-down, each file entered once:
+``state, metrics = step(state, batch)`` top-down. ``state`` (the shards, the optimizer state and
+what is made of them: gradients, updates) goes through four files of the step, ``_step.py`` ->
+``_trainable.py`` -> ``_step.py`` -> ``_grad.py`` -> ``_runtime.py`` -> ``_grad.py`` -> ``_step.py`` ->
+``_trainable.py`` -> ``_step.py`` (back to a file it had left five times):
 
-1. ``Step.__call__`` (here): refuses a donated state, optimizer state over frozen leaves and a
-   module whose ``requires_grad`` changed (``_trainable.py``), before any communication.
+1. ``Step.__call__`` (here) takes the trainable part of the shards, the one the optimizer
+   updates, refusing a donated state, optimizer state over frozen leaves and a module whose
+   ``requires_grad`` changed before any communication (``_trainable.trainable_part``);
 2. ``ValueAndGrad.compute`` (``_grad.py``): local checks, the start-of-call agreement
-   (``check_plans``), then per attempt ``_attempt``: a :class:`~ragged.fsdp._runtime.Run` of the
-   :class:`~ragged.fsdp._schedule.Program` (``_schedule.py``, pure) is made; ``loss_fn`` runs
-   under the interceptors (``_intercept.py``, ``_compiled.py``), which call the run's methods
-   (``_runtime.py``: ``read`` gathers and frees units, markers and saved tensors prove backward
-   events); its :class:`~ragged.fsdp._reducing.Gradients` (``_reducing.py``) accumulate each
-   trainable leaf's gradient and reduce-scatter each unit at the program's point. The
-   end-of-call agreement ``_agree`` decides for every rank: raise, rerun with the learnt
-   schedule, or return ``_result`` (the loss, ``{unit: DBuffer}`` over the trainable plans, the
-   leaves no rank used, the run's :class:`~ragged.fsdp._observed.Counters`).
-3. Back here: the reduction over data groups (``_data.py``), the optimizer over the trainable
-   parts (``_trainable.trainable_shards``; unused leaves kept as they were, ``_unused.py``),
-   ``apply_updates``, the updated parts put back into the shards (``with_trainable``), donation
-   (``_donate.py``).
+   (``check_plans``), then per attempt a :class:`~ragged.fsdp._runtime.Run` over the shards
+   (3.); the end-of-call agreement (``_agree``) decides for every rank: raise, rerun with the
+   learnt schedule, or return ``_result`` (the loss, ``{unit: DBuffer}`` over the trainable
+   plans, the leaves no rank used, the run's counters);
+3. ``Run`` (``_runtime.py``) runs the :class:`~ragged.fsdp._schedule.Program` of the agreed
+   schedule: ``loss_fn`` under the interceptors (``_intercept.py``, ``_compiled.py``), which call
+   the run's methods (``read`` gathers and frees units; markers and saved tensors prove backward
+   events), and its :class:`~ragged.fsdp._reducing.Gradients` accumulate each trainable leaf's
+   gradient and reduce-scatter each unit at the program's point;
+4. back here: the reduction over data groups (:func:`reduce_over_data_groups`), the leaves no
+   rank used kept as they were (:func:`freeze_unused`, :func:`restore_unused`), the optimizer,
+   ``apply_updates``, and the new state (``_trainable.next_state``: the updated part put back into
+   the shards, the old state marked donated).
 
-[Note: limits of gathering on use]
-* The loss must read parameters through torch calls (any op, method or view property; only
-  metadata such as ``.shape`` does not gather). Python code that autograd runs in backward
-  (custom ``Function.backward``, recomputation) gathers too: tensors saved with
-  ``ctx.save_for_backward`` through the saved-tensor hooks, parameters (or views of them) kept
-  as plain ``ctx`` attributes on their first use in a torch call (tested).
-* Recomputation inside the model (``torch.utils.checkpoint`` in a module's forward, Hugging
-  Face ``gradient_checkpointing_enable()``) needs ``make_step(..., module=model)``; without it,
-  backward reading the module's own parameters raises (see [Note: binding a module] in
-  ``_intercept.py``).
-* ``torch.compile``: a compiled module of ``make_step(..., module=model)`` is one opaque call
-  that reads its parameters' units, gathered at its boundary; a compiled block is one unit, as
-  in eager, a compiled whole model keeps every unit gathered while it runs. Compiled code the
-  step cannot see is refused (see [Note: compiled regions] in ``_compiled.py``).
-* A unit read where the schedule has it freed is served zeros on that rank and the call is rerun
-  with the learnt schedule; the first call learns the usual patterns (a tied or reused unit, a
-  checkpointed layer). What depends on the data in a way one schedule cannot cover raises
-  :class:`~ragged.PlanMismatchError` on every rank, never a collective mismatch.
+``tests/fsdp/test_walk.py`` traces a step and checks this walk: the files ``state`` goes through
+and how often it comes back to a file it had left.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ragged._dbuffer import DBuffer
+from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged._pytree import pytree
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
-from ragged.fsdp._state import TrainState
-from ragged.fsdp._data import data_groups_option, reduce_over_data_groups
-from ragged.fsdp._units import Units
-from ragged.fsdp._donate import check_not_donated, donate, step_donation
-from ragged.fsdp._trainable import check_opt_state, check_trainable, trainable_shards, with_trainable
-from ragged.fsdp._unused import freeze_unused, restore_unused
+from ragged.fsdp._units import Units, picked_leaves
+from ragged.fsdp._trainable import TrainState, next_state, step_donation, trainable_part
 from ragged.optim import apply_updates
+from ragged.transforms._reduce_scatter import all_reduce_leaves
 
-__all__ = ["make_step", "Step"]
+__all__ = ["make_step", "Step", "DataGroup", "data_groups_option", "reduce_over_data_groups", "freeze_unused",
+           "restore_unused"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,24 +101,19 @@ class Step:
     module = property(lambda self: self.value_and_grad.module)
 
     def __call__(self, state: TrainState, batch):
-        shards, opt_state = state
-        check_not_donated(state, "step(state, batch)")
-        check_opt_state(self.units, opt_state)
-        if self.module is not None:
-            check_trainable(self.units, self.module.named_parameters(), "step(state, batch)")
-        result = self.value_and_grad.compute(shards, batch, data_groups=self.data_groups)
+        """See [Note: the walk of one step]."""
+        params = trainable_part(self.units, state, self.module, "step(state, batch)")
+        result = self.value_and_grad.compute(state.shards, batch, data_groups=self.data_groups)
         grads = result.grads  # the trainable parts only (see [Note: frozen parameters] in _trainable.py)
         for name, g in grads.items():
             reduce_over_data_groups(self.units[name], g, self.data_groups)
-        params = trainable_shards(self.units, shards)
+        opt_state = state.opt_state
         frozen = freeze_unused(self.units, result.unused, params, opt_state) if self.skip_unused and result.unused else None
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         if frozen is not None:
             restore_unused(frozen, params, updates, new_opt_state)
         trained = apply_updates(params, updates, donate=self.donate)
-        new_state = TrainState(with_trainable(self.units, shards, trained), new_opt_state)
-        if self.donate:
-            new_state = donate(state, new_state)
+        new_state = next_state(self.units, state, trained, new_opt_state, self.donate)
         return new_state, {"loss": result.loss, **result.metrics, "unused_leaves": sum(map(len, result.unused.values()))}
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
@@ -199,10 +174,10 @@ def make_step(
             the call (passing it to this step again raises). Decided by the optimizer
             (``rg.optim.adamw(..., donate=True)`` reuses the moments and the gradient buffers,
             which the step owns): ``None`` follows ``optimizer.donates``, a value that disagrees
-            raises (see [Note: one donate decision per step] in ``_donate.py``).
+            raises (see [Note: one donate decision per step] in ``_trainable.py``).
         trace: record ``(event, unit, phase)`` tuples in ``metrics["trace"]`` (see :func:`value_and_grad`).
         data_groups: the other data axes (e.g. expert parallelism), as :class:`DataGroup`
-            ``(comm, is_replicated)`` pairs (see ``_data.py``): after the reduce-scatter over
+            ``(comm, is_replicated)`` pairs (see [Note: data groups]): after the reduce-scatter over
             ``comm`` (the FSDP axis), the gradients of the parameters with ``is_replicated(path)``
             (paths as in ``units``) are all-reduced over that group's ``comm``, and every gradient
             is divided by its size (the loss is a mean over all data-parallel ranks). See [Note:
@@ -220,7 +195,7 @@ def make_step(
             cannot see raises. One module object per rank.
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
-            gradient] in ``_unused.py``). ``False``: it is updated as if its gradient were zero.
+            gradient]). ``False``: it is updated as if its gradient were zero.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -265,3 +240,102 @@ def make_step(
     return Step(value_and_grad=grad, optimizer=optimizer, donate=step_donation(donate, optimizer), data_groups=data_groups,
                 skip_unused=skip_unused)
 
+
+# ---- data groups (see [Note: data groups]) ------------------------------------------------------------
+class DataGroup(NamedTuple):
+    """One extra data axis of a step: its ``comm`` and ``is_replicated(path) -> bool`` (the
+    parameters that hold a copy on every rank of it, paths as in the units).
+
+    Examples:
+        >>> import torch, ragged as rg
+        >>> from ragged import fsdp, parallel, spec
+        >>> mplan = spec.make_mesh_plan({"router": torch.empty(2, 4), "experts": torch.empty(2, 4, 4)},
+        ...                             {"router": None, "experts": {"ep": spec.Shard(0)}}, mesh=spec.Mesh((1, 2), ("dp", "ep")))
+        >>> def fn(mc):
+        ...     (group,) = parallel.data_groups(mplan, mc, ("ep",))
+        ...     return isinstance(group, fsdp.DataGroup), group.is_replicated("['router']"), group.is_replicated("['experts']")
+        >>> parallel.simulate_mesh(mplan.mesh, fn)[0]
+        (True, True, False)
+    """
+
+    comm: Any
+    is_replicated: Callable[[str], bool]
+
+
+def data_groups_option(data_groups: Sequence, where: str) -> tuple[DataGroup, ...]:
+    """The ``data_groups=`` argument of ``where`` as DataGroups.
+
+    Raises:
+        RaggedTypeError: an entry that is not a ``(comm, is_replicated)`` pair.
+    """
+    out = []
+    for entry in data_groups:
+        try:
+            comm, pred = entry
+        except (TypeError, ValueError):
+            raise RaggedTypeError(f"{where}: data_groups entries are (comm, is_replicated(path) -> bool) pairs, got "
+                                  f"{type(entry).__name__}.") from None
+        if not callable(pred) or not hasattr(comm, "all_reduce"):
+            raise RaggedTypeError(f"{where}: data_groups entries are (comm, is_replicated(path) -> bool) pairs, got "
+                                  f"({type(comm).__name__}, {type(pred).__name__}).")
+        out.append(DataGroup(comm, pred))
+    return tuple(out)
+
+
+def reduce_over_data_groups(unit, grad, data_groups: Sequence[DataGroup]) -> None:
+    """In place on ``unit``'s gradient shard ``grad`` (over its trainable plan, after its reduce-scatter): the replicated
+    parameters' gradients summed over each data group, then everything divided by its size."""
+    for group in data_groups:
+        all_reduce_leaves(group.comm, grad.data, grad.replicated, grad.plan, grad.rank,
+                          picked_leaves(unit, group.is_replicated))
+        grad.data.div_(group.comm.world_size)
+        grad.replicated.div_(group.comm.world_size)
+
+
+# ---- parameters without a gradient (see [Note: parameters without a gradient]) --------------------
+@functools.lru_cache(maxsize=1024)
+def _positions(plan, rank: int, unused: frozenset, paths: tuple):
+    """Element positions of the leaves named in ``unused`` in ``rank``'s shard and in the replicated buffer."""
+    picked = {i for i, p in enumerate(paths) if p in unused}
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank)
+            if p.leaf.index in picked]
+    rep = [torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked]
+    return cat(data), cat(rep)
+
+
+def _subtrees(tree, shards):
+    """The subtrees of ``tree`` laid out like ``shards`` (``{unit: DBuffer}`` with the same plans)."""
+    def like(x):
+        return (isinstance(x, dict) and x.keys() == shards.keys()
+                and all(isinstance(v, DBuffer) and v.plan == shards[k].plan for k, v in x.items()))
+    return [x for x in pytree.leaves(tree, is_leaf=like, none_is_leaf=True) if like(x)]
+
+
+def freeze_unused(units, unused: dict, shards: dict, opt_state):
+    """What :func:`restore_unused` writes back (see [Note: parameters without a gradient]);
+    ``shards``: the trainable parts the optimizer updates (``_trainable.trainable_shards``)."""
+    where = {}
+    for u in units:
+        if u.name in unused:
+            d = shards[u.name]
+            pos = _positions(d.plan, d.rank, unused[u.name], u.trainable_paths)
+            where[u.name] = tuple(p.to(d.data.device) for p in pos)
+    saved = [{name: (t[name].data[pos[0]].clone(), t[name].replicated[pos[1]].clone()) for name, pos in where.items()}
+             for t in _subtrees(opt_state, shards)]
+    return where, saved
+
+
+def restore_unused(frozen, shards: dict, updates: dict, opt_state):
+    """Zeroes the unused leaves' updates and writes their saved state back (in place)."""
+    where, saved = frozen
+    subtrees = _subtrees(opt_state, shards)
+    if len(subtrees) != len(saved):
+        raise RaggedValueError("the optimizer changed the structure of its state; skip_unused=True needs it fixed.")
+    with torch.no_grad():
+        for name, (data_pos, rep_pos) in where.items():
+            updates[name].data[data_pos] = 0
+            updates[name].replicated[rep_pos] = 0
+            for tree, values in zip(subtrees, saved):
+                tree[name].data[data_pos] = values[name][0]
+                tree[name].replicated[rep_pos] = values[name][1]

@@ -94,7 +94,7 @@ class GradientTransformation(NamedTuple):
     state must not be read after the call). Combinators carry it (``chain``, ``masked``,
     ``multi_transform``, ``apply_if_finite``: true when any part donates), and
     :func:`ragged.fsdp.make_step` reads it: a step donates exactly when its optimizer does (see
-    [Note: one donate decision per step] in ``ragged/fsdp/_donate.py``). To wrap an update (e.g.
+    [Note: one donate decision per step] in ``ragged/fsdp/_trainable.py``). To wrap an update (e.g.
     ``torch.compile``), keep it: ``opt._replace(update=torch.compile(opt.update))``.
 
     ``hyperparams``, where an optimizer has a ``torch.optim`` counterpart, is what that

@@ -26,7 +26,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, norm
 from ragged._errors import RaggedValueError
-from ragged.fsdp._data import DataGroup
+from ragged.fsdp._step import DataGroup
 from ragged.parallel._parts import check_mplan, parts
 from ragged.spec._mesh_plan import MeshPlan
 from ragged.transforms._gather import gather as gather_plan

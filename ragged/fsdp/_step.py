@@ -118,7 +118,7 @@ class Step:
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
         """Memory and communication of this step per rank, without running it: see
-        :func:`ragged.predict._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``)."""
+        :func:`ragged.predict._lower.lower` (``options``: ``schedule``, ``activations``, ``max_ranks``, ``progress``)."""
         # the predictor sits above fsdp (it reads this step's schedule): imported when a step is
         # lowered, never when fsdp is
         from ragged.predict._lower import lower

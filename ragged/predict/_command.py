@@ -8,12 +8,14 @@ step's time, both from labelled assumptions (``ragged/predict/_model_costs.py``,
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import time
 
 from ragged import collectives, fsdp, optim, quant, spec
 from ragged._cli import DTYPES, UsageError, unit_specs
+from ragged._console import console as make_console
 from ragged._models import model_units
 from ragged.predict._hardware import hardware_from
 from ragged.predict._lower import assumed_schedule
@@ -104,12 +106,16 @@ def mesh_name(replicas: int) -> str:
     return "fsdp" if replicas == 1 else f"hsdp:{replicas}"
 
 
-def predict_rows(step, *, activations=None, network=None, compute=None, backward_factor: float = 2.0) -> dict:
+def predict_rows(step, *, activations=None, network=None, compute=None, backward_factor: float = 2.0,
+                 progress=lambda line: None) -> dict:
     """Everything ``--predict`` prints for one lowered step, as plain values (``--json``): with
-    ``network``, also ``lowered.estimate_time(network, compute=..., backward_factor=...)``."""
+    ``network``, also ``lowered.estimate_time(network, compute=..., backward_factor=...)``.
+    ``progress(line)`` hears each step of the work."""
     t0 = time.perf_counter()
-    lowered = step.lower(activations=activations)
+    lowered = step.lower(activations=activations, progress=progress)
+    progress("memory and collectives")
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
+    progress("the FSDP2 and ZeRO-3 rules")
     peers = compare(lowered)
     replicas = step.comm.num_replicas
     row = {
@@ -133,6 +139,7 @@ def predict_rows(step, *, activations=None, network=None, compute=None, backward
         "assumed": list(dict.fromkeys(mem.assumed + cost.assumed)),
     }
     if network is not None:
+        progress("step time")
         t = lowered.estimate_time(network, compute=compute, backward_factor=backward_factor)
         links = {"shard": network.shard, "replica": network.replica}
         row["time"] = {"seconds": t.seconds, "compute": t.parts["compute"], "exposed_comm": t.parts["exposed_comm"],
@@ -185,31 +192,39 @@ def predict_all(args) -> list[dict]:
     by_name = {c.name: c for c in costs}
     compute = {c.name: hw.seconds(c.flops_per_token * args.seq_len * args.batch) for c in costs}
     units, results = {}, []
-    for world, replicas, optimizer, gather in configs:
-        t0 = time.perf_counter()
-        shard = world // replicas
-        granularity = args.granularity if gather == "none" else _tiles(GATHER_FORMATS[gather], args.granularity)
-        if (shard, granularity) not in units:
-            units[shard, granularity] = bundled_units(source, shard, dtype=args.dtype, granularity=granularity,
-                                                      strategy=args.strategy, align=args.align,
-                                                      max_buffers=args.max_buffers, layers_per_unit=args.layers_per_unit)
-        step = step_over(units[shard, granularity], num_replicas=replicas, optimizer=optimizer,
-                         compute_dtype=args.compute_dtype, gather_format=gather)
-        build = time.perf_counter() - t0
-        activations = step_activations([by_name[n] for n in step.units.names], assumed_schedule(step.units))
-        row = predict_rows(step, activations=activations,
-                           network=hw.network(shard=shard, replicas=replicas), compute=compute,
-                           backward_factor=3.0 if args.checkpointing else 2.0)
-        # the lowering's lines say activations and compute were given; these notes say how (analytic, assumed)
-        row["assumed"] = ([_activation_note(args), _compute_note(args)] + hw.assumed()
-                          + [a for a in row["assumed"] if not a.startswith(("activations:", "compute:"))])
-        if gather != "none":  # the tables show the configuration in the optimizer's column
-            optimizer = f"{optimizer}+{gather}"
-        row.update(model=str(source), optimizer=optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                   gather_format=gather, quantized_share=_quantized_share(step) if gather != "none" else 0.0,
-                   seq_len=args.seq_len, batch=args.batch, checkpointing=args.checkpointing,
-                   flops_per_token=sum(c.flops_per_token for c in costs), build_seconds=build)
-        results.append(row)
+    with _progress() as say:
+        for i, (world, replicas, optimizer, gather) in enumerate(configs):
+            where = f"[{i + 1}/{len(configs)}] m={world} {mesh_name(replicas)} {optimizer}" + (
+                f"+{gather}" if gather != "none" else "")
+
+            def progress(line, where=where):
+                say(f"{where}: {line}")
+
+            t0 = time.perf_counter()
+            shard = world // replicas
+            granularity = args.granularity if gather == "none" else _tiles(GATHER_FORMATS[gather], args.granularity)
+            if (shard, granularity) not in units:
+                progress(f"planning {len(costs)} units over a shard group of {shard} ranks")
+                units[shard, granularity] = bundled_units(source, shard, dtype=args.dtype, granularity=granularity,
+                                                          strategy=args.strategy, align=args.align,
+                                                          max_buffers=args.max_buffers,
+                                                          layers_per_unit=args.layers_per_unit)
+            step = step_over(units[shard, granularity], num_replicas=replicas, optimizer=optimizer,
+                             compute_dtype=args.compute_dtype, gather_format=gather)
+            build = time.perf_counter() - t0
+            activations = step_activations([by_name[n] for n in step.units.names], assumed_schedule(step.units))
+            row = predict_rows(step, activations=activations, network=hw.network(shard=shard, replicas=replicas),
+                               compute=compute, backward_factor=3.0 if args.checkpointing else 2.0, progress=progress)
+            # the lowering's lines say activations and compute were given; these notes say how (analytic, assumed)
+            row["assumed"] = ([_activation_note(args), _compute_note(args)] + hw.assumed()
+                              + [a for a in row["assumed"] if not a.startswith(("activations:", "compute:"))])
+            if gather != "none":  # the tables show the configuration in the optimizer's column
+                optimizer = f"{optimizer}+{gather}"
+            row.update(model=str(source), optimizer=optimizer, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                       gather_format=gather, quantized_share=_quantized_share(step) if gather != "none" else 0.0,
+                       seq_len=args.seq_len, batch=args.batch, checkpointing=args.checkpointing,
+                       flops_per_token=sum(c.flops_per_token for c in costs), build_seconds=build)
+            results.append(row)
     return results
 
 
@@ -221,6 +236,18 @@ def _quantized_share(step) -> float:
             total += leaf.numel
             done += leaf.numel if lay.gather_formats and lay.gather_formats[leaf.index] is not None else 0
     return done / total if total else 0.0
+
+
+@contextlib.contextmanager
+def _progress():
+    """``say(line)`` for the work's progress, on stderr (stdout stays the tables, or ``--json``): in
+    a terminal one status line that changes; elsewhere (a log) one line each, as it happens."""
+    err = make_console(stderr=True)
+    if err.is_terminal:
+        with err.status("plan --predict") as status:
+            yield lambda line: status.update(f"plan --predict: {line}")
+    else:
+        yield lambda line: err.print(f"plan --predict: {line}", markup=False, highlight=False)
 
 
 def run_predict(args, console) -> int:

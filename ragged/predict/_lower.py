@@ -231,7 +231,7 @@ class Lowered:
 
 
 def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSchedule | None = None,
-          activations: Activations | None = None, max_ranks: int = 8) -> Lowered:
+          activations: Activations | None = None, max_ranks: int = 8, progress=None) -> Lowered:
     """Lowers ``step`` (see [Note: lowering a step]); ``step.lower(...)`` calls this.
 
     Args:
@@ -245,6 +245,8 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
         activations: the model's own bytes per point, from :func:`~ragged.predict.profile_activations`
             of this step built on one device (default: unknown, 0 assumed).
         max_ranks: evaluate every rank up to this many, else this many evenly spread ranks.
+        progress: ``progress(line)`` is called as each evaluated rank's state is built (the slow
+            part: a Muon step at 10K ranks takes seconds per rank), e.g. to show it on stderr.
 
     Examples:
         >>> import torch, ragged as rg
@@ -268,7 +270,11 @@ def lower(step, state_shapes=None, batch_shapes=None, *, schedule: CollectiveSch
                 raise RaggedValueError(f"step.lower: batch{path} has shape {tuple(getattr(leaf, 'shape', ()))}; "
                                        f"micro_batches={step.micro_batches} needs a divisible leading dimension.")
     if state_shapes is None:
-        by_rank = {r: state_bytes(units, step.optimizer, r) for r in sample_ranks(units.world_size, max_ranks)}
+        ranks, by_rank = sample_ranks(units.world_size, max_ranks), {}
+        for i, r in enumerate(ranks):
+            if progress is not None:
+                progress(f"rank {r}'s state ({i + 1} of {len(ranks)} evaluated ranks)")
+            by_rank[r] = state_bytes(units, step.optimizer, r)
     elif isinstance(state_shapes, tuple) and len(state_shapes) == 2 and isinstance(state_shapes[0], dict):
         by_rank = {step.comm.rank: given_state_bytes(state_shapes)}
     else:

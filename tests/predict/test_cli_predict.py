@@ -42,6 +42,18 @@ def test_predict_json_is_the_lowering(capsys, tmp_path):
         assert r["systems"]["fsdp2"]["persistent_bytes"] > r["systems"]["ragged"]["persistent_bytes"]
 
 
+def test_progress_goes_to_stderr_and_stdout_stays_json(capsys, tmp_path):
+    """The lowering says what it is doing on stderr, one line each in a log (a rich status line in
+    a terminal), so ``--json``'s stdout parses as it is."""
+    cli_run(["plan", "--shapes", shapes_file(tmp_path), "-m", "16", "--predict", "--mesh", "fsdp", "hsdp:2", "--json"])
+    out, err = capsys.readouterr()
+    assert [r["mesh"] for r in json.loads(out)] == ["fsdp", "hsdp:2"]
+    lines = err.splitlines()
+    assert lines[0] == "plan --predict: [1/2] m=16 fsdp adamw: planning 6 units over a shard group of 16 ranks"
+    assert "plan --predict: [1/2] m=16 fsdp adamw: rank 15's state (8 of 8 evaluated ranks)" in lines
+    assert lines[-1] == "plan --predict: [2/2] m=16 hsdp:2 adamw: step time"
+
+
 def test_predict_table(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "40")  # stdout captured (not a terminal): nothing is cut even so
     code, out = run(capsys, "--model", "gpt-oss-120b", "-m", "256", "--predict", "--optimizer", "adamw8bit",

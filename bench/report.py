@@ -192,6 +192,13 @@ def predict_time_tables(result: dict) -> list[str]:
     return [table for model in result["data"] for table in markdown(model)]
 
 
+def import_time_tables(result: dict) -> list[str]:
+    """``bench/import_time.py``: ``import ragged`` over ``import torch``, paired, and ``--help``."""
+    from bench.import_time import markdown
+
+    return [markdown(result["data"])]
+
+
 def precond_tables(result: dict) -> list[str]:
     """``bench/optim.py --sections precond-step precond-balance``: SOAP / Shampoo step times and refresh balance."""
     out = []
@@ -221,7 +228,7 @@ def convergence_tables(result: dict) -> list[str]:
     return [markdown(result["data"])]
 
 
-RENDERERS = {"bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
+RENDERERS = {"bench/import_time.py": import_time_tables, "bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
              "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables,
              "bench/quant.py": quant_tables,
              "bench/optim.py": optim_tables, "bench/convergence.py": convergence_tables}
@@ -253,6 +260,13 @@ so no memory): ragged with one buffer per unit (`max_buffers=1`), one buffer per
 The second table is the paper's Figure 11 view: the worst layer of each decoder-layer kind, one
 buffer / `"auto"`. Deterministic: the same command gives the same table on any machine.
 [planning.md](planning.md) explains the cells where coarse granules stay expensive.""", ["padding"]),
+    ("Import time", """\
+`bench/import_time.py`: fresh interpreters in turn, bytecode cached (as an installed package has
+it): `import torch` alone and `import ragged` (torch included), each timed inside the interpreter;
+`python -m ragged --help` and `python -c "import torch"` timed from outside. The paired column is
+the median over repeats of the difference within one repeat. `torch.compile`'s dynamo and inductor,
+DTensor, `torch.distributed.checkpoint`, transformers and safetensors are imported when used, never
+by `import ragged` (the last row; tests/test_import.py checks it).""", ["import-time"]),
     ("Planning time", """\
 The time to plan every unit of a whole model at the largest shard group, cold caches, one pinned core,
 median of the runs, for the default single-buffer planner (`dp`) and for `max_buffers="auto"`. Plans do

@@ -51,6 +51,8 @@ attributes or its arguments (what the boundary sees), as modules do.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 
 import torch
 
@@ -60,12 +62,9 @@ __all__ = ["compiled_modules", "regions", "Region"]
 
 
 def _optimized_module_type():
-    try:
-        # torch._dynamo takes seconds to import: only when a step looks for torch.compile'd modules
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return ()
-    return OptimizedModule
+    """``torch.compile``'s wrapper type, once dynamo is loaded (before, no module can be one: see
+    [Note: dynamo only once it is loaded] in ``_intercept.py``)."""
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
 
 
 def compiled_modules(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
@@ -99,8 +98,6 @@ class Region:
     def __init__(self, call: _Call, module: torch.nn.Module, entry):
         self.call, self.module, self.entry, self.units = call, module, entry, None
 
-    @torch.compiler.disable(reason="ragged: a compiled module's boundary (gathers its units, see [Note: compiled "
-                                   "regions] in ragged/fsdp/_compiled.py)")
     def __call__(self, *args, **kwargs):
         call, run = self.call, self.call.run
         if call.depth or run.busy:
@@ -185,9 +182,19 @@ def regions(module, run):
     try:
         for sub, attr in compiled_modules(module):
             entry = sub.__dict__[attr]
-            sub.__dict__[attr] = Region(call, sub, entry)
+            sub.__dict__[attr] = _hidden_region()(call, sub, entry)
             swapped.append((sub, attr, entry))
         yield
     finally:
         for sub, attr, entry in reversed(swapped):
             sub.__dict__[attr] = entry
+
+
+@functools.cache
+def _hidden_region():
+    """:class:`Region` with its boundary hidden from dynamo: made when a compiled module is first
+    found, dynamo being loaded by then (see [Note: dynamo only once it is loaded] in ``_intercept.py``)."""
+    hidden = torch.compiler.disable(Region.__call__, reason="ragged: a compiled module's boundary (gathers its "
+                                                            "units, see [Note: compiled regions] in "
+                                                            "ragged/fsdp/_compiled.py)")
+    return type("Region", (Region,), {"__slots__": (), "__call__": hidden})

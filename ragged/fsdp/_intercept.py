@@ -75,6 +75,13 @@ recomputation inside the model (``torch.utils.checkpoint`` in a module's forward
 ``gradient_checkpointing_enable()``), which runs after ``functional_call`` has returned, reads the
 leaves too. Without it, backward reading a parameter (``nn.Parameter`` requiring grad) that is
 not one of the step's leaves raises :class:`~ragged.RaggedValueError` naming that fix.
+
+[Note: dynamo only once it is loaded]
+``torch._dynamo`` takes seconds to import and ragged never imports it. What must be hidden from
+dynamo's tracing (``torch.compiler.disable``: the refusal below, the saved-tensor hooks, a
+region's boundary in ``_compiled.py``) is hidden once dynamo is loaded: nothing is compiled, so
+nothing traced, before it is (``torch.compile`` and ``Module.compile`` import it). Each step call
+checks when it starts (:func:`dynamo_loaded`), before any code it runs can be traced.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import sys
 import threading
 import weakref
 
@@ -90,7 +98,7 @@ from torch.overrides import TorchFunctionMode
 
 from ragged._errors import RaggedValueError
 
-__all__ = ["UseMode", "Marker", "saved_tensor_hooks", "backward", "module_slots", "bind"]
+__all__ = ["UseMode", "Marker", "saved_tensor_hooks", "backward", "module_slots", "bind", "dynamo_loaded"]
 
 _METADATA = frozenset(
     {"size", "dim", "stride", "storage_offset", "numel", "is_contiguous", "untyped_storage", "data_ptr", "__len__",
@@ -157,6 +165,7 @@ class UseMode(TorchFunctionMode):
     def __init__(self, run):
         super().__init__()
         self.run = run
+        _hide_refusal_from_dynamo()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if torch.compiler.is_dynamo_compiling():  # see [Note: compiled regions] in _compiled.py
@@ -193,10 +202,25 @@ class UseMode(TorchFunctionMode):
         return run.read(touched, call)
 
 
-@torch.compiler.disable(reason="ragged: a compiled module read the step's parameters outside a region (see the "
-                               "RaggedValueError this raises)")
-def compiled_outside_region(func):
+def dynamo_loaded() -> bool:
+    """Whether ``torch._dynamo`` is imported (see [Note: dynamo only once it is loaded])."""
+    return "torch._dynamo" in sys.modules
+
+
+def _refuse_outside_region(func):
     raise RaggedValueError(COMPILED_OUTSIDE_REGION_MSG.format(func=getattr(func, "__name__", func)))
+
+
+# the refusal; once dynamo is loaded, its disabled form (dynamo runs it instead of tracing it)
+compiled_outside_region = _refuse_outside_region
+
+
+def _hide_refusal_from_dynamo() -> None:
+    global compiled_outside_region
+    if compiled_outside_region is _refuse_outside_region and dynamo_loaded():
+        compiled_outside_region = torch.compiler.disable(
+            _refuse_outside_region, reason="ragged: a compiled module read the step's parameters outside a region "
+                                           "(see the RaggedValueError this raises)")
 
 
 def _mark(run, args, kwargs):
@@ -216,6 +240,8 @@ def saved_tensor_hooks(run):
 
     Autograd calls them from eager code inside a compiled region too (a graph break): dynamo must
     not trace them (see [Note: compiled regions] in ``_compiled.py``)."""
+    if not dynamo_loaded():  # see [Note: dynamo only once it is loaded]
+        return torch.autograd.graph.saved_tensors_hooks(run.saved, run.restored)
     return torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(run.saved),
                                                     torch.compiler.disable(run.restored))
 

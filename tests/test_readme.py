@@ -70,7 +70,7 @@ def test_every_fenced_block_says_what_it_is():
     for name, lang, code in fenced_blocks():
         assert lang in LANGUAGES, f"block {name!r} is fenced as {lang!r}; use one of {sorted(LANGUAGES)}"
     assert len(PYTHON) >= 7 and BASH
-    assert sum(name.startswith("README.md:") for name, _ in PYTHON) == 3, "the README shows three examples"
+    assert sum(name.startswith("README.md:") for name, _ in PYTHON) == 4, "the README shows four examples"
 
 
 @pytest.mark.parametrize("code", [pytest.param(code, id=name, marks=[pytest.mark.slow] if name in SLOW_BLOCKS else [])

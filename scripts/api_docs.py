@@ -8,7 +8,7 @@ modules aside. Each object is documented once, under the first package of ``PACK
 binds it (``ragged.gather`` before ``ragged.transforms.gather``); later packages point there.
 For a function or class: its signature (each ``typing.overload`` for a verb with two call
 shapes), the summary paragraph of its docstring and its ``Args:`` section; a constant shows its
-value. tests/test_api_docs.py fails when a public function or class has no docstring of its
+value; a package or module: its summary paragraph and its docstring's example. tests/test_api_docs.py fails when a public function or class has no docstring of its
 own, or when docs/api.md is stale.
 """
 
@@ -27,7 +27,8 @@ import typing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "api.md")
 PACKAGES = ("ragged", "ragged.spec", "ragged.quant", "ragged.collectives", "ragged.transforms", "ragged.optim", "ragged.fsdp", "ragged.predict",
-            "ragged.parallel", "ragged.checkpoint", "ragged.testing", "ragged.models")
+            "ragged.parallel", "ragged.checkpoint", "ragged.testing", "ragged.testing.strategies",
+            "ragged.models")
 SECTIONS = ("Args:", "Arguments:", "Returns:", "Yields:", "Raises:", "Examples:", "Example:", "Note:", "Notes:",
             "Attributes:", "See also:")
 
@@ -56,11 +57,14 @@ def _signature(name: str, fn) -> str:
 def public_names(module) -> list[tuple[str, object]]:
     """``(name, object)`` for every public name ``module`` binds, in source order of binding, then
     those it looks up on first use (a module ``__getattr__`` / ``__dir__``) that no documented
-    package binds itself (those are described there)."""
-    out = []
+    package binds itself (those are described there). A module with ``__all__``: those names only,
+    not what it imports."""
+    out, listed = [], getattr(module, "__all__", None)
     bound = {id(obj) for pkg in PACKAGES for obj in vars(importlib.import_module(pkg)).values()}
     lazy = [(name, getattr(module, name)) for name in dir(module) if name not in vars(module)]
     for name, obj in [*vars(module).items(), *((n, o) for n, o in lazy if id(o) not in bound)]:
+        if listed is not None and name not in listed:
+            continue
         if name.startswith("_") or isinstance(obj, types.ModuleType) or isinstance(obj, type(annotations)):
             continue
         out.append((name, obj))
@@ -172,6 +176,9 @@ def render() -> str:
         doc = inspect.cleandoc(module.__doc__ or "")
         if doc:
             lines += [_md(doc.split("\n\n")[0].replace("\n", " ")), ""]
+            example = split_doc(doc)[1].get("Examples:")
+            if example:  # a module's own example, shown as the doctest it runs as
+                lines += ["Example:", "", "```text", example, "```", ""]
         for name, obj in public_names(module):
             qualname = f"{pkg}.{name}"
             key = id(obj)

@@ -15,9 +15,9 @@ from ragged._dbuffer import segments
 from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import Units
 from ragged.quant._format import Format
-from ragged.quant._wire import leaf_formats
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._concat import replicated_size
+from ragged.transforms._quantized import formats_of
 
 __all__ = ["MixedPrecision", "UnitLayout", "unit_layouts"]
 
@@ -111,7 +111,7 @@ class UnitLayout:
         grad_gaps: padding ranges of the gradient buffer (zero in it).
         grad_replicated_numel: elements of the replicated part of the gradient.
         gather_formats: every leaf's format by index in the unit's plan (``None``: the gather
-            is not quantized); reduce_formats: the same over ``grad_plan``.
+            is not quantized, nor is it where no leaf is); reduce_formats: the same over ``grad_plan``.
         gather_dtypes: every leaf's compute dtype by index (trainable: ``dtype``, frozen:
             ``frozen_dtype``): what an unquantized leaf travels in within a quantized gather.
     """
@@ -196,11 +196,11 @@ def _formats(unit, policy: MixedPrecision):
     """The unit's gather and reduce formats per leaf (checked here, when the step is made: before
     any communication, the same on every rank)."""
     where = f"MixedPrecision.%s (unit {unit.name!r})"
-    gather = None if policy.gather_format is None else leaf_formats(unit.plan, policy.gather_format,
-                                                                    where=where % "gather_format")
+    gather = None if policy.gather_format is None else formats_of(unit.plan, policy.gather_format,
+                                                                  where % "gather_format")
     grad_plan = unit.trainable_plan
-    reduce = None if policy.reduce_format is None or grad_plan is None else leaf_formats(
-        grad_plan, policy.reduce_format, where=where % "reduce_format", replicated=False)
+    reduce = None if policy.reduce_format is None or grad_plan is None else formats_of(
+        grad_plan, policy.reduce_format, where % "reduce_format", replicated=False)
     return gather, reduce
 
 

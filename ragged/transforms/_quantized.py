@@ -198,9 +198,13 @@ def quantize_replicated(plan, formats: tuple, replicated: torch.Tensor, master: 
     return out
 
 
-def formats_of(plan, choose, where: str, *, replicated: bool = True) -> tuple:
-    """:func:`ragged.quant._wire.leaf_formats` (the plan's check before any communication)."""
-    return leaf_formats(plan, choose, where=where, replicated=replicated)
+def formats_of(plan, choose, where: str, *, replicated: bool = True) -> tuple | None:
+    """:func:`ragged.quant._wire.leaf_formats` (the plan's check before any communication);
+    ``None`` when no leaf is quantized: the plain collective then moves the same values, without
+    the encode, the decode and the wire scratch (``B + m * B`` for a gather: a second copy of
+    what it gathers when every value travels as bytes)."""
+    formats = leaf_formats(plan, choose, where=where, replicated=replicated)
+    return formats if any(f is not None for f in formats) else None
 
 
 def format_key(formats: tuple) -> str:

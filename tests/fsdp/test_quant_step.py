@@ -92,6 +92,23 @@ def _make(comm, policy, specs=qc.specs, model=None):
     return fsdp.make_step(units, lambda p, b: 0.0, opt, comm, policy=policy)
 
 
+def test_a_unit_with_no_quantized_leaf_takes_the_plain_collectives():
+    """Only blocks.0 is quantized: every other unit gathers and reduce-scatters as without formats
+    (no bytes on the wire twice over: no encode, no decode, no wire scratch)."""
+    pick = lambda leaf: qc.FORMATS["fp8"] if leaf.path.startswith("['blocks.0") and len(leaf.shape) == 2 else None  # noqa: E731
+    steps = {name: rg.collectives.simulate(2, _make, fsdp.MixedPrecision(gather_format=f, reduce_format=f))[0]
+             for name, f in (("plain", None), ("blocks.0", pick))}
+    layouts = {lay.name: lay for lay in steps["blocks.0"].value_and_grad.layouts}
+    assert layouts.pop("blocks.0").gather_formats is not None
+    assert all(lay.gather_formats is None and lay.reduce_formats is None for lay in layouts.values())
+    units = {name: step.lower().cost_analysis().per_unit for name, step in steps.items()}
+    assert {k: v for k, v in units["blocks.0"].items() if k != "blocks.0"} == \
+        {k: v for k, v in units["plain"].items() if k != "blocks.0"}
+    nothing = rg.collectives.simulate(2, _make, fsdp.MixedPrecision(gather_format=lambda leaf: None))[0]
+    assert all(lay.gather_formats is None for lay in nothing.value_and_grad.layouts)
+    assert nothing.lower().memory_analysis().peak_scratch_bytes == 0
+
+
 def test_a_format_that_does_not_tile_a_leaf_is_refused_when_the_step_is_made():
     # a plain format applies to every matrix; the MoE router (4 x 32) has 4 rows
     policy = fsdp.MixedPrecision(gather_format=qc.FORMATS["fp8"])

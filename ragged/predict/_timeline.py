@@ -149,9 +149,12 @@ def timeline(lowered, *, early: bool = False):
     copy does, until it is waited (``max_inflight_reduce`` later at the latest, the next point
     with ``early``). Each point thus holds the scratch of a moment in its interval: the peak of
     ``wire_scratch`` is the most the runtime holds at once (between the two bounds for
-    reduce-scatters). Not counted: the encode's and decode's float32 temporaries (kernel
-    workspace) and the free buffers the scratch pool keeps for the next call (up to two per
-    size and stream, see [Note: one scratch pool] in ``ragged/collectives/_scratch.py``)."""
+    reduce-scatters). That is the host's order, which the CPU runs; on CUDA the runtime gives
+    the scratch back as soon as the collective and its decode are queued on the side stream
+    (see [Note: scratch across streams] in ``ragged/collectives/_scratch.py``), and the next
+    collective on that stream reuses it, so the count is an upper bound there. Not counted: the
+    encode's and decode's float32 temporaries (kernel workspace) and the free buffers the scratch
+    pool keeps for the next call (up to two per size and stream, see [Note: one scratch pool])."""
     sched, act, k = lowered.schedule, lowered.activations, lowered.step.micro_batches
     mem, post, loss_reads = _Live(lowered, early), None, ()
     for action, *args in walk(lowered):

@@ -13,7 +13,6 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "ragged"
 
 # path (relative to ragged/) or "path:function" -> why it is allowed for now
 EXCEPTIONS: dict[str, str] = {
-    "fsdp/_runtime.py": "#37 item 4 (house-agree) splits it",
 }
 
 

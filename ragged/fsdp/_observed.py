@@ -1,5 +1,6 @@
 """What one call of the step saw: :class:`Observer` (what the ranks agree on at the end of the
-call and the next call's schedule learns from) and :class:`Counters` (what the metrics report).
+call and the next call's schedule learns from), :class:`Counters` (what the metrics report) and
+its trace (:func:`tracer`).
 Both only record; neither moves data nor decides anything (see [Note: one agreement at the start
 of a call, one at the end] in ``_grad.py``)."""
 
@@ -9,7 +10,7 @@ import torch
 
 from ragged.fsdp._schedule import Observation
 
-__all__ = ["Observer", "Counters"]
+__all__ = ["Observer", "Counters", "tracer"]
 
 
 class Observer:
@@ -71,3 +72,17 @@ class Counters:
     def metrics(self) -> dict:
         return {"peak_gathered_bytes": self.peak, "peak_grad_bytes": self.grad_peak, "num_gathers": self.gathers,
                 "num_reduces": self.reduces, "saved_activation_bytes": max(self.saved_peak, self.saved)}
+
+
+def tracer(trace, cursor, layouts):
+    """The trace callback the run's parts share; it holds no reference to the run, so a finished
+    run (and the gradients it held) is freed at once, not at the next garbage collection. A list
+    gets ``(event, unit, phase)`` tuples; a callable is called as ``trace(event, unit, cursor)``
+    (``fsdp.profile_activations`` reads the cursor's ``phase`` and ``busy``)."""
+    def log(event: str, i: int | None):
+        name = layouts[i].name if i is not None else "-"
+        if callable(trace):
+            trace(event, name, cursor)
+        elif trace is not None:
+            trace.append((event, name, cursor.phase))
+    return log

@@ -1,15 +1,20 @@
-"""Per-unit records of the step's runtime, per call: :class:`UnitRecord` holds the unit's
-gathered buffer, its leaves and their state (the run's), :class:`GradRecord` its gradient
-buffers (the :class:`~ragged.fsdp._reducing.Gradients`'); no parallel lists."""
+"""Records of the step's runtime, per call: :class:`UnitRecord` holds a unit's gathered buffer
+(and gives it memory and takes it back), its leaves and their state (the run's),
+:class:`GradRecord` its gradient buffers (the :class:`~ragged.fsdp._reducing.Gradients`'); no
+parallel lists. :class:`Cursor` is where the call is in its program."""
 
 from __future__ import annotations
 
 import enum
 
 import torch
+
+from ragged import _compat
+from ragged.fsdp._device import COMPUTE, GATHER
+from ragged.fsdp._pool import attach, detach
 from ragged.transforms._quantized import quantize_replicated
 
-__all__ = ["UnitRecord", "GradRecord", "UnitState", "storage_key"]
+__all__ = ["UnitRecord", "GradRecord", "UnitState", "Cursor", "storage_key"]
 
 
 def storage_key(t: torch.Tensor):
@@ -75,6 +80,36 @@ class UnitRecord:
         self.scheduled = False
         self.block = None
 
+    @property
+    def memory(self):
+        """The key of the gathered memory for the streams strategy (``alloc`` / ``access`` /
+        ``free``): its pool block's, or the unit's own where the storage is resized instead."""
+        return self.block.key if self.block is not None else ("unit", self.layout.index)
+
+    def materialize(self, pool, streams) -> int:
+        """The storage gets memory on the gather stream (inside ``streams.on(GATHER)``); its bytes."""
+        nbytes = self.layout.nbytes
+        if _compat.CAN_SWAP_STORAGE:
+            self.block = pool.take(nbytes, GATHER)
+            attach(self.flat.untyped_storage(), self.block)
+        else:
+            self.flat.untyped_storage().resize_(nbytes)
+            streams.alloc(GATHER, self.memory, nbytes)
+        return nbytes
+
+    def dematerialize(self, pool, streams) -> None:
+        """The storage is released once the gather stream is past every read so far."""
+        streams.access(COMPUTE, self.memory)  # the last read of this unit's parameters was queued before
+        fence = streams.record(COMPUTE)
+        if self.block is not None:
+            detach(self.flat.untyped_storage(), self.block)
+            pool.give(self.block, (fence,))
+            self.block = None
+        else:
+            streams.wait(GATHER, fence)
+            self.flat.untyped_storage().resize_(0)
+            streams.free(self.memory)
+
 
 class GradRecord:
     """One unit's gradient buffers for one call.
@@ -102,3 +137,32 @@ class GradRecord:
 
     def new_micro_batch(self):
         self.reduced, self.grads_started, self.held = False, None, []
+
+
+class Cursor:
+    """Where one call is in its program (see [Note: markers and tags]).
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"``; ``entry``: the forward entry entered last;
+            ``event``: the next backward event to process (events run from the last down to 0).
+        active: the unit the last torch call computed with (``None``: none yet).
+        marker: the forward entry whose marker the next torch call places (``None``: placed).
+        prefetch: the start event's prefetches, issued when backward first reaches the model.
+        armed: ``id(leaf) -> entry``: markers that fired, proven once that leaf's gradient is in.
+        engine_thread: the thread of this backward pass's first engine callback.
+        busy: >0 while the runtime runs its own torch calls (see [Note: the runtime's own torch calls]).
+        protect, deferred: units the torch call in progress reads, and frees put off until it returns.
+    """
+
+    __slots__ = ("phase", "entry", "event", "active", "marker", "prefetch", "armed", "engine_thread", "busy",
+                 "protect", "deferred")
+
+    def __init__(self):
+        self.busy, self.engine_thread = 0, None
+        self.protect: set[int] = set()
+        self.deferred: set[int] = set()
+        self.armed: dict[int, int] = {}
+
+    def start_micro_batch(self, num_entries: int):
+        self.phase, self.entry, self.event, self.active = "forward", -1, num_entries + 1, None
+        self.marker, self.prefetch = None, []

@@ -57,24 +57,21 @@ Backward runs with the function mode active (see [Note: backward under the mode]
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import threading
 
 import torch
 
-from ragged import _compat
 from ragged._errors import RaggedError
 from ragged.fsdp._device import COMPUTE, GATHER, streams_for
-from ragged.fsdp._pool import Pool, attach, detach
-from ragged.fsdp._records import UnitRecord, UnitState, storage_key
+from ragged.fsdp._pool import Pool
+from ragged.fsdp._records import Cursor, UnitRecord, UnitState, storage_key
 from ragged.fsdp._reducing import Gradients
-from ragged.fsdp._observed import Counters, Observer
-from ragged.fsdp._schedule import CollectiveSchedule, Program
+from ragged.fsdp._observed import Counters, Observer, tracer
+from ragged.fsdp._schedule import Context
 from ragged.transforms._flat import _all_gather_flat_start
 from ragged.transforms._quantized import unit_gather_start as quantized_gather_start
 
-__all__ = ["Run", "Context", "Cursor", "ENGINE_THREADS_MSG"]
+__all__ = ["Run", "ENGINE_THREADS_MSG"]
 
 ENGINE_THREADS_MSG = (
     "rg.fsdp: autograd ran this backward pass on more than one thread (its nodes are on several devices, e.g. a "
@@ -88,72 +85,6 @@ ENGINE_THREADS_MSG = (
 _thread_id = threading.get_ident  # (a test replaces it)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Context:
-    """What one call executes, fixed for the call: the units' layouts, the schedule every rank
-    agreed on, its program, and two indexes of the schedule."""
-
-    layouts: tuple
-    schedule: CollectiveSchedule
-    program: Program
-    entries_of: dict  # unit -> its forward entries
-    completing: dict  # event e -> units whose last gradients arrive in segment e - 1
-
-    @staticmethod
-    def of(layouts, schedule: CollectiveSchedule, program: Program) -> Context:
-        entries_of = collections.defaultdict(list)
-        for c, i in enumerate(schedule.forward):
-            entries_of[i].append(c)
-        completing = collections.defaultdict(list)  # their reduce-scatter is at event e - 1
-        for i, e in enumerate(schedule.reduce_at):
-            if e >= 0:
-                completing[e + 1].append(i)
-        return Context(tuple(layouts), schedule, program, entries_of, completing)
-
-
-class Cursor:
-    """Where one call is in its program (see [Note: markers and tags]).
-
-    Attributes:
-        phase: ``"forward"`` or ``"backward"``; ``entry``: the forward entry entered last;
-            ``event``: the next backward event to process (events run from the last down to 0).
-        active: the unit the last torch call computed with (``None``: none yet).
-        marker: the forward entry whose marker the next torch call places (``None``: placed).
-        prefetch: the start event's prefetches, issued when backward first reaches the model.
-        armed: ``id(leaf) -> entry``: markers that fired, proven once that leaf's gradient is in.
-        engine_thread: the thread of this backward pass's first engine callback.
-        busy: >0 while the runtime runs its own torch calls (see [Note: the runtime's own torch calls]).
-        protect, deferred: units the torch call in progress reads, and frees put off until it returns.
-    """
-
-    __slots__ = ("phase", "entry", "event", "active", "marker", "prefetch", "armed", "engine_thread", "busy",
-                 "protect", "deferred")
-
-    def __init__(self):
-        self.busy, self.engine_thread = 0, None
-        self.protect: set[int] = set()
-        self.deferred: set[int] = set()
-        self.armed: dict[int, int] = {}
-
-    def start_micro_batch(self, num_entries: int):
-        self.phase, self.entry, self.event, self.active = "forward", -1, num_entries + 1, None
-        self.marker, self.prefetch = None, []
-
-
-def _tracer(trace, cursor, layouts):
-    """The trace callback the run's parts share; it holds no reference to the run, so a finished
-    run (and the gradients it held) is freed at once, not at the next garbage collection. A list
-    gets ``(event, unit, phase)`` tuples; a callable is called as ``trace(event, unit, cursor)``
-    (``fsdp.profile_activations`` reads the cursor's ``phase`` and ``busy``)."""
-    def log(event: str, i: int | None):
-        name = layouts[i].name if i is not None else "-"
-        if callable(trace):
-            trace(event, name, cursor)
-        elif trace is not None:
-            trace.append((event, name, cursor.phase))
-    return log
-
-
 class Run:
     """State of one call: see the module docstring. Its parts: the :class:`Context`, the
     :class:`Cursor`, one :class:`~ragged.fsdp._records.UnitRecord` per unit (and the indexes of
@@ -164,7 +95,7 @@ class Run:
         self.ctx, self.cursor = Context.of(layouts, schedule, program), Cursor()
         self.comm, self.shards = comm, shards
         self.trace = trace if callable(trace) else [] if trace else None
-        self.log = _tracer(self.trace, self.cursor, layouts)
+        self.log = tracer(self.trace, self.cursor, layouts)
         self.streams = streams_for(comm.device)
         self.pool = Pool(comm.device, self.streams)
         self.units = [UnitRecord(lay, shards[lay.name].plan, shards[lay.name].replicated, comm.device) for lay in layouts]
@@ -250,38 +181,6 @@ class Run:
             raise RaggedError(ENGINE_THREADS_MSG)
 
     # ---- gathered storage (see [Note: reusing unit buffers] in _pool.py) -----------------------
-    def _materialize(self, i: int):
-        """Unit ``i``'s storage gets memory on the gather stream (inside ``streams.on(GATHER)``)."""
-        u, nbytes = self.units[i], self.ctx.layouts[i].nbytes
-        if _compat.CAN_SWAP_STORAGE:
-            u.block = self.pool.take(nbytes, GATHER)
-            attach(u.flat.untyped_storage(), u.block)
-        else:
-            u.flat.untyped_storage().resize_(nbytes)
-            self.streams.alloc(GATHER, self._memory(i), nbytes)
-        self.counts.gathered(nbytes)
-
-    def _memory(self, i: int):
-        """The key of unit ``i``'s gathered memory for the streams strategy (``alloc`` / ``access`` /
-        ``free``): its pool block's, or the unit's own where the storage is resized instead."""
-        u = self.units[i]
-        return u.block.key if u.block is not None else ("unit", i)
-
-    def _dematerialize(self, i: int):
-        """Unit ``i``'s storage is released once the gather stream is past every read so far."""
-        u, streams = self.units[i], self.streams
-        streams.access(COMPUTE, self._memory(i))  # the last read of this unit's parameters was queued before
-        fence = streams.record(COMPUTE)
-        if u.block is not None:
-            detach(u.flat.untyped_storage(), u.block)
-            self.pool.give(u.block, (fence,))
-            u.block = None
-        else:
-            streams.wait(GATHER, fence)
-            u.flat.untyped_storage().resize_(0)
-            streams.free(self._memory(i))
-        self.counts.live -= self.ctx.layouts[i].nbytes
-
     # ---- parameters: the one all-gather call site ----------------------------------------------
     def _gather_unit_start(self, i: int, label: str):
         """Issues unit ``i``'s all-gather (every rank issues it at the same point of the program)."""
@@ -292,7 +191,7 @@ class Run:
             streams.wait(GATHER, streams.record(COMPUTE))
         with streams.on(GATHER):
             if u.state is UnitState.FREE:
-                self._materialize(i)
+                self.counts.gathered(u.materialize(self.pool, self.streams))
             lay, shard = self.ctx.layouts[i], self.shards[self.ctx.layouts[i].name]
             if lay.gather_formats is not None:  # one collective of codes, scales and values for the whole unit
                 parts = []
@@ -310,7 +209,7 @@ class Run:
                 u.source.append(data if data.dtype == out.dtype else data.to(out.dtype))
                 works.append(_all_gather_flat_start(plan, out, u.source[-1], self.comm, label=what))
             streams.access(GATHER, ("shard", i))
-            streams.access(GATHER, self._memory(i), write=True)
+            streams.access(GATHER, self.units[i].memory, write=True)
             u.handle = [streams.issued(GATHER, w) for w in works]
         u.state, u.scheduled = UnitState.PENDING, True
         self.counts.gathers += 1
@@ -321,7 +220,7 @@ class Run:
         if u.state is UnitState.PENDING:
             for h in u.handle:
                 self.streams.done(COMPUTE, h)
-            self.streams.access(COMPUTE, self._memory(i))
+            self.streams.access(COMPUTE, self.units[i].memory)
             u.handle = u.source = None
             u.state = UnitState.READY
             self.log("gather_done", i)
@@ -331,7 +230,8 @@ class Run:
         if u.state is UnitState.FREE:
             return
         self._wait(i)
-        self._dematerialize(i)
+        self.units[i].dematerialize(self.pool, self.streams)
+        self.counts.live -= self.ctx.layouts[i].nbytes
         u.state = UnitState.FREE
         if self.cursor.active == i:
             self.cursor.active = None
@@ -354,11 +254,11 @@ class Run:
             streams.wait(GATHER, streams.record(COMPUTE))
         with streams.on(GATHER):
             if u.state is UnitState.FREE:
-                self._materialize(i)
+                self.counts.gathered(u.materialize(self.pool, self.streams))
             with torch.no_grad():
                 u.flat.zero_()
                 u.frozen_flat.zero_()
-            streams.access(GATHER, self._memory(i), write=True)
+            streams.access(GATHER, self.units[i].memory, write=True)
             done = streams.record(GATHER)
         streams.wait(COMPUTE, done)
         u.state = UnitState.READY

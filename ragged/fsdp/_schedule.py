@@ -1,7 +1,7 @@
 """The step's collective schedule, as pure values: :class:`CollectiveSchedule` (what every rank
 agreed on; a *learning-rate* schedule is ``optim.Schedule``), :class:`Observation` (what one rank
 saw in one call), and :class:`Program`, the exact sequence of gathers, frees and reduce-scatters
-a collective schedule implies.
+a collective schedule implies (:class:`Context`: what one call executes, with its indexes).
 
 [Note: a collective order that does not depend on data]
 Ranks pair their collectives by issue order (gloo tags, NCCL streams), and gloo aborts the
@@ -43,11 +43,12 @@ rank used.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
 
-__all__ = ["CollectiveSchedule", "Observation", "Program", "program"]
+__all__ = ["CollectiveSchedule", "Observation", "Program", "program", "Context"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,3 +234,26 @@ def program(schedule: CollectiveSchedule, *, reshard: bool, prefetch: bool,
 
 def _ordered(units: frozenset, first: int) -> list[int]:
     return ([first] if first in units else []) + sorted(u for u in units if u != first)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Context:
+    """What one call executes, fixed for the call: the units' layouts, the schedule every rank
+    agreed on, its program, and two indexes of the schedule."""
+
+    layouts: tuple
+    schedule: CollectiveSchedule
+    program: Program
+    entries_of: dict  # unit -> its forward entries
+    completing: dict  # event e -> units whose last gradients arrive in segment e - 1
+
+    @staticmethod
+    def of(layouts, schedule: CollectiveSchedule, program: Program) -> Context:
+        entries_of = collections.defaultdict(list)
+        for c, i in enumerate(schedule.forward):
+            entries_of[i].append(c)
+        completing = collections.defaultdict(list)  # their reduce-scatter is at event e - 1
+        for i, e in enumerate(schedule.reduce_at):
+            if e >= 0:
+                completing[e + 1].append(i)
+        return Context(tuple(layouts), schedule, program, entries_of, completing)

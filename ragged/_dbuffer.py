@@ -21,7 +21,7 @@ from ragged._pytree import pytree
 from ragged.spec._plan import LayoutPlan, piece_shape
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["DBuffer", "is_dbuffer", "unflatten", "norm", "leaf_positions"]
+__all__ = ["DBuffer", "is_dbuffer", "unflatten", "norm", "norm_collectives", "leaf_positions"]
 
 
 @dataclass(frozen=True, namespace="ragged")
@@ -172,13 +172,20 @@ def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
             local.append(weight * _power_sum(d.replicated[rpos.to(d.replicated.device)], p))
     device = next((t.device for t in sharded + local), None)
     total = functools.reduce(join, sharded, torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
-    if sharded and comm is not None and comm.world_size > 1:
+    if norm_collectives(comm, bool(sharded)):
         comm.all_reduce(total, op=op)
     if local:
         total = join(total, functools.reduce(join, local))
     for other in others:
         other.all_reduce(total, op=op)
     return total[0] if p == math.inf else torch.sqrt(total[0]) if p == 2.0 else total[0].pow(1.0 / p)
+
+
+def norm_collectives(comm, sharded: bool) -> tuple[tuple[str, str, int, int], ...]:
+    """What :func:`norm` issues on ``comm`` (``(kind, axis, calls, bytes)``, see
+    ``GradientTransformation.collectives``; its ``others`` aside): one all-reduce of one float64
+    when some part is sharded over more than one rank. :func:`norm` issues exactly this."""
+    return (("all_reduce", "shard", 1, 8),) if sharded and comm is not None and comm.world_size > 1 else ()
 
 
 @functools.lru_cache(maxsize=256)

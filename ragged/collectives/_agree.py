@@ -73,17 +73,16 @@ def agree(comm, verdict=(), *, op: str = "max", explain: Callable[[list], Any] |
         [([1], ['rank 0', 'rank 1']), ([1], ['rank 0', 'rank 1'])]
     """
     values = list(verdict)
-    replicas = getattr(comm, "num_replicas", 1)
     scope = getattr(comm, "scope", None)
     if scope is not None:
         comm.scope = None
     try:
-        if values and comm.world_size * replicas > 1:
+        calls = agree_collectives(comm, len(values))  # what it issues, said once
+        if calls:
             dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float64
             t = torch.tensor(values, dtype=dtype, device=getattr(comm, "device", None))
-            comm.all_reduce(t, op=op, label=label)
-            if replicas > 1:
-                comm.all_reduce_replicas(t, op=op, label=label)
+            for _, axis, _, _ in calls:
+                (comm.all_reduce if axis == "shard" else comm.all_reduce_replicas)(t, op=op, label=label)
             values = t.tolist()
         detail = None if explain is None else explain(values)
         return Agreed(values, None if detail is None else comm.all_gather_object(detail))
@@ -94,7 +93,8 @@ def agree(comm, verdict=(), *, op: str = "max", explain: Callable[[list], Any] |
 
 def agree_collectives(comm, values: int) -> tuple[tuple[str, str, int, int], ...]:
     """What one :func:`agree` of a verdict of ``values`` numbers issues on ``comm``, as ``(kind,
-    axis, calls, bytes)`` (see ``GradientTransformation.collectives``; no explanation round)."""
+    axis, calls, bytes)`` (see ``GradientTransformation.collectives``; no explanation round):
+    :func:`agree` issues exactly these, and the predictor counts them."""
     replicas = getattr(comm, "num_replicas", 1)
     if comm is None or not values or comm.world_size * replicas == 1:
         return ()

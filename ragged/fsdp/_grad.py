@@ -258,6 +258,12 @@ def _describe(failure) -> str:
 _HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the mesh; the first four over data axes too
 
 
+def verdict_size(layouts) -> int:
+    """The numbers each rank brings to the end-of-call agreement: :data:`_HEAD`, a late flag per
+    unit and a used flag per trainable leaf (``_agree`` builds it; the predictor counts it)."""
+    return len(_HEAD) + len(layouts) + sum(len(lay.trained) for lay in layouts)
+
+
 def _agree(run, losses, failure, comm, data_groups) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
     obs = run.seen.observation()
@@ -269,6 +275,7 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
     failed, foreign = failure is not None, bool(run.seen.foreign_grads())
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
     head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
+    assert len(head + late + used) == verdict_size(run.ctx.layouts)
     v = agree(comm, head + late + used, op="sum", label="fsdp step: end of call").values
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm
+from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm, norm_collectives
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation, keywords_checked
 from ragged.collectives._agree import agree_collectives
@@ -21,10 +21,8 @@ def _global_norm_collectives(tree, comm, agree_finite: bool) -> tuple:
     """What :func:`tree_norm` (and the finiteness agreement) issues on ``comm`` for a tree shaped like ``tree``."""
     if comm is None:
         return ()
-    out = ()
-    if comm.world_size > 1 and any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer)):
-        out = (("all_reduce", "shard", 1, 8),)
-    return out + (agree_collectives(comm, 1) if agree_finite else ())
+    sharded = any(isinstance(x, DBuffer) for x in pytree.leaves(tree, is_leaf=is_dbuffer))
+    return norm_collectives(comm, sharded) + (agree_collectives(comm, 1) if agree_finite else ())
 
 
 def tree_norm(tree, *, comm=None) -> torch.Tensor:

@@ -10,6 +10,8 @@ from ragged.fsdp._trainable import trainable_shards
 from ragged.fsdp._units import picked_leaves
 from ragged.predict._persistent import meta_shards
 from ragged.predict._timeline import walk
+from ragged.collectives._agree import agree_collectives
+from ragged.fsdp._grad import verdict_size
 from ragged.transforms._check import agreement_collectives
 from ragged.transforms._quantized import unit_wire_bytes
 from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
@@ -114,13 +116,13 @@ def cost_analysis(lowered) -> CostAnalysis:
         per_unit[lay.name] = unit
     for record in agreement_collectives(comm):  # the plan check, every step
         add(*record)
-    agree = 8 * (5 + len(lowered.layouts) + sum(len(lay.trained) for lay in lowered.layouts))  # the end-of-call agreement
-    add("all_reduce", "shard", int(comm.world_size * replicas > 1), agree)
-    if replicas > 1:
-        add("all_reduce", "replica", 1, agree)
+    n = verdict_size(lowered.layouts)  # the end-of-call agreement
+    for record in agree_collectives(comm, n):
+        add(*record)
     for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
         axis = f"data{g}"
-        add("all_reduce", axis, int(group.comm.world_size > 1), agree)
+        for kind, _, calls, nbytes in agree_collectives(group.comm, n):
+            add(kind, axis, calls, nbytes)
         for lay in lowered.layouts:
             unit = lowered.units[lay.name]
             if lay.grad_plan is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from ragged._errors import RaggedValueError
+from ragged.fsdp._grad import verdict_size
 from ragged.predict._timeline import walk
 from ragged.transforms._quantized import unit_wire_bytes
 
@@ -196,7 +197,7 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             s = args[0]
             run(set(sched.needs[s]) | {sched.forward[s]}, backward_factor * fwd[sched.forward[s]])
     clock["compute"] = max([clock["compute"], clock["net"]] + pending)
-    agree = 8 * (5 + len(lays) + sum(len(lay.trained) for lay in lays))
+    agree = 8 * verdict_size(lays)
     clock["net"] = clock["compute"]
     issue("all_reduce", agree)
     if R > 1:

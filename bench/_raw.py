@@ -7,6 +7,14 @@ It is not a transport of ragged's (those are two, both checked: [Note: two trans
 one ``batch_isend_irecv`` straight into the output; reduce-scatter: ``all_to_all_single`` into a
 buffer, then the rank-order sum ragged's header path uses), so the difference to ragged's default
 is what the headers cost. The plan is still agreed on first use (``plan_check="first_use"``).
+
+``NativeAsP2P``: NCCL's shape (``handshake="deferred"``: the deferred ledger, its watched host waits,
+the step's code as a GPU runs it) with gloo's native ``all_gather_single`` / ``reduce_scatter_single``
+replaced by the header transport's algorithm (the all-gather received in place, the reduce-scatter's
+peer chunk received into the output and summed with the own chunk where it is). ``bench/step.py
+--nccl-shaped`` times it beside both transports: what NCCL's shape costs over gloo's default is then
+split into what ragged's deferred path costs (this one / the default) and what gloo's native
+collectives cost (NCCL's shape / this one), work a GPU runs in NCCL's kernels instead.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ragged.collectives._p2p import reduce_rows
+from ragged.collectives._torch import TorchCollectives
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -71,3 +80,61 @@ class RawCollectives:
 
     def all_reduce_replicas(self, tensor, *, op="sum", async_op=False, label=None):
         return self._issue([], None, async_op)
+
+
+class _P2PWork:
+    """gloo's send / receive works and a local finish, waited as one native work (no future: the
+    deferred transport waits it on a thread, as gloo's native reduce-scatter)."""
+
+    def __init__(self, works, finish=None):
+        self.works, self.finish = works, finish
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+        return True
+
+    def get_future(self):
+        raise RuntimeError("point-to-point works have no future")
+
+
+def _peer(group, j):
+    return j if group is None else dist.get_global_rank(group, j)
+
+
+def _p2p_all_gather(output, input, group=None, async_op=True):
+    m, r, n = dist.get_world_size(group), dist.get_rank(group), input.numel()
+    ops = [op for j in range(m) if j != r for op in (dist.P2POp(dist.isend, input, _peer(group, j), group),
+                                                     dist.P2POp(dist.irecv, output[j * n:(j + 1) * n], _peer(group, j), group))]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    output[r * n:(r + 1) * n].copy_(input)
+    return _P2PWork(works)
+
+
+def _p2p_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=True):
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(f"NativeAsP2P reduce-scatters with SUM only (what NCCL's shape issues on gloo), got {op}")
+    m, r, n = dist.get_world_size(group), dist.get_rank(group), output.numel()
+    if m != 2:  # every chunk into an (m, n) buffer, summed in rank order
+        rows = torch.empty(m, n, dtype=input.dtype)
+        return _P2PWork([dist.all_to_all_single(rows.view(-1), input, group=group, async_op=True)],
+                        lambda: reduce_rows(rows, "sum", output))
+    j, own = 1 - r, input[r * n:(r + 1) * n]  # the peer's chunk straight into the output, then one add
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, input[j * n:(j + 1) * n], _peer(group, j), group),
+                                    dist.P2POp(dist.irecv, output, _peer(group, j), group)])
+    return _P2PWork(works, lambda: reduce_rows([own, output] if r == 0 else [output, own], "sum", output))
+
+
+class NativeAsP2P(TorchCollectives):
+    """NCCL's shape with gloo's native all-gather and reduce-scatter replaced (see the module docstring)."""
+
+    _REPLACED = {"all_gather": _p2p_all_gather, "reduce_scatter": _p2p_reduce_scatter}
+
+    def __init__(self):
+        super().__init__(handshake="deferred")
+
+    def _native(self, fn, kind, *args, **kw):
+        return super()._native(self._REPLACED.get(kind, fn), kind, *args, **kw)

@@ -124,10 +124,15 @@ def _bench(rank, world, backend, opts):
                "fsdp2": FSDP2Method(cfg, optimizer=torch_opt, checkpoint=ac, **kw)}
     if opts.get("auto_buffers"):  # the same ragged step on units planned with max_buffers="auto"
         methods["ragged-auto"] = RaggedMethod(cfg, comm=comm, checkpoint=ac, max_buffers="auto", **rkw, **kw)
-    if opts.get("nccl_shaped"):  # the same step over NCCL's transport: native collectives + the deferred ledger
-        shaped = rg.collectives.from_torch(handshake="deferred")
-        counter.install_comm(shaped, "ragged-nccl-shaped")
-        methods["ragged-nccl-shaped"] = RaggedMethod(cfg, comm=shaped, checkpoint=ac, **rkw, **kw)
+    if opts.get("nccl_shaped") and comm.handshake != "deferred":  # (on NCCL "ragged" is NCCL's shape already)
+        # the same step over NCCL's transport: native collectives + the deferred ledger; and (bench only)
+        # the same with gloo's native all-gather / reduce-scatter replaced by the header's algorithm
+        from bench._raw import NativeAsP2P
+
+        for name, shaped in (("ragged-nccl-shaped", rg.collectives.from_torch(handshake="deferred")),
+                             ("ragged-nccl-shaped-p2p", NativeAsP2P())):
+            counter.install_comm(shaped, name)
+            methods[name] = RaggedMethod(cfg, comm=shaped, checkpoint=ac, **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
@@ -243,9 +248,12 @@ def summarize(model: str, world: int, results, opts) -> dict:
                     if res["prof"][name].get("reserved_rise_bytes") is not None]
         cpu = [statistics.median(w[0] for w in res["work"][name]) for res in results if res.get("work")]
         faults = [statistics.median(w[1] for w in res["work"][name]) for res in results if res.get("work")]
+        gloo = [statistics.median(w[2] for w in res["work"][name]) for res in results if res.get("work")
+                and all(len(w) > 2 for w in res["work"][name])]
         out["methods"][name] = dict(
             median_s=med, min_s=min(t), max_s=max(t), times=t, tokens_per_s=out["tokens_per_step"] / med,
             cpu_s=max(cpu) if cpu else None, page_faults=max(faults) if faults else None,
+            gloo_cpu_s=max(gloo) if gloo else None,
             peak_bytes=peak, state_bytes=state, opt_bytes=opt_bytes, rss_rise_bytes=max(rise) if rise else None,
             reserved_peak_bytes=max(reserved) if reserved else None,
             comm=r0["comm"].get(name, {}), copies_ms=_copy_ms(r0["prof"][name], name),
@@ -312,7 +320,8 @@ def render(summary, console=None):
                     f"(median of {len(next(iter(ms.values()))['times'])} alternating repeats)", title_justify="left")
     reserved = any(m.get("reserved_peak_bytes") is not None for m in ms.values())
     cols = ("method", "step ms (min-max)", "tokens/s", "peak alloc MiB/rank", "(state + step rise)", "optim state MiB",
-            "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms", "CPU ms/step", "page faults/step")
+            "RSS rise MiB", "all-gather MiB", "reduce-scatter MiB", "copies ms", "CPU ms/step", "of it gloo's threads",
+            "page faults/step")
     for col in cols + (("peak reserved MiB/rank",) if reserved else ()):
         t.add_column(col, justify="left" if col == "method" else "right")
     for name, m in ms.items():
@@ -322,7 +331,7 @@ def render(summary, console=None):
                   f"{_fmt_mib(m['state_bytes'])} + {_fmt_mib(m['peak_bytes'] - m['state_bytes'])}", _fmt_mib(m["opt_bytes"]),
                   _fmt_mib(m["rss_rise_bytes"]) if m["rss_rise_bytes"] is not None else "-",
                   _fmt_mib(c.get("all_gather", 0)), _fmt_mib(c.get("reduce_scatter", 0)), f"{m['copies_ms']:,.1f}",
-                  _fmt_work(m.get("cpu_s"), 1e3), _fmt_work(m.get("page_faults"), 1),
+                  _fmt_work(m.get("cpu_s"), 1e3), _fmt_work(m.get("gloo_cpu_s"), 1e3), _fmt_work(m.get("page_faults"), 1),
                   *((_fmt_mib(m["reserved_peak_bytes"]) if m.get("reserved_peak_bytes") is not None else "-",) if reserved else ()))
     if "ragged" in ms and "fsdp2" in ms:
         a, b = ms["ragged"], ms["fsdp2"]
@@ -336,6 +345,7 @@ def render(summary, console=None):
                   ratio(a["comm"].get("all_gather", 0), b["comm"].get("all_gather", 0)),
                   ratio(a["comm"].get("reduce_scatter", 0), b["comm"].get("reduce_scatter", 0)),
                   ratio(a["copies_ms"], b["copies_ms"]), ratio(a.get("cpu_s") or 0, b.get("cpu_s") or 0),
+                  ratio(a.get("gloo_cpu_s") or 0, b.get("gloo_cpu_s") or 0),
                   ratio(a.get("page_faults") or 0, b.get("page_faults") or 0),
                   *((ratio(a.get("reserved_peak_bytes") or 0, b.get("reserved_peak_bytes") or 0),) if reserved else ()))
         diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
@@ -415,11 +425,28 @@ def markdown(summary) -> str:
 
 
 def nccl_shaped_text(summary, bold="**") -> str:
-    """The paired ratios of the step over NCCL's transport (``--nccl-shaped``)."""
-    return (f"Paired ragged-nccl-shaped/ragged (native collectives + the deferred ledger, on {summary.get('backend', '?')}): "
+    """The paired ratios of the step over NCCL's transport (``--nccl-shaped``), and (gloo) what of
+    its cost is ragged's deferred path and what is gloo's native collectives: the same deferred
+    step with the header transport's algorithm in place of gloo's native ops (``bench/_raw.py``)."""
+    ms = summary["methods"]
+    text = (f"Paired ragged-nccl-shaped/ragged (native collectives + the deferred ledger, on {summary.get('backend', '?')}): "
             f"{bold}{paired_ratio(summary, 'ragged-nccl-shaped', 'ragged'):.3f}x{bold} {_ci(summary, 'ragged-nccl-shaped', 'ragged')}; "
             f"ragged-nccl-shaped/fsdp2: {paired_ratio(summary, 'ragged-nccl-shaped', 'fsdp2'):.3f}x "
             f"{_ci(summary, 'ragged-nccl-shaped', 'fsdp2')}.")
+    if "ragged-nccl-shaped-p2p" in ms:
+        def cpu(name):
+            m = ms[name]
+            return (f"{m['cpu_s'] * 1e3:,.0f} ms (gloo's threads {m['gloo_cpu_s'] * 1e3:,.0f})"
+                    if m.get("cpu_s") is not None and m.get("gloo_cpu_s") is not None else "-")
+
+        text += (f" Split: the deferred path with the header's algorithm in place of gloo's native ops / ragged: "
+                 f"{bold}{paired_ratio(summary, 'ragged-nccl-shaped-p2p', 'ragged'):.3f}x{bold} "
+                 f"{_ci(summary, 'ragged-nccl-shaped-p2p', 'ragged')} (ragged's own); ragged-nccl-shaped / that: "
+                 f"{paired_ratio(summary, 'ragged-nccl-shaped', 'ragged-nccl-shaped-p2p'):.3f}x "
+                 f"{_ci(summary, 'ragged-nccl-shaped', 'ragged-nccl-shaped-p2p')} (gloo's native collectives). CPU per step "
+                 f"(rank max): ragged {cpu('ragged')}, native {cpu('ragged-nccl-shaped')}, header's algorithm "
+                 f"{cpu('ragged-nccl-shaped-p2p')}.")
+    return text
 
 
 def main(argv=None) -> int:
@@ -449,8 +476,10 @@ def main(argv=None) -> int:
                     help="also time ragged with units planned by make_units(max_buffers='auto') (method ragged-auto), "
                          "paired against the single-buffer ragged in the same repeats")
     ap.add_argument("--nccl-shaped", action="store_true",
-                    help="also time ragged over NCCL's transport (from_torch(handshake='deferred'): "
-                         "native collectives + the deferred ledger; method ragged-nccl-shaped), paired in the same repeats")
+                    help="also time ragged over NCCL's transport (from_torch(handshake='deferred'): native collectives + "
+                         "the deferred ledger; method ragged-nccl-shaped) and, on gloo, the same with gloo's native "
+                         "all-gather / reduce-scatter replaced by the header transport's algorithm (bench/_raw.py "
+                         "NativeAsP2P; method ragged-nccl-shaped-p2p), paired in the same repeats")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",

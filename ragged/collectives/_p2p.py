@@ -7,9 +7,11 @@ hands them to :meth:`Channel.exchange`. No staging where none is needed:
 
 * all-gather: the S-element input goes to every peer and each peer's chunk is received in
   place into its slot of the output (the own chunk is one local copy);
-* reduce-scatter: chunk j of the input goes to rank j; the m chunks received (the own one
-  copied) land in a reused ``(m, n)`` scratch buffer, summed in rank order by one kernel
-  (the same sum as the all_to_all path of ``_torch.py``, so the same bits);
+* reduce-scatter: chunk j of the input goes to rank j, and the m chunks are summed in rank
+  order (:func:`reduce_rows`). Up to 3 ranks the own chunk is read where it is, in the input:
+  at 2 the peer's chunk is received straight into the output and one ``add`` sums the two, at 3
+  the peers' chunks land in a reused ``(2, n)`` scratch buffer; from 4 ranks on the m chunks (the
+  own one copied) land in an ``(m, n)`` one, which ``torch.sum`` reads once;
 * all-reduce: up to ``_DIRECT_BYTES`` the whole tensor goes to every peer and every rank sums
   the m copies in rank order (one round trip, the same bits on every rank); above it, a
   reduce-scatter of the zero-padded tensor then an all-gather of the reduced chunks (two
@@ -39,23 +41,29 @@ __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_gath
 _DIRECT_BYTES = 1 << 20
 
 
-def reduce_rows(chunks: torch.Tensor, op: str, out: torch.Tensor) -> None:
-    """``out`` <- reduction of the rows of ``chunks`` (m, n) in row order (the same bits on
+def reduce_rows(rows, op: str, out: torch.Tensor) -> None:
+    """``out`` <- reduction of ``rows`` (an ``(m, n)`` tensor; up to 3 rows also a sequence of
+    n-element tensors, of which ``out`` may be row 0 or row 1) in row order (the same bits on
     every rank for the same rows); ``"mean"`` divides by m."""
-    m = chunks.shape[0]
+    m = len(rows)
     if op == "max":
-        torch.amax(chunks, dim=0, out=out)
+        if isinstance(rows, torch.Tensor):
+            torch.amax(rows, dim=0, out=out)
+        else:
+            torch.maximum(rows[0], rows[1], out=out) if m > 1 else out.copy_(rows[0])
+            for j in range(2, m):
+                torch.maximum(out, rows[j], out=out)
         return
     # on CPU a chain of adds is ~2x faster than sum(dim=0) for 2 chunks and ~1.15x for 3, but
     # sum reads each chunk once and wins from 4 chunks on (1.3x at 4, 1.8x at 8; one thread)
     if m == 1:
-        out.copy_(chunks[0])
+        out.copy_(rows[0])
     elif m <= 3:
-        torch.add(chunks[0], chunks[1], out=out)
+        torch.add(rows[0], rows[1], out=out)
         for j in range(2, m):
-            out.add_(chunks[j])
+            out.add_(rows[j])
     else:
-        torch.sum(chunks, 0, out=out)
+        torch.sum(rows, 0, out=out)
     if op == "mean":
         out.div_(m)
 
@@ -85,18 +93,35 @@ def reduce_scatter(ch, outputs, inputs, op, call_args, timeout):
     inputs = [t.contiguous() for t in inputs]
     dtype = _same_dtype(inputs + outputs, "reduce_scatter_into")
     call = Call("reduce_scatter", op, dtype, sum(t.numel() for t in outputs), *call_args)
-    scratch = [SCRATCH.take(i.numel(), i.dtype, i.device).view(m, o.numel()) for o, i in zip(outputs, inputs)]
+    stacked = m > 3  # see reduce_rows: one (m, n) buffer that torch.sum reads once
+    scratch, rows = [], []  # per buffer: the scratch it takes, and its m chunks in rank order
+    for o, i in zip(outputs, inputs):
+        n = o.numel()
+        own = i[r * n : (r + 1) * n].detach()
+        if m == 2:  # the peer's chunk straight into the output (see reduce_rows: out may be row 0 or 1)
+            scratch.append(None)
+            rows.append([own, o] if r == 0 else [o, own])
+            continue
+        s = SCRATCH.take((m if stacked else m - 1) * n, i.dtype, i.device)
+        scratch.append(s)
+        if stacked:
+            rows.append(s.view(m, n))
+        else:
+            peers = list(s.view(m - 1, n))
+            rows.append(peers[:r] + [own] + peers[r:])
     sends = [[i[j * o.numel() : (j + 1) * o.numel()] for o, i in zip(outputs, inputs)] for j in range(m)]
-    recvs = [[s[j] for s in scratch] for j in range(m)]
+    recvs = [[rs[j] for rs in rows] for j in range(m)]
 
     def finish():
-        for s, o in zip(scratch, outputs):
-            reduce_rows(s, op, o)
-            SCRATCH.give(s.view(-1))
+        for s, rs, o in zip(scratch, rows, outputs):
+            reduce_rows(rs, op, o)
+            if s is not None:
+                SCRATCH.give(s)
 
     pending = ch.exchange(call, sends, recvs, timeout=timeout, finish=finish)
-    for s, o, i in zip(scratch, outputs, inputs):  # while the messages travel
-        s[r].copy_(i[r * o.numel() : (r + 1) * o.numel()].detach())
+    if stacked:
+        for rs, o, i in zip(rows, outputs, inputs):  # while the messages travel
+            rs[r].copy_(i[r * o.numel() : (r + 1) * o.numel()].detach())
     return pending
 
 

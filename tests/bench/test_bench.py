@@ -100,7 +100,7 @@ def _smoke(rank, world, backend, model, lora=False):
     from bench.step import CONFIGS, _bench
 
     opts = dict(cfg=CONFIGS[model], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
-                verbose=False, optim="adamw", lora=lora)
+                verbose=False, optim="adamw", lora=lora, nccl_shaped=model == "tiny-moe")
     return _bench(rank, world, backend, opts)
 
 
@@ -108,9 +108,10 @@ def _smoke(rank, world, backend, model, lora=False):
 @pytest.mark.distributed
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-hf-llama"])
 def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
-    """One tiny run of bench/step.py (the GPT MoE; a HF Llama whose module ragged trains after
-    fsdp.init released its weights): ragged and FSDP2 see the same data from the same weights,
-    so their losses agree step by step; both all-gather every parameter."""
+    """One tiny run of bench/step.py (the GPT MoE, with NCCL's shape and its bench-only variant on
+    the header's algorithm; a HF Llama whose module ragged trains after fsdp.init released its
+    weights): every method sees the same data from the same weights, so their losses agree step
+    by step; all of them all-gather every parameter."""
     from bench._launch import launch
     from bench.step import summarize
 
@@ -122,7 +123,10 @@ def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-5)
     assert a["losses"][-1] < a["losses"][0]
     numel_bytes = s["extra"]["numel"] * 4
-    for m in (a, b):
+    shaped = [s["methods"][k] for k in ("ragged-nccl-shaped", "ragged-nccl-shaped-p2p") if model == "tiny-moe"]
+    for m in shaped:  # the same step over other collectives: the same losses to float rounding
+        torch.testing.assert_close(torch.tensor(m["losses"]), torch.tensor(a["losses"]), rtol=1e-6, atol=1e-6)
+    for m in (a, b, *shaped):
         assert m["comm"]["all_gather"] >= numel_bytes and m["comm"]["reduce_scatter"] >= numel_bytes
         assert m["peak_bytes"] > m["state_bytes"] > 0
 

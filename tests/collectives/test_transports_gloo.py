@@ -1,4 +1,4 @@
-"""The transports under the collectives, on 2 and 4 real gloo ranks: the header channel's
+"""The transports under the collectives, on 2 and 4 real gloo ranks (3 for the header's reduce-scatter): the header channel's
 point-to-point paths (``_channel.py`` + ``_p2p.py``) and NCCL's shape: native collectives with
 the deferred ledger (``_ledger.py``).
 
@@ -20,11 +20,12 @@ from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives import _ledger
 from ragged.collectives._header import INLINE_BYTES
 from ragged.collectives._p2p import _DIRECT_BYTES
-from tests.distributed._harness import workers_2_and_4
+from tests.distributed._harness import workers_2_and_4, workers_fixture
 
 pytestmark = pytest.mark.distributed
 
 workers2, workers4, workers = workers_2_and_4()
+workers3 = workers_fixture(3)
 
 # the two transports: gloo's default and NCCL's shape (see [Note: two transports] in _torch.py)
 PATHS = {"header": {}, "native": {"handshake": "deferred"}}
@@ -67,8 +68,11 @@ def _every_collective(path_options, n):
         comm.reduce_scatter_into(got, mine[r].clone(), op=op)
         chunks = stacked[:, r]
         want = chunks.amax(0) if op == "max" else chunks.sum(0) / (m if op == "mean" else 1)
+        if m <= 3 and op != "max" and path_options == ():  # the header's chain of adds in rank order, to the bit
+            want = sum(chunks[1:], chunks[0].clone()) / (m if op == "mean" else 1)
+            check(f"reduce_scatter {op}", got, want)
         # the reduction's rounding may differ from torch's sum by an ulp: compare within float64's
-        if not torch.allclose(got, want, rtol=1e-13, atol=1e-13):
+        elif not torch.allclose(got, want, rtol=1e-13, atol=1e-13):
             bad.append(f"reduce_scatter {op}: max |diff| {(got - want).abs().max().item():.3g}")
 
     t = mine[r].clone()
@@ -97,6 +101,13 @@ def _every_collective(path_options, n):
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_path_computes_what_the_collective_means(workers, path, n):
     for r, bad in enumerate(workers.run(_every_collective, tuple(PATHS[path].items()), n)):
+        assert bad == [], (r, bad)
+
+
+def test_three_ranks_reduce_the_own_chunk_in_place(workers3):
+    # the header's reduce-scatter has three paths (see reduce_rows in _p2p.py): 2 ranks receive into
+    # the output, 3 into a two-row scratch beside the input's own chunk, 4 into an (m, n) one
+    for r, bad in enumerate(workers3.run(_every_collective, (), 5)):
         assert bad == [], (r, bad)
 
 

@@ -13,6 +13,33 @@ children (``data``, ``replicated``), so an element-wise step such as Adam's mome
 kernel over each whole flat buffer, never one per leaf. Padding elements hold zero parameters
 and zero gradients; every transform here maps (param 0, grad 0, state 0) to update 0 and state
 0, so padding stays exactly zero.
+
+[Note: an optimizer's collectives are declared, not recorded]
+``step.lower(...)`` counts what an update communicates from ``GradientTransformation.collectives``,
+declared by each transformation that communicates and gathered by the combinators. Each
+declaration is computed from the values its update issues from, beside it: ``agree`` issues the
+calls ``agree_collectives`` declares (``apply_if_finite``, clipping's ``error_if_nonfinite``, the
+plan check), the norm core issues ``norm_collectives`` (``clip_by_global_norm``), Muon declares the
+exchanges of the same ``MuonPlan`` waves its update runs. The lowering tests compare them with the
+calls a real gloo step issues, in both transports (``tests/distributed/test_lower_gloo.py``).
+
+Counting the real calls instead (running ``update`` once on meta shards with the comm recording
+instead of communicating, and deleting the declarations) would make things worse:
+
+* the comm to record on is the one the optimizer was built with, a live one whenever a running
+  job's step is lowered (the lowering tests lower the gloo step they ran). Recording would be a
+  mode of every backend, the ``Collectives`` protocol included, and would have to disarm what
+  the update's helpers do to that comm besides calling it: ``check_plans`` memoises plans as
+  agreed (a recorded round would let the next real call skip the agreement), a deferred comm's
+  ``confirm_ledger`` marks its calls verified, ``poison_on_error`` poisons it on a failure;
+* the update would have to run on meta tensors. Of the optimizers the lowering tests cover, only
+  ``adamw`` and the schedules do: ``adamw_8bit`` reads its hyperparameters to the host, SOAP and
+  Shampoo branch on ``int(state.count)`` (a refresh step or not: the recorder would have to
+  choose), ``muon``'s ``multi_transform`` masks live on the CPU, and ``apply_if_finite`` and
+  clipping branch on an agreed host value, each needing an answer on meta. A user's schedule or
+  transformation with Python control flow on a tensor would make ``step.lower()`` fail where it
+  works now;
+* every lowering (each configuration of ``plan --predict --sweep``) would run an update.
 """
 
 from __future__ import annotations
@@ -107,7 +134,8 @@ class GradientTransformation(NamedTuple):
     params shaped like ``params`` (meta tensors will do): ``collectives(params)`` is a tuple of
     ``(kind, axis, calls, bytes)`` with the meaning of :class:`ragged.fsdp.Collective` (bytes sent
     per rank; ``axis`` ``"shard"`` or ``"replica"``). ``step.lower(...)`` adds them to the step's
-    own. ``None``: the update issues none. Combinators gather their parts'.
+    own. ``None``: the update issues none. Combinators gather their parts' (see [Note: an
+    optimizer's collectives are declared, not recorded]).
 
     Examples:
         >>> import torch, ragged as rg

@@ -21,8 +21,11 @@ Everything comes from values the step already holds and that decide what a real 
   reduce dtype (bytes: the input, ``m * S``), one all-reduce of the replicated gradients when the
   unit has any, the HSDP all-reduces over the replica axis, the end-of-call agreement (a float64
   all-reduce of ``5 + units + trained leaves`` elements) and the plan check (an all-reduce of two
-  int64, four on a deferred-handshake comm); a learning call's exchange of observations is an
-  ``all_gather_object``, counted in ``objects`` (its pickled size is not predicted);
+  int64, four on a deferred-handshake comm), each data group's agreement and all-reduce of the
+  leaves replicated over it, and what the optimizer declares it issues (see [Note: an optimizer's
+  collectives are declared, not recorded] in ``ragged/optim/_base.py``); a learning call's
+  exchange of observations is an ``all_gather_object``, counted in ``objects`` (its pickled size
+  is not predicted);
 * peak: the program's gathers, frees and reduce-scatters walked in the runtime's order
   (``_timeline.walk``), with the flat gradient buffer of a unit alive from its first
   gradient's segment until its reduce-scatter is waited (at the latest: ``max_inflight_reduce``
@@ -33,9 +36,8 @@ Everything comes from values the step already holds and that decide what a real 
   :func:`~ragged.predict.profile_activations` (see [Note: measuring activations on one device]);
   0 is assumed without them, and the analysis says so.
 
-What is assumed is listed in ``assumed`` of every analysis. Not modelled: collectives the
-optimizer issues itself (``clip_by_global_norm``, Muon), data groups (refused), a first call's
-schedule exchange and reruns (``lower(schedule=CollectiveSchedule.initial(n))`` shows a first
+What is assumed is listed in ``assumed`` of every analysis. Not modelled: the collectives of a
+``clip_by_global_norm(norm=...)`` function and of the loss, a first call's schedule exchange and reruns (``lower(schedule=CollectiveSchedule.initial(n))`` shows a first
 call), the optimizer update's temporaries and the allocator's fragmentation.
 """
 

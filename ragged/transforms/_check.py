@@ -161,9 +161,15 @@ def agreement_collectives(comm, *, every_call: bool = True) -> tuple[tuple[str, 
     """What one :func:`ranks_agree` round issues, as ``(kind, axis, calls, bytes)`` (see
     ``GradientTransformation.collectives``); with ``every_call=False``, what :func:`check_plans`
     issues once its plans are known (none under ``comm.plan_check == "first_use"``)."""
-    if not every_call and getattr(comm, "plan_check", None) == "first_use" and getattr(comm, "checked_plans", None) is not None:
+    if _first_use(comm, every_call):
         return ()
     return agree_collectives(comm, 2 if getattr(comm, "ledger_digest", lambda: None)() is None else 4)
+
+
+def _first_use(comm, every_call: bool) -> bool:
+    """Whether :func:`check_plans` agrees on a plan only the first time it sees it on ``comm``."""
+    memo = getattr(comm, "checked_plans", None)
+    return not every_call and getattr(comm, "plan_check", "every_call") == "first_use" and memo is not None
 
 
 _SCOPES: dict[tuple, CallScope] = {}
@@ -281,7 +287,7 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
     """
     memo = getattr(comm, "checked_plans", None)
     fps = tuple(_fingerprint(p, memo) for p in plans)
-    first_use = not every_call and getattr(comm, "plan_check", "every_call") == "first_use" and memo is not None
+    first_use = _first_use(comm, every_call)
     if first_use and all(fp in memo for fp in fps):
         _declare(comm, operation, plans, fps)
         return

@@ -16,7 +16,7 @@ from ragged.transforms._check import agreement_collectives
 from ragged.transforms._quantized import unit_wire_bytes
 from ragged.transforms._reduce_scatter import all_reduce_leaves_numels
 
-__all__ = ["Collective", "CostAnalysis", "cost_analysis"]
+__all__ = ["Collective", "CostAnalysis", "cost_analysis", "unit_collectives", "around_program"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,12 +78,61 @@ class CostAnalysis:
         return next((c for c in self.collectives if (c.kind, c.axis) == (kind, axis)), Collective(kind, axis, 0, 0))
 
 
+def unit_collectives(lowered) -> list:
+    """Per unit, ``(gather, reduction)``: what the runtime issues when the program gathers the unit,
+    ``(kind, axis, bytes)`` (the gathered buffer in the compute dtype; quantized, its chunks of
+    bytes), and when it reduces the unit's gradients in one micro-batch (none where nothing
+    trains): the reduce-scatter in the reduce dtype (quantized: an all-to-all of the same volume
+    per rank), the replicated gradients' all-reduce, HSDP's all-reduces over the replica axis.
+    Counted by :func:`cost_analysis`, timed by ``estimate_time``."""
+    replicas = lowered.step.comm.num_replicas
+    out = []
+    for lay in lowered.layouts:
+        qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)
+        gather = ("all_gather", "shard", lay.nbytes if qgather is None else qgather)
+        reduction, gp = [], lay.grad_plan
+        if gp is not None:
+            rsize = (lay.reduce_dtype or gp.dtype).itemsize
+            rep = gp.replicated_numel * rsize
+            reduction.append(("reduce_scatter", "shard", gp.buffer_numel * rsize) if qreduce is None
+                             else ("all_to_all", "shard", qreduce))
+            if gp.replicated:
+                reduction.append(("all_reduce", "shard", rep))
+            if replicas > 1:
+                reduction.append(("all_reduce", "replica", gp.shard_size * rsize))
+                if gp.replicated:
+                    reduction.append(("all_reduce", "replica", rep))
+        out.append((gather, reduction))
+    return out
+
+
+def around_program(lowered) -> tuple[list, list]:
+    """The step's calls outside its program, as ``(kind, axis, calls, bytes)``: ``before`` it, the
+    plan check; ``after`` it, the end-of-call agreement, each data group's agreement and
+    all-reduce of the gradients replicated over it (axis ``"data<g>"``), and the calls the
+    optimizer declares (see [Note: an optimizer's collectives are declared, not recorded] in
+    ``ragged/optim/_base.py``)."""
+    step = lowered.step
+    comm = step.comm
+    n = verdict_size(lowered.layouts)
+    after = list(agree_collectives(comm, n))
+    for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
+        axis = f"data{g}"
+        after += [(kind, axis, calls, nbytes) for kind, _, calls, nbytes in agree_collectives(group.comm, n)]
+        for lay in lowered.layouts:
+            unit = lowered.units[lay.name]
+            if lay.grad_plan is not None:
+                for k in all_reduce_leaves_numels(unit.trainable_plan, comm.rank, picked_leaves(unit, group.is_replicated)):
+                    after.append(("all_reduce", axis, 1, k * unit.trainable_plan.dtype.itemsize))
+    if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
+        after += step.optimizer.collectives(trainable_shards(lowered.units, meta_shards(lowered.units, comm.rank)))
+    return list(agreement_collectives(comm)), after
+
+
 def cost_analysis(lowered) -> CostAnalysis:
     """Collectives per step of the steady state of ``lowered`` (see [Note: lowering a step] in
     ``ragged/predict/_lower.py``); ``lowered.cost_analysis()`` calls this."""
-    step = lowered.step
-    comm, k = step.comm, step.micro_batches
-    replicas = comm.num_replicas
+    k = lowered.step.micro_batches
     gathers = [0] * len(lowered.layouts)  # every micro-batch's
     for action, *args in walk(lowered):
         if action == "gather":
@@ -97,40 +146,14 @@ def cost_analysis(lowered) -> CostAnalysis:
             row[1] += nbytes
 
     per_unit = {}
-    for lay, n_g in zip(lowered.layouts, gathers):
-        qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)  # quantized: chunks of bytes
-        gb = lay.nbytes if qgather is None else qgather  # the gathered buffer in the compute dtype
-        add("all_gather", "shard", n_g, n_g * gb)
-        unit = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": 0, "reduce_bytes": 0}
-        gp = lay.grad_plan
-        if gp is not None:
-            rsize = (lay.reduce_dtype or gp.dtype).itemsize
-            moved = gp.buffer_numel * rsize if qreduce is None else qreduce
-            add("reduce_scatter" if qreduce is None else "all_to_all", "shard", k, k * moved)
-            rep = gp.replicated_numel * rsize
-            if gp.replicated:
-                add("all_reduce", "shard", k, k * rep)
-            if replicas > 1:
-                add("all_reduce", "replica", k * (1 + bool(gp.replicated)), k * (gp.shard_size * rsize + rep))
-            unit.update(reduces=k, reduce_bytes=k * (moved + (rep if gp.replicated else 0)))
-        per_unit[lay.name] = unit
-    for record in agreement_collectives(comm):  # the plan check, every step
+    for lay, n_g, ((kind, axis, gb), reduction) in zip(lowered.layouts, gathers, unit_collectives(lowered)):
+        add(kind, axis, n_g, n_g * gb)
+        for kind, axis, nbytes in reduction:
+            add(kind, axis, k, k * nbytes)
+        per_unit[lay.name] = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": k * bool(reduction),
+                              "reduce_bytes": k * sum(b for _, axis, b in reduction if axis == "shard")}
+    for record in (r for part in around_program(lowered) for r in part):
         add(*record)
-    n = verdict_size(lowered.layouts)  # the end-of-call agreement
-    for record in agree_collectives(comm, n):
-        add(*record)
-    for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
-        axis = f"data{g}"
-        for kind, _, calls, nbytes in agree_collectives(group.comm, n):
-            add(kind, axis, calls, nbytes)
-        for lay in lowered.layouts:
-            unit = lowered.units[lay.name]
-            if lay.grad_plan is not None:
-                for n in all_reduce_leaves_numels(unit.trainable_plan, comm.rank, picked_leaves(unit, group.is_replicated)):
-                    add("all_reduce", axis, 1, n * unit.trainable_plan.dtype.itemsize)
-    if step.optimizer.collectives is not None:  # the update's own (Muon's exchanges, a global norm)
-        for record in step.optimizer.collectives(trainable_shards(lowered.units, meta_shards(lowered.units, comm.rank))):
-            add(*record)
     objects = 1 if lowered.schedule.learning else 0  # a learning call exchanges what every rank observed
     records = tuple(Collective(kd, ax, c, b) for (kd, ax), (c, b) in sorted(table.items()))
     return CostAnalysis(collectives=records, objects=objects, per_unit=per_unit, assumed=lowered._assumed())

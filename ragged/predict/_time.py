@@ -10,7 +10,9 @@ Two queues, walked in the order the runtime issues its work (the lowered step's
 * network: every collective of the mesh axis in turn (one link per axis, collectives on it in issue
   order, the reduce-scatters sharing it with the all-gathers), each ``alpha + (W - 1) / W * bytes /
   bandwidth`` (an all-reduce twice that: reduce-scatter + all-gather), issued when the compute queue
-  reaches the point that issues it. So a prefetched gather overlaps the previous entry's compute,
+  reaches the point that issues it. The collectives are the ones ``cost_analysis`` counts
+  (``unit_collectives`` and ``around_program`` in ``_cost.py``): the plan check first, the end-of-call
+  agreement and the optimizer's own after the program; those of a data group's axis are not timed. So a prefetched gather overlaps the previous entry's compute,
   a reduce-scatter the next segment's; ``max_inflight_reduce`` makes compute wait for the oldest.
 
 ``overlap`` is the fraction of each collective's time that runs beside compute: ``True`` (1, the
@@ -33,24 +35,10 @@ from __future__ import annotations
 import dataclasses
 
 from ragged._errors import RaggedValueError
-from ragged.fsdp._grad import verdict_size
+from ragged.predict._cost import around_program, unit_collectives
 from ragged.predict._timeline import walk
-from ragged.transforms._quantized import unit_wire_bytes
 
 __all__ = ["Link", "Network", "TimeEstimate", "estimate_time"]
-
-
-def _moved(lowered) -> list:
-    """Per unit, ``(all-gather bytes, (kind, bytes) of its gradient reduction)``: the gathered buffer
-    and the reduce-scatter in the reduce dtype, or, quantized, the chunks of bytes (an all-gather;
-    the reduce-scatter an all-to-all of the same volume per rank)."""
-    out = []
-    for lay in lowered.layouts:
-        qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)
-        gp = lay.grad_plan
-        plain = ("reduce_scatter", gp.buffer_numel * (lay.reduce_dtype or gp.dtype).itemsize) if gp is not None else None
-        out.append((lay.nbytes if qgather is None else qgather, plain if qreduce is None else ("all_to_all", qreduce)))
-    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,8 +143,11 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
     pending: list[float] = []
     inflight = step.value_and_grad.max_inflight_reduce
 
-    def issue(kind, nbytes, link=network.shard, world=W):
-        t = link.seconds(kind, nbytes, world)
+    links = {"shard": (network.shard, W), "replica": (network.replica, R)}  # a data axis has no link here
+
+    def issue(kind, axis, nbytes, calls=1):
+        link, world = links[axis]
+        t = calls * link.seconds(kind, nbytes / calls, world)
         start = max(clock["net"], clock["compute"])
         clock["net"] = start + t
         if hold:
@@ -164,16 +155,12 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         busy[kind] = busy.get(kind, 0.0) + t
         return clock["net"]
 
-    moved = _moved(lowered)
+    of_unit = unit_collectives(lowered)
+    before, after = around_program(lowered)
 
     def reduce(i):
-        gp = lays[i].grad_plan
-        rsize = (lays[i].reduce_dtype or gp.dtype).itemsize
-        end = issue(*moved[i][1])
-        if gp.replicated:
-            end = issue("all_reduce", gp.replicated_numel * rsize)
-        if R > 1:
-            end = issue("all_reduce", (gp.shard_size + gp.replicated_numel) * rsize, network.replica, R)
+        for kind, axis, nbytes in of_unit[i][1]:
+            end = issue(kind, axis, nbytes)
         pending.append(end)
         while len(pending) > inflight:
             clock["compute"] = max(clock["compute"], pending.pop(0))
@@ -182,13 +169,12 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
         ready = max([done.get(i, 0.0) for i in units], default=0.0)
         clock["compute"] = max(clock["compute"], ready) + seconds
 
-    if W * R > 1:  # the plan check before anything (two int64)
-        issue("all_reduce", 16)
-        if R > 1:
-            issue("all_reduce", 16, network.replica, R)
+    for kind, axis, calls, nbytes in before:  # the plan check, before anything
+        issue(kind, axis, nbytes, calls)
     for action, *args in walk(lowered):  # the program in issue order (shared with the memory timeline)
         if action == "gather":
-            done[args[0]] = issue("all_gather", moved[args[0]][0])
+            kind, axis, nbytes = of_unit[args[0]][0]
+            done[args[0]] = issue(kind, axis, nbytes)
         elif action == "reduce":
             reduce(args[0])
         elif action == "forward":
@@ -197,11 +183,10 @@ def estimate_time(lowered, network: Network, *, compute=None, backward_factor: f
             s = args[0]
             run(set(sched.needs[s]) | {sched.forward[s]}, backward_factor * fwd[sched.forward[s]])
     clock["compute"] = max([clock["compute"], clock["net"]] + pending)
-    agree = 8 * verdict_size(lays)
     clock["net"] = clock["compute"]
-    issue("all_reduce", agree)
-    if R > 1:
-        issue("all_reduce", agree, network.replica, R)
+    for kind, axis, calls, nbytes in after:  # the agreement, the data groups' and the update's
+        if axis in links:
+            issue(kind, axis, nbytes, calls)
     clock["compute"] = clock["net"] + optimizer_seconds
     total = clock["compute"]
     compute_total = step.micro_batches * (1 + backward_factor) * sum(fwd[u] for u in sched.forward) + optimizer_seconds

@@ -185,6 +185,18 @@ def test_time_model_limits_and_overlap():
             + rs.calls * link.seconds("reduce_scatter", rs.bytes // rs.calls, 8)
             + link.seconds("all_reduce", 16, 8) + link.seconds("all_reduce", ar.bytes - 16, 8))
     assert comm_only.seconds == pytest.approx(want, rel=1e-9)  # every collective once, nothing to overlap
+    # the time model times the calls cost_analysis counts: Muon's exchange and its plan check, a deferred
+    # comm's four-int64 plan check, HSDP's all-reduces of replicated gradients (two calls per unit)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    units = fsdp.make_units(model, world_size=4, specs=lambda p, t: rg.spec.Replicate() if t.dim() == 1 else None)
+    comm = rg.collectives.abstract(4, num_replicas=2, handshake="deferred")
+    muon = fsdp.make_step(units, lambda p, b: 0, rg.optim.muon(1e-3, comm=comm), comm).lower()
+    network = rg.predict.Network(shard=link, replica=Link(alpha=2e-4, bandwidth=1e7))
+    on = {"shard": (network.shard, 4), "replica": (network.replica, 2)}
+    calls = muon.cost_analysis().collectives
+    assert {"all_to_all", "all_reduce"} <= {c.kind for c in calls} and muon.cost_analysis().get("all_reduce", "replica").calls
+    assert muon.estimate_time(network).seconds == pytest.approx(
+        sum(c.calls * on[c.axis][0].seconds(c.kind, c.bytes / c.calls, on[c.axis][1]) for c in calls), rel=1e-9)
     free_net = lowered.estimate_time(Link(alpha=0.0, bandwidth=float("inf")), compute=1e-3)
     assert free_net.seconds == pytest.approx(free_net.parts["compute"]) == pytest.approx(4 * 3 * 1e-3)
     both = lowered.estimate_time(link, compute=2e-3)

@@ -11,10 +11,10 @@ import dataclasses
 
 import torch
 
-from ragged._dbuffer import segments
 from ragged._errors import RaggedTypeError
 from ragged.fsdp._units import Units
 from ragged.quant._format import Format
+from ragged.quant._wire import gaps
 from ragged.spec._plan import LayoutPlan
 from ragged.spec._concat import replicated_size
 from ragged.transforms._quantized import formats_of
@@ -182,9 +182,9 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
             index=index, name=u.name, dtype=dtype, frozen_dtype=frozen_dtype, frozen_offset=offset,
             frozen_plan=frozen_plan, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
             nbytes=offset + (plan.buffer_numel - grad_numel) * frozen_dtype.itemsize, leaves=leaves,
-            replicated=replicated, gaps=_gaps(plan),
+            replicated=replicated, gaps=gaps(plan),
             frozen=u.frozen, grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
-            grad_gaps=_gaps(grad_plan) if grad_plan is not None else (),
+            grad_gaps=gaps(grad_plan) if grad_plan is not None else (),
             grad_replicated_numel=replicated_size(grad_plan) if grad_plan is not None else 0,
             gather_formats=gather_formats, reduce_formats=reduce_formats,
             gather_dtypes=tuple(frozen_dtype if u.paths[i] in u.frozen else dtype for i in range(len(u.paths))),
@@ -203,11 +203,3 @@ def _formats(unit, policy: MixedPrecision):
         grad_plan, policy.reduce_format, where % "reduce_format", replicated=False)
     return gather, reduce
 
-
-def _gaps(plan) -> tuple[tuple[int, int], ...]:
-    gaps, pos = [], 0
-    for leaf, n in segments(plan.leaves, plan.buffer_numel):
-        if leaf is None:
-            gaps.append((pos, pos + n))
-        pos += n
-    return tuple(gaps)

@@ -290,13 +290,9 @@ def _wire_layout(plan: LayoutPlan, formats: tuple, dtypes: tuple) -> WireLayout:
     return WireLayout(plan=plan, formats=formats, dtypes=dtypes, chunk_nbytes=_chunk_bytes(plan, formats, dtypes))
 
 
+@functools.lru_cache(maxsize=1024)
 def gaps(plan: LayoutPlan) -> tuple[tuple[int, int], ...]:
     """``(lo, hi)`` ranges of the gathered buffer that no leaf covers (padding)."""
-    return _gaps(plan)
-
-
-@functools.lru_cache(maxsize=1024)
-def _gaps(plan: LayoutPlan):
     out, pos = [], 0
     for leaf in sorted(plan.leaves, key=lambda l: l.offset):
         if leaf.offset > pos:

@@ -55,13 +55,12 @@ and how often it comes back to a file it had left.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer
+from ragged._dbuffer import DBuffer, leaf_positions
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
@@ -293,17 +292,6 @@ def reduce_over_data_groups(unit, grad, data_groups: Sequence[DataGroup]) -> Non
 
 
 # ---- parameters without a gradient (see [Note: parameters without a gradient]) --------------------
-@functools.lru_cache(maxsize=1024)
-def _positions(plan, rank: int, unused: frozenset, paths: tuple):
-    """Element positions of the leaves named in ``unused`` in ``rank``'s shard and in the replicated buffer."""
-    picked = {i for i, p in enumerate(paths) if p in unused}
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank)
-            if p.leaf.index in picked]
-    rep = [torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked]
-    return cat(data), cat(rep)
-
-
 def _subtrees(tree, shards):
     """The subtrees of ``tree`` laid out like ``shards`` (``{unit: DBuffer}`` with the same plans)."""
     def like(x):
@@ -319,7 +307,8 @@ def freeze_unused(units, unused: dict, shards: dict, opt_state):
     for u in units:
         if u.name in unused:
             d = shards[u.name]
-            pos = _positions(d.plan, d.rank, unused[u.name], u.trainable_paths)
+            picked = frozenset(i for i, p in enumerate(u.trainable_paths) if p in unused[u.name])
+            pos = leaf_positions(d.plan, d.rank, picked)
             where[u.name] = tuple(p.to(d.data.device) for p in pos)
     saved = [{name: (t[name].data[pos[0]].clone(), t[name].replicated[pos[1]].clone()) for name, pos in where.items()}
              for t in _subtrees(opt_state, shards)]

@@ -21,7 +21,7 @@ from ragged._pytree import pytree
 from ragged.spec._plan import LayoutPlan, piece_shape
 from ragged._errors import RaggedTypeError, RaggedValueError
 
-__all__ = ["DBuffer", "is_dbuffer", "unflatten", "norm", "norm_collectives", "leaf_positions"]
+__all__ = ["DBuffer", "is_dbuffer", "unflatten", "norm", "norm_collectives", "leaf_positions", "local_gaps"]
 
 
 @dataclass(frozen=True, namespace="ragged")
@@ -194,6 +194,19 @@ def leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
     data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked]
     return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
+
+
+@functools.lru_cache(maxsize=256)
+def local_gaps(plan: LayoutPlan, rank: int) -> tuple[tuple[int, int], ...]:
+    """``(lo, hi)`` ranges of ``rank``'s padding inside its shard (between and after leaves)."""
+    gaps, pos = [], 0
+    for piece in plan.local_pieces(rank):
+        if piece.local_offset > pos:
+            gaps.append((pos, piece.local_offset))
+        pos = piece.local_offset + piece.numel
+    if plan.shard_size > pos:
+        gaps.append((pos, plan.shard_size))
+    return tuple(gaps)
 
 
 def is_dbuffer(x) -> bool:

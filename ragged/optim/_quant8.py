@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged._dbuffer import DBuffer, is_dbuffer
+from ragged._dbuffer import DBuffer, is_dbuffer, local_gaps
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
@@ -67,17 +67,6 @@ def _check_dbuffers(tree, what: str) -> None:
                 f"adamw_8bit works on DBuffers (rg.shard output); {what} has a "
                 f"{type(leaf).__name__} leaf. Fix: pass the DBuffer(s), or use rg.optim.adamw."
             )
-
-
-def _zero_padding(data: torch.Tensor, dbuf: DBuffer) -> None:
-    """Zeroes the elements of this rank's shard that belong to no leaf (the padding)."""
-    pos = 0
-    for piece in dbuf.plan.local_pieces(dbuf.rank):
-        if piece.local_offset > pos:
-            data[pos : piece.local_offset].zero_()
-        pos = piece.local_offset + piece.numel
-    if pos < data.numel():
-        data[pos:].zero_()
 
 
 class _Hyper:
@@ -117,7 +106,8 @@ def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *
         out = torch.empty(g.data.shape, dtype=torch.float32, device=dev)  # every element is written below
         new_codes = tuple(torch.empty_like(t) for t in codes)
         new_scales = tuple(torch.empty_like(t) for t in scales)
-    _zero_padding(out, g)
+    for lo, hi in local_gaps(g.plan, g.rank):  # the padding
+        out[lo:hi].zero_()
     pieces = [c for q in lay.qpieces for c in chunks(q, dev.type)]
     if pieces:
         ws = Workspace(max(c.numel for c in pieces), dev)

@@ -14,12 +14,11 @@ all-reduced over every rank. The result is cast to ``plan.dtype`` (an S-element 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
 
-from ragged._dbuffer import DBuffer, leaf_positions, segments
+from ragged._dbuffer import DBuffer, leaf_positions, local_gaps, segments
 from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
@@ -62,19 +61,6 @@ class ReduceScatterPending(NamedTuple):
 def _segments(plan: LayoutPlan):
     """(leaf layout or None for a zero gap, length) along the global and the replicated buffer."""
     return segments(plan.leaves, plan.buffer_numel), segments(plan.replicated, replicated_size(plan))
-
-
-@functools.lru_cache(maxsize=256)
-def _padding_gaps(plan: LayoutPlan, rank: int):
-    """``(lo, hi)`` ranges of this rank's padding inside its shard (between and after leaves)."""
-    gaps, pos = [], 0
-    for piece in plan.local_pieces(rank):
-        if piece.local_offset > pos:
-            gaps.append((pos, piece.local_offset))
-        pos = piece.local_offset + piece.numel
-    if plan.shard_size > pos:
-        gaps.append((pos, plan.shard_size))
-    return tuple(gaps)
 
 
 def all_reduce_leaves_numels(plan: LayoutPlan, rank: int, picked: frozenset) -> tuple[int, ...]:
@@ -245,7 +231,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
         out.div_(n)
         rep.div_(n)
     if zero_padding:  # a flat gradient's padding need not be zero; the result's must
-        for lo, hi in _padding_gaps(plan, comm.rank):
+        for lo, hi in local_gaps(plan, comm.rank):
             out[lo:hi].zero_()
     data = out if out.dtype == plan.dtype else out.to(plan.dtype)
     if rep.dtype != plan.dtype:

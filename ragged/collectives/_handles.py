@@ -162,12 +162,8 @@ def future_of(work):
     the caller, saved-tensor hooks included, and a hook is a Python object, so it needs the GIL.
     Under ``torch.profiler`` a probe from a thread that holds the GIL while a collective issued
     under ``saved_tensors_hooks`` finishes (the step's backward, exactly) therefore deadlocks:
-    the probe waits for the mutex, gloo's thread for the GIL. Measured here: a spin on
-    ``is_completed`` of gloo all-reduces under the profiler and a saved-tensor hook hangs within
-    400 calls, and the step hung under the profiler of ``bench/step.py`` (once in ~20 runs of its
-    smoke test under load, once within ~80 consecutive profiled steps; gdb: the main
-    thread in ``c10d::Work::isCompleted``, gloo's in ``Work::finish`` >
-    ``SavedTensorDefaultHooks::set_tls_state`` > ``take_gil``). A work's future is completed
+    the probe waits for the mutex, gloo's thread for the GIL (how it was found: docs/design.md,
+    "Measurements behind the design"). A work's future is completed
     before ``Work::finish`` runs, and ``Future.done`` takes only the future's own lock, so
     ragged asks the future. Not on NCCL: there the future is completed when the work is queued
     on the device, while ``WorkNCCL::isCompleted`` queries its CUDA event (and runs no callback

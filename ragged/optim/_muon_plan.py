@@ -195,8 +195,7 @@ def _pieces(plan: LayoutPlan, u: MuonMatrix, only: int | None = None):
     rank ``only``, if given), by buffer, then rank: buffer ``(offset o, shard size s)`` puts rank ``j`` at ``[o + j s, o + (j + 1) s)``
     (:meth:`~ragged.spec.LayoutPlan.shard_ranges`), so the ranks a matrix touches follow from its ends,
     without looking at the others (a plan at 10K ranks). Arithmetic here rather than ``plan.locate`` and
-    ``plan.shard_ranges(j)`` per piece: those rebuild the buffers' offsets on every call, which made
-    DeepSeek-V3's Muon lowering at 10,240 ranks 82 s instead of 14 s."""
+    ``plan.shard_ranges(j)`` per piece: those rebuild the buffers' offsets on every call."""
     base = 0
     for o, size in plan.buffers:
         lo, hi = max(u.start, o), min(u.stop, o + plan.world_size * size)

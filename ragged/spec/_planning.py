@@ -12,8 +12,7 @@ Three strategies share one validated input:
 
 Speed: solves are cached by (sizes, granules, align, m, strategy), whole plans by
 [Note: plan memo], and each further ``"dp"`` order is searched only below the best S so
-far. A whole DeepSeek-V3 (63 units, 45k tensors) plans at m = 1024 in ~0.15-0.35 s on one
-core (``bench/plan.py``).
+far (``bench/plan.py`` times whole models, docs/performance.md).
 """
 
 from __future__ import annotations

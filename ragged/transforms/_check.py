@@ -69,9 +69,6 @@ Three agreements, each catching what the others cannot:
   but about what the data did (a loss that raised on one rank, a rank that left the schedule,
   late or missing gradients), so that every rank takes the same branch: raise, or rerun with
   the learnt schedule (``test_faults_gloo.py: test_error_inside_fsdp_step_makes_every_peer_raise``).
-
-(A fourth, a digest of the labels of the step's collectives checked at the next call, went:
-the per-call identity already carries every label, in both transports.)
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ O(kinds). Buffers are numbered by the tree position of their first leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 
 from ragged._errors import check_int
 from ragged.spec import _search
@@ -67,8 +68,13 @@ _MAX_ATOMS = 32
 _MAX_ROUNDS = 64
 _SEARCH_WORK = 1 << 14
 
-Solve = Callable[[tuple[int, ...], tuple[int, ...], int, int, int], "int | None"]
-Place = Callable[[tuple[int, ...], tuple[int, ...], int], tuple[int, ...]]
+
+@functools.lru_cache(maxsize=16384)
+def _least_shard_size(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, start: int,
+                      limit: int, scalar: int) -> int | None:
+    """The least feasible S in ``[start, limit]`` for this order (smaller S known infeasible), or
+    ``None`` (``scalar``: candidates to try one by one first, see ``_search.min_shard_size``)."""
+    return _search.min_shard_size(sizes, granules, align, world_size, limit=limit, start=start, scalar=scalar)
 
 
 def check_max_buffers(max_buffers) -> int | str:
@@ -83,8 +89,8 @@ class _Groups:
     """Shard sizes of candidate buffers, memoised. A buffer is a frozenset of *atoms* (ids of
     groups of interchangeable leaves, see [Note: the partition search])."""
 
-    def __init__(self, items, atoms, orders, solve: Solve, place: Place, align: int, world_size: int):
-        self.items, self.orders, self.solve, self.place = items, orders, solve, place
+    def __init__(self, items, atoms, orders, align: int, world_size: int):
+        self.items, self.orders = items, orders
         self.align, self.m = align, world_size
         self.atoms = atoms  # atom id -> leaf indices
         self.atom_of = [0] * len(items)
@@ -172,13 +178,13 @@ class _Groups:
                 if start <= cap:
                     if limit is not None:
                         self.work += (cap - start) // self.align + 1
-                    S = self.solve(sizes, granules, start, cap, 8 if start == lb else 0)
+                    S = _least_shard_size(sizes, granules, self.align, self.m, start, cap, 8 if start == lb else 0)
                     if S is not None:
                         best = (S, sub, sizes, granules)
                     run[3] = max(start, cap + self.align)
             if best is not None:
                 S, sub, sizes, granules = best
-                hit = self.exact[group] = (S, sub, self.place(sizes, granules, S))
+                hit = self.exact[group] = (S, sub, tuple(_search.place(sizes, granules, self.align, S)))
                 del self.resume[group]
                 return hit
             self.lower[group] = top + self.align
@@ -244,8 +250,6 @@ def partition(
     max_buffers: int | str,
     itemsize: int,
     orders: Sequence[tuple[int, ...]],
-    solve: Solve,
-    place: Place,
 ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """The buffers of one unit: ``[(S_b, leaf indices in buffer order, offsets in the buffer)]``.
 
@@ -257,18 +261,14 @@ def partition(
         max_buffers: an int K >= 1 or ``"auto"``.
         itemsize: bytes per element of the buffer dtype (the cost model counts bytes).
         orders: candidate leaf orders (sequences of all item indices); each buffer takes the
-            best of them restricted to its leaves.
-        solve: ``solve(sizes, granules, start, limit, scalar) -> S`` for one buffer in one
-            order: the least feasible ``S`` in ``[start, limit]`` (``None`` if none; smaller S are
-            known infeasible; ``scalar``: candidates to try one by one first, see
-            ``_search.min_shard_size``).
-        place: ``place(sizes, granules, S) -> offsets`` of that order at a feasible ``S``.
+            best of them restricted to its leaves (each buffer's ``S`` the exact solve of
+            ``_search``, its offsets ``_search.place``).
     """
     items = [(int(e), int(g)) for e, g in items]
     n, m = len(items), world_size
     K = AUTO_MAX_BUFFERS if max_buffers == "auto" else int(max_buffers)
     atoms = _atoms(items, K)
-    groups = _Groups(items, atoms, orders, solve, place, align, m)
+    groups = _Groups(items, atoms, orders, align, m)
     total = sum(e for e, _ in items)
 
     # ---- baselines: the padding the result may not exceed ---------------------------------

@@ -132,14 +132,6 @@ def _solve(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_
     return S, tuple(_search.place(sizes, granules, align, S)), 0
 
 
-@functools.lru_cache(maxsize=16384)
-def _solve_range(sizes: tuple[int, ...], granules: tuple[int, ...], align: int, world_size: int, start: int,
-                 limit: int, scalar: int = 8) -> int | None:
-    """The least feasible S in ``[start, limit]`` for this order (smaller S known infeasible),
-    or ``None``; the multi-buffer search's solve (cached like :func:`_solve`)."""
-    return _search.min_shard_size(sizes, granules, align, world_size, limit=limit, start=start, scalar=scalar)
-
-
 _BUILTIN_NODES = (dict, list, tuple, type(None))
 
 
@@ -353,14 +345,8 @@ def _solve_one_buffer(sharded, candidates, align: int, world_size: int, strategy
 
 def _solve_buffers(sharded, candidates, align: int, world_size: int, max_buffers, itemsize: int):
     """(chosen order, offsets, buffers) of the best partition into at most ``max_buffers`` buffers."""
-    def solve(sizes, granules, start, limit, scalar=8):
-        return _solve_range(sizes, granules, align, world_size, start, limit, scalar)
-
-    parts = _buffers.partition(
-        [(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align, max_buffers=max_buffers,
-        itemsize=itemsize, orders=candidates, solve=solve,
-        place=lambda sizes, granules, S: tuple(_search.place(sizes, granules, align, S)),
-    )
+    parts = _buffers.partition([(e, g) for _, e, g, _ in sharded], world_size=world_size, align=align,
+                               max_buffers=max_buffers, itemsize=itemsize, orders=candidates)
     chosen, offsets, start, buffers = [], [], 0, []
     for S_b, members, local in parts:
         chosen.extend(members)

@@ -49,10 +49,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ragged.checkpoint._format import CheckpointError, error_type
-from ragged.collectives._agree import agree
+from ragged.collectives._agree import agree, everyone
 from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "dcp_save", "dcp_load", "SingleProcess", "everyone", "reached"]
+__all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "dcp_save", "dcp_load", "SingleProcess", "reached"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,12 +113,6 @@ class SingleProcess:
     def all_gather_object(self, obj):
         return [obj]
 
-
-def everyone(comm) -> tuple[int, int]:
-    """``(index, count)`` of this process among all processes ``comm.all_gather_object``
-    reaches: the shard group, times the replicas for an HSDP comm (replica-major)."""
-    replicas = getattr(comm, "num_replicas", 1)
-    return getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, replicas * comm.world_size
 
 
 def _who(comm, index: int) -> str:

@@ -12,7 +12,8 @@ import torch
 from ragged._errors import RaggedKeyError
 from ragged._pytree import path_parts
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import SingleProcess, dcp_load, everyone, on_every_rank, reached
+from ragged.checkpoint._dcp import SingleProcess, dcp_load, on_every_rank, reached
+from ragged.collectives._agree import everyone
 from ragged.checkpoint._entry import LoadSite
 from ragged.checkpoint._format import CheckpointCorruptError, CheckpointMismatchError
 from ragged.checkpoint._kinds import kind_named

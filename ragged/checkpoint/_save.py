@@ -19,7 +19,8 @@ import torch
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import dcp_save, everyone, on_every_rank, reached
+from ragged.checkpoint._dcp import dcp_save, on_every_rank, reached
+from ragged.collectives._agree import everyone
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
 from ragged.collectives._base import poison_on_error

@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["agree", "Agreed", "agree_collectives"]
+__all__ = ["agree", "Agreed", "agree_collectives", "everyone"]
 
 
 class Agreed(NamedTuple):
@@ -99,3 +99,11 @@ def agree_collectives(comm, values: int) -> tuple[tuple[str, str, int, int], ...
     if comm is None or not values or comm.world_size * replicas == 1:
         return ()
     return (("all_reduce", "shard", 1, 8 * values),) + ((("all_reduce", "replica", 1, 8 * values),) if replicas > 1 else ())
+
+
+def everyone(comm) -> tuple[int, int]:
+    """``(index, count)`` of this process among all processes ``comm.all_gather_object`` reaches
+    (whose order an explanation round's details follow): the shard group, times the replicas for
+    an HSDP comm (replica-major)."""
+    replicas = getattr(comm, "num_replicas", 1)
+    return getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, replicas * comm.world_size

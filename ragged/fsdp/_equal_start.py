@@ -47,11 +47,11 @@ import torch
 
 from ragged._errors import RaggedValueError, check_int
 from ragged.collectives._channel import raised_on_every_rank
-from ragged.collectives._agree import agree
+from ragged.collectives._agree import agree, everyone
 from ragged.transforms._check import ranks_agree
 from ragged.transforms._reduce_scatter import reduce_scatter
 
-__all__ = ["ParamsMismatchError", "check_equal", "check_source", "mesh_rank", "shard_from", "sync_buffers"]
+__all__ = ["ParamsMismatchError", "check_equal", "check_source", "shard_from", "sync_buffers"]
 
 _CHUNK = 1 << 26  # bytes hashed per device-to-host copy
 
@@ -85,16 +85,11 @@ def digest(t: torch.Tensor) -> str:
     return f"{str(t.dtype)[6:]}{list(t.shape)}:{crc:08x}"
 
 
-def mesh_rank(comm) -> int:
-    """This rank's position in ``comm``'s mesh (replica-major: ``all_gather_object``'s order)."""
-    return getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank
-
-
 def check_source(broadcast_from, comm) -> int | None:
     """``broadcast_from`` validated against ``comm``'s mesh."""
     if broadcast_from is None:
         return None
-    n = comm.world_size * getattr(comm, "num_replicas", 1)
+    n = everyone(comm)[1]
     return check_int("broadcast_from", broadcast_from, 0, n, fix=f" Pass None or a rank of the comm's {n} ranks.")
 
 
@@ -125,19 +120,19 @@ def check_equal(items: list[tuple[str, torch.Tensor]], comm) -> None:
     holds the same ``items`` (``(name, tensor)`` pairs, the name as the message shows it).
 
     See [Note: ranks start from the same values]."""
-    if comm.world_size * getattr(comm, "num_replicas", 1) == 1 or not items:
+    if everyone(comm)[1] == 1 or not items:
         return
     mine = [(name, digest(t)) for name, t in items]
     if ranks_agree(comm, "fsdp.init values|" + "|".join(f"{k}={h}" for k, h in mine), label="fsdp.init values"):
         return
-    everyone = agree(comm, explain=lambda _: mine).details
-    raise raised_on_every_rank(ParamsMismatchError(_explain(everyone, getattr(comm, "num_replicas", 1))))
+    ranks = agree(comm, explain=lambda _: mine).details
+    raise raised_on_every_rank(ParamsMismatchError(_explain(ranks, getattr(comm, "num_replicas", 1))))
 
 
 def shard_from(plan, tree: dict[str, torch.Tensor], comm, source: int):
     """This rank's DBuffer of rank ``source``'s ``tree`` under ``plan`` (every rank passes its
     own tree; only ``source``'s values are used, bit for bit)."""
-    if mesh_rank(comm) == source:
+    if everyone(comm)[0] == source:
         return reduce_scatter(plan, {p: t.detach() for p, t in tree.items()}, comm, op="sum")
     flat = torch.full((plan.buffer_numel,), -0.0, dtype=plan.dtype, device=comm.device)
     replicated = torch.full((plan.replicated_numel,), -0.0, dtype=plan.dtype, device=comm.device)
@@ -146,7 +141,7 @@ def shard_from(plan, tree: dict[str, torch.Tensor], comm, source: int):
 
 def sync_buffers(module: torch.nn.Module, comm, source: int) -> None:
     """Sets every numeric buffer of ``module`` to rank ``source``'s values, in place."""
-    mine = mesh_rank(comm) == source
+    mine = everyone(comm)[0] == source
     label = "fsdp.init broadcast_from (buffers)"
     synced = []
     for _, b in module.named_buffers():

@@ -102,7 +102,6 @@ class UnitLayout:
         nbytes: bytes of the gathered storage (both parts).
         leaves: ``(path, offset, stop, shape)`` of every sharded leaf, by offset.
         replicated: the same for every ``spec.Replicate()`` leaf (offsets into the replicated buffer).
-        gaps: ``(start, stop)`` padding ranges of the gathered buffer.
         frozen: paths of the leaves that do not train (no gradient, no hook, ``requires_grad=False``).
         grad_plan: the layout of the unit's gradient (its trainable leaves, a prefix of the
             gathered buffer: see [Note: trainable buffers first] in ``ragged/spec/_concat.py``);
@@ -127,7 +126,6 @@ class UnitLayout:
     nbytes: int
     leaves: tuple[tuple[str, int, int, tuple[int, ...]], ...]
     replicated: tuple[tuple[str, int, int, tuple[int, ...]], ...]
-    gaps: tuple[tuple[int, int], ...]
     frozen: frozenset[str]
     grad_plan: LayoutPlan | None
     grad_numel: int
@@ -182,8 +180,8 @@ def unit_layouts(units: Units, policy: MixedPrecision) -> tuple[UnitLayout, ...]
             index=index, name=u.name, dtype=dtype, frozen_dtype=frozen_dtype, frozen_offset=offset,
             frozen_plan=frozen_plan, reduce_dtype=policy.reduce_dtype, numel=plan.buffer_numel,
             nbytes=offset + (plan.buffer_numel - grad_numel) * frozen_dtype.itemsize, leaves=leaves,
-            replicated=replicated, gaps=gaps(plan),
-            frozen=u.frozen, grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
+            replicated=replicated, frozen=u.frozen,
+            grad_plan=grad_plan, grad_numel=grad_numel, grad_nbytes=grad_numel * itemsize,
             grad_gaps=gaps(grad_plan) if grad_plan is not None else (),
             grad_replicated_numel=replicated_size(grad_plan) if grad_plan is not None else 0,
             gather_formats=gather_formats, reduce_formats=reduce_formats,

@@ -79,17 +79,13 @@ class _Box:
         self.handle = None
 
 
-def _plain_launch(plan, out, src, comm):
-    return _all_gather_flat_start(plan, out, src, comm)
-
-
 class _GatherStart(torch.autograd.Function):
     """``launch(plan, out, src, comm)`` fills ``out`` (of ``dtype``) from every rank's ``src``:
     the plain all-gather, or the quantized one (see [Note: the quantized all-gather] in
     ``_quantized.py``, whose ``src`` is the master shard); backward is the same either way."""
 
     @staticmethod
-    def forward(src, comm, box, out, plan, launch=_plain_launch, dtype=None):
+    def forward(src, comm, box, out, plan, launch=_all_gather_flat_start, dtype=None):
         if out is None:
             out = torch.empty(comm.world_size * src.numel(), dtype=dtype or src.dtype, device=src.device)
         box.handle = launch(plan, out, src, comm)
@@ -211,7 +207,7 @@ def gather_start(dbuf: DBuffer, comm, *, dtype: torch.dtype | None = None, out: 
     check_plan(dbuf.plan, comm, f"gather:{dtype}" + ("" if formats is None else f":{format_key(formats)}"))
     rep = dbuf.replicated if dtype == dbuf.replicated.dtype else dbuf.replicated.to(dtype)
     if formats is None:
-        src, launch = (dbuf.data if dtype == dbuf.data.dtype else dbuf.data.to(dtype)), _plain_launch
+        src, launch = (dbuf.data if dtype == dbuf.data.dtype else dbuf.data.to(dtype)), _all_gather_flat_start
     else:  # the master shard is quantized; unquantized pieces are cast as they are written
         src, launch = dbuf.data, gather_launcher(dbuf, comm, formats, dtype)
         rep = quantize_replicated(dbuf.plan, formats, rep, dbuf.replicated)

@@ -458,7 +458,7 @@ def ragged_labels():
     """Adds ``record_function`` labels around ragged's FSDP step internals (bench only)."""
     from torch.profiler import record_function
 
-    from ragged.fsdp import _reducing, _runtime, _step
+    from ragged.fsdp import _grad, _reducing, _runtime, _step
 
     targets = {
         (_runtime.Run, "_gather_unit_start"): "ragged::all_gather_start",
@@ -466,15 +466,17 @@ def ragged_labels():
         (_runtime.Run, "grad_ready"): "ragged::grad_copy_in",
         (_reducing.Gradients, "reduce"): "ragged::reduce_scatter_start",
         (_reducing.Gradients, "finish_oldest"): "ragged::reduce_scatter_wait+sum",
+        (_grad, "check_plans"): "ragged::agree_start",  # the start-of-call agreement (and the ranks' wait for each other)
+        (_grad, "_agree"): "ragged::agree_end",
     }
     saved = {}
     for (cls, attr), label in targets.items():
         orig = getattr(cls, attr)
         saved[cls, attr] = orig
 
-        def wrapped(self, *a, _orig=orig, _label=label, **k):
+        def wrapped(*a, _orig=orig, _label=label, **k):
             with record_function(_label):
-                return _orig(self, *a, **k)
+                return _orig(*a, **k)
 
         setattr(cls, attr, wrapped)
     step_call = _step.Step.__call__

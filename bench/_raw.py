@@ -4,8 +4,9 @@ agreement").
 
 It is not a transport of ragged's (those are two, both checked: [Note: two transports] in
 ``ragged/collectives/_torch.py``): it issues the fastest raw paths measured on gloo (all-gather:
-one ``batch_isend_irecv`` straight into the output; reduce-scatter: ``all_to_all_single`` into a
-buffer, then the rank-order sum ragged's header path uses), so the difference to ragged's default
+one ``batch_isend_irecv`` straight into the output; reduce-scatter: at 2 ranks the peer's chunk
+received straight into the output and one add, else ``all_to_all_single`` into a buffer, then the
+rank-order sum ragged's header path uses), so the difference to ragged's default
 is what the headers cost. The plan is still agreed on first use (``plan_check="first_use"``).
 
 ``NativeAsP2P``: NCCL's shape (``handshake="deferred"``: the deferred ledger, its watched host waits,
@@ -68,6 +69,9 @@ class RawCollectives:
 
     def reduce_scatter_into(self, output, input, *, op="sum", async_op=False, label=None):
         m, n = self.world_size, output.numel()
+        if m == 2 and op == "sum":  # one chunk each way, the peer's straight into the output, then one add
+            done = _p2p_reduce_scatter(output, input)
+            return self._issue(done.works, done.finish, async_op)
         recv = self._recv.get((m * n, input.dtype))
         if recv is None:
             recv = self._recv[(m * n, input.dtype)] = torch.empty(m * n, dtype=input.dtype)
@@ -138,3 +142,85 @@ class NativeAsP2P(TorchCollectives):
 
     def _native(self, fn, kind, *args, **kw):
         return super()._native(self._REPLACED.get(kind, fn), kind, *args, **kw)
+
+
+class ReplayMethod:
+    """The collectives of one ragged step, raw, beside the unsharded step: a method of ``bench/step.py``
+    (``--floor``). Every all-gather, reduce-scatter and all-reduce the watched comm issued in
+    ragged's latest step, in that order and with those sizes, goes through :class:`RawCollectives`
+    (the fastest raw paths, no check, buffers allocated once), each waited before the next, on a
+    thread of its own while ``beside.step(batch)`` (an unsharded step, ``LocalMethod``) computes on
+    this one. It is a floor under ragged on a machine whose cores all compute: the unsharded step
+    plus only the host work of moving the step's bytes, with no copy, page fault, schedule or
+    Python of ragged's (though it runs the whole optimizer, which ragged shards)."""
+
+    name = "local+collectives"
+    _WATCHED = ("all_gather_into", "all_gather_into_coalesced", "reduce_scatter_into", "reduce_scatter_into_coalesced",
+                "all_reduce")
+
+    def __init__(self, comm, recording: str, counter, beside):
+        self.counter, self.recording, self.beside = counter, recording, beside  # record while counter.active == recording
+        self.calls, self._next, self._buffers = [], [], {}
+        self.raw, self.metrics = RawCollectives(), {}
+        for name in self._WATCHED:
+            orig = getattr(comm, name)
+
+            def watched(*a, _orig=orig, _name=name, **k):
+                if self.counter.active == self.recording:
+                    many = _name.endswith("_coalesced")
+                    ts = [list(a[0]), list(a[1])] if many else [[x] for x in a[:2 if _name != "all_reduce" else 1]]
+                    self._next.append((_name.replace("_coalesced", "").replace("_into", ""),
+                                       [[(t.numel(), t.dtype) for t in g] for g in ts], k.get("op", "sum")))
+                return _orig(*a, **k)
+
+            setattr(comm, name, watched)
+
+    def recorded(self):
+        """Ragged's step just ended: its calls are the ones to replay."""
+        self.calls, self._next = self._next, []
+
+    def _tensors(self, role: int, sizes: tuple):
+        out = self._buffers.get((role, sizes))
+        if out is None:
+            out = self._buffers[(role, sizes)] = [torch.zeros(n, dtype=dt) for n, dt in sizes]
+        return out
+
+    def replay(self):
+        """The recorded calls, counted as ragged's are (``bench/_counts.py``: an all-gather's output
+        bytes, a reduce-scatter's input bytes) under the counter's active method."""
+        for name, groups, op in self.calls:
+            ts = [self._tensors(role, tuple(g)) for role, g in enumerate(groups)]  # outputs, inputs
+            counted = ts[1] if name == "reduce_scatter" else ts[0]
+            self.counter.add(name, "shard", sum(t.numel() * t.element_size() for t in counted), len(counted))
+            if name == "all_reduce":
+                self.raw.all_reduce(ts[0][0], op=op)
+            else:
+                for out, inp in zip(*ts):
+                    getattr(self.raw, f"{name}_into")(out, inp)
+
+    def step(self, batch):
+        import threading
+
+        errors = []
+
+        def run():
+            try:
+                self.replay()
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(e)
+
+        thread = threading.Thread(target=run, name="replay")
+        thread.start()
+        try:
+            loss = self.beside.step(batch)
+        finally:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return loss
+
+    def state_tensors(self):
+        return self.beside.state_tensors()
+
+    def optimizer_state_bytes(self):
+        return self.beside.optimizer_state_bytes()

@@ -135,6 +135,12 @@ def _bench(rank, world, backend, opts):
             methods[name] = RaggedMethod(cfg, comm=shaped, checkpoint=ac, **rkw, **kw)
     if opts["local"]:
         methods["local"] = LocalMethod(cfg, optimizer=torch_opt, **kw)
+    replay = None
+    if opts.get("floor"):  # the unsharded step with ragged's collectives moved beside it, raw (bench/_raw.py)
+        from bench._raw import ReplayMethod
+
+        replay = methods["local+collectives"] = ReplayMethod(comm, "ragged", counter,
+                                                             beside=LocalMethod(cfg, optimizer=torch_opt, **kw))
     task = SyntheticLM(opts["cfg"]["vocab_size"], opts["cfg"]["max_seq_len"], seed=0)
 
     def batch(step):
@@ -162,6 +168,8 @@ def _bench(rank, world, backend, opts):
             used = [x - y for x, y in zip(process_work(), used)]
             after = rss()
             counter.active = None
+            if replay is not None and name == "ragged":
+                replay.recorded()
             losses[name].append(loss)
             if r >= opts["warmup"]:
                 times[name].append(dt)
@@ -299,6 +307,23 @@ def ratios_text(summary) -> str:
                  f"{paired_ratio(summary, 'ragged', 'local'):.3f}x paired {_ci(summary, 'ragged', 'local')}")
         if ms["ragged"].get("cpu_s") and ms["local"].get("cpu_s"):
             text += f", CPU time {ms['ragged']['cpu_s'] / ms['local']['cpu_s']:.3f}x"
+    text += floor_text(summary)
+    return text
+
+
+def floor_text(summary) -> str:
+    """``--floor``: ragged against the unsharded step with ragged's collectives moved beside it, raw."""
+    ms = summary["methods"]
+    if "local+collectives" not in ms:
+        return ""
+    text = (f"; ragged / (unsharded + ragged's collectives beside it, raw): "
+            f"{paired_ratio(summary, 'ragged', 'local+collectives'):.3f}x paired {_ci(summary, 'ragged', 'local+collectives')}")
+    if "local" in ms:
+        text += (f"; (unsharded + collectives) / unsharded: {paired_ratio(summary, 'local+collectives', 'local'):.3f}x "
+                 f"{_ci(summary, 'local+collectives', 'local')}")
+        a, b = ms["local+collectives"], ms["local"]
+        if a.get("cpu_s") is not None and b.get("cpu_s") is not None:
+            text += f", the collectives' CPU {max(a['cpu_s'] - b['cpu_s'], 0) * 1e3:,.0f} ms per rank"
     return text
 
 
@@ -480,6 +505,11 @@ def main(argv=None) -> int:
                          "the deferred ledger; method ragged-nccl-shaped) and, on gloo, the same with gloo's native "
                          "all-gather / reduce-scatter replaced by the header transport's algorithm (bench/_raw.py "
                          "NativeAsP2P; method ragged-nccl-shaped-p2p), paired in the same repeats")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the unsharded step with ragged's collectives moved beside it (method local+collectives: "
+                         "every all-gather, reduce-scatter and all-reduce of ragged's previous step, replayed through the "
+                         "fastest raw paths on a thread of their own; bench/_raw.py ReplayMethod): a floor under ragged "
+                         "on cores that all compute; implies --warmup 2")
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl iff enough GPUs)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--exact-rss", action="store_true",
@@ -503,11 +533,14 @@ def main(argv=None) -> int:
                 print(markdown(summary) + "\n")
         return 0
 
-    opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=args.warmup, batch=args.batch,
+    # --floor replays ragged's previous step: the first call learns its schedule (more gathers), so
+    # the replay's timed repeats start once a steady step was recorded before each
+    opts = dict(cfg=CONFIGS[args.model], repeats=args.repeats, warmup=max(args.warmup, 2) if args.floor else args.warmup,
+                batch=args.batch,
                 policy=args.policy, lr=args.lr, optim=args.optim, donate=args.donate, local=args.local, verbose=args.verbose,
                 keep_module=args.keep_module,
                 checkpoint=args.activation_checkpointing, auto_buffers=args.auto_buffers, lora=args.lora,
-                nccl_shaped=args.nccl_shaped)
+                nccl_shaped=args.nccl_shaped, floor=args.floor)
     for world in args.world:
         backend = pick_backend(world, args.backend)
         print(f"== {args.model} on {world} ranks ({backend}, torch {torch.__version__}, {os.cpu_count()} CPUs) ==",

@@ -100,7 +100,7 @@ def _smoke(rank, world, backend, model, lora=False):
     from bench.step import CONFIGS, _bench
 
     opts = dict(cfg=CONFIGS[model], repeats=2, warmup=1, batch=2, policy="fp32", lr=1e-3, local=False,
-                verbose=False, optim="adamw", lora=lora, nccl_shaped=model == "tiny-moe")
+                verbose=False, optim="adamw", lora=lora, nccl_shaped=model == "tiny-moe", floor=model == "tiny-moe")
     return _bench(rank, world, backend, opts)
 
 
@@ -108,10 +108,11 @@ def _smoke(rank, world, backend, model, lora=False):
 @pytest.mark.distributed
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-hf-llama"])
 def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
-    """One tiny run of bench/step.py (the GPT MoE, with NCCL's shape and its bench-only variant on
-    the header's algorithm; a HF Llama whose module ragged trains after fsdp.init released its
-    weights): every method sees the same data from the same weights, so their losses agree step
-    by step; all of them all-gather every parameter."""
+    """One tiny run of bench/step.py (the GPT MoE, with NCCL's shape, its bench-only variant on the
+    header's algorithm and the unsharded step with ragged's collectives replayed beside it; a HF
+    Llama whose module ragged trains after fsdp.init released its weights): every sharded method
+    sees the same data from the same weights, so their losses agree step by step; all of them
+    all-gather every parameter, and the replay moves ragged's bytes."""
     from bench._launch import launch
     from bench.step import summarize
 
@@ -126,6 +127,8 @@ def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
     shaped = [s["methods"][k] for k in ("ragged-nccl-shaped", "ragged-nccl-shaped-p2p") if model == "tiny-moe"]
     for m in shaped:  # the same step over other collectives: the same losses to float rounding
         torch.testing.assert_close(torch.tensor(m["losses"]), torch.tensor(a["losses"]), rtol=1e-6, atol=1e-6)
+    if model == "tiny-moe":  # the replay beside the unsharded step moves ragged's bytes, call for call
+        assert s["methods"]["local+collectives"]["comm"] == a["comm"]
     for m in (a, b, *shaped):
         assert m["comm"]["all_gather"] >= numel_bytes and m["comm"]["reduce_scatter"] >= numel_bytes
         assert m["peak_bytes"] > m["state_bytes"] > 0

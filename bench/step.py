@@ -193,7 +193,7 @@ def _bench(rank, world, backend, opts):
             peak, ranges, copies, where, reserved = profile_step(lambda: m.step(b), device=device)
         prof[name] = dict(state_bytes=state, step_rise_bytes=peak, ranges=ranges, copies=copies, peak_where=where,
                           opt_bytes=m.optimizer_state_bytes(), reserved_rise_bytes=reserved)
-    extra = {}
+    extra = {"ragged_transport": comm.handshake}  # "deferred" (NCCL's shape) on NCCL, "header" on gloo
     if "ragged" in methods:
         units = methods["ragged"].units
         extra["ragged_padding"] = sum(u.plan.padding for u in units)
@@ -447,6 +447,31 @@ def markdown(summary) -> str:
         if "ragged-nccl-shaped" in ms:
             lines.append(nccl_shaped_text(summary))
     return "\n".join(lines)
+
+
+def nccl_shape_method(summary) -> str | None:
+    """The method that ran ragged in NCCL's shape: ``ragged`` itself where its comm's transport is
+    ``"deferred"`` (NCCL), else ``ragged-nccl-shaped`` (``--nccl-shaped`` on gloo), else ``None``."""
+    ms = summary["methods"]
+    if summary.get("extra", {}).get("ragged_transport") == "deferred" and "ragged" in ms:
+        return "ragged"
+    return "ragged-nccl-shaped" if "ragged-nccl-shaped" in ms else None
+
+
+def nccl_shape_line(summary) -> str:
+    """One line: NCCL's shape against FSDP2 in this run (step time paired, with its CI, and peak
+    memory), or why there is none (``scripts/gpu_report.py`` puts it first)."""
+    name, ms = nccl_shape_method(summary), summary["methods"]
+    where = f"{summary['model']}, W={summary['world']}, {summary['policy']}, {summary.get('backend', '?')}"
+    if name is None or "fsdp2" not in ms:
+        return f"NCCL's shape against FSDP2 ({where}): not run (no deferred transport or no FSDP2 in this run)."
+    a, b = ms[name], ms["fsdp2"]
+    return (f"NCCL's shape ({name}: native collectives + the deferred ledger) against FSDP2 ({where}): step time "
+            f"{paired_ratio(summary, name, 'fsdp2'):.3f}x paired {_ci(summary, name, 'fsdp2')}, "
+            f"{a['median_s'] * 1e3:,.1f} vs {b['median_s'] * 1e3:,.1f} ms; peak allocated "
+            f"{a['peak_bytes'] / b['peak_bytes']:.2f}x ({_fmt_mib(a['peak_bytes'])} vs {_fmt_mib(b['peak_bytes'])} MiB/rank)"
+            + (f", peak reserved {a['reserved_peak_bytes'] / b['reserved_peak_bytes']:.2f}x"
+               if a.get("reserved_peak_bytes") and b.get("reserved_peak_bytes") else "") + ".")
 
 
 def nccl_shaped_text(summary, bold="**") -> str:

@@ -8,7 +8,9 @@
 #   1. cuda-tests: pytest -m cuda (W=1 NCCL step against float64 torch.optim.AdamW with the
 #      collectives' streams on and off, bf16 compute / fp32 reduce, the memory harness on the GPU);
 #   2. step-fp32, step-bf16: bench/step.py at W=1 on NCCL, ragged vs FSDP2 vs unsharded: step time
-#      (paired ratios with bootstrap CIs) and peak allocated / reserved memory;
+#      (paired ratios with bootstrap CIs) and peak allocated / reserved memory; ragged runs NCCL's
+#      shape there (native collectives + the deferred ledger, its default on NCCL), and the report
+#      puts NCCL's shape against FSDP2 first (the dry run adds --nccl-shaped to reach that path on gloo);
 #   2b. optim-8bit: bench/optim.py's step section on the GPU, rg.optim.adamw_8bit against torch's
 #      foreach and fused AdamW (paired ratios with bootstrap CIs);
 #   3. memory: bench/memory.py, one rank's peak at W=8 on torch's fake process group, on the GPU;
@@ -106,7 +108,7 @@ W=$WORK
 if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
     stage cuda-tests 300 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
     stage step-fp32 200 "$PY" bench/step.py --model tiny --world 1 --repeats 2 --warmup 1 --backend gloo \
-        --json "$W/step.jsonl" --markdown
+        --nccl-shaped --json "$W/step.jsonl" --markdown
     stage optim-8bit 200 "$PY" bench/optim.py --sections step --only-8bit --hidden 128 --iters 2 \
         --json "$W/optim-step.json"
     stage memory 300 "$PY" bench/memory.py --models tiny --world 8 --checkpointing on --warmup 1 \

@@ -1,6 +1,7 @@
 """Collects what ``scripts/gpu_check.sh`` wrote under OUTDIR into ``summary.json`` and ``summary.md``:
-the machine, each stage's exit status and time, the CUDA tests' outcome, the step tables
-(``bench/step.py --json``), the optimizer step of 8-bit AdamW against torch's AdamW
+the machine, each stage's exit status and time, NCCL's shape against FSDP2 (one line per step run:
+ragged over native collectives + the deferred ledger, the default on NCCL, ``--nccl-shaped`` on the
+dry run's gloo), the CUDA tests' outcome, the step tables (``bench/step.py --json``), the optimizer step of 8-bit AdamW against torch's AdamW
 (``bench/optim.py --json``), the memory table (``bench/memory.py --json``) and the per-call
 cost of the collectives at W=1 (``bench/calibrate.py --json``).
 
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     from bench.memory import row
     from bench.report import optim_tables
     from bench.step import markdown as step_markdown
+    from bench.step import nccl_shape_line
 
     out = args.outdir
     smi = ""
@@ -76,8 +78,9 @@ def main(argv=None) -> int:
     calls = _lines(os.path.join(out, "calibrate.jsonl"))
     tests = _tests(os.path.join(out, "cuda-tests.xml"))
     optim = _json(os.path.join(out, "optim-step.json"))
-    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "step": steps, "optim": optim,
-               "memory": cells, "calibrate": calls}
+    nccl_shape = [nccl_shape_line(s) for s in steps]
+    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "nccl_shape": nccl_shape, "step": steps,
+               "optim": optim, "memory": cells, "calibrate": calls}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
           f"Machine: {machine['gpu'] or 'no GPU'}, torch {machine['torch']} (CUDA {machine['cuda']}), Python "
           f"{machine['python']}, host `{machine['host']}`.", "", "| stage | exit status | seconds |", "|---|---|---|"]
     md += [f"| {s['stage']} | {s['rc']} | {s['seconds']} |" for s in stages]
+    if nccl_shape:
+        md += ["", "## NCCL's shape against FSDP2", "", *[f"- {line}" for line in nccl_shape]]
     if tests is not None:
         md += ["", f"CUDA tests: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
                    f"{tests['skipped']} skipped" + (f"; not passed: {', '.join(tests['not_passed'])}" if tests["not_passed"] else "")]

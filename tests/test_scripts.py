@@ -102,7 +102,7 @@ def test_main_sh_refuses_a_bad_value_before_training():
 @pytest.mark.slow
 def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     """scripts/gpu_check.sh --dry-run on the CPU: the CUDA tests are collected (and skip), the step
-    bench, the 8-bit optimizer step, the memory harness, the calibration and the report each start
+    bench (NCCL's shape against FSDP2 reported first), the 8-bit optimizer step, the memory harness, the calibration and the report each start
     and finish, and what
     comes back fits the device tool's limit (at most 8 files in OUTDIR, the logs packed)."""
     import json
@@ -122,6 +122,9 @@ def test_gpu_check_dry_run_starts_every_piece(tmp_path):
     assert "rg.optim.adamw_8bit (donate=True)" in [r["method"] for r in summary["optim"]["rows"]]
     md = (out / "summary.md").read_text()
     assert "## Training step" in md and "fake process group" in md and "## One collective call at W=1" in md
+    # NCCL's shape against FSDP2 comes first: on gloo the dry run's --nccl-shaped method, as ragged on NCCL
+    assert summary["nccl_shape"][0].startswith("NCCL's shape (ragged-nccl-shaped: native collectives"), summary["nccl_shape"]
+    assert "## NCCL's shape against FSDP2" in md and md.index("NCCL's shape against FSDP2") < md.index("## Training step")
     assert "## One optimizer step: 8-bit AdamW against torch's AdamW" in md
     with tarfile.open(out / "gpu-check.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}

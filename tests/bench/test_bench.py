@@ -134,6 +134,25 @@ def test_step_bench_ragged_trains_like_fsdp2_on_gloo(model):
         assert m["peak_bytes"] > m["state_bytes"] > 0
 
 
+def test_nccl_shape_line_names_the_method_that_ran_the_deferred_transport():
+    """scripts/gpu_report.py's first line: on NCCL ragged itself runs NCCL's shape, on gloo only
+    --nccl-shaped's method does, and a run with neither says so."""
+    from bench.step import nccl_shape_line
+
+    def method(ms):
+        return dict(times=[ms / 1e3] * 3, median_s=ms / 1e3, peak_bytes=2**20 * ms, reserved_peak_bytes=None)
+
+    def summary(transport, names):
+        return dict(model="dense", world=1, policy="fp32", backend="nccl" if transport == "deferred" else "gloo",
+                    extra=dict(ragged_transport=transport), methods={n: method(ms) for n, ms in names.items()})
+
+    nccl = nccl_shape_line(summary("deferred", {"ragged": 8.0, "fsdp2": 10.0}))
+    assert nccl.startswith("NCCL's shape (ragged: native") and "0.800x paired" in nccl and "0.80x" in nccl, nccl
+    gloo = nccl_shape_line(summary("header", {"ragged": 8.0, "fsdp2": 10.0, "ragged-nccl-shaped": 12.0}))
+    assert gloo.startswith("NCCL's shape (ragged-nccl-shaped:") and "1.200x paired" in gloo, gloo
+    assert "not run" in nccl_shape_line(summary("header", {"ragged": 8.0, "fsdp2": 10.0}))
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_step_bench_lora_moves_and_keeps_the_adapters_only():

@@ -121,10 +121,10 @@ def memory_tables(result: dict) -> list[str]:
 
 
 def step_tables(result: dict) -> list[str]:
-    """``bench/step.py``: one table per run (model, W, policy, optimizer)."""
-    from bench.step import markdown
+    """``bench/step.py``: one table per run (model, W, policy, optimizer), and where its time goes."""
+    from bench.step import markdown, profile_markdown
 
-    return [markdown(summary) for summary in result["data"]]
+    return [t for summary in result["data"] for t in (markdown(summary), profile_markdown(summary)) if t]
 
 
 def parallel_tables(result: dict) -> list[str]:
@@ -316,7 +316,21 @@ run (`--lora`) fine-tunes the HF Llama with peft's adapters (r=8 on q and v, the
 every method; its last line checks ragged's reduce-scatter bytes and optimizer state against what
 the adapters alone need. **ragged-nccl-shaped** (`--nccl-shaped`) is the same ragged step over the
 transport NCCL uses (`from_torch(handshake="deferred")`: gloo's native
-collectives and the deferred ledger instead of the per-call headers), timed in the same repeats.""",
+collectives and the deferred ledger instead of the per-call headers), timed in the same repeats;
+**ragged-nccl-shaped-p2p** is that deferred step with gloo's native all-gather and reduce-scatter
+replaced, in the benchmark only, by the header transport's algorithm (`bench/_raw.py`). Its ratio to
+ragged is what the deferred path itself costs; ragged-nccl-shaped / ragged-nccl-shaped-p2p is what
+gloo's native collectives cost the host (a clone of the input and a full all-reduce per
+reduce-scatter, a staging buffer and a copy-out per all-gather, on the cores that compute, where
+NCCL runs its kernels on the GPU). The CPU column counts every thread of a rank's process; "gloo's
+threads" is its part on gloo's own threads (the TCP loop, the native collectives' workers).
+**local+collectives** (`--floor`) is the unsharded step with every collective of ragged's previous
+step replayed beside it, raw, on a thread of its own (`bench/_raw.py`): local+collectives / local is
+what moving ragged's bytes costs on cores that all compute, which no schedule or overlap removes on
+this machine, and ragged / local+collectives is what ragged adds beyond it (the replay's step still
+runs the whole optimizer, which ragged shards). The last table of a run is the console's profile:
+CPU and page faults per step, and the exclusive host time of each labelled range in one profiled
+step on rank 0 (`ragged::step` is the model's compute with ragged's interception).""",
      ["step", "step-moe", "step-lora"]),
     ("Quantized communication: bytes and step time (gloo, CPU)", """\
 `bench/quant.py` ([quantization.md](quantization.md)) runs one step of every method side by side on the

@@ -446,19 +446,19 @@ def markdown(summary) -> str:
                          f"{_ci(summary, 'ragged-auto', 'ragged')} (buffers per unit {summary['extra'].get('auto_buffers')}).")
         if "ragged-nccl-shaped" in ms:
             lines.append(nccl_shaped_text(summary))
-    if any(m.get("gloo_cpu_s") is not None for m in ms.values()):  # runs that split the CPU (older results did not)
-        lines += ["", profile_markdown(summary)]
     return "\n".join(lines)
 
 
-def profile_markdown(summary) -> str:
+def profile_markdown(summary) -> str | None:
     """Where each method's time goes, as the console's profile table prints it: the CPU per step (every
     thread; of it gloo's own threads; rank max, median over repeats), the page faults per step, then
     the exclusive host ms of every labelled range in one profiled step on rank 0 (profiler overhead
     included; the rest of a method's step is its model's compute, and for ragged the interception)."""
     ms = summary["methods"]
+    if all(m.get("gloo_cpu_s") is None for m in ms.values()):  # a run from before the CPU was split
+        return None
     names = list(ms)
-    lines = ["| where the time goes | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+    lines = [f"Where the time goes, {summary['model']}, W={summary['world']}:", "", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
              "| CPU ms/step, rank max (of it gloo's threads) | " + " | ".join(
                  f"{_fmt_work(m.get('cpu_s'), 1e3)} ({_fmt_work(m.get('gloo_cpu_s'), 1e3)})" for m in ms.values()) + " |",
              "| page faults/step | " + " | ".join(_fmt_work(m.get("page_faults"), 1) for m in ms.values()) + " |"]

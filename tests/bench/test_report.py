@@ -24,11 +24,12 @@ def test_the_page_is_the_rendering_of_the_committed_results():
     assert page == report.render(results), "docs/performance.md is stale: run python3 bench/report.py render"
 
 
-def test_the_optimizers_page_tables_are_the_rendering_of_the_committed_results():
-    with open(report.OPTIMIZERS_PAGE, encoding="utf-8") as f:
+@pytest.mark.parametrize("path", sorted(report.BLOCK_PAGES), ids=os.path.basename)
+def test_the_generated_tables_of_a_docs_page_are_the_rendering_of_the_committed_results(path):
+    with open(path, encoding="utf-8") as f:
         page = f.read()
-    assert page == report.with_block(page, report.render_block(report.load_results())), (
-        "docs/optimizers.md's SOAP / Shampoo tables are stale: run python3 bench/report.py render")
+    assert page == report.with_block(page, report.render_block(report.load_results(), report.BLOCK_PAGES[path])), (
+        f"{os.path.relpath(path, report.ROOT)}'s generated tables are stale: run python3 bench/report.py render")
 
 
 def test_every_table_has_one_header_line_with_commit_machine_command_and_date():

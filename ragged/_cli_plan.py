@@ -50,8 +50,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict", action="store_true",
                    help="lower a training step at each world size: per-rank memory and communication, ragged vs the "
                         "FSDP2 and ZeRO-3 rules (--dtype is then the master dtype)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon"), nargs="+", default=["adamw"],
-                   help="with --predict: one or several (each is lowered)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon", "soap", "shampoo"), nargs="+",
+                   default=["adamw"], help="with --predict: one or several (each is lowered); soap and shampoo "
+                   "precondition each block of a blocks:RxC granularity (docs/optimizers.md)")
     p.add_argument("--gather-format", choices=("none", "fp8", "int8", "mxfp8"), nargs="+", default=["none"],
                    help="with --predict: quantize the all-gather (several: one configuration each): fp8 in 128 x 128 "
                         "tiles, int8 in 32 x 32, mxfp8 in 1 x 32 blocks, wherever the blocks tile a matrix (docs/quantization.md)")

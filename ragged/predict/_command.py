@@ -77,7 +77,8 @@ def step_over(units, *, num_replicas: int = 1, optimizer: str = "adamw", compute
     ``GATHER_FORMATS`` quantizes the gather wherever the blocks fit (``"none"``: not at all)."""
     comm = collectives.abstract(units.world_size, num_replicas=num_replicas)
     opt = {"adamw": lambda: optim.adamw(1e-3), "adamw8bit": lambda: optim.adamw_8bit(1e-3),
-           "muon": lambda: optim.muon(1e-3, comm=comm)}[optimizer]()
+           "muon": lambda: optim.muon(1e-3, comm=comm), "soap": lambda: optim.soap(1e-3),
+           "shampoo": lambda: optim.shampoo(1e-3)}[optimizer]()
     gather = None if gather_format == "none" else where_blocks_fit(GATHER_FORMATS[gather_format])
     return fsdp.make_step(units, lambda params, batch: None, opt, comm,
                           policy=fsdp.MixedPrecision(compute_dtype=DTYPES[compute_dtype], gather_format=gather))

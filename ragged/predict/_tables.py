@@ -55,6 +55,13 @@ def print_predict(results, args, console) -> None:
                                                  for k, v in r["by_category"].items()):
         console.print("[dim]note: adamw_8bit quantizes blocks:RxC / elements:N granularities only; with this "
                       "granularity every moment stays fp32 (pass --granularity blocks:128x128).[/]")
+    if {"soap", "shampoo"} & set(args.optimizer) and not any(k.endswith("left_stats") and v for r in results
+                                                             for k, v in r["by_category"].items()):
+        console.print("[dim]note: soap and shampoo precondition the blocks of a blocks:RxC granularity only; with "
+                      "this granularity every leaf takes their Adam fallback (pass --granularity blocks:128x128).[/]")
+    if {"muon", "soap", "shampoo"} & set(args.optimizer):
+        console.print("[dim]note: the fsdp2 and zero3 rows carry torch.optim.AdamW's state for muon, soap and shampoo "
+                      "(their state under those systems is not modelled).[/]")
 
 
 def time_table(results, *, title: str = "step time per rank (ASSUMED hardware: see the assumed lines)"):

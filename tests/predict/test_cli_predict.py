@@ -175,6 +175,23 @@ def test_predict_muon_is_the_lowering_with_its_owner_exchange(capsys, tmp_path):
     assert [c for c in row["collectives"] if c["kind"] == "all_to_all"][0]["bytes"] == exchange.bytes
 
 
+def test_predict_soap_and_shampoo_count_each_blocks_factors(capsys, tmp_path):
+    """``--optimizer soap shampoo`` on 32 x 32 blocks: each block's two statistics and two bases (roots)
+    of 32 x 32, as many elements as the block itself, equal to lowering the same step in Python."""
+    from ragged import spec
+
+    path = shapes_file(tmp_path)
+    rows = predict_json(capsys, "--shapes", path, "-m", "16", "--predict", "--dtype", "fp32",
+                        "--optimizer", "soap", "shampoo", "--granularity", "blocks:32x32")
+    for row, factors in zip(rows, (("left_basis", "right_basis"), ("left_root", "right_root"))):
+        cat = row["by_category"]
+        lowered = bundled_step(path, 16, dtype="fp32", optimizer=row["optimizer"], granularity=spec.Blocks(32, 32)).lower()
+        assert row["persistent_bytes"] == lowered.memory_analysis().persistent_bytes
+        per_factor = {cat[f"optimizer.{k}"] for k in ("left_stats", "right_stats") + factors}
+        assert len(per_factor) == 1 and per_factor.pop() > 0
+        assert not [c for c in row["collectives"] if c["kind"] == "all_to_all"]  # no exchange, unlike Muon's
+
+
 def test_predict_with_a_quantized_gather_is_the_lowering(capsys, tmp_path):
     from ragged import spec
     from ragged.predict._command import GATHER_FORMATS, _tiles, bundled_units, step_over

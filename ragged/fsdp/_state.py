@@ -167,19 +167,24 @@ def _global_norm(units: Units, grads: dict[str, DBuffer], comm, *, data_groups=(
     return norm(parts, comm, others=[g.comm for g in groups])
 
 
-def _agree_on(units: Units, trees, comm, source: int | None, module) -> None:
-    """Checks that every rank holds the same ``trees`` (and ``module``'s real buffers), or with
-    ``source``, sets the module's buffers to rank ``source``'s (see [Note: ranks start from the
-    same values])."""
-    if source is not None:
-        if module is not None:
-            sync_buffers(module, comm, source)
-        return
-    items = [(f"{p if p.startswith('[') else repr(p)} (unit {u.name!r})", t)  # a key path reads as it is
-             for u in units for p, t in trees[u.name].items()]
-    if module is not None:
+def _read_and_agree(units: Units, read: Callable[[], dict], comm, source: int | None, module):
+    """``read()`` (this rank's unit trees), then every rank checks that every rank read them and
+    holds the same values (and ``module``'s real buffers), or with ``source``, sets the module's
+    buffers to rank ``source``'s (see [Note: ranks start from the same values]). A rank whose
+    ``read()`` raised still joins the check, so that every rank raises and none waits."""
+    try:
+        trees, failure = read(), None
+    except Exception as e:  # noqa: BLE001  (re-raised by check_equal, on this rank as it is)
+        trees, failure = None, e
+    items = [] if trees is None else [
+        (f"{p if p.startswith('[') else repr(p)} (unit {u.name!r})", t)  # a key path reads as it is
+        for u in units for p, t in trees[u.name].items()]
+    if module is not None and trees is not None:
         items += [(f"buffer {n!r}", b) for n, b in module.named_buffers() if not b.is_meta]
-    check_equal(items, comm)
+    check_equal(items, comm, failure=failure, values=source is None)
+    if source is not None and module is not None:
+        sync_buffers(module, comm, source)
+    return trees
 
 
 def _shard_trees(units: Units, trees, comm, source: int | None = None) -> dict[str, DBuffer]:
@@ -247,7 +252,9 @@ def init(
 
     Raises:
         RaggedTypeError, RaggedKeyError, RaggedValueError: a misuse (the message names the fix),
-            before any communication.
+            before anything is sharded: of the options, before any communication; of what
+            ``params`` holds, after the ranks' check of their values (a rank that could not read
+            its params raises its error, every other rank a RaggedError naming it, so none waits).
         ParamsMismatchError: the ranks hold different values (the message names the first one
             and the ranks on each side), on every rank, before anything is sharded.
 
@@ -298,14 +305,15 @@ def init(
         shards, opt_state = params.load_by_rank(units, optimizer, comm, device=device)
         buffers = {} if module is None else materialize_buffers(module, default_init(module), seed=seed, device=device)
     elif not meta:
-        trees = unit_trees(units, params)
-        _agree_on(units, trees, comm, source, module)
+        trees = _read_and_agree(units, lambda: unit_trees(units, params), comm, source, module)
         shards = _shard_trees(units, trees, comm, source)
         buffers = {}
     else:
-        trees = unit_trees(units, module, meta=True)  # the same checks, before any communication
-        real = {u.name: {p: t for p, t in trees[u.name].items() if not t.is_meta} for u in units}
-        _agree_on(units, real, comm, source, module)
+        def read():  # the same checks; only the values the user made real are compared
+            trees = unit_trees(units, module, meta=True)
+            return {u.name: {p: t for p, t in trees[u.name].items() if not t.is_meta} for u in units}
+
+        real = _read_and_agree(units, read, comm, source, module)
         device = torch.device(device) if device is not None else comm.device
         fn = default_init(module) if init_fn is None else lambda name, m: init_fn(m)
         shards = {}

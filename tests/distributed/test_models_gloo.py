@@ -141,6 +141,29 @@ def test_broadcast_from_one_rank_trains_like_torch_from_that_rank(workers2):
         assert diff <= 1e-10, f"rank {r}: {where} differs by {diff}"
 
 
+def _init_apart(read_fails_on):
+    """Rank ``read_fails_on`` passes a state dict that lacks a key; the other ranks' are whole:
+    ``(error type, message)`` on each rank (with no fix, the whole ranks would wait for the other
+    in the values check until gloo's timeout)."""
+    c = comm()
+    model = tiny_moe()
+    units = fsdp.make_units(model, world_size=c.world_size)
+    params = dict(model.state_dict())
+    if c.rank == read_fails_on:
+        del params["head.weight"]
+    try:
+        fsdp.init(units, params, rg.optim.adamw(1e-2), c)
+    except rg.RaggedError as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def test_a_misuse_on_one_rank_in_init_raises_on_every_rank(workers2):
+    (kind0, msg0), (kind1, msg1) = workers2.run(_init_apart, 1)
+    assert kind1 == "RaggedKeyError" and "head.weight" in msg1, msg1
+    assert kind0 == "RaggedError" and "fsdp.init failed on rank 1" in msg0 and "RaggedKeyError" in msg0, msg0
+
+
 def _tiny_moe_step(loss=None, c=None):
     """``(comm, model, units, step, state, batches)`` for the tiny MoE on this rank (SGD); ``loss``
     defaults to the model through functional_call; ``batches(k)``: this rank's rows of k batches;

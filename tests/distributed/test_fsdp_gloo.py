@@ -85,6 +85,31 @@ def test_hsdp_2x2_matches_torch_optim(workers4):
         assert diff < 1e-10 and loss_err < 1e-9
 
 
+def _hsdp_start_apart():
+    """Mesh rank 3 (replica 1, shard rank 1) builds from another seed: ``fsdp.init`` refuses on
+    every rank (the message), then ``broadcast_from=3`` starts every rank from rank 3's values (the
+    largest difference of the exported model from that seed's)."""
+    import ragged as rg
+    from ragged import fsdp
+    from tests.fsdp._lifecycle_cases import exported_init, tiny
+
+    c = rg.collectives.from_torch(mesh((2, 2)), **transport_options())
+    seed = int(c.replica_rank * c.world_size + c.rank == 3)
+    try:
+        exported_init(c, tiny(seed))
+        refused = None
+    except fsdp.ParamsMismatchError as e:
+        refused = str(e)
+    full = exported_init(c, tiny(seed), broadcast_from=3)
+    return refused, max((full[k] - v).abs().max().item() for k, v in tiny(1).state_dict().items() if k in full)
+
+
+def test_hsdp_ranks_start_equal_or_from_one_rank(workers4):
+    for refused, diff in workers4.run(_hsdp_start_apart):
+        assert refused is not None and "ranks [0, 1, 2] vs ranks [3] (mesh order, replica-major)" in refused, refused
+        assert diff == 0.0
+
+
 def _step_switch(case):
     """Every rank runs a step; then the last rank alone switches to a step with other micro
     batches. The step agrees on its units and options every step (even with the comm's

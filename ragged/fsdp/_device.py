@@ -57,6 +57,8 @@ import contextlib
 
 import torch
 
+from ragged.collectives._base import completed
+
 __all__ = ["COMPUTE", "GATHER", "REDUCE", "HostStreams", "CudaStreams", "CudaApi", "streams_for"]
 
 COMPUTE, GATHER, REDUCE = "compute", "gather", "reduce"
@@ -85,13 +87,20 @@ class HostStreams:
         """``stream``'s later work runs after ``event``."""
 
     def issued(self, stream: str, work):
-        """``work`` (a collective's handle) was issued inside ``on(stream)``; returns what
-        :meth:`done` takes. Host: the handle itself."""
+        """``work`` (a collective's handle) was issued inside ``on(stream)``; returns its token,
+        what :meth:`done` and :meth:`finished` take and a fence for :meth:`wait` (after the
+        collective). Host: the handle itself (which :meth:`wait` ignores)."""
         return work
 
     def done(self, stream: str, pending) -> None:
         """``stream``'s later work sees the collective's result. Host: waits for it."""
         pending.wait()
+
+    def finished(self, token) -> bool:
+        """Whether the collective of ``token`` (from :meth:`issued`) has run: a question about
+        the device's progress, which differs between ranks, so its answer may decide when memory
+        is given back, never whether or when a collective is issued. Host: the handle says."""
+        return completed(token)
 
     # what the runtime tells the strategy about its buffers (for the recording fake)
     def alloc(self, stream: str, key, nbytes: int) -> None:
@@ -146,6 +155,9 @@ class CudaStreams(HostStreams):
 
     def done(self, stream, pending):
         self.wait(stream, pending)
+
+    def finished(self, token):
+        return token.query()  # the event after the collective: the device's progress, no sync
 
 
 _SIDE: dict = {}

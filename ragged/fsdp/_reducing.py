@@ -9,13 +9,19 @@ run is made, and is driven by the run: :meth:`Gradients.arrived` (a leaf's gradi
 
 [Note: when a flat gradient buffer is freed]
 A unit's flat gradient buffer (from the pool, see [Note: reusing unit buffers] in ``_pool.py``)
-is taken when its first gradient arrives and given back when its reduce-scatter, which reads
-it, is waited. That happens at the latest when ``max_inflight_reduce`` are in flight and another
-starts (the bound: the host waits, on CUDA the compute stream), and as soon as the handle says
-the collective is done otherwise: finished reduce-scatters are waited before a unit takes a new
-buffer and at every backward event, so with a fast network one buffer fills while none is in
-flight. Results do not depend on when (each unit's parts are accumulated in issue order); the
-memory does, within that bound. A unit whose gradients arrive at both ends of backward (the
+is taken when its first gradient arrives and given back once its reduce-scatter, which reads
+it, has run. A reduce-scatter is *finished* (waited, its shard accumulated and, on an HSDP mesh,
+its all-reduce over the replicas issued) at points of the program only: when
+``max_inflight_reduce`` are in flight and another starts (the bound: the host waits, on CUDA
+the compute stream), before a unit that held autograd's gradients copies them, and at the end
+of backward; so every rank issues the replica all-reduces at the same places among the shard
+group's collectives, as NCCL needs (see [Note: NCCL's rules on gloo] in
+``ragged/collectives/_gloo_device.py``). Before that, as soon as the device has run it (the
+streams' :meth:`~ragged.fsdp._device.HostStreams.finished`, asked before a unit takes a new
+buffer and at every backward event), its buffer goes back to the pool: with a fast network one
+buffer fills while none is held. That answer differs between ranks; it decides memory only, never
+a collective. Results do not depend on when (each unit's parts are accumulated in issue order);
+the memory does, within that bound. A unit whose gradients arrive at both ends of backward (the
 head and the embedding in one unit) holds autograd's leaf gradients instead of a buffer in
 between (the learnt ``lazy`` hint: a held head gradient is smaller than the unit), and copies
 them into its buffer at the event before the segment that makes its last ones, after waiting
@@ -29,7 +35,6 @@ import collections
 
 import torch
 
-from ragged.collectives._base import completed
 from ragged.fsdp._device import COMPUTE, REDUCE
 from ragged.fsdp._records import GradRecord
 from ragged.transforms import reduce_scatter_wait
@@ -47,7 +52,8 @@ class Gradients:
             replicated part, once the unit's reduce-scatters are waited.
         lazy: units that keep autograd's leaf gradients (the learnt hint, see :meth:`unhold`);
             ``hold``: those still holding them in this micro-batch.
-        pending: reduce-scatters in flight, oldest first.
+        pending: reduce-scatters in flight, oldest first: ``[unit, pending, block, counted bytes,
+            tokens]`` (``block`` is ``None`` once given back).
     """
 
     __slots__ = ("layouts", "units", "pool", "streams", "comm", "counts", "seen", "log", "max_inflight", "lazy",
@@ -170,10 +176,10 @@ class Gradients:
         u.grad = u.rgrad = u.written = u.grad_block = u.rgrad_block = None
         u.reduced = True
         self.counts.reduces += 1
-        pending, kept = self._start(i, g, r, blocks, label)
+        pending, kept, tokens = self._start(i, g, r, blocks, label)
         if kept is None:  # given back at the start (see _start)
             self.counts.grad_live -= self.layouts[i].grad_nbytes
-        self.pending.append((i, pending, kept, self.layouts[i].grad_nbytes if kept is not None else 0))
+        self.pending.append([i, pending, kept, self.layouts[i].grad_nbytes if kept is not None else 0, tokens])
         self.log("reduce_start", i)
         while len(self.pending) > self.max_inflight:
             self.finish_oldest()
@@ -181,9 +187,9 @@ class Gradients:
     def _start(self, i: int, grad: torch.Tensor, replicated: torch.Tensor, blocks, label: str):
         """Issues unit ``i``'s reduce-scatter of ``grad`` (and all-reduce of ``replicated``) on the
         reduce stream, after every copy into them (see [Note: streams and lifetimes] in
-        ``_device.py``). Returns the pending reduce-scatter and the gradient block it still reads
+        ``_device.py``). Returns the pending reduce-scatter, the gradient block it still reads
         (``None``: a buffer only read by a cast to the reduce dtype is given back at once, as is
-        the replicated part, which is always copied)."""
+        the replicated part, which is always copied) and the streams' tokens of its collectives."""
         plan, streams = self.layouts[i].grad_plan, self.streams
         rep = replicated if plan.replicated else None
         for b in blocks:
@@ -198,18 +204,17 @@ class Gradients:
             pending = _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
                                             agreed=True, label=label, formats=self.layouts[i].reduce_formats)
             read = streams.record(REDUCE)  # after the casts: the copies are all the collectives read
-            for h in pending.handles:
-                streams.issued(REDUCE, h)
+            tokens = tuple(streams.issued(REDUCE, h) for h in pending.handles)
         gblock, rblock = blocks
         if rblock is not None:
             self.pool.give(rblock, (read,))
         if pending.source.data_ptr() != grad.data_ptr():  # cast: the collective reads the copy
             self.pool.give(gblock, (read,))
             gblock = None
-        return pending, gblock
+        return pending, gblock, tokens
 
     def finish_oldest(self):
-        i, pending, block, counted = self.pending.popleft()
+        i, pending, block, counted, _ = self.pending.popleft()
         streams = self.streams
         with streams.on(REDUCE):
             reduced = reduce_scatter_wait(pending)
@@ -231,10 +236,14 @@ class Gradients:
             self.finish_oldest()
 
     def finish_completed(self):
-        """Finishes the oldest reduce-scatters that are already done (see [Note: when a flat
-        gradient buffer is freed])."""
-        while self.pending and all(completed(h) for h in self.pending[0][1].handles):
-            self.finish_oldest()
+        """Gives back the gradient buffers of the reduce-scatters the device has run (see
+        [Note: when a flat gradient buffer is freed]): memory only, no collective."""
+        for entry in self.pending:
+            _, _, block, counted, tokens = entry
+            if block is not None and all(self.streams.finished(t) for t in tokens):
+                self.pool.give(block, tokens)
+                self.counts.grad_live -= counted
+                entry[2], entry[3] = None, 0
 
     def finish(self):
         """End of the call's reduce-scatters: compute is then past every side stream."""
@@ -250,7 +259,8 @@ class Gradients:
             blocks = (u.late_block, u.rlate_block)
             u.late = u.rlate = u.late_block = u.rlate_block = None
             label = f"reduce-scatter {self.layouts[i].name} late gradients"
-            self.pending.append((i, *self._start(i, g, r, blocks, label), 0))
+            pending, kept, tokens = self._start(i, g, r, blocks, label)
+            self.pending.append([i, pending, kept, 0, tokens])
         self.finish()
 
     def close(self):
@@ -258,13 +268,9 @@ class Gradients:
         failure) are not waited on the host (peers may never issue theirs)."""
         streams = self.streams
         while self.pending:
-            _, pending, block, _ = self.pending.popleft()
-            with streams.on(REDUCE):
-                for h in pending.handles:
-                    streams.issued(REDUCE, h)
-                done = streams.record(REDUCE)
+            _, pending, block, _, tokens = self.pending.popleft()
             if block is not None:
-                self.pool.give(block, (done,))
+                self.pool.give(block, tokens)
         for u in self.units:
             for blk in (u.grad_block, u.rgrad_block, u.late_block, u.rlate_block):
                 if blk is not None:

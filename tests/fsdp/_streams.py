@@ -28,10 +28,15 @@ STREAMS = (COMPUTE, GATHER, REDUCE)
 
 
 class FakeEvent:
-    __slots__ = ("stream", "clock")
+    __slots__ = ("stream", "clock", "api")
 
-    def __init__(self, stream: str, clock: dict):
-        self.stream, self.clock = stream, clock
+    def __init__(self, stream: str, clock: dict, api):
+        self.stream, self.clock, self.api = stream, clock, api
+
+    def query(self) -> bool:
+        """The device's progress: every event has completed, unless the api says the device lags
+        (``FakeCudaApi.device_lags``: no event completes within the call)."""
+        return not self.api.device_lags
 
 
 class FakeStream:
@@ -45,7 +50,7 @@ class FakeStream:
 
     def record_event(self) -> FakeEvent:
         self.tick()
-        return FakeEvent(self.name, dict(self.clock))
+        return FakeEvent(self.name, dict(self.clock), self.api)
 
     def wait_event(self, event: FakeEvent) -> None:
         for s, c in event.clock.items():
@@ -56,6 +61,8 @@ class FakeStream:
 class FakeCudaApi:
     """The ``CudaApi`` of ``ragged/fsdp/_device.py`` with :class:`FakeStream` objects (one api
     per simulated rank: its streams and their clocks)."""
+
+    device_lags = False  # see FakeEvent.query
 
     def __init__(self):
         self.compute = FakeStream(self, COMPUTE)

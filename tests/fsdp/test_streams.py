@@ -87,6 +87,29 @@ def test_gathers_and_reduce_scatters_overlap_compute(monkeypatch, storage):
     assert n_plain >= 10 and ag_plain <= 2, (ag_plain, n_plain)
 
 
+def _most_in_flight(trace) -> int:
+    live = most = 0
+    for event, _, _ in trace:
+        live += (event == "reduce_start") - (event == "reduce_done")
+        most = max(most, live)
+    return most
+
+
+def test_reduce_scatters_stay_in_flight_while_the_device_runs_them(monkeypatch):
+    """A reduce-scatter is finished when the program says (``max_inflight_reduce``), not when the
+    host has queued its wait (issue 44, item 4: ``is_completed`` said yes after any wait, so every
+    reduce-scatter was finished at once and compute waited for it): two stay in flight whether the
+    device keeps up or lags; its progress only gives the gradient buffers back earlier."""
+    peaks = {}
+    for lags in (False, True):
+        monkeypatch.setattr(FakeCudaApi, "device_lags", lags)
+        out, made = _fake_run(monkeypatch, 2, Case(num_layers=4, steps=1, max_inflight_reduce=2), trace=True)
+        assert [p for s in made for p in s.problems] == []
+        assert [_most_in_flight(metrics[-1]["trace"]) for _, metrics in out] == [3, 3]  # the bound, plus the one starting
+        peaks[lags] = out[0][1][-1]["peak_grad_bytes"]
+    assert peaks[False] < peaks[True], peaks
+
+
 def test_the_race_detector_catches_a_buffer_reused_without_its_fence(monkeypatch, storage):
     give = _pool.Pool.give
     monkeypatch.setattr(_pool.Pool, "give", lambda self, block, fences=(): give(self, block, ()))

@@ -98,16 +98,17 @@ def _measure(rank, world, backend, cell):
     ragged, torch_ = CommCounter(), CommCounter()
     ragged.install_comm(comm, "step")
     torch_.install_torch("step", axes={comm.group or dist.group.WORLD: "shard", comm.replica_group: "replica"})
-    ledgers = [led for led in comm._ledgers or () if led is not None]  # none under gloo's header transport
+    ledger = comm._ledger  # none under gloo's header transport
     for s in range(2):
-        seq = [led.seq for led in ledgers]
+        before = list(ledger.calls) if ledger is not None else []
         ragged.active = torch_.active = "step" if s == 1 else None
         method.step(_batch(cell["model"], s))
     ragged.active = torch_.active = None
     # the ledger's own checks in the counted step: one each time its record count reached a multiple of verify_every
     every = cell["verify_every"]
-    checks = {axis: led.seq // every - before // every
-              for axis, led, before in zip(("shard", "replica"), ledgers, seq)}
+    checks = {axis: calls // every - b // every
+              for axis, calls, b in zip(("shard", "replica")[: 1 + (comm.replica_group is not None)], ledger.calls, before)
+              } if ledger is not None else {}
     return dict(rank=(comm.replica_rank, comm.rank), shard_size=comm.world_size, state=storage_by_category(method.state),
                 calls=ragged.records("step"), parts=ragged.parts_of("step"),
                 objects=ragged.calls[("step", "object", "mesh")], torch=torch_.records("step"), ledger_checks=checks,

@@ -1,8 +1,8 @@
 """Handles of collectives in flight: what ``async_op=True`` returns, and how it is asked whether
 it is done (``is_completed``) and waited (``wait``).
 
-* :class:`_Work`: torch works (gloo's native ops, NCCL, the fake process group) plus a local
-  finaliser (e.g. the chunk sum of a reduce-scatter);
+* :class:`_Work`: torch works (NCCL's, gloo's under NCCL's rules, the fake process group's)
+  plus a local finaliser (e.g. the division of a mean);
 * :class:`_Pending`: one header-checked exchange of ``handshake="header"`` (see [Note:
   size-tagged messages and headers] in ``_channel.py``);
 * :class:`_Guarded`: a handle whose failing ``wait()`` poisons the comm.
@@ -11,7 +11,6 @@ it is done (``is_completed``) and waited (``wait``).
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 
 from ragged._errors import CollectiveError
@@ -34,42 +33,40 @@ def _wait(work, seconds: float) -> None:
 class _Work:
     """Waits on torch Work objects, then runs a local finaliser (e.g. the chunk sum).
 
-    ``ledgers``: a wait that fails because a peer poisoned the group (its watcher aborted the
-    group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
+    The works are NCCL's (``wait()`` orders the current stream after the collective; the host
+    does not wait), the deferred transport's on gloo (:class:`~ragged.collectives._gloo_device.DeviceWork`:
+    the host waits, untimed, under the ledger's watch) or the fake process group's (done on
+    return). ``ledger``: a wait that fails because a peer poisoned the comm (its watcher aborted
+    the group, see [Note: deferred agreement]) raises the poison's :class:`~ragged.CollectiveError`."""
 
-    __slots__ = ("_works", "_finish", "_done", "_ledgers", "_futures", "on_device")
+    __slots__ = ("_works", "_finish", "_done", "_ledger")
 
-    def __init__(self, works, finish=None, ledgers=None):
+    def __init__(self, works, finish=None, ledger=None):
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
-        self._ledgers = ledgers
-        self._futures = None
-        self.on_device = False  # NCCL works: their own is_completed (see the Note below)
+        self._ledger = ledger
 
     def wait(self) -> None:
         if self._done:
             return
-        watched = bool(self._ledgers) and not self.on_device
         try:
             for w in self._works:
-                if watched:
-                    _wait_watched(w, self._ledgers)
-                else:
-                    w.wait()
+                w.wait()
         except CollectiveError:
             raise
         except RuntimeError as e:
+            led = self._ledger
+            if led is None:
+                raise
             # a peer's abort may break this collective before this rank's watcher saw the poison
-            live = [led for led in self._ledgers or () if led is not None]
-            failure = next((f for led in live if (f := led.read_poison())), None)
+            failure = led.read_poison()
             if failure is not None:
                 raise CollectiveError(f"{failure} (the collective was aborted)", peer=failure.peer) from e
-            if live and lost_connection(e):  # a peer that died tells no one: this rank tells the others
-                msg = (f"rank {live[0].rank} lost a peer in a collective: {str(e).splitlines()[0][:160]}. That rank "
+            if lost_connection(e):  # a peer that died tells no one: this rank tells the others
+                msg = (f"rank {led.rank} lost a peer in a collective: {str(e).splitlines()[0][:160]}. That rank "
                        "probably died or exited (see its log).")
-                for led in live:
-                    led.poison(msg)
+                led.poison(msg)
                 raise CollectiveError(msg) from e
             raise
         if self._finish is not None:
@@ -77,83 +74,17 @@ class _Work:
         self._done = True
 
     def is_completed(self) -> bool:
-        """Every op has finished (the local finaliser, if any, still runs at ``wait()``), asked
-        without ``Work.is_completed`` (see [Note: asking a torch work whether it is done])."""
-        if self._done:
-            return True
-        if self.on_device:
-            return all(completed(w) for w in self._works)
-        if self._futures is None:
-            self._futures = [future_of(w) for w in self._works]
-        return all(f is True or (f is not None and f.done()) for f in self._futures)
-
-
-_WATCH_SLICE = 0.25  # seconds a host wait on a ledgered CPU work runs before it looks at the ledgers
-
-
-def _failure(ledgers):
-    return next((led.failure for led in ledgers or () if led is not None and led.failure is not None), None)
-
-
-def _wait_watched(work, ledgers) -> None:
-    """Waits a CPU work of ``handshake="deferred"``, looking at its ledgers every ``_WATCH_SLICE``.
-
-    A peer's poison reaches this process through the ledger's watcher, which fails the ledger and
-    aborts the group (see [Note: deferred agreement]). On gloo that abort closes the group's pairs,
-    which usually releases a collective blocked on them, but not always: gloo's native
-    reduce-scatter returns a work without a future whose ``wait`` ignores its timeout, and one in
-    ~40 lone-failure scenarios at W=4 under load stayed blocked in it after the abort. So the wait
-    itself ends within a slice of the ledger's failure, as NCCL's aborted work ends; and after the
-    comm's ``timeout`` it fails the comm and poisons the group, as NCCL's watchdog would. A work
-    with a future is waited in slices on this thread (a timed-out slice leaves it running); one
-    without is waited on a daemon thread, left behind if the comm fails."""
-    future = future_of(work)
-    if future is True:
-        return
-    if future is None:
-        finished, errors = threading.Event(), []
-
-        def run():
-            try:
-                work.wait()
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                errors.append(e)
-            finished.set()
-
-        threading.Thread(target=run, name="ragged-wait", daemon=True).start()
-        ended = lambda: finished.wait(_WATCH_SLICE)  # noqa: E731
-    else:
-        def ended():
-            try:
-                work.wait(datetime.timedelta(seconds=_WATCH_SLICE))
-                return True
-            except RuntimeError:
-                if future.done():
-                    raise
-                return False
-
-    led = next(led for led in ledgers if led is not None)
-    deadline = time.monotonic() + led.timeout
-    while not ended():
-        if _failure(ledgers) is not None:
-            raise RuntimeError("the ledger failed while this collective waited")
-        if time.monotonic() > deadline:
-            msg = (f"rank {led.rank}: a collective waited {led.timeout:g} s for its peers (timeout= of the comm; "
-                   "handshake='deferred'): a peer stopped calling collectives, or issued other ones. Every "
-                   "rank must issue the same collectives in the same order; raise timeout= for slow steps.")
-            for other in ledgers:
-                if other is not None:
-                    other.poison(msg)
-            raise CollectiveError(msg)
-    if future is None and errors:
-        raise errors[0]
+        """Every op has finished on the device (the local finaliser, if any, still runs at
+        ``wait()``): a question about the device's progress, not about ``wait()``, which on NCCL
+        returns before the collective has run (see [Note: asking a torch work whether it is done])."""
+        return all(type(w).__name__ == "FakeWork" or w.is_completed() for w in self._works)
 
 
 def future_of(work):
     """What tells, without blocking and without ``Work.is_completed``, whether ``work`` is done:
     ``True`` (the fake process group's works are done on return: its collectives move no data,
     though they never say so), its future, or ``None`` (it cannot tell before ``wait()``: gloo's
-    send / recv works).
+    send / recv works and its native reduce-scatter).
 
     [Note: asking a torch work whether it is done]
     ``Work.is_completed`` is bound without releasing the GIL and takes the work's mutex. gloo

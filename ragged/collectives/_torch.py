@@ -96,14 +96,13 @@ class TorchCollectives(BufferOps):
         self.plan_check = plan_check
         self.checked_plans: dict = {}  # see [Note: plan check before collectives] (ragged/transforms/_check.py)
         self.scope = None  # a CallScope: see [Note: what a collective call carries] (_base.py)
-        self._channels = self._ledgers = None
+        self._channels = self._ledger = None
         if handshake == "header":
             self._channels = (channel_for(_pg(shard_group)),
                               channel_for(replica_group) if replica_group is not None else None)
         else:
-            self._ledgers = (Ledger(_pg(shard_group), self._device, every=verify_every, timeout=self.timeout),
-                             Ledger(replica_group, self._device, every=verify_every, timeout=self.timeout)
-                             if replica_group is not None else None)
+            self._ledger = Ledger(_pg(shard_group), replica_group, self._device, every=verify_every,
+                                  timeout=self.timeout)
 
     def __repr__(self) -> str:
         return (
@@ -148,35 +147,31 @@ class TorchCollectives(BufferOps):
                 if ch is not None:
                     ch.fail(reason)
         else:
-            for led in self._ledgers:
-                if led is not None:
-                    led.poison(f"rank {self._rank}: {reason}")
+            self._ledger.poison(f"rank {self._rank}: {reason}")
 
     def verify(self) -> None:
         """Checks now that every call since the last check agreed (``"deferred"``; one small
         all-reduce and a host sync); a no-op under ``"header"`` (every call was checked). Raises :class:`~ragged.PlanMismatchError` on every rank, naming both sides."""
-        if self._ledgers is not None:
+        if self._ledger is not None:
             with poison_on_error(self):
-                for led in self._ledgers:
-                    if led is not None:
-                        led.verify()
+                self._ledger.verify()
 
     def ledger_digest(self) -> int | None:
-        """The running hash of the shard group's unverified calls (``"deferred"``), which
-        ``check_plans`` folds into its agreement round; ``None`` otherwise. After the round:
-        :meth:`confirm_ledger` if every rank had the same, else :meth:`explain_ledger` (every
-        rank takes the same branch)."""
-        if self._ledgers is None:
+        """The running hash of the unverified calls, both groups' in issue order (``"deferred"``),
+        which ``check_plans`` folds into its agreement round over the mesh; ``None`` otherwise.
+        After the round: :meth:`confirm_ledger` if every rank had the same, else
+        :meth:`explain_ledger` (every rank takes the same branch)."""
+        if self._ledger is None:
             return None
-        self._ledgers[0].check_alive()
-        return self._ledgers[0].digest
+        self._ledger.check_alive()
+        return self._ledger.digest
 
     def confirm_ledger(self) -> None:
-        self._ledgers[0].confirm()
+        self._ledger.confirm()
 
     def explain_ledger(self) -> None:
         with poison_on_error(self):
-            self._ledgers[0].explain()
+            self._ledger.explain()
 
     # ---- collectives ----------------------------------------------------------------------
     def _all_gather(self, outs, ins, async_op, label, where):
@@ -202,12 +197,9 @@ class TorchCollectives(BufferOps):
     def _native(self, fn, kind, reduce, outs, ins, recorded, async_op, label, finish=None, **kw):
         """One native collective ``fn`` per buffer, recorded once: coalesced into one launch on
         NCCL when there are several (the coalescing manager records ``fn``, the function this
-        torch expects); one op per buffer elsewhere (see [Note: two transports])."""
+        torch expects); one op per buffer elsewhere (see [Note: two transports]). A single rank
+        issues it too: on a one-GPU machine that is what runs NCCL's kernels, streams and waits."""
         self._record(0, kind, reduce, recorded, label)
-        if self._world == 1:
-            for o, i in zip(outs, ins):
-                o.copy_(i)
-            return self._result(_Work([]), async_op)
         if len(outs) == 1 or "nccl" not in self.backend:
             works = [fn(o, i, group=self.group, async_op=True, **kw) for o, i in zip(outs, ins)]
         else:
@@ -215,7 +207,7 @@ class TorchCollectives(BufferOps):
                 for o, i in zip(outs, ins):
                     fn(o, i, group=self.group, **kw)
             works = [cm]
-        return self._result(_Work(works, finish, self._ledgers), async_op)
+        return self._works(works, finish, async_op)
 
     def _torch_op(self, op):
         """torch's reduction for ``op``, and whether the result still needs dividing by the group
@@ -231,14 +223,13 @@ class TorchCollectives(BufferOps):
             if ch is None:
                 return self._result(_Work([]), async_op)
             return self._handle(_p2p.all_reduce(ch, tensor, op, self._call_args(label), self.timeout), async_op)
-        self._record(index, "all_reduce", op, [tensor], label)
-        if size == 1:
+        if index == 1 and self.replica_group is None:
             return self._result(_Work([]), async_op)
+        self._record(index, "all_reduce", op, [tensor], label)
         group = self.group if index == 0 else self.replica_group
         torch_op, divide = self._torch_op(op)
         w = dist.all_reduce(tensor, op=torch_op, group=group, async_op=True)
-        finish = (lambda: tensor.div_(size)) if divide else None
-        return self._result(_Work([w], finish, self._ledgers), async_op)
+        return self._works([w], (lambda: tensor.div_(size)) if divide else None, async_op)
 
     def all_reduce(self, tensor, *, op="sum", async_op=False, label=None):
         with poison_on_error(self):
@@ -254,12 +245,9 @@ class TorchCollectives(BufferOps):
                 return self._handle(_p2p.all_to_all(self._channels[0], output, input, list(output_splits),
                                                     list(input_splits), self._call_args(label), self.timeout), async_op)
             self._record(0, "all_to_all", None, [input], label, numel=-1)
-            if self._world == 1:
-                output.copy_(input)
-                return self._result(_Work([]), async_op)
             w = dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=self.group,
                                        async_op=True)
-            return self._result(_Work([w], None, self._ledgers), async_op)
+            return self._works([w], None, async_op)
 
     def all_gather_object(self, obj: Any, *, label=None) -> list[Any]:
         with poison_on_error(self):
@@ -285,13 +273,12 @@ class TorchCollectives(BufferOps):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.empty(size, dtype=torch.int64, device=self._device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=self._device)
-        _Work([_compat.all_gather_single(sizes, mine, group=group, async_op=True)], None, self._ledgers).wait()
+        self._works([_compat.all_gather_single(sizes, mine, group=group, async_op=True)], None, False)
         counts = sizes.tolist()
         padded = torch.zeros(max(counts), dtype=torch.uint8)
         padded[: data.numel()] = data
         out = torch.empty(size * padded.numel(), dtype=torch.uint8, device=self._device)
-        work = _compat.all_gather_single(out, padded.to(self._device), group=group, async_op=True)
-        _Work([work], None, self._ledgers).wait()
+        self._works([_compat.all_gather_single(out, padded.to(self._device), group=group, async_op=True)], None, False)
         raw = out.cpu().numpy().tobytes()
         return [pickle.loads(raw[r * padded.numel(): r * padded.numel() + n]) for r, n in enumerate(counts)]
 
@@ -303,17 +290,19 @@ class TorchCollectives(BufferOps):
                     if ch is not None:
                         _p2p.barrier(ch, args, self.timeout)
                 return
-            self._ledgers[0].check_alive()
             # an all-reduce of a tensor of our own, not dist.barrier: torch 2.11 keeps a group's last
             # barrier tensor alive for good (one byte that no state of ragged's accounts for)
-            dist.all_reduce(torch.zeros(1, device=self._device), group=self.group)
-            if self.num_replicas > 1:
-                dist.all_reduce(torch.zeros(1, device=self._device), group=self.replica_group)
+            for index in range(2):
+                self._all_reduce(torch.zeros(1, device=self._device), "sum", False, index, 0, label or "barrier")
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _works(self, works, finish, async_op):
+        """The works of one call as a handle (or waited, for a blocking call): see [Note: NCCL's
+        rules on gloo] in ``_gloo_device.py`` for what waiting and asking them means."""
+        return self._result(_Work([self._ledger.issued(w) for w in works], finish, self._ledger), async_op)
+
     def _result(self, work, async_op):
         if async_op:
-            work.on_device = "nccl" in self.backend
             return _Guarded(work, self)
         work.wait()
         return None
@@ -327,12 +316,10 @@ class TorchCollectives(BufferOps):
         return None
 
     def _record(self, index, op, reduce, tensors, label, *, numel=None):
-        led = self._ledgers[index]
-        if led is not None:
-            identity, text = self._call_args(label)
-            if numel is None:  # a coalesced call records each buffer's size: one split must not pass for another
-                numel = "+".join(str(t.numel()) for t in tensors) if len(tensors) > 1 else tensors[0].numel()
-            led.record(op, reduce, tensors[0].dtype, numel, identity, text)
+        identity, text = self._call_args(label)
+        if numel is None:  # a coalesced call records each buffer's size: one split must not pass for another
+            numel = "+".join(str(t.numel()) for t in tensors) if len(tensors) > 1 else tensors[0].numel()
+        self._ledger.record(index, op, reduce, tensors[0].dtype, numel, identity, text)
 
 
 def from_torch(group=None, *, plan_check: str | None = None, handshake: str | None = None,

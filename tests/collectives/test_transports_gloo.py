@@ -147,7 +147,7 @@ def test_a_header_mismatch_keeps_the_channel_only_when_every_message_matched(wor
 # ---- the deferred ledger ------------------------------------------------------------------------
 def _ledger_of(**kw):
     g = dist.new_group(list(range(dist.get_world_size())))
-    return _ledger.Ledger(g, torch.device("cpu"), every=0, timeout=5.0, **kw)
+    return _ledger.Ledger(g, None, torch.device("cpu"), every=0, timeout=5.0, **kw)
 
 
 def _ledger_agreement(differ: bool):
@@ -155,7 +155,7 @@ def _ledger_agreement(differ: bool):
     r, m = led.rank, led.size
     for i in range(5):
         numel = 7 + (1 if differ and i == 3 and r == m - 1 else 0)
-        led.record("all_gather", None, torch.float32, numel, 11, f"gather unit {i}")
+        led.record(0, "all_gather", None, torch.float32, numel, 11, f"gather unit {i}")
     try:
         led.verify()
         return "agreed", led.since, led.digest
@@ -177,7 +177,7 @@ def test_the_ledger_agrees_on_equal_calls_and_names_the_first_difference(workers
 def _ledger_poison():
     led = _ledger_of()
     r, m = led.rank, led.size
-    led.record("all_reduce", "sum", torch.float32, 4, 0, "warm up")  # starts the watcher
+    led.record(0, "all_reduce", "sum", torch.float32, 4, 0, "warm up")  # starts the watcher
     dist.barrier()
     if r == m - 1:
         led.poison("rank %d: bad batch" % r)
@@ -188,7 +188,7 @@ def _ledger_poison():
             time.sleep(0.05)
         seen = led.failure
     try:
-        led.record("all_reduce", "sum", torch.float32, 4, 0, "after")
+        led.record(0, "all_reduce", "sum", torch.float32, 4, 0, "after")
         refused = False
     except CollectiveError:
         refused = True
@@ -206,9 +206,10 @@ def test_a_poisoned_ledger_refuses_calls_and_its_peers_watchers_see_the_reason(w
 
 
 def test_first_difference_names_both_sides_or_says_the_records_ran_out():
-    a = (0, [(0, "all_gather|...|8", "gather unit a"), (1, "reduce_scatter|sum|8", "reduce unit a")])
-    b = (0, [(0, "all_gather|...|8", "gather unit a"), (1, "reduce_scatter|mean|8", "reduce unit b")])
+    a = (0, [(0, 0, "all_gather|...|8", "gather unit a"), (1, 0, "reduce_scatter|sum|8", "reduce unit a")])
+    b = (0, [(0, 0, "all_gather|...|8", "gather unit a"), (1, 1, "all_reduce|sum|8", "reduce unit a replicas")])
     msg = _ledger._first_difference([a, b], 0, truncated=False)
-    assert "collective #1 differs" in msg and "rank 0 called reduce unit a" in msg and "rank 1 called reduce unit b" in msg
+    assert "collective #1 differs" in msg and "rank 0 called reduce unit a on the shard group" in msg, msg
+    assert "rank 1 called reduce unit a replicas on the replica group" in msg, msg
     same = _ledger._first_difference([(0, a[1][:1]), (0, a[1][:1])], 1, truncated=True)
     assert "not within the last records kept" in same and "[1, 1]" in same

@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["agree", "Agreed", "agree_collectives", "everyone"]
+__all__ = ["agree", "Agreed", "agree_collectives", "everyone", "on_device"]
 
 
 class Agreed(NamedTuple):
@@ -58,7 +58,9 @@ def agree(comm, verdict=(), *, op: str = "max", explain: Callable[[list], Any] |
 
     Args:
         comm: the ranks that decide (the shard group, times its replicas).
-        verdict: this rank's numbers (ints: reduced as int64, exact to 63 bits; else float64).
+        verdict: this rank's numbers (ints: reduced as int64, exact to 63 bits; else float64),
+            or a 1-D int64 / float64 tensor on the comm's device (numbers still there, such as a
+            loss: read on the host only with the result, in the round's one sync).
         op: ``"max"`` or ``"sum"``.
         explain: ``explain(values) -> details | None``; details go to every rank.
         label: the calls' label (the same on every rank).
@@ -72,23 +74,35 @@ def agree(comm, verdict=(), *, op: str = "max", explain: Callable[[list], Any] |
         >>> rg.collectives.simulate(2, decide)
         [([1], ['rank 0', 'rank 1']), ([1], ['rank 0', 'rank 1'])]
     """
-    values = list(verdict)
+    values = verdict if isinstance(verdict, torch.Tensor) else list(verdict)
     scope = getattr(comm, "scope", None)
     if scope is not None:
         comm.scope = None
     try:
         calls = agree_collectives(comm, len(values))  # what it issues, said once
         if calls:
-            dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float64
-            t = torch.tensor(values, dtype=dtype, device=getattr(comm, "device", None))
+            t = values.clone() if isinstance(values, torch.Tensor) else on_device(values, getattr(comm, "device", None))
             for _, axis, _, _ in calls:
                 (comm.all_reduce if axis == "shard" else comm.all_reduce_replicas)(t, op=op, label=label)
             values = t.tolist()
+        elif isinstance(values, torch.Tensor):
+            values = values.tolist()
         detail = None if explain is None else explain(values)
         return Agreed(values, None if detail is None else comm.all_gather_object(detail))
     finally:
         if scope is not None:
             comm.scope = scope
+
+
+def on_device(values, device) -> torch.Tensor:
+    """``values`` (ints: int64, else float64) as a 1-D tensor on ``device``, without a host sync:
+    on CUDA copied from pinned memory behind the stream's earlier work (a pageable copy would make
+    the host wait for the device)."""
+    dtype = torch.int64 if all(isinstance(v, int) for v in values) else torch.float64
+    host = torch.tensor(values, dtype=dtype)
+    if device is None or torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def agree_collectives(comm, values: int) -> tuple[tuple[str, str, int, int], ...]:

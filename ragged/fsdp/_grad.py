@@ -32,7 +32,7 @@ import torch
 from ragged._dbuffer import DBuffer
 from ragged._errors import PlanMismatchError, RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
-from ragged.collectives._agree import agree
+from ragged.collectives._agree import agree, on_device
 from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
@@ -168,7 +168,7 @@ class ValueAndGrad:
                     ranks = [f"rank {r}: {s[2]}" for r, s in enumerate(seen) if s[2]]
                     raise RaggedError("loss_fn failed on another rank (every rank stops before any parameter "
                                       "changes): " + "; ".join(ranks or ["a rank of another data-parallel group"]))
-                if not verdict["used"].any():
+                if not any(verdict["used"]):
                     raise RaggedValueError(UNUSED_PARAMS_MSG)
                 if verdict["foreign"]:
                     shapes = [f"rank {r}: shape {s[3][0]}" for r, s in enumerate(seen) if s[3]]
@@ -229,8 +229,8 @@ class ValueAndGrad:
             paths = rec.trained
             got = verdict["used"][k : k + len(paths)]
             k += len(paths)
-            if not got.all():
-                unused[u.name] = frozenset(p for p, g in zip(paths, got.tolist()) if not g)
+            if not all(got):
+                unused[u.name] = frozenset(p for p, g in zip(paths, got) if not g)
         metrics = {
             **run.counts.metrics(),
             "largest_unit_bytes": max(lay.nbytes for lay in self.layouts),
@@ -271,12 +271,15 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
     late = [0.0] * len(run.units)
     for i, _ in obs.late:
         late[i] = 1.0
-    loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64)
     failed, foreign = failure is not None, bool(run.seen.foreign_grads())
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
-    head = [float(loss), float(failed), float(obs.deviated), float(foreign), float(exchange)]
-    assert len(head + late + used) == verdict_size(run.ctx.layouts)
-    v = agree(comm, head + late + used, op="sum", label="fsdp step: end of call").values
+    flags = [float(failed), float(obs.deviated), float(foreign), float(exchange)] + late + used
+    assert 1 + len(flags) == verdict_size(run.ctx.layouts)
+    # the loss stays on the device until the round's one host read (see [Note: host syncs of a step])
+    loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64,
+                                                                                          device=comm.device)
+    verdict = torch.cat([loss.reshape(1), on_device(flags, comm.device)])
+    v = agree(comm, verdict, op="sum", label="fsdp step: end of call").values
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:
         paths = [p for lay in run.ctx.layouts for p in lay.trained]
@@ -288,7 +291,7 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
                     v[h + nl + k] = w[h + nl + k]
             count *= axis_comm.world_size
     out = dict(zip(_HEAD, (x > 0 for x in v[:h])))
-    out.update(loss=v[0] / count, late=[i for i in range(nl) if v[h + i] > 0], used=torch.tensor(v[h + nl:]) > 0)
+    out.update(loss=v[0] / count, late=[i for i in range(nl) if v[h + i] > 0], used=[x > 0 for x in v[h + nl:]])
     return out
 
 

@@ -81,22 +81,26 @@ class GlooDevice:
                 raise CollectiveError(msg)
         if dw.errors:
             raise dw.errors[0]
-        dw.work.wait()  # finished: returns at once, or raises the collective's error
+        if dw.waiter is None:
+            dw.work.wait()  # its future is done: returns at once, or raises the collective's error
 
 
 class DeviceWork:
     """One gloo work under NCCL's rules (see [Note: NCCL's rules on gloo]). ``finished`` is set
-    when the collective has finished: by its future, or, for gloo's reduce-scatter, which has
-    none, by its untimed wait on a thread of its own."""
+    when the collective has finished: by its future, or, for a work without one (gloo's
+    reduce-scatter, point-to-point works), by its untimed wait on a thread of its own, the
+    ``waiter`` (such a work is waited once only: gloo's receive work waits for another message
+    when waited again)."""
 
-    __slots__ = ("work", "device", "finished", "errors", "_lag", "_waited")
+    __slots__ = ("work", "device", "finished", "errors", "waiter", "_lag", "_waited")
 
     def __init__(self, work, device: GlooDevice, lag: int):
         self.work, self.device, self._lag = work, device, lag
-        self.finished, self.errors, self._waited = threading.Event(), [], False
+        self.finished, self.errors, self._waited, self.waiter = threading.Event(), [], False, None
         future = future_of(work)
         if future is None:
-            threading.Thread(target=self._wait_untimed, name="ragged-wait", daemon=True).start()
+            self.waiter = threading.Thread(target=self._wait_untimed, name="ragged-wait", daemon=True)
+            self.waiter.start()
         else:
             future.add_done_callback(lambda _: self.finished.set())
 

@@ -62,7 +62,7 @@ class _Scratch:
     def __init__(self, keep: int = 2):
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._keep = keep
+        self.keep = keep  # free buffers kept per key (``step.lower`` walks the pool: ragged/predict/_timeline.py)
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A 1-D buffer of ``numel`` elements: a free one of that size given back on the current
@@ -83,7 +83,7 @@ class _Scratch:
             t.record_stream(stream)
         with self._lock:
             free = self._free.setdefault((t.numel(), t.dtype, str(t.device), stream), [])
-            if len(free) < self._keep:
+            if len(free) < self.keep:
                 free.append(t)
 
 

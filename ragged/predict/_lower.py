@@ -30,7 +30,8 @@ Everything comes from values the step already holds and that decide what a real 
   (``_timeline.walk``), with the flat gradient buffer of a unit alive from its first
   gradient's segment until its reduce-scatter is waited (at the latest: ``max_inflight_reduce``
   later; the runtime may finish one earlier), a quantized collective's scratch while it is in
-  flight (see [Note: the wire scratch in the timeline]), and the model's own bytes at each point
+  flight and the free buffers the scratch pool keeps for the next one (see [Note: the wire scratch
+  in the timeline]), and the model's own bytes at each point
   (``activations``: saved tensors, temporaries, leaf gradients), which do not depend on the world
   size but not on shapes alone either: measured once on one device by
   :func:`~ragged.predict.profile_activations` (see [Note: measuring activations on one device]);
@@ -83,6 +84,9 @@ class MemoryAnalysis:
             flight hold at once (``wire_scratch``: each all-gather's ``B + m * B`` bytes, each
             reduce-scatter's ``2 * m * B``, see [Note: the wire scratch in the timeline]), with
             reduce-scatters waited late and early as above; 0 without quantized collectives.
+        retained_scratch_bytes: the free scratch buffers the pool keeps from one step to the next
+            (up to two per size, and on CUDA per stream: [Note: one scratch pool]); ``peak_parts``
+            counts those free at the peak as ``scratch_pool``.
         assumed: which numbers are assumed, not derived.
 
     Examples:
@@ -111,6 +115,7 @@ class MemoryAnalysis:
     peak_grad_bytes_low: int
     peak_scratch_bytes: int = 0
     peak_scratch_bytes_low: int = 0
+    retained_scratch_bytes: int = 0
     assumed: tuple[str, ...] = ()
 
 
@@ -225,7 +230,8 @@ class Lowered:
                               peak_bytes_low=persistent + int(round(least)) + workspace_bytes, peak_at=(unit, phase), peak_parts=parts,
                               peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
                               peak_grad_bytes_low=early["grad_buffers"], peak_scratch_bytes=peaks["wire_scratch"],
-                              peak_scratch_bytes_low=early["wire_scratch"], assumed=tuple(assumed))
+                              peak_scratch_bytes_low=early["wire_scratch"], retained_scratch_bytes=peaks["retained_scratch"],
+                              assumed=tuple(assumed))
 
     def estimate_time(self, network, **kwargs) -> TimeEstimate:
         """Step time from an alpha-beta ``network``: see :func:`ragged.predict._time.estimate_time`."""

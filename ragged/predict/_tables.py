@@ -36,8 +36,9 @@ def print_predict(results, args, console) -> None:
     console.print(table)
     steps = Table(title="ragged's step per rank", header_style="bold", title_justify="left")
     kinds = ("activations", "gathered", "grad_buffers", "reduce_copies", "grad_shards")
-    if any(r["peak_parts"].get("wire_scratch") for r in results):  # a quantized collective's, at the peak
-        kinds += ("wire_scratch",)
+    for kind in ("wire_scratch", "scratch_pool"):  # a quantized collective's, at the peak
+        if any(r["peak_parts"].get(kind) for r in results):
+            kinds += (kind,)
     for col in ("m", "mesh", "optimizer", "peak GiB", "peak at", " / ".join(k.replace("_", " ") for k in kinds) + " GiB",
                 "collectives (calls)", "lowering s"):
         steps.add_column(col, justify="right")

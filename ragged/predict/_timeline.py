@@ -4,7 +4,10 @@ the transient memory, point by point (``_time.py`` into a step time)."""
 
 from __future__ import annotations
 
-from ragged.transforms._quantized import unit_scratch_bytes
+import collections
+
+from ragged.collectives._scratch import SCRATCH
+from ragged.transforms._quantized import unit_scratch_buffers
 
 __all__ = ["walk", "timeline"]
 
@@ -46,19 +49,50 @@ def walk(lowered):
     yield ("end",)
 
 
+class _ScratchPool:
+    """The free buffers the scratch pool keeps, by key, as the runtime takes and gives them back
+    (see [Note: one scratch pool] in ``ragged/collectives/_scratch.py``): up to ``SCRATCH.keep`` per
+    size (and, on CUDA, stream), kept for the next call and the next step."""
+
+    def __init__(self):
+        self.free = collections.Counter()
+
+    def take(self, keys):
+        for key in keys:
+            if self.free[key]:
+                self.free[key] -= 1
+
+    def give(self, keys):
+        for key in keys:
+            if self.free[key] < SCRATCH.keep:
+                self.free[key] += 1
+
+    def nbytes(self) -> int:
+        return sum(key[0] * n for key, n in self.free.items())
+
+
 class _Live:
     """The transient bytes alive by kind while :func:`timeline` walks the program, and the points
     noted so far (see [Note: the wire scratch in the timeline])."""
 
-    def __init__(self, lowered, early: bool):
-        self.lays, self.early = lowered.layouts, early
+    def __init__(self, lowered, early: bool, pool: _ScratchPool):
+        self.lays, self.early, self.pool = lowered.layouts, early, pool
         self.inflight = lowered.step.value_and_grad.max_inflight_reduce
         self.live = {"gathered": 0, "grad_buffers": 0, "reduce_copies": 0, "grad_shards": 0, "wire_scratch": 0,
-                     "activations": 0}
+                     "scratch_pool": pool.nbytes(), "activations": 0}
         self.alive, self.grads, self.pending, self.shards_done = set(), set(), [], set()
+        self.released = set()  # pending reduce-scatters whose gradient buffer went back early
         self.points, self.peaks = [], {"gathered": 0, "grad_buffers": 0, "wire_scratch": 0}
-        self.scratch = [unit_scratch_bytes(lowered.units[lay.name].plan, lay) for lay in self.lays]
+        cuda = getattr(getattr(lowered.step.comm, "device", None), "type", None) == "cuda"
+        self.scratch = [tuple(tuple((n, stream if cuda else None) for n in bufs)  # the pool's keys
+                              for stream, bufs in zip(("gather", "reduce"), unit_scratch_buffers(lowered.units[lay.name].plan, lay)))
+                        for lay in self.lays]
         self.in_flight = {}  # unit -> its all-gather's scratch, until the runtime waits it
+
+    def _scratch(self, keys, take: bool):
+        (self.pool.take if take else self.pool.give)(keys)
+        self.live["wire_scratch"] += (1 if take else -1) * sum(n for n, _ in keys)
+        self.live["scratch_pool"] = self.pool.nbytes()
 
     def note(self, unit, phase, model=None):
         if model is not None:
@@ -70,13 +104,14 @@ class _Live:
     def waited(self, units):
         """The runtime waits these units' all-gathers: their scratch goes back to the pool."""
         for i in units:
-            self.live["wire_scratch"] -= self.in_flight.pop(i, 0)
+            if i in self.in_flight:
+                self._scratch(self.in_flight.pop(i), take=False)
 
     def gather(self, i):
         self.waited((i,))  # a unit gathered again: its previous all-gather is waited first
         if self.scratch[i][0]:
             self.in_flight[i] = self.scratch[i][0]
-            self.live["wire_scratch"] += self.scratch[i][0]
+            self._scratch(self.scratch[i][0], take=True)
         if i not in self.alive:
             self.alive.add(i)
             self.live["gathered"] += self.lays[i].nbytes
@@ -106,7 +141,7 @@ class _Live:
             live["grad_buffers"] -= self.lays[i].grad_nbytes
             live["reduce_copies"] += self.rcopy(i)
         self.pending.append(i)
-        live["wire_scratch"] += self.scratch[i][1]
+        self._scratch(self.scratch[i][1], take=True)
         if i not in self.shards_done:  # the reduce-scatter's output, from its start
             self.shards_done.add(i)
             gp = self.lays[i].grad_plan
@@ -117,15 +152,23 @@ class _Live:
 
     def finish_oldest(self):
         i = self.pending.pop(0)
-        self.live["wire_scratch"] -= self.scratch[i][1]
+        self._scratch(self.scratch[i][1], take=False)
         if self.rcopy(i):
             self.live["reduce_copies"] -= self.rcopy(i)
+        elif i in self.released:
+            self.released.discard(i)
         else:
             self.live["grad_buffers"] -= self.lays[i].grad_nbytes
 
     def settle(self):
-        while self.early and self.pending:
-            self.finish_oldest()
+        """``early``: the device has run every pending reduce-scatter by the next point, so their
+        gradient buffers are back (their copies, scratch and shards go where the program finishes
+        them: see [Note: when a flat gradient buffer is freed] in ``ragged/fsdp/_reducing.py``)."""
+        if self.early:
+            for i in self.pending:
+                if not self.rcopy(i) and i not in self.released:
+                    self.released.add(i)
+                    self.live["grad_buffers"] -= self.lays[i].grad_nbytes
 
 
 def timeline(lowered, *, early: bool = False):
@@ -133,9 +176,11 @@ def timeline(lowered, *, early: bool = False):
     ``(unit, phase, parts)`` where ``parts`` are the bytes alive by kind at that point (see
     [Note: lowering a step]): after a forward entry's gathers, while it computes; in a backward
     segment before and after the runtime first acts inside it; at a reduce-scatter
-    (``activations``: the model's own bytes there, from ``lowered.activations``). ``early``: every reduce-scatter is done
-    by the next point (the least memory the runtime can reach); default: waited only when
-    ``max_inflight_reduce`` forces it (the most).
+    (``activations``: the model's own bytes there, from ``lowered.activations``). ``early``: every
+    reduce-scatter has run by the next point, its gradient buffer given back (the least memory the
+    runtime can reach); default: only when ``max_inflight_reduce`` forces it (the most). A step
+    after the first: the scratch pool starts with what the step before kept (``scratch_pool``), and
+    ``peaks["retained_scratch"]`` is what it keeps after the step.
 
     [Note: the wire scratch in the timeline]
     A quantized collective holds scratch from its start until the runtime waits it
@@ -153,10 +198,20 @@ def timeline(lowered, *, early: bool = False):
     the scratch back as soon as the collective and its decode are queued on the side stream
     (see [Note: scratch across streams] in ``ragged/collectives/_scratch.py``), and the next
     collective on that stream reuses it, so the count is an upper bound there. Not counted: the
-    encode's and decode's float32 temporaries (kernel workspace) and the free buffers the scratch
-    pool keeps for the next call (up to two per size and stream, see [Note: one scratch pool])."""
+    encode's and decode's float32 temporaries (kernel workspace). The free buffers the scratch
+    pool keeps between calls (up to two per size, and on CUDA per stream, see [Note: one scratch
+    pool]) are counted apart, as ``scratch_pool``: the pool is walked through the step's takes and
+    gives, once from empty and again from what it kept, as every step after the first starts; what
+    it keeps at the end is ``retained_scratch``. Not walked: gloo's header transport's own staging
+    buffers (the same pool, CPU only)."""
+    pool = _ScratchPool()
+    _walk_memory(lowered, early, pool)  # the first step, from an empty pool
+    return _walk_memory(lowered, early, pool)
+
+
+def _walk_memory(lowered, early: bool, pool: _ScratchPool):
     sched, act, k = lowered.schedule, lowered.activations, lowered.step.micro_batches
-    mem, post, loss_reads = _Live(lowered, early), None, ()
+    mem, post, loss_reads = _Live(lowered, early, pool), None, ()
     for action, *args in walk(lowered):
         if post is not None and action not in ("grad_buffer", "gather"):  # the segment once those are in
             mem.note(*post)
@@ -191,4 +246,4 @@ def timeline(lowered, *, early: bool = False):
         mem.finish_oldest()
     mem.waited(list(mem.in_flight))
     mem.note(None, "end of backward")
-    return mem.points, mem.peaks
+    return mem.points, {**mem.peaks, "retained_scratch": pool.nbytes()}

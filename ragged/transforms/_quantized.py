@@ -33,7 +33,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
-__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "unit_scratch_bytes", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "unit_scratch_buffers", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
 
 
 class _Decoding:
@@ -248,9 +248,9 @@ def unit_wire_bytes(plan, layout) -> tuple[int | None, int | None]:
     return tuple(None if w is None else w.nbytes for w in unit_wires(plan, layout))
 
 
-def unit_scratch_bytes(plan, layout) -> tuple[int, int]:
-    """``(gather, reduce-scatter)`` scratch bytes one unit's quantized collectives hold while in
-    flight (0 where not quantized): what ``step.lower``'s memory timeline counts."""
+def unit_scratch_buffers(plan, layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The scratch buffers (bytes each) one unit's quantized all-gather and reduce-scatter take
+    from the pool while in flight (none where not quantized): what ``step.lower``'s memory
+    timeline walks."""
     gather, reduce = unit_wires(plan, layout)
-    return (0 if gather is None else sum(gather_scratch(gather)),
-            0 if reduce is None else sum(reduce_scatter_scratch(reduce)))
+    return (() if gather is None else gather_scratch(gather), () if reduce is None else reduce_scatter_scratch(reduce))

@@ -111,3 +111,6 @@ def test_the_lowering_counts_the_quantized_collectives_exactly(workers2):
     out = workers2.run(_lowered, Case(moe=True))
     check(out)
     assert all(o["calls"][("all_to_all", "shard")][0] > 0 and o["metrics"]["peak_scratch_bytes"] > 0 for o in out)
+    # what the scratch pool keeps for the next step (issue 44, item 7): walked exactly
+    assert all(o["metrics"]["retained_scratch_bytes"] == o["predicted"]["retained_scratch_bytes"] > 0 for o in out), \
+        [(o["metrics"]["retained_scratch_bytes"], o["predicted"]["retained_scratch_bytes"]) for o in out]

@@ -55,6 +55,7 @@ class ScratchMeter:
             here.mine[id(buf)] = buf.numel() * buf.element_size()
             here.held += here.mine[id(buf)]
             here.peak = max(here.peak, here.held)
+            here.taken[id(buf)] = buf
         return buf
 
     def give(self, buf):
@@ -66,11 +67,16 @@ class ScratchMeter:
     def start(self):
         """Counts this thread's takes from now on."""
         self._local.active, self._local.held, self._local.peak, self._local.mine = True, 0, 0, {}
+        self._local.taken = {}
 
-    def stop(self) -> int:
-        """Stops counting; the most bytes held at once since :meth:`start`."""
+    def stop(self) -> tuple[int, int]:
+        """Stops counting; the most bytes held at once since :meth:`start`, and the bytes of the
+        buffers taken since that the pool keeps free now (one process's pool: meaningful where the
+        ranks are processes, not threads sharing it)."""
         self._local.active = False
-        return self._local.peak
+        taken = self._local.taken
+        kept = sum(b.numel() * b.element_size() for free in self._real._free.values() for b in free if id(b) in taken)
+        return self._local.peak, kept
 
     @classmethod
     @contextlib.contextmanager
@@ -130,7 +136,7 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
             if counted:
                 meter.start()
             state, metrics = step(state, rank_slice(task.batch(s, case.batch), index, total))
-        scratch = meter.stop()
+        scratch, kept = meter.stop()
     counter.active = None
     lowered = step.lower(schedule=CollectiveSchedule.initial(len(units)) if first_call else None)
     mem, cost = lowered.memory_analysis(), lowered.cost_analysis()
@@ -144,10 +150,11 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         "predicted_calls": {(c.kind, c.axis): (c.calls, c.bytes) for c in cost.collectives},
         "predicted_objects": cost.objects,
         "metrics": {**{k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "num_gathers", "num_reduces")},
-                    "peak_scratch_bytes": scratch},
+                    "peak_scratch_bytes": scratch, "retained_scratch_bytes": kept},
         "predicted": {"peak_gathered_bytes": mem.peak_gathered_bytes, "peak_grad_bytes": mem.peak_grad_bytes,
                       "peak_grad_bytes_low": mem.peak_grad_bytes_low, "peak_scratch_bytes": mem.peak_scratch_bytes,
                       "peak_scratch_bytes_low": mem.peak_scratch_bytes_low,
+                      "retained_scratch_bytes": mem.retained_scratch_bytes,
                       "num_gathers": cost.get("all_gather").calls,
                       "num_reduces": sum(u["reduces"] for u in cost.per_unit.values())},
         "frozen_units": [u.name for u in units if u.trainable_plan is None],

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._dbuffer import DBuffer, leaf_positions
+from ragged._divide import divisor
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
@@ -287,8 +288,8 @@ def reduce_over_data_groups(unit, grad, data_groups: Sequence[DataGroup]) -> Non
     for group in data_groups:
         all_reduce_leaves(group.comm, grad.data, grad.replicated, grad.plan, grad.rank,
                           picked_leaves(unit, group.is_replicated))
-        grad.data.div_(group.comm.world_size)
-        grad.replicated.div_(group.comm.world_size)
+        grad.data.div_(divisor(grad.data, group.comm.world_size))  # see [Note: a division every device rounds alike]
+        grad.replicated.div_(divisor(grad.replicated, group.comm.world_size))
 
 
 # ---- parameters without a gradient (see [Note: parameters without a gradient]) --------------------

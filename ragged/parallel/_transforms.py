@@ -25,6 +25,7 @@ import optree
 import torch
 
 from ragged._dbuffer import DBuffer, norm
+from ragged._divide import divisor
 from ragged._errors import RaggedValueError
 from ragged.fsdp._step import DataGroup
 from ragged.parallel._parts import check_mplan, parts
@@ -186,9 +187,9 @@ def _reduce_scatter(
         n *= comm.world_size
         picked = frozenset(ml.index for ml in mplan.leaves if a in ml.replicated_on)
         all_reduce_leaves(comm, data, rep, mplan.plan, fsdp.rank, picked)
-    if op == "mean" and n > 1:
-        data.div_(n)
-        rep.div_(n)
+    if op == "mean" and n > 1:  # see [Note: a division every device rounds alike]
+        data.div_(divisor(data, n))
+        rep.div_(divisor(rep, n))
     return out
 
 

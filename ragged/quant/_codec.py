@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from ragged._divide import divisor
 from ragged._errors import LayoutError, RaggedTypeError
 from ragged.quant._format import Format
 
@@ -125,8 +126,8 @@ def quantize_run(x: torch.Tensor, cols: int, fmt: Format, *, codes=None, scales=
 
 def _scale(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     """One float32 scale per block from its ``amax`` (see [Note: the formats, pinned])."""
-    if fmt.kind != "mxfp8":
-        scale = torch.div(amax, fmt.qmax)
+    if fmt.kind != "mxfp8":  # divided on every device (see [Note: a division every device rounds alike])
+        scale = torch.div(amax, divisor(amax, fmt.qmax))
         return torch.where(scale == 0, torch.ones_like(scale), scale)
     # floor(log2(amax)) exactly, subnormals included: frexp's mantissa is in [0.5, 1)
     exponent = torch.frexp(amax).exponent - 1 - 8

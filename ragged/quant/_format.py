@@ -7,7 +7,8 @@ per block. Everything is computed in float32 (a float64 or bf16 tensor is cast t
 first), so any two implementations of these rules agree bit for bit:
 
 * ``fp8(block=(r, c))``: e4m3 codes (``torch.float8_e4m3fn``); scale = ``amax(|block|) / 448``
-  in float32, and 1.0 where that is 0 (an all-zero block, or one so small that ``amax / 448``
+  in float32 (a correctly rounded division on every device: [Note: a division every device
+  rounds alike] in ``ragged/_divide.py``), and 1.0 where that is 0 (an all-zero block, or one so small that ``amax / 448``
   underflows float32: its codes are then all 0); codes = ``(x / scale).clamp(-448, 448)`` cast
   to e4m3 (round to nearest even; clamping first because devices differ on overflow). This is
   DeepSeek-V3's tile format (128 x 128 weights, 1 x 128 activations).

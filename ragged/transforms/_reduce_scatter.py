@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ragged._dbuffer import DBuffer, leaf_positions, local_gaps, segments
+from ragged._divide import divisor
 from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
@@ -226,10 +227,10 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
         comm.all_reduce_replicas(out, op="sum")
         if rep.numel():
             comm.all_reduce_replicas(rep, op="sum")
-    if op == "mean":
+    if op == "mean":  # divided on every device (see [Note: a division every device rounds alike])
         n = comm.world_size * replicas
-        out.div_(n)
-        rep.div_(n)
+        out.div_(divisor(out, n))
+        rep.div_(divisor(rep, n))
     if zero_padding:  # a flat gradient's padding need not be zero; the result's must
         for lo, hi in local_gaps(plan, comm.rank):
             out[lo:hi].zero_()

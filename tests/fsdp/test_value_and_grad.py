@@ -12,6 +12,7 @@ import torch
 import ragged as rg
 from ragged import fsdp
 from ragged.examples.data import rank_slice
+from tests._cuda_division import cuda_division
 from tests.fsdp._cases import (cross_entropy, logits_of, max_diff, moe_batches, tiny_moe, train_reference,
                                train_sharded)
 
@@ -253,6 +254,33 @@ def test_data_groups_are_taken_as_pairs():
     units = fsdp.make_units({"w": torch.ones(2, 2)}, world_size=1)
     with pytest.raises(rg.RaggedTypeError, match=r"make_step: data_groups entries are \(comm, is_replicated"):
         fsdp.make_step(units, lambda p, x: p["w"].sum(), rg.optim.sgd(0.1), None, data_groups=[object()])
+
+
+def _xs(rank):
+    g = torch.Generator().manual_seed(rank)
+    return {"w": torch.randn(6, 2, generator=g, dtype=torch.float64), "b": torch.randn(2, generator=g, dtype=torch.float64)}
+
+
+def _one_sgd_step_over_a_data_group_of_three(mc):
+    params = {"w": torch.zeros(6, 2, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+    units = fsdp.make_units(params, world_size=1, groups=lambda p: p)
+    shards = rg.shard(units, params, mc["dp"])
+    opt = rg.optim.sgd(1.0)
+    step = fsdp.make_step(units, lambda p, x: (p["w"] * x["w"]).sum() + (p["b"] * x["b"]).sum(), opt, mc["dp"],
+                          data_groups=[(mc["rep"], lambda path: True)])
+    with cuda_division():  # the mean as a GPU would divide: see [Note: a division every device rounds alike]
+        state, _ = step(fsdp.TrainState(shards, opt.init(shards)), _xs(mc.coords["rep"]))
+    return rg.gather(units, state.shards, mc["dp"])
+
+
+def test_a_data_group_s_mean_is_the_true_quotient():
+    """One SGD step (lr 1, from zero) over a data group of 3: every parameter is minus the
+    rank-order sum of the gradients divided by 3, correctly rounded on every device."""
+    from ragged import parallel, spec
+
+    want = rg.pytree.map(lambda a, b, c: -((a + b + c) / 3), *[_xs(r) for r in range(3)])
+    for got in parallel.simulate_mesh(spec.Mesh((1, 3), ("dp", "rep")), _one_sgd_step_over_a_data_group_of_three):
+        assert all(torch.equal(got[k], want[k]) for k in want), got
 
 
 @pytest.mark.parametrize("make", [lambda d: rg.optim.adamw(0.1, donate=d), lambda d: rg.optim.sgd(0.1, donate=d),

@@ -11,6 +11,7 @@ import torch
 
 import ragged as rg
 from ragged import parallel, spec
+from tests._cuda_division import cuda_division
 from tests.parallel._cases import (
     STEPS,
     batches_per_step,
@@ -271,17 +272,18 @@ def _mean_vs_sum(mc, mplan):
     g = rg.pytree.map(lambda t: torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(mc.rank)),
                       mplan.part_meta())
     g = rg.pytree.map(lambda t: t.to(torch.float64), g)
-    mean = rg.reduce_scatter(mplan, g, mc, op="mean", data_axes=("ep",))
+    with cuda_division():  # the mean as a GPU would divide: see [Note: a division every device rounds alike]
+        mean = rg.reduce_scatter(mplan, g, mc, op="mean", data_axes=("ep",))
     total = rg.reduce_scatter(mplan, g, mc, op="sum", data_axes=("ep",))
     return mean.data, total.data, mean.replicated, total.replicated
 
 
 def test_reduce_scatter_mean_divides_by_fsdp_times_data_axes():
-    mplan = _mplan("ep")
+    """The mean is the sum over dp (3) and ep (2) divided by 6, correctly rounded on every device."""
+    mplan = _mplan("ep", shape=(3, 2))
     for mean, total, rmean, rtotal in parallel.simulate_mesh(mplan.mesh, _mean_vs_sum, mplan):
-        torch.testing.assert_close(mean, total / 4, rtol=1e-14, atol=0)
-        torch.testing.assert_close(rmean, rtotal / 4, rtol=1e-14, atol=0)
-        assert total.abs().sum() > 0
+        assert torch.equal(mean, total / 6) and torch.equal(rmean, rtotal / 6)
+        assert total.abs().sum() > 0 and rtotal.abs().sum() > 0
 
 
 def test_hsdp_x_tp_training_equals_single_process():

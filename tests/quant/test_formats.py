@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import ragged as rg
 from ragged.quant import _codec
+from tests._cuda_division import cuda_division
 
 E4M3 = torch.float8_e4m3fn
 FORMATS = [rg.quant.fp8(block=(2, 4)), rg.quant.int8(block=(2, 4)), rg.quant.mxfp8(block=4)]
@@ -47,6 +48,24 @@ def test_fp8_subnormal_amax_keeps_a_subnormal_scale():
     codes, scales = _q([[amax, amax / 2]], rg.quant.fp8(block=(1, 2)))
     assert scales.item() == torch.tensor(amax).div(448).item() > 0
     assert codes.float().tolist() == [[448.0, 224.0]]
+
+
+@pytest.mark.parametrize("fmt, amax", [
+    (rg.quant.fp8(block=(1, 2)), [3.0, 11.0, 0.3, 9.0 * 2.0**-20, 13.0 * 2.0**40, 65504.0]),
+    (rg.quant.int8(block=(1, 2)), [9.0, 13.0, 143.0, 175.0 * 2.0**-100, 9.0 * 2.0**-20, 13.0 * 2.0**40]),
+], ids=["fp8", "int8"])
+def test_scales_are_the_true_quotient_where_a_gpu_would_multiply_by_the_reciprocal(fmt, amax):
+    """amax values whose ``amax / q`` and ``amax * fp32(1 / q)`` differ in float32: the scales are
+    the correctly rounded quotient also under CUDA's division by a host scalar (emulated: see
+    [Note: a division every device rounds alike] in ragged/_divide.py)."""
+    amax, q = torch.tensor(amax), fmt.qmax
+    product = amax * (torch.ones(()) / q)
+    assert torch.all(amax / q != product)  # crafted: every one differs
+    x = torch.stack([amax, -amax / 3], dim=1)
+    with cuda_division() as seen:
+        _, scales = rg.quant.quantize(x, fmt)
+    assert torch.equal(scales.reshape(-1), (amax.double() / q).float())  # float64 then rounded: the true quotient
+    assert seen.count == 0  # no division by a host scalar left in quantize
 
 
 def test_mxfp8_scale_is_a_floor_power_of_two_clamped_to_e8m0():

@@ -20,7 +20,8 @@ block's new absmax and encodes both moments:
 rounded to float32.) The fp32 moments of the leaves that are not quantized take ``m * b1`` for
 the first product.
 
-It runs over chunks of whole blocks (on a CPU, sized for the cache). Only single-rounding
+It runs over chunks of whole blocks, with scratch bounded whatever the shard's size ([Note: the
+update's scratch] in ``_quant8_state.py``). Only single-rounding
 float32 ops in this order -- never lerp / addcmul / add(alpha=), whose vectorised and scalar-tail
 paths may differ by an FMA -- and a correctly rounded square root, so the state never depends on
 where an element sits in the buffer, nor on the world size. Small and non-block leaves and
@@ -41,6 +42,7 @@ from ragged.optim._quant8_state import (
     Quant8Moments,
     ScaleByAdam8bitState,
     adam8bit_leaf_state,
+    chunk_limit,
     chunks,
     init_moments,
     shard_layout,
@@ -70,24 +72,23 @@ def _check_dbuffers(tree, what: str) -> None:
 
 
 class _Hyper:
-    """The scalars of one step: ``hp`` (float32, each computed in float64 and rounded once;
-    indexed as in ``_quant8_fused``) and the flags that select the formula's optional terms."""
+    """The scalars of one step: ``hp`` (:class:`~ragged.optim._quant8_fused.Scalars`: each
+    computed in float64 and rounded once to float32; those of the step count on its device, the
+    rest Python floats: no host sync) and the flags that select the formula's optional terms."""
 
     def __init__(self, b1, b2, eps, count, decay, lr):
-        t = count.to(torch.float64)
-        c = lambda x: torch.as_tensor(x, dtype=torch.float64, device=count.device)  # noqa: E731
-        lr_t = c(1.0) if lr is None else torch.as_tensor(lr, device=count.device).to(torch.float64)
-        c1, c2 = 1.0 - b1**t, torch.sqrt(1.0 - b2**t)
-        parts = [c(b1), c(1.0 - b1), c(b2), c(1.0 - b2), eps * c2, c2 / c1, c(decay or 0.0), lr_t]
-        self.hp = torch.stack(parts).to(torch.float32)
         self.flags = dict(decay=decay is not None, lr=lr is not None, zero_eps=eps == 0)
+        t = count.to(torch.float64)
+        c1, c2 = 1.0 - b1**t, torch.sqrt(1.0 - b2**t)
+        lr = 1.0 if lr is None else (lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr)
+        self.hp = fused.Scalars.of(b1, b2, decay or 0.0, lr, eps=eps * c2, scale=c2 / c1)
         self._on: dict = {}
 
     def on(self, device) -> fused.Scalars:
-        """``hp`` on ``device`` (copied once per device)."""
+        """``hp`` on ``device`` (its tensors copied once per device)."""
         key = str(device)
         if key not in self._on:
-            self._on[key] = fused.Scalars(self.hp.to(device))
+            self._on[key] = self.hp.to(device)
         return self._on[key]
 
 
@@ -108,36 +109,41 @@ def _step_buffer(g: DBuffer, mom: Quant8Moments, p: DBuffer | None, h: _Hyper, *
         new_scales = tuple(torch.empty_like(t) for t in scales)
     for lo, hi in local_gaps(g.plan, g.rank):  # the padding
         out[lo:hi].zero_()
+    limit = chunk_limit(dev.type)
     pieces = [c for q in lay.qpieces for c in chunks(q, dev.type)]
+    grep = g.replicated.to(torch.float32)
+    ws = Workspace(max([c.numel for c in pieces] + [min(n, limit) for n in (lay.num_fp32, grep.numel())]), dev)
     if pieces:
-        ws = Workspace(max(c.numel for c in pieces), dev)
         cm, cv = codec(True, dev), codec(False, dev)
         decayed = (scales[0] * hp[fused.B1], scales[1] * hp[fused.B2])  # (before new_scales overwrites scales)
         for c in pieces:
             fused.chunk_update(c, gdata, pdata, out, codes, decayed, new_codes, new_scales, hp, cm, cv, ws, **h.flags)
-    mu_fp32, nu_fp32 = mom.mu_fp32, mom.nu_fp32
-    if lay.num_fp32:
-        mu_fp32, nu_fp32, u = _adam(mu_fp32, nu_fp32, gdata, pdata, lay.fp32_index, hp, h, in_place)
-        out.index_copy_(0, lay.fp32_index, u)
+    mu_fp32, nu_fp32 = _adam(mom.mu_fp32, mom.nu_fp32, gdata, pdata, lay.fp32_index, out, hp, h, in_place, ws, limit)
     prep = None if pdata is None else p.replicated.detach().to(torch.float32)
-    mu_rep, nu_rep, u_rep = _adam(mom.mu_rep, mom.nu_rep, g.replicated.to(torch.float32), prep, None, hp, h, in_place)
+    u_rep = torch.empty(grep.shape, dtype=torch.float32, device=dev)
+    mu_rep, nu_rep = _adam(mom.mu_rep, mom.nu_rep, grep, prep, None, u_rep, hp, h, in_place, ws, limit)
     new = Quant8Moments(*new_codes, *new_scales, mu_fp32, nu_fp32, mu_rep, nu_rep)
     wide = lambda t: torch.promote_types(t.dtype, torch.float32)  # noqa: E731  (bf16 grads: fp32 updates)
     return g.replace(data=out.to(wide(g.data)), replicated=u_rep.to(wide(g.replicated))), new
 
 
-def _adam(mu, nu, g, p, index, hp, h: _Hyper, in_place: bool):
-    """The fp32 moments' step (elements ``index`` of ``g`` and ``p``, or all of them):
-    ``(new mu, new nu, update)``; the moments in place when ``in_place``."""
-    if index is not None:
-        g = g.index_select(0, index)
-        p = None if p is None else p.index_select(0, index)
+def _adam(mu, nu, g, p, index, out, hp, h: _Hyper, in_place: bool, ws: Workspace, limit: int):
+    """The fp32 moments' step over elements ``index`` of ``g``, ``p`` and ``out`` (all of them when
+    ``None``), ``limit`` at a time with scratch ``ws``: writes their updates into ``out`` and
+    returns ``(new mu, new nu)``, updated in place when ``in_place``."""
     m, v = (mu, nu) if in_place else (mu.clone(), nu.clone())
-    m.mul_(hp[fused.B1])
-    v.mul_(hp[fused.B2])
-    u = torch.empty_like(m)
-    fused.adam_into(m, v, g, p, hp, u, torch.empty_like(m), **h.flags)
-    return m, v, u
+    for lo in range(0, m.numel(), limit):
+        hi = min(lo + limit, m.numel())
+        mc, vc, n = m[lo:hi].mul_(hp[fused.B1]), v[lo:hi].mul_(hp[fused.B2]), hi - lo
+        tmp = ws.acc[:n].view(torch.float32)  # int32 scratch, read as float32
+        if index is None:
+            fused.adam_into(mc, vc, g[lo:hi], None if p is None else p[lo:hi], hp, out[lo:hi], tmp, **h.flags)
+            continue
+        at = index[lo:hi]
+        gc = torch.index_select(g, 0, at, out=ws.a[:n])
+        pc = None if p is None else torch.index_select(p, 0, at, out=ws.b[:n])
+        out.index_copy_(0, at, fused.adam_into(mc, vc, gc, pc, hp, ws.c[:n], tmp, **h.flags))
+    return m, v
 
 
 def _check_state(flat_g, flat_m, min_size) -> None:

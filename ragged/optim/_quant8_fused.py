@@ -17,7 +17,7 @@ an element sits in the buffer or on the world size. Never ``lerp``, ``addcmul`` 
 ``add(alpha=)``: their vectorised and scalar-tail paths may differ by an FMA. ``x + s * t`` is
 one ``addcdiv(x, t, 1, value=s)`` on the CPU (``x + (s * t) / 1``: a division and an addition
 never fuse) and a product then a sum elsewhere (CUDA's ``addcdiv`` is one FMA). The square root
-is correctly rounded (:func:`sqrt_into`). ``tests/optim/test_quant8.py`` checks every code,
+is correctly rounded (:func:`sqrt_into`; the form per device: :func:`root_form`). ``tests/optim/test_quant8.py`` checks every code,
 scale and parameter against the formula written out leaf by leaf.
 ragged calls no compiler of its own.
 """
@@ -32,9 +32,9 @@ import torch
 
 from ragged.optim._quant8_codec import Codec, Workspace, abs_blocks, absmax_into, blocks_of, inverse, mul_blocks
 
-__all__ = ["Scalars", "adam_into", "add_scaled", "sqrt_into", "chunk_update"]
+__all__ = ["Scalars", "adam_into", "add_scaled", "root_form", "sqrt_into", "chunk_update"]
 
-# hp: the step's scalars, one float32 tensor (see [Note: one update] in _quant8.py); its indexes
+# hp: the step's scalars (Scalars; see [Note: one update] in _quant8.py); its indexes
 B1, OMB1, B2, OMB2, EPS, SCALE, DECAY, LR = range(8)
 
 
@@ -60,13 +60,29 @@ def adam_into(mb, vb, g, p, hp, u, tmp, *, decay: bool, lr: bool, zero_eps: bool
 
 
 class Scalars(tuple):
-    """The step's scalars as 0-dim float32 tensors (indexed by ``B1`` ... ``LR``), and the same
-    values as Python floats (``.floats``)."""
+    """The step's scalars, indexed by ``B1`` ... ``LR``, each a float32 value: a Python float
+    (exactly a float32) where the host knows it (the hyperparameters; the learning rate when it is
+    a number), a 0-d float32 tensor on the device where it comes from the step count (``EPS``,
+    ``SCALE``; a scheduled ``LR``). Either multiplies alike, in one float32 rounding, on every
+    device, and neither costs a host-device copy or a sync (see [Note: one update] in
+    ``_quant8.py``).
 
-    def __new__(cls, hp: torch.Tensor):
-        out = super().__new__(cls, hp.unbind(0))
-        out.floats = tuple(hp.tolist())
-        return out
+    Examples:
+        >>> import torch
+        >>> hp = Scalars.of(0.9, 0.999, 0.1, 1e-3, eps=torch.tensor(1e-8), scale=torch.tensor(3.0))
+        >>> hp[B1], hp[OMB1], hp[DECAY], hp[SCALE].dtype
+        (0.8999999761581421, 0.10000000149011612, 0.10000000149011612, torch.float32)
+    """
+
+    @classmethod
+    def of(cls, b1: float, b2: float, decay: float, lr, *, eps: torch.Tensor, scale: torch.Tensor) -> "Scalars":
+        """From the float64 values (``lr``: a number or a 0-d tensor), each rounded once to float32."""
+        f32 = lambda x: x.to(torch.float32) if isinstance(x, torch.Tensor) else float(np.float32(x))  # noqa: E731
+        return cls(f32(x) for x in (b1, 1.0 - b1, b2, 1.0 - b2, eps, scale, decay, lr))
+
+    def to(self, device) -> "Scalars":
+        """The device values on ``device``."""
+        return Scalars(x.to(device) if isinstance(x, torch.Tensor) else x for x in self)
 
 
 def _cpu_kernels(t: torch.Tensor) -> bool:
@@ -76,22 +92,43 @@ def _cpu_kernels(t: torch.Tensor) -> bool:
 
 
 def add_scaled(x: torch.Tensor, t: torch.Tensor, hp: Scalars, k: int, tmp: torch.Tensor) -> torch.Tensor:
-    """``x += t * hp[k]``, rounded twice (see [Note: one chunk, no allocation])."""
+    """``x += t * hp[k]``, rounded twice (see [Note: one chunk, no allocation]); ``hp[k]`` a
+    number on the CPU (``OMB1``, ``OMB2``, ``DECAY`` are)."""
     if _cpu_kernels(x):
-        return x.addcdiv_(t, _ONE, value=hp.floats[k])
+        return x.addcdiv_(t, _ONE, value=hp[k])
     return x.add_(torch.mul(t, hp[k], out=tmp))
 
 
+def root_form(t: torch.Tensor) -> str:
+    """Which correctly rounded float32 square root :func:`sqrt_into` takes for ``t``: ``"numpy"``
+    on the CPU (torch's own float32 root there is MKL's, within an ulp: off by one in ~15% of the
+    values; numpy's is the processor's instruction), ``"float32"`` on CUDA (its float32 ``sqrt``
+    is IEEE's, correctly rounded: torch is not built with fast math), ``"float64"`` on any other
+    device or in a graph being compiled (the float64 root rounded to float32: the same value, as
+    the float64 root is within an ulp of float64 and no float32 root lies that close to a float32
+    rounding boundary; 16 more bytes per element of the chunk, for the moment).
+
+    Examples:
+        >>> import torch
+        >>> root_form(torch.ones(2)), root_form(torch.ones(2, device="meta"))
+        ('numpy', 'float64')
+    """
+    if torch.compiler.is_compiling():
+        return "float64"
+    if _cpu_kernels(t):
+        return "numpy"
+    return "float32" if t.device.type == "cuda" else "float64"
+
+
 def sqrt_into(v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` = the correctly rounded float32 square root of ``v`` (contiguous fp32). torch's
-    own float32 root on the CPU is MKL's, within an ulp (off by one in ~15% of the values), so
-    the CPU takes numpy's (the processor's instruction, correctly rounded) and every other
-    device, or a graph being compiled, the float64 root rounded to float32 (the same value:
-    the float64 root is within an ulp of float64, and no float32 root lies that close to a
-    float32 rounding boundary)."""
-    if _cpu_kernels(v) and not torch.compiler.is_compiling():
+    """``out`` = the correctly rounded float32 square root of ``v`` (contiguous fp32; the form:
+    :func:`root_form`)."""
+    form = root_form(v)
+    if form == "numpy":
         np.sqrt(v.numpy(), out=out.numpy())
         return out
+    if form == "float32":
+        return torch.sqrt(v, out=out)
     return out.copy_(torch.sqrt(v.double()))
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "shard_layout",
     "init_moments",
     "adam8bit_leaf_state",
+    "chunk_limit",
     "chunks",
 ]
 
@@ -286,19 +287,37 @@ def adam8bit_leaf_state(moments: Quant8Moments, dbuf: DBuffer, *, min_size: int 
     return out
 
 
-# Elements updated at a time, per device type: on a CPU a chunk's scratch (~30 bytes per element)
-# stays in the last-level cache between the update's ops; a GPU takes a whole piece at once.
+# Elements updated at a time, per device type (see [Note: the update's scratch]).
 CHUNK = {"cpu": 1 << 18}
-CHUNK_ELSEWHERE = 1 << 62
+CHUNK_ELSEWHERE = 1 << 22
+
+# [Note: the update's scratch]
+# The update runs over chunks of a buffer's elements (quantized pieces cut at block boundaries by
+# :func:`chunks`; the fp32-moment and replicated elements cut anywhere) with one
+# :class:`~ragged.optim._quant8_codec.Workspace` per buffer: 20 bytes per element of the largest
+# chunk, plus 16 more for the float64 root where the update takes it (neither the CPU nor CUDA:
+# ``_quant8_fused.root_form``), plus per-block products (8 bytes per block). A chunk is
+# ``CHUNK[device type]`` elements, or at least one band of ``r`` rows (``Elements``: one block),
+# so the scratch is at most 20 B x max(CHUNK, the widest band), whatever the shard's size: on a
+# CPU 2^18 elements (5 MiB: the chunk's temporaries stay in the last-level cache between the
+# update's ops), elsewhere 2^22 (80 MiB on CUDA; each of the chunk's ~35 kernels still moves
+# 16 MiB or more, long against its launch). Every op is element-wise or per block, so the cut
+# changes no bit. fp32 gradients and params are read in place; bf16 ones are converted whole
+# first (4 bytes per element each), as the update they produce is fp32.
+
+
+def chunk_limit(device_type: str) -> int:
+    """Elements of one chunk on a device type (see [Note: the update's scratch])."""
+    return CHUNK.get(device_type, CHUNK_ELSEWHERE)
 
 
 def chunks(q: QPiece, device_type: str = "cpu"):
-    """``q`` cut into sub-pieces of whole blocks, about ``CHUNK[device_type]`` elements each.
+    """``q`` cut into sub-pieces of whole blocks, about :func:`chunk_limit` elements each.
 
     Every block is quantized on its own, so the cut changes no code and no scale; it only
     bounds the update's scratch (decoded moments, lookup keys) to one chunk instead of one leaf.
     """
-    limit = CHUNK.get(device_type, CHUNK_ELSEWHERE)
+    limit = chunk_limit(device_type)
     if q.numel <= limit:
         yield q
         return

@@ -1,9 +1,11 @@
 """Block-wise 8-bit Adam: world-size independence, quantization maps, the update against its definition, numerics vs fp32 AdamW."""
 
 import math
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragged as rg
 from ragged import spec
@@ -294,10 +296,57 @@ def test_chunked_quantization_changes_nothing(limit, monkeypatch):
     from ragged.optim import _quant8_state
 
     make = lambda: rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000)  # noqa: E731
-    reference = _leaf_states(*_run(2, opt=make()))
+    reference = _run(2, opt=make())
     monkeypatch.setitem(_quant8_state.CHUNK, "cpu", limit)
-    chunked = _leaf_states(*_run(2, opt=make()))
-    _assert_same_state(reference, chunked, limit)
+    chunked = _run(2, opt=make())  # the fp32-moment and replicated elements in chunks too
+    _assert_same_state(_leaf_states(*reference), _leaf_states(*chunked), limit)
+    for a, b in zip(reference[1], chunked[1]):
+        assert torch.equal(a.data, b.data) and torch.equal(a.replicated, b.replicated), limit
+
+
+class _Allocated(TorchDispatchMode):
+    """The peak bytes of the tensors the ops under it create, alive at once (views, ``out=`` and
+    in-place results are not new; a tensor counts until it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in rg.pytree.leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in rg.pytree.leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.live += t.untyped_storage().nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, t.untyped_storage().nbytes())
+        return out
+
+
+def test_the_update_s_scratch_is_bounded_by_its_chunk(monkeypatch):
+    """With ``donate=True`` a step allocates its scratch and little else: 20 bytes per element of
+    its largest chunk (``CHUNK`` elements or one band), whatever the size of the fp32-moment part
+    (here 6214 elements, chunked too) or of the quantized pieces (see [Note: the update's
+    scratch])."""
+    from ragged.optim import _quant8_state
+
+    monkeypatch.setitem(_quant8_state.CHUNK, "cpu", 700)
+    params = _params()
+    plan = rg.make_plan(params, SPECS, world_size=1)
+    opt = rg.optim.adamw_8bit(1e-2, weight_decay=0.1, min_size=1000, donate=True)
+    local = shard_all(plan, params)[0]
+    state = opt.init(local)
+    for step in range(2):
+        grads = shard_all(plan, _grads(params, step))[0]
+        with _Allocated() as allocated:
+            _, state = opt.update(grads, state, local)
+    widest = 32 * 70  # a band of "attn" (100 x 70, Blocks(32, 32)): more than 700
+    blocks = state[0].moments.mu_scales.numel()
+    assert allocated.peak <= 20 * widest + 8 * blocks + 4 * local.replicated.numel() + 1024, allocated.peak
 
 
 def _big_params():

@@ -167,9 +167,9 @@ def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
         for leaf in d.plan.leaves + d.plan.replicated:
             groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
         for weight, idx in groups.items():
-            dpos, rpos = leaf_positions(d.plan, d.rank, frozenset(idx))
-            sharded.append(weight * _power_sum(d.data[dpos.to(d.data.device)], p))
-            local.append(weight * _power_sum(d.replicated[rpos.to(d.replicated.device)], p))
+            dpos, rpos = leaf_positions(d.plan, d.rank, frozenset(idx), d.data.device)
+            sharded.append(weight * _power_sum(d.data[dpos], p))
+            local.append(weight * _power_sum(d.replicated[rpos], p))
     device = next((t.device for t in sharded + local), None)
     total = functools.reduce(join, sharded, torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
     if norm_collectives(comm, bool(sharded)):
@@ -189,11 +189,21 @@ def norm_collectives(comm, sharded: bool) -> tuple[tuple[str, str, int, int], ..
 
 
 @functools.lru_cache(maxsize=256)
-def leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset):
-    """Positions of the ``picked`` leaves (by index) in ``rank``'s shard and in the replicated buffer."""
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-    data = [torch.arange(p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked]
-    return cat(data), cat([torch.arange(l.offset, l.stop) for l in plan.replicated if l.index in picked])
+def _leaf_runs(plan: LayoutPlan, rank: int, picked: frozenset) -> tuple[tuple, tuple]:
+    """``(lo, hi)`` runs of the ``picked`` leaves in ``rank``'s shard and in the replicated buffer."""
+    data = tuple((p.local_offset, p.local_offset + p.numel) for p in plan.local_pieces(rank) if p.leaf.index in picked)
+    return data, tuple((l.offset, l.stop) for l in plan.replicated if l.index in picked)
+
+
+def leaf_positions(plan: LayoutPlan, rank: int, picked: frozenset, device=None):
+    """Positions of the ``picked`` leaves (by index) in ``rank``'s shard and in the replicated
+    buffer, as int64 tensors on ``device``: made there (one ``arange`` per run), not copied from
+    the host, so no host-device sync and nothing kept on the device between calls."""
+    def cat(runs):
+        parts = [torch.arange(lo, hi, device=device) for lo, hi in runs]
+        return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+    return tuple(cat(runs) for runs in _leaf_runs(plan, rank, picked))
 
 
 @functools.lru_cache(maxsize=256)

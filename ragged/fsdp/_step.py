@@ -309,8 +309,7 @@ def freeze_unused(units, unused: dict, shards: dict, opt_state):
         if u.name in unused:
             d = shards[u.name]
             picked = frozenset(i for i, p in enumerate(u.trainable_paths) if p in unused[u.name])
-            pos = leaf_positions(d.plan, d.rank, picked)
-            where[u.name] = tuple(p.to(d.data.device) for p in pos)
+            where[u.name] = leaf_positions(d.plan, d.rank, picked, d.data.device)
     saved = [{name: (t[name].data[pos[0]].clone(), t[name].replicated[pos[1]].clone()) for name, pos in where.items()}
              for t in _subtrees(opt_state, shards)]
     return where, saved

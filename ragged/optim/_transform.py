@@ -221,8 +221,8 @@ def _adam_tree(updates, state: ScaleByAdamState, params, *, b1, b2, eps, lr, dec
     count = state.count + 1
     t = count.to(torch.float64)
     step, bc2_sqrt = lr / (1.0 - b1**t), torch.sqrt(1.0 - b2**t)
-    if isinstance(decay, float):
-        decay = torch.tensor(decay, dtype=torch.float64, device=count.device)
+    if isinstance(decay, float):  # a fill on the device, not a copy from the host (a host sync)
+        decay = torch.full((), decay, dtype=torch.float64, device=count.device)
     g_leaves, treedef = pytree.flatten(updates)
     p_leaves = [None] * len(g_leaves) if decay is None else pytree.leaves(params)
     outs = [

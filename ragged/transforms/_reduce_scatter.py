@@ -82,9 +82,8 @@ def all_reduce_leaves(comm, data: torch.Tensor, replicated: torch.Tensor, plan: 
         if replicated.numel():
             comm.all_reduce(replicated, op="sum")
         return
-    for buf, pos in zip((data, replicated), leaf_positions(plan, rank, picked)):
+    for buf, pos in zip((data, replicated), leaf_positions(plan, rank, picked, data.device)):
         if pos.numel():
-            pos = pos.to(buf.device)
             vals = buf[pos]
             comm.all_reduce(vals, op="sum")
             buf[pos] = vals

@@ -263,6 +263,24 @@ def test_dbuffer_group_ops_match_per_leaf_reference():
         assert abs(n - norm) < 1e-9 * norm
 
 
+def test_leaf_positions_are_made_on_the_buffer_s_device():
+    """all_reduce_leaves, freeze_unused and the weighted norm index a buffer with positions made
+    on its device (``meta`` here: one ``arange`` per run), not copied there from the host (on a
+    GPU a copy from pageable memory waits for the stream)."""
+    from ragged._dbuffer import leaf_positions
+
+    params = _params()
+    plan = rg.make_plan(params, {"emb": spec.Rows(1), "layers": None, "scale": spec.Replicate()}, world_size=3)
+    picked = frozenset(leaf.index for leaf in plan.leaves[::2] + plan.replicated)
+    for rank in range(3):
+        data, rep = leaf_positions(plan, rank, picked, "meta")
+        assert data.device.type == rep.device.type == "meta" and data.dtype == torch.int64
+        host = leaf_positions(plan, rank, picked)
+        assert host[0].tolist() == [i for p in plan.local_pieces(rank) if p.leaf.index in picked
+                                    for i in range(p.local_offset, p.local_offset + p.numel)]
+        assert host[1].tolist() == [i for leaf in plan.replicated for i in range(leaf.offset, leaf.stop)] == [0]
+
+
 def test_hsdp_reduce_scatter_means_over_all_ranks_and_gathers_within_shard_group():
     params = _params()
     plan = rg.make_plan(params, world_size=2)

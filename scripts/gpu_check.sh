@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# The prepared check for the lent GPU machine as it is (docs/gpu.md): Python 3.12 at
-# /opt/torch/.venv/bin/python3 with torch 2.11 and no optree, nothing to fetch, one command of at
-# most 10 minutes, at most 8 files back from $OUT. In priority order, so that a cut-off run is
-# still worth it:
-#   0. offline install of the carried wheels (.gpu-wheels/, from scripts/gpu_wheels.sh) into a
-#      folder of its own, and the torch, CUDA, driver and GPU found (env.txt);
-#   1. cuda-tests: pytest -m cuda (W=1 NCCL step against float64 torch.optim.AdamW with the
-#      collectives' streams on and off, bf16 compute / fp32 reduce, the memory harness on the GPU);
+# The prepared check for a GPU machine (docs/gpu.md): one command of at most 10 minutes, at most 8
+# files back from $OUT. The lent machine: Python 3.12 at /opt/torch/.venv/bin/python3 with torch
+# 2.11 and no optree, nothing to fetch; a fresh machine may have torch alone. In priority order,
+# so that a cut-off run is still worth it:
+#   0. what the stages import and this Python lacks (optree, numpy, rich: ragged's; pytest,
+#      hypothesis: the tests'), and only that, installed: from the carried wheels offline
+#      (.gpu-wheels/, from scripts/gpu_wheels.sh), then from PyPI (scripts/install_missing.py
+#      --only); a stage whose imports are still missing is skipped with a one-line reason. The
+#      torch, CUDA, driver and GPU found (env.txt);
+#   1. cuda-tests: pytest -m cuda: the training step, the quantized wire and 8-bit AdamW over a
+#      real single-rank NCCL communicator, nothing turned into a local copy, the ledger checking,
+#      and no host sync in the optimizer update (tests/fsdp/test_nccl_cuda.py); the W=1 NCCL step
+#      against float64 torch.optim.AdamW with the collectives' streams on and off, bf16 compute /
+#      fp32 reduce, the memory harness on the GPU; quantization and 8-bit AdamW bit for bit
+#      against the CPU;
+#   1b. cuda-2.11-path: tests/fsdp/test_nccl_cuda.py again on torch 2.11's paths
+#      (scripts/as_torch_2_11: the old collective names, no storage swap), where torch is newer;
+#      on torch 2.11 cuda-tests ran them;
 #   2. step-fp32, step-bf16: bench/step.py at W=1 on NCCL, ragged vs FSDP2 vs unsharded: step time
 #      (paired ratios with bootstrap CIs) and peak allocated / reserved memory; ragged runs NCCL's
 #      shape there (native collectives + the deferred ledger, its default on NCCL), and the report
@@ -16,11 +26,12 @@
 #   3. memory: bench/memory.py, one rank's peak at W=8 on torch's fake process group, on the GPU;
 #   4. calibrate: bench/calibrate.py, the per-call cost of all-gather / reduce-scatter at W=1 NCCL.
 # All stages share one deadline (BUDGET seconds, default 420 on the GPU, 1800 with --dry-run;
-# then the report): a stage gets at
-# most its own limit and never more than what is left. A failing stage does not stop the
-# others; the exit status is non-zero if any failed. OUTDIR gets five files: gpu-check.tar.gz
-# (every log, JUnit and JSON file; re-packed after each stage, so a killed run keeps what was
-# done), stages.jsonl, env.txt, summary.json, summary.md.
+# then the report): a stage gets at most its own limit and never more than what is left. A
+# failing stage does not stop the others; the exit status is non-zero if any failed (a skipped
+# one has not). OUTDIR gets five files: gpu-check.tar.gz (every log, JUnit and JSON file;
+# re-packed after each stage, so a killed run keeps what was done), stages.jsonl, env.txt,
+# summary.json, summary.md. The report says in one line what one GPU cannot test and which
+# emulated test stands in for it.
 #   bash scripts/gpu_check.sh OUTDIR             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run [OUTDIR] # on the CPU: every piece starts, tiny sizes, no CUDA
 set -uo pipefail
@@ -35,28 +46,42 @@ OUT=${1:-gpu-check-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d -t ragged-gpu-check.XXXXXX)
-SITE=$WORK/site
 START=$SECONDS
 BUDGET=${BUDGET:-$((DRY ? 1800 : 420))}  # the device's: 420 s of stages + the report, in the 540 s call
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# 0. what this Python lacks, from the carried wheels, offline; PYTHONPATH: this checkout, then them
-NEEDS="import torch, optree, numpy, rich, pytest, hypothesis"
-export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "$NEEDS" 2> /dev/null && compgen -G ".gpu-wheels/*.whl" > /dev/null; then
-    echo "installing, offline: $(cd .gpu-wheels && ls *.whl | tr '\n' ' ')"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-        --target "$SITE" .gpu-wheels/*.whl || { echo "gpu_check.sh: the offline install of .gpu-wheels/ failed" >&2; exit 2; }
-fi
-if ! "$PY" -c "$NEEDS" 2> "$WORK/imports.log"; then
-    echo "gpu_check.sh: $PY cannot import what ragged and its tests need ($(tail -n 1 "$WORK/imports.log")); run" \
-         "bash scripts/gpu_wheels.sh where pip reaches the registry and carry .gpu-wheels (docs/gpu.md)" >&2
+if ! TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2> "$WORK/imports.log"); then
+    echo "gpu_check.sh: $PY has no torch ($(tail -n 1 "$WORK/imports.log")); install one inside ragged's range" \
+         "(docs/gpu.md): this script installs what ragged adds to torch, never torch" >&2
     exit 2
 fi
+# 0. what the stages import and this Python lacks, and only that (see the top)
+RUNTIME="optree numpy rich"
+TESTS="pytest hypothesis"
+# shellcheck disable=SC2086
+"$PY" scripts/install_missing.py --extra test --only $RUNTIME $TESTS --wheels .gpu-wheels > "$WORK/install.log" 2>&1
+grep -E '^(\+ |still missing)' "$WORK/install.log" | sed 's/^/   /'
+lacking() {  # the modules of "$@" this Python cannot import, space-separated
+    "$PY" - "$@" <<'PYEOF'
+import importlib.util, sys
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+print(" ".join(m for m in sys.argv[1:] if not found(m)))
+PYEOF
+}
 "$PY" - > "$OUT/env.txt" 2>&1 <<'PYEOF'
-import platform, subprocess, sys
-import optree, torch
+import importlib.metadata as md, platform, subprocess, sys
+import torch
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "missing"
 print(f"python {platform.python_version()} ({sys.executable}); torch {torch.__version__}; CUDA {torch.version.cuda}; "
-      f"optree {optree.__version__} from {optree.__file__}")
+      + "; ".join(f"{n} {version(n)}" for n in ("optree", "numpy", "rich", "pytest", "hypothesis", "transformers")))
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"GPU: {torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability "
@@ -80,13 +105,26 @@ cp "$OUT/env.txt" "$WORK/env.txt"
 
 pack() {  # everything so far into OUT (atomic: a run killed mid-pack keeps the previous archive)
     cp "$WORK/stages.jsonl" "$OUT/stages.jsonl"
-    tar czf "$OUT/.gpu-check.tar.gz" -C "$WORK" --exclude site --exclude imports.log . && \
+    tar czf "$OUT/.gpu-check.tar.gz" -C "$WORK" --exclude imports.log . && \
         mv "$OUT/.gpu-check.tar.gz" "$OUT/gpu-check.tar.gz"
 }
 
-stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit (capped by the deadline)
+skip() {  # skip NAME REASON: the stage does not run; one line here and in stages.jsonl
+    echo "== $1: skipped, $2"
+    printf '{"stage": "%s", "rc": 0, "seconds": 0, "skipped": "%s"}\n' "$1" "$2" >> "$WORK/stages.jsonl"
+    pack
+}
+
+stage() {  # [NEEDS=MODULES] stage NAME SECONDS COMMAND...: runs COMMAND with a time limit (capped by
+    # the deadline), or skips it when a module it imports is missing (NEEDS; default: ragged's)
     local name=$1 limit=$2; shift 2
-    local left=$((BUDGET - (SECONDS - START))) t0=$SECONDS rc
+    local left=$((BUDGET - (SECONDS - START))) t0=$SECONDS rc lack
+    # shellcheck disable=SC2086
+    lack=$(lacking ${NEEDS:-$RUNTIME})
+    if [[ -n $lack ]]; then
+        skip "$name" "it imports $lack, which $PY lacks (not in .gpu-wheels/ and PyPI not reached: install.log)"
+        return
+    fi
     if ((left < limit)); then limit=$left; fi
     if ((limit < 10)); then
         echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"
@@ -104,9 +142,20 @@ stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit (capp
     pack
 }
 
+cuda_tests() {  # cuda_tests NAME SECONDS [PYTEST ARGS]: pytest -m cuda, then torch 2.11's paths where torch is newer
+    local name=$1 limit=$2; shift 2
+    NEEDS="$RUNTIME $TESTS" stage "$name" "$limit" "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/$name.xml" "$@"
+    if [[ $(printf '%s\n' 2.13 "${TORCH%%+*}" | sort -V | head -n 1) == 2.13 ]]; then  # torch >= 2.13
+        PYTHONPATH="$ROOT/scripts/as_torch_2_11:$PYTHONPATH" NEEDS="$RUNTIME $TESTS" stage cuda-2.11-path "$((limit / 2))" \
+            "$PY" -m pytest -q -m cuda -rs tests/fsdp/test_nccl_cuda.py --junitxml "$W/cuda-2.11-path.xml" "$@"
+    else
+        skip cuda-2.11-path "torch $TORCH here: $name ran torch 2.11's paths"
+    fi
+}
+
 W=$WORK
 if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
-    stage cuda-tests 300 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
+    cuda_tests cuda-tests 300
     stage step-fp32 200 "$PY" bench/step.py --model tiny --world 1 --repeats 2 --warmup 1 --backend gloo \
         --nccl-shaped --json "$W/step.jsonl" --markdown
     stage optim-8bit 200 "$PY" bench/optim.py --sections step --only-8bit --hidden 128 --iters 2 \
@@ -116,7 +165,7 @@ if [[ $DRY == 1 ]]; then  # the same pieces, sized for a CPU
     stage calibrate 200 "$PY" bench/calibrate.py --sizes-mib 1 --iters 3 --backend gloo --json "$W/calibrate.jsonl"
 else
     nvidia-smi > "$W/nvidia-smi.txt" 2>&1 || true
-    stage cuda-tests 150 "$PY" -m pytest -q -m cuda -rs tests --junitxml "$W/cuda-tests.xml"
+    cuda_tests cuda-tests 180
     stage step-fp32 75 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 \
         --json "$W/step.jsonl" --markdown
     stage step-bf16 75 "$PY" bench/step.py --model dense --world 1 --repeats 9 --warmup 2 --policy bf16 \

@@ -1,5 +1,6 @@
 """Collects what ``scripts/gpu_check.sh`` wrote under OUTDIR into ``summary.json`` and ``summary.md``:
-the machine, each stage's exit status and time, NCCL's shape against FSDP2 (one line per step run:
+the machine, each stage's exit status and time (or why it was skipped), what one GPU cannot test and
+the emulated test that stands in for it (one line), NCCL's shape against FSDP2 (one line per step run:
 ragged over native collectives + the deferred ledger, the default on NCCL, ``--nccl-shaped`` on the
 dry run's gloo), the CUDA tests' outcome, the step tables (``bench/step.py --json``), the optimizer step of 8-bit AdamW against torch's AdamW
 (``bench/optim.py --json``), the memory table (``bench/memory.py --json``) and the per-call
@@ -20,6 +21,13 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# what one GPU cannot test, and what stands in for it (the lead's emulation of NCCL's rules on gloo)
+ONE_GPU_CANNOT = (
+    "One GPU cannot test NCCL across ranks (NCCL refuses two ranks on one device): a timed wait on unfinished work, "
+    "device progress that differs between ranks, the same collectives in the same order on every rank and "
+    "communicator (HSDP); NCCL's rules emulated on gloo stand in for it, on every commit: "
+    "tests/distributed/test_nccl_rules_gloo.py.")
 
 
 def _lines(path):
@@ -77,22 +85,27 @@ def main(argv=None) -> int:
     cells = _lines(os.path.join(out, "memory.jsonl"))
     calls = _lines(os.path.join(out, "calibrate.jsonl"))
     tests = _tests(os.path.join(out, "cuda-tests.xml"))
+    tests_211 = _tests(os.path.join(out, "cuda-2.11-path.xml"))
     optim = _json(os.path.join(out, "optim-step.json"))
     nccl_shape = [nccl_shape_line(s) for s in steps]
-    summary = {"machine": machine, "stages": stages, "cuda_tests": tests, "nccl_shape": nccl_shape, "step": steps,
-               "optim": optim, "memory": cells, "calibrate": calls}
+    summary = {"machine": machine, "stages": stages, "one_gpu_cannot": ONE_GPU_CANNOT, "cuda_tests": tests,
+               "cuda_tests_2_11_path": tests_211, "nccl_shape": nccl_shape, "step": steps, "optim": optim,
+               "memory": cells, "calibrate": calls}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
     md = [f"# gpu_check {'(dry run, CPU) ' if args.dry_run else ''}{machine['date_utc']}", "",
           f"Machine: {machine['gpu'] or 'no GPU'}, torch {machine['torch']} (CUDA {machine['cuda']}), Python "
-          f"{machine['python']}, host `{machine['host']}`.", "", "| stage | exit status | seconds |", "|---|---|---|"]
-    md += [f"| {s['stage']} | {s['rc']} | {s['seconds']} |" for s in stages]
+          f"{machine['python']}, host `{machine['host']}`.", "", ONE_GPU_CANNOT, "",
+          "| stage | exit status | seconds |", "|---|---|---|"]
+    md += [f"| {s['stage']} | {'skipped: ' + s['skipped'] if 'skipped' in s else s['rc']} | {s['seconds']} |"
+           for s in stages]
     if nccl_shape:
         md += ["", "## NCCL's shape against FSDP2", "", *[f"- {line}" for line in nccl_shape]]
-    if tests is not None:
-        md += ["", f"CUDA tests: {tests['tests']} run, {tests['failures']} failed, {tests['errors']} errors, "
-                   f"{tests['skipped']} skipped" + (f"; not passed: {', '.join(tests['not_passed'])}" if tests["not_passed"] else "")]
+    for name, t in (("CUDA tests", tests), ("CUDA tests on torch 2.11's paths", tests_211)):
+        if t is not None:
+            md += ["", f"{name}: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, "
+                       f"{t['skipped']} skipped" + (f"; not passed: {', '.join(t['not_passed'])}" if t["not_passed"] else "")]
     for s in steps:
         md += ["", f"## Training step ({s.get('backend', '?')})", "", step_markdown(s)]
     if optim is not None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Downloads, where pip reaches the registry, the wheels the GPU machine lacks into .gpu-wheels/
 # (gitignored), for its Python 3.12 on x86-64; scripts/gpu_check.sh installs them there offline
-# (pip install --no-index, into a folder of its own). See docs/gpu.md.
+# (scripts/install_missing.py --only ... --wheels .gpu-wheels: pip --no-index, what is missing
+# only). See docs/gpu.md.
 #   bash scripts/gpu_wheels.sh        # then: du -sh .gpu-wheels (carried; the device's limit is 64 MiB)
 #
 # What is missing there: the third-party modules that ragged, its tests and bench/ import

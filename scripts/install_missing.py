@@ -3,6 +3,8 @@
     python3 scripts/install_missing.py               # runtime: torch, optree, numpy, rich
     python3 scripts/install_missing.py --extra test  # + pytest, hypothesis, nbclient, ...
     python3 scripts/install_missing.py --check       # only say what is missing (exit 1 if anything)
+    python3 scripts/install_missing.py --extra test --only optree pytest --wheels .gpu-wheels
+                                                     # these alone, from the wheels offline first
 
 Rules (the promise of README "Install"):
 
@@ -18,6 +20,11 @@ Rules (the promise of README "Install"):
   is left alone (``scripts/main.sh`` and ``scripts/test.sh`` run this checkout regardless).
 * pip's output is shown; a failed install stops with a non-zero exit and one line saying what
   failed.
+* ``--only NAME...`` (``scripts/gpu_check.sh``): only these requirements, never torch and never
+  ragged itself (the caller runs this checkout from ``PYTHONPATH``); ``--wheels DIR``: from the
+  wheels in DIR first, offline (``pip --no-index --find-links DIR``), then what is still missing
+  from the index (one try, a short timeout: a machine that reaches nothing answers in seconds).
+  What stays missing is named in one line, exit status 1.
 """
 
 from __future__ import annotations
@@ -94,13 +101,51 @@ def ragged_importable_outside() -> str | None:
     return out.stdout.strip() or None
 
 
-def pip(args: list[str], what: str) -> None:
+def pip(args: list[str], what: str, *, required: bool = True) -> int:
+    """``pip install args``; a failure stops the script with one line when ``required``, else
+    its exit status is returned."""
     cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
     print("+ " + " ".join(cmd), flush=True)
     env = dict(os.environ, PIP_ROOT_USER_ACTION="ignore")
     code = subprocess.call(cmd, env=env)
-    if code:
+    if code and required:
         raise SystemExit(f"error: pip could not install {what} (exit status {code}); pip's output is above.")
+    return code
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=,\s]", req.strip(), maxsplit=1)[0]
+
+
+def install_only(reqs: list[str], only: list[str], wheels: str | None) -> int:
+    """``--only``: the requirements named in ``only`` that are missing, from ``wheels`` offline
+    first, then from the index; never torch, never ragged. Returns 1 (and says what) if any
+    stays missing."""
+    known = {_name(r).lower(): r for r in reqs}
+    unknown = [n for n in only if n.lower() not in known or n.lower() == "torch"]
+    if unknown:
+        raise SystemExit(f"error: --only takes requirements of pyproject.toml other than torch; not one: "
+                         f"{', '.join(unknown)} (known: {', '.join(sorted(k for k in known if k != 'torch'))}).")
+    picked = [known[n.lower()] for n in only]
+    todo = [req for req, _ in missing(picked)[0]]
+    torch_version = _installed("torch")
+    attempts = ([["--no-index", "--find-links", wheels]] if wheels and os.path.isdir(wheels) else []) + [
+        ["--retries", "0", "--timeout", "15"]]
+    for extra in attempts:
+        if not todo:
+            break
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:
+            pin.write(f"torch=={torch_version}\n" if torch_version else "")  # pip may not swap the torch that is here
+        try:
+            pip([*todo, *extra, "-c", pin.name], ", ".join(todo), required=False)
+        finally:
+            os.unlink(pin.name)
+        todo = [req for req, _ in missing(picked)[0]]
+    if todo:
+        print(f"still missing: {', '.join(todo)} (no wheel for it in {wheels or 'no --wheels folder'}, and the "
+              "package index did not provide it)", flush=True)
+        return 1
+    return 0
 
 
 def _has_nvidia_gpu() -> bool:
@@ -111,9 +156,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--extra", choices=("test",), default=None, help="also the optional dependencies of this extra")
     ap.add_argument("--check", action="store_true", help="install nothing: list what is missing, exit 1 if any")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="only these requirements (not torch, not ragged itself)")
+    ap.add_argument("--wheels", metavar="DIR", help="with --only: from the wheels in DIR first, offline")
     args = ap.parse_args(argv)
     if sys.version_info < (3, 10):
         raise SystemExit(f"error: ragged needs Python >= 3.10; {sys.executable} is {sys.version.split()[0]}.")
+    if args.only:
+        return install_only(requirements(args.extra), args.only, args.wheels)
     todo, torch_version = missing(requirements(args.extra))
     torch_todo = [req for req, _ in todo if req.startswith("torch")]
     others = [req for req, _ in todo if not req.startswith("torch")]

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import transformers  # a test dependency (pyproject [test])
 
 import ragged as rg
 from ragged import fsdp
@@ -20,6 +19,9 @@ from tests.fsdp._lifecycle_cases import HF_KINDS as KINDS
 from tests.fsdp._lifecycle_cases import assert_state_dicts_equal, batches, exported_init, hf_reference_train, hf_train
 from tests.fsdp._lifecycle_cases import hf_config as _config
 from tests.fsdp._lifecycle_cases import hf_meta as _meta
+
+# a test dependency (pyproject [test]); a machine without it (scripts/gpu_check.sh's) still collects the suite
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pyproject [test] has it)")
 
 simulate = rg.collectives.simulate
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,9 @@ dispatched op on the CPU: ``Tensor.tolist`` is wrapped while the mode is on, in 
 entered it), and every tensor made from host data (``torch.tensor`` / ``torch.as_tensor``, seen
 as ``aten.lift_fresh``: on a device that is a copy from the host; one that stays on the host is
 counted too, so write such host code with Python numbers). Copies between devices cannot happen
-on the CPU, so they are not seen there.
+on the CPU, so they are not seen there. Code with a branch of its own for a device is judged by
+that branch (:data:`DEVICE_BRANCHES`: what it does on the CPU is not counted); on a GPU
+``tests/fsdp/test_nccl_cuda.py`` counts the device's branch itself.
 
 It lives in ``tests/`` (not ``ragged.testing``): it is a check of ragged's own code paths (the
 optimizer update, the whole step: ``tests/optim/test_host_syncs.py``), whose rules are CUDA's as
@@ -25,6 +27,7 @@ read from ATen, not an API ragged promises to keep.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -38,6 +41,22 @@ _VALUE_SIZED = {_aten.nonzero.default, _aten.masked_select.default, _aten._uniqu
                 _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.repeat_interleave.Tensor}
 _FROM_HOST_DATA = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default}
 _COPIES = {_aten._to_copy.default, _aten.copy_.default}  # .to(...) reaches a mode as _to_copy
+#: (module, function) -> why: functions whose device branch is free of the syncs their CPU branch
+#: shows the CPU's counter (host tensors made from values, tolist() of them)
+DEVICE_BRANCHES = {
+    ("ragged.collectives._agree", "on_device"): "copies from pinned memory, not blocking",
+    ("ragged.collectives._ledger", "_launch"): "the periodic check's digest: copied from pinned memory, not blocking",
+    ("ragged.collectives._ledger", "_poll"): "reads a pinned copy of the check once its event says it is done",
+}
+
+
+def _in_device_branch() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in DEVICE_BRANCHES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _tensors(tree) -> list:
@@ -80,7 +99,7 @@ class HostSyncs(TorchDispatchMode):
             mode, tolist = self, self._tolist
 
             def counted_tolist(t):
-                if threading.get_ident() == mode._thread:
+                if threading.get_ident() == mode._thread and not _in_device_branch():
                     mode.events.append(("tolist", "Tensor.tolist"))
                 return tolist(t)
 
@@ -100,7 +119,9 @@ class HostSyncs(TorchDispatchMode):
                                     and any(t.dtype == torch.bool for t in _tensors(args[1]))):
             return "value-sized output" if any(self._on_device(t) for t in ins) else None
         if func in _FROM_HOST_DATA:
-            return "tensor from host data" if self.device_type == "cpu" or out.device.type != "cpu" else None
+            if self.device_type == "cpu":
+                return None if _in_device_branch() else "tensor from host data"
+            return "tensor from host data" if out.device.type != "cpu" else None
         blocking = not kwargs.get("non_blocking", len(args) > 2 and args[2] is True)  # copy_(self, src, non_blocking)
         if func in _COPIES and blocking:
             src = args[1] if func is _aten.copy_.default else args[0]

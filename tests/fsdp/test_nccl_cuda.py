@@ -124,13 +124,17 @@ def test_every_collective_reaches_nccl(results, name):
     """Nothing turned into a local copy: each all-gather and reduce-scatter ragged issued is one
     call on NCCL's process group; the ledger's checks are all-reduces beyond ragged's own."""
     assert results["backend"] == "nccl" and results["device"].startswith("cuda"), results
-    rec = results[name]["records"]
-    moved = [kind for kind, axis in rec if axis == "shard" and kind != "all_reduce"]
-    assert "all_gather" in moved and len(moved) == 2, rec  # and reduce_scatter, or all_to_all (quantized)
-    for kind in moved:
+    _assert_nothing_local(name, results[name])
+
+
+def _assert_nothing_local(name, run):
+    rec = run["records"]
+    moved = "all_to_all" if name == "quantized wire" else "reduce_scatter"  # the quantized one: an all-to-all
+    assert {kind for kind, axis in rec if axis == "shard" and kind != "all_reduce"} == {"all_gather", moved}, rec
+    for kind in ("all_gather", moved):
         assert rec.get((kind, "world"), (0, 0))[0] == rec[(kind, "shard")][0] > 0, (kind, rec)
     assert rec.get(("all_reduce", "world"), (0, 0))[0] > rec.get(("all_reduce", "shard"), (0, 0))[0], rec
-    assert all(map(math.isfinite, results[name]["losses"])), results[name]["losses"]
+    assert all(map(math.isfinite, run["losses"])), run["losses"]
 
 
 @pytest.mark.cuda
@@ -148,14 +152,12 @@ def test_a_step_makes_at_most_three_host_syncs(results, name):
 
 
 def test_the_checks_run_on_gloo():
-    """The same code on the CPU (gloo, W=1, NCCL's shape): every configuration trains, ragged
-    issues its collectives, the optimizer update makes no host sync."""
+    """The same code on the CPU (gloo, W=1, NCCL's shape): every configuration trains with nothing
+    turned into a local copy and the ledger checking, and the optimizer update makes no host sync
+    (the step's syncs are counted as the CPU's counter sees them, not held to the device's bound)."""
     from bench._launch import launch
 
     out = launch(1, _checks, backend="gloo", timeout=600)[0]
     assert out["update_syncs"] == {"adamw": [], "adamw_8bit": []}, out["update_syncs"]
     for name in CONFIGS:
-        rec, losses = out[name]["records"], out[name]["losses"]
-        moved = "all_to_all" if name == "quantized wire" else "reduce_scatter"  # the quantized one: an all-to-all
-        assert rec[("all_gather", "shard")][0] > 0 and rec[(moved, "shard")][0] > 0, rec
-        assert all(map(math.isfinite, losses)), losses
+        _assert_nothing_local(name, out[name])

@@ -11,6 +11,7 @@ import torch
 
 import ragged as rg
 from ragged import spec
+from ragged.collectives._agree import on_device
 from ragged.optim import _quant8_fused
 from tests._host_syncs import HostSyncs
 
@@ -26,6 +27,7 @@ def test_the_counter_sees_each_kind_of_sync():
         t[t > 2]
         t.nonzero()
         torch.full((), 0.5), t * 2.0, torch.arange(3)  # fills and kernels: none
+        on_device([1, 2], "cpu")  # made from pinned memory without blocking on a device: none
     assert [w for w, _ in syncs.events] == ["scalar read", "scalar read", "tolist", "tensor from host data",
                                              "tensor from host data", "value-sized output", "value-sized output"]
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and torch.Tensor.tolist.__name__ == "tolist"

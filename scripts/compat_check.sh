@@ -8,8 +8,8 @@
 #      optree, as on that machine (the device tool's KINDS.md);
 #   2. the GPU check's set-up reproduced: scripts/gpu_wheels.sh, the size of what the device call
 #      would carry (the working tree + .gpu-wheels; limit 64 MiB), then
-#      scripts/gpu_check.sh --dry-run with that venv's Python: the carried wheels installed
-#      offline (--no-index), every stage started tiny on the CPU;
+#      scripts/gpu_check.sh --dry-run with that venv's Python: optree installed from the carried
+#      wheels offline (install_missing.py --only ... --wheels), every stage started tiny on the CPU;
 #   3. scripts/test.sh with that Python (install_missing.py adds optree, the test extra and
 #      ragged itself), the whole suite; its last line is the passed / failed / skipped count.
 set -euo pipefail

@@ -28,7 +28,7 @@
 # All stages share one deadline (BUDGET seconds, default 420 on the GPU, 1800 with --dry-run;
 # then the report): a stage gets at most its own limit and never more than what is left. A
 # failing stage does not stop the others; the exit status is non-zero if any failed (a skipped
-# one has not). OUTDIR gets five files: gpu-check.tar.gz (every log, JUnit and JSON file;
+# one has not), 3 if none ran. OUTDIR gets five files: gpu-check.tar.gz (every log, JUnit and JSON file;
 # re-packed after each stage, so a killed run keeps what was done), stages.jsonl, env.txt,
 # summary.json, summary.md. The report says in one line what one GPU cannot test and which
 # emulated test stands in for it.
@@ -181,4 +181,8 @@ cp "$W/summary.json" "$W/summary.md" "$OUT/" 2>/dev/null
 pack
 rm -rf "$WORK"
 cat "$OUT/summary.md" 2>/dev/null | head -n 80
+if ! grep -q '"command"' "$OUT/stages.jsonl"; then
+    echo "gpu_check.sh: no stage ran (each one's reason is above and in stages.jsonl)" >&2
+    exit 3
+fi
 ! grep -q '"rc": [1-9]' "$OUT/stages.jsonl"

@@ -17,8 +17,9 @@ an element sits in the buffer or on the world size. Never ``lerp``, ``addcmul`` 
 ``add(alpha=)``: their vectorised and scalar-tail paths may differ by an FMA. ``x + s * t`` is
 one ``addcdiv(x, t, 1, value=s)`` on the CPU (``x + (s * t) / 1``: a division and an addition
 never fuse) and a product then a sum elsewhere (CUDA's ``addcdiv`` is one FMA). The square root
-is correctly rounded (:func:`sqrt_into`; the form per device: :func:`root_form`). ``tests/optim/test_quant8.py`` checks every code,
-scale and parameter against the formula written out leaf by leaf.
+is correctly rounded (:func:`sqrt_into`; the form per device: :func:`root_form`).
+``tests/optim/test_quant8.py`` checks every code, scale and parameter against the formula
+written out leaf by leaf.
 ragged calls no compiler of its own.
 """
 

@@ -44,9 +44,11 @@ instead of communicating, and deleting the declarations) would make things worse
 
 from __future__ import annotations
 
+import collections
 import difflib
 import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -87,7 +89,8 @@ def keywords_checked(fn: Callable) -> Callable:
         ...
         ragged._errors.RaggedTypeError: rg.optim.adamw() got an unexpected keyword argument 'lr': did you mean `learning_rate`? ...
     """
-    params = inspect.signature(fn).parameters.values()
+    signature = inspect.signature(fn)
+    params = signature.parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return fn
     names = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
@@ -98,7 +101,13 @@ def keywords_checked(fn: Callable) -> Callable:
         for key in kwargs:
             if key not in known:
                 raise _unknown_keyword(fn.__name__, key, names)
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        if isinstance(out, GradientTransformation):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if not any(_holds_transformation(v) for v in bound.arguments.values()):  # a combinator says it itself
+                out = out._replace(fingerprint=_fingerprint(fn.__name__, signature, bound.arguments))
+        return out
 
     return checked
 
@@ -137,6 +146,12 @@ class GradientTransformation(NamedTuple):
     own. ``None``: the update issues none. Combinators gather their parts' (see [Note: an
     optimizer's collectives are declared, not recorded]).
 
+    ``fingerprint(state)`` gives the settings the ranks of a step must share, as ``(name, value)``
+    pairs of text: the function's name and arguments (floats exactly, schedules by their value at
+    the state's step count, a learning rate checked finite and >= 0), the parts' prefixed by a
+    combinator. Every public ``rg.optim`` function sets it (see [Note: the optimizer's settings
+    join the step's agreement]); ``None``: nothing to compare.
+
     Examples:
         >>> import torch, ragged as rg
         >>> opt = rg.optim.sgd(0.1)
@@ -152,6 +167,7 @@ class GradientTransformation(NamedTuple):
     donates: bool = False
     hyperparams: Mapping[str, Any] | None = None
     collectives: Callable[[Params], tuple[tuple[str, str, int, int], ...]] | None = None
+    fingerprint: Callable[[OptState], tuple[tuple[str, str], ...]] | None = None
 
 
 def collectives_of(parts):
@@ -269,3 +285,142 @@ def zero_count(params) -> torch.Tensor:
     """A 0-d int64 step counter on the device of ``params``."""
     t = first_tensor(params)
     return torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)
+
+
+# ---- learning rates and settings -------------------------------------------------------------
+# [Note: the optimizer's settings join the step's agreement]
+# Ranks that train with different optimizer settings (``soap(3e-3)`` on one, ``soap(3e-2)`` on
+# another, another ``precondition_frequency``) would drift apart with nothing failing, and a
+# learning-rate schedule that turns negative trains by gradient ascent. So every public
+# ``rg.optim`` function gives its result a ``fingerprint(state)``: its name and arguments as text
+# (numbers exactly; a comm, a mask, a function by their kind only, which every rank shares), each
+# schedule evaluated on the host at the state's step count (the first ``count`` of the state:
+# the one the update reads), a learning rate checked finite and >= 0 there (:func:`check_rate`).
+# A combinator's is its parts', prefixed (``chain[1].learning_rate``, ``['decay'].b1``).
+# ``rg.fsdp``'s step evaluates it before its start-of-call agreement, whose token it joins (see
+# [Note: one agreement at the start of a call, one at the end] in ``fsdp/_grad.py``): different
+# settings raise :class:`~ragged.PlanMismatchError` on every rank naming the setting and its value
+# on each side, and a bad learning rate, on one rank or all, raises on every rank (the failed
+# rank's error joins the same round), before any parameter changes. Reading the count is a
+# device-to-host copy on a GPU, at the point where that agreement reads its own result to the
+# host anyway: no sync the step did not already have. An update outside a step checks a
+# schedule's value as it computes it (:func:`checked_schedule`) where that needs no sync (a
+# number, or a tensor on the CPU); on an accelerator only the step's check runs.
+
+def check_rate(where: str, value, count=None) -> float:
+    """``value`` as a float when it is a finite number >= 0; else a ``RaggedValueError`` naming
+    ``where`` (and the step ``count`` a schedule returned it at).
+
+    Examples:
+        >>> check_rate("learning_rate", 3e-3)
+        0.003
+        >>> check_rate("learning_rate", -3e-3, count=7)
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedValueError: learning_rate must be a finite float >= 0, got -0.003 (its schedule's value at count 7): ...
+    """
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        v = None
+    if v is None or isinstance(value, bool) or not 0.0 <= v < math.inf:
+        at = "" if count is None else f" (its schedule's value at count {int(count)})"
+        raise RaggedValueError(
+            f"{where} must be a finite float >= 0, got {value if v is None else v!r}{at}: a negative rate trains by "
+            "gradient ascent, a NaN or inf one ruins every parameter. Fix: pass a rate, or a schedule whose every "
+            "value is finite and >= 0 (rg.optim.warmup_cosine_decay_schedule(0.0, peak, warmup, steps), ...).")
+    return v
+
+
+def checked_schedule(where: str, schedule: Schedule) -> Schedule:
+    """``schedule`` with each value it returns checked by :func:`check_rate` where that needs no
+    device sync: a Python number or a tensor on the CPU (see [Note: the optimizer's settings
+    join the step's agreement]).
+
+    Examples:
+        >>> lr = checked_schedule("learning_rate", lambda count: 1e-3 - 1e-4 * count)
+        >>> round(lr(2), 6)
+        0.0008
+        >>> lr(11)
+        Traceback (most recent call last):
+        ...
+        ragged._errors.RaggedValueError: learning_rate must be a finite float >= 0, got -0.0001... (its schedule's value at count 11): ...
+    """
+    def checked(count):
+        value = schedule(count)
+        if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+            check_rate(where, value, count)
+        return value
+
+    return checked
+
+
+def step_count(state) -> torch.Tensor | None:
+    """The first ``count`` field of ``state``'s named tuples, breadth first (the step count an
+    update reads), or None."""
+    queue = collections.deque([state])
+    while queue:
+        x = queue.popleft()
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            if "count" in x._fields and isinstance(x.count, torch.Tensor):
+                return x.count
+            queue.extend(x)
+        elif isinstance(x, (tuple, list)):
+            queue.extend(x)
+        elif isinstance(x, dict):
+            queue.extend(x.values())
+    return None
+
+
+def settings_of(transform: GradientTransformation, state, prefix: str = "") -> tuple[tuple[str, str], ...]:
+    """``transform``'s fingerprint of ``state``, each name under ``prefix`` (a combinator's part);
+    nothing for a transformation without one."""
+    fingerprint = getattr(transform, "fingerprint", None)
+    if fingerprint is None:
+        return ()
+    return tuple((f"{prefix}.{k}" if prefix and k else prefix or k, v) for k, v in fingerprint(state))
+
+
+def _holds_transformation(value) -> bool:
+    if isinstance(value, GradientTransformation):
+        return True
+    values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return any(isinstance(v, GradientTransformation) for v in values)
+
+
+def _text(value) -> str:
+    """An argument as the ranks compare it: numbers, strings and dtypes exactly; anything else (a
+    comm, a mask, a function) by its kind only, whose text is the same on every rank."""
+    plain = (bool, int, float, str, torch.dtype, type(None))
+    if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
+def _fingerprint(name: str, signature: inspect.Signature, arguments: dict):
+    """The ``fingerprint`` of what ``name(**arguments)`` returned (see [Note: the optimizer's
+    settings join the step's agreement])."""
+    static, schedules = [("", name)], []
+    for key, value in arguments.items():
+        if callable(value) and "Schedule" in str(signature.parameters[key].annotation):
+            schedules.append((key, value))
+        else:
+            static.append((key, _text(value)))
+    static = tuple(static)
+    if not schedules:
+        return lambda state: static
+
+    def fingerprint(state):
+        count = step_count(state)
+        out = list(static)
+        for key, schedule in schedules:
+            if count is None:
+                out.append((key, "<schedule>"))
+                continue
+            count = count.cpu()  # a GPU's count: 8 bytes to the host (see the Note)
+            value = schedule(count)
+            value = check_rate(f"{name}: {key}", value, count) if key == "learning_rate" else float(value)
+            out.append((key, f"{value!r} at count {int(count)}"))
+        return tuple(out)
+
+    return fingerprint

@@ -19,7 +19,7 @@ import torch
 
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, collectives_of, keywords_checked
+from ragged.optim._base import GradientTransformation, collectives_of, keywords_checked, settings_of
 from ragged.spec import LayoutPlan, LeafLayout
 from ragged._errors import RaggedTypeError, RaggedValueError
 
@@ -63,8 +63,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    def fingerprint(state):
+        return tuple(kv for i, (t, s) in enumerate(zip(transforms, state)) for kv in settings_of(t, s, f"chain[{i}]"))
+
     return GradientTransformation(init, update, donates=any(t.donates for t in transforms),
-                                  collectives=collectives_of(transforms))
+                                  collectives=collectives_of(transforms), fingerprint=fingerprint)
 
 
 # ---- masks -------------------------------------------------------------------------------
@@ -223,7 +226,8 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         out = pytree.map(lambda u, g, k: torch.where(k, u, g.to(torch.promote_types(u.dtype, g.dtype))), new, updates, m)
         return out, MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update, donates=inner.donates, collectives=inner.collectives)
+    return GradientTransformation(init, update, donates=inner.donates, collectives=inner.collectives,
+                                  fingerprint=lambda state: settings_of(inner, state.inner_state, "masked"))
 
 
 class MultiTransformState(NamedTuple):
@@ -328,5 +332,9 @@ def multi_transform(
             out = pytree.map(lambda o, u, k: torch.where(k, u.to(o.dtype), o), out, new, m)
         return out, MultiTransformState(inner_states=new_states)
 
+    def fingerprint(state):
+        return tuple(kv for k in names for kv in settings_of(transforms[k], state.inner_states[k], f"[{k!r}]"))
+
     return GradientTransformation(init, update, donates=any(t.donates for t in transforms.values()),
-                                  collectives=collectives if any(t.collectives for t in transforms.values()) else None)
+                                  collectives=collectives if any(t.collectives for t in transforms.values()) else None,
+                                  fingerprint=fingerprint)

@@ -26,7 +26,7 @@ from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
 from ragged.collectives._agree import agree, agree_collectives
-from ragged.optim._base import GradientTransformation, first_tensor, keywords_checked, zero_count
+from ragged.optim._base import GradientTransformation, first_tensor, keywords_checked, settings_of, zero_count
 
 __all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_nonfinite", "nonfinite_report", "check_sharded_comm"]
 
@@ -178,4 +178,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int, 
     def collectives(params):
         return agree_collectives(comm, 1) + (inner.collectives(params) if inner.collectives is not None else ())
 
-    return GradientTransformation(init, update, donates=inner.donates, collectives=collectives)
+    def fingerprint(state):
+        return (("apply_if_finite.max_consecutive_errors", str(max_consecutive_errors)),
+                *settings_of(inner, state.inner_state, "apply_if_finite"))
+
+    return GradientTransformation(init, update, donates=inner.donates, collectives=collectives, fingerprint=fingerprint)

@@ -52,6 +52,7 @@ from ragged.optim._transform import (
     ScaleByScheduleState,
     ScaleState,
     _check_adam,
+    _check_nonneg,
 )
 
 # adam8bit_leaf_state lives in _quant8_state; tests import it from here too
@@ -263,8 +264,9 @@ def adamw_8bit(
         >>> state[0].moments.mu_codes.dtype, state[0].moments.mu_scales.numel()  # 2 x 4 tiles
         (torch.uint8, 8)
     """
-    _check_adam(b1, b2, eps, weight_decay, learning_rate)
-    scheduled = callable(learning_rate)
+    _check_adam(b1, b2, eps, weight_decay)
+    rate = _check_nonneg("learning_rate", learning_rate)
+    scheduled = callable(rate)
 
     def init(params):
         lr_state = ScaleByScheduleState(count=zero_count(params)) if scheduled else ScaleState()
@@ -276,7 +278,7 @@ def adamw_8bit(
             raise RaggedValueError("adamw_8bit with weight_decay needs the params: call opt.update(grads, opt_state, params).")
         if weight_decay:
             _check_dbuffers(params, "params")
-        lr = -1.0 * learning_rate(lr_state.count) if scheduled else -learning_rate
+        lr = -1.0 * rate(lr_state.count) if scheduled else -rate
         updates, adam = _step(updates, adam, params, b1=b1, b2=b2, eps=eps, decay=weight_decay or None, lr=lr,
                               min_size=min_size, donate=donate)
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state

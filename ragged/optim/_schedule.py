@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ragged.optim._base import Schedule, keywords_checked
+from ragged.optim._base import Schedule, check_rate, keywords_checked
 from ragged._errors import RaggedValueError, check_int
 
 __all__ = [
@@ -37,11 +37,13 @@ def _along(count, steps: int, empty: float, curve) -> torch.Tensor:
     return curve(torch.clamp(c / steps, 0.0, 1.0))
 
 
-def _check_values(**values) -> None:
-    """Schedule values must be finite numbers (a NaN or inf learning rate ruins every parameter)."""
+def _check_values(where: str, **values) -> None:
+    """Schedule values must be finite numbers >= 0 (a negative learning rate trains by gradient
+    ascent, a NaN or inf one ruins every parameter); each is named as ``where``'s argument."""
     for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RaggedValueError(f"{name} must be a finite float, got {v!r}.")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RaggedValueError(f"{where}: {name} must be a finite float >= 0, got {v!r}.")
+        check_rate(f"{where}: {name}", v)
 
 
 @keywords_checked
@@ -53,7 +55,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> float(optim.constant_schedule(0.1)(7))
         0.1
     """
-    _check_values(value=value)
+    _check_values("constant_schedule", value=value)
 
     def schedule(count):
         return torch.full_like(_as_float(count), value)
@@ -72,7 +74,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
         >>> [float(s(c)) for c in (0, 2, 4, 9)]
         [0.0, 0.5, 1.0, 1.0]
     """
-    _check_values(init_value=init_value, end_value=end_value)
+    _check_values("linear_schedule", init_value=init_value, end_value=end_value)
     check_int("transition_steps", transition_steps, 0)
 
     def schedule(count):
@@ -91,7 +93,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         >>> [round(float(s(c)), 4) for c in (0, 5, 10, 20)]
         [1.0, 0.5, 0.0, 0.0]
     """
-    _check_values(init_value=init_value, alpha=alpha)
+    _check_values("cosine_decay_schedule", init_value=init_value, alpha=alpha)
     check_int("decay_steps", decay_steps, 0)
 
     def curve(frac):
@@ -117,7 +119,7 @@ def warmup_cosine_decay_schedule(
         >>> [round(float(s(c)), 4) for c in range(8)]
         [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
     """
-    _check_values(init_value=init_value, peak_value=peak_value, end_value=end_value)
+    _check_values("warmup_cosine_decay_schedule", init_value=init_value, peak_value=peak_value, end_value=end_value)
     check_int("warmup_steps", warmup_steps, 0)
     check_int("decay_steps", decay_steps, 0)
     if decay_steps < warmup_steps:

@@ -250,9 +250,9 @@ def shampoo(
     if not isinstance(b2, (int, float)) or isinstance(b2, bool) or not 0.0 <= b2 <= 1.0:
         raise RaggedValueError(f"shampoo: b2 must be a float in [0, 1], got {b2!r}.")
     _check_beta("shampoo: grafting_b2", grafting_b2)
-    for name, value in (("learning_rate", learning_rate), ("matrix_eps", matrix_eps), ("weight_decay", weight_decay),
-                        ("grafting_eps", grafting_eps)):
+    for name, value in (("matrix_eps", matrix_eps), ("weight_decay", weight_decay), ("grafting_eps", grafting_eps)):
         _check_nonneg(f"shampoo: {name}", value)
+    rate = _check_nonneg("shampoo: learning_rate", learning_rate)
     if grafting not in GRAFTINGS:
         raise RaggedValueError(f"shampoo: grafting must be one of {GRAFTINGS}, got {grafting!r}.")
     freq = check_int("shampoo: precondition_frequency", precondition_frequency)
@@ -267,7 +267,7 @@ def shampoo(
     rule = BlockRule("shampoo", check_block("shampoo", block), check_int("shampoo: max_precondition_dim",
                                                                          max_precondition_dim), False, precondition_filter)
     md = check_matrix_dtype("shampoo", matrix_dtype)
-    scheduled = callable(learning_rate)
+    scheduled = callable(rate)
 
     def init(params):
         bufs, lays, treedef = layouts(params, rule)
@@ -289,7 +289,7 @@ def shampoo(
         h = _Hyper(b2, 1.0 - b2 if b2 < 1.0 else 1.0, bc2, matrix_eps, exponent, md,
                    root=(t % freq == 0 and t > start) or t == start, precondition=t >= start, graft=grafting is not None)
         flat = dict(t=t, b1=b1, gb2=grafting_b2, geps=grafting_eps, bias=use_bias_correction)
-        lr = learning_rate(state.count) if scheduled else learning_rate
+        lr = rate(state.count) if scheduled else rate
         none = [None] * len(bufs)
         mus = pytree.leaves(state.mu, is_leaf=is_dbuffer) if state.mu is not None else none
         gnus = pytree.leaves(state.graft_nu, is_leaf=is_dbuffer) if state.graft_nu is not None else none

@@ -269,14 +269,15 @@ def soap(
     """
     for name, beta in (("b1", b1), ("b2", b2)) + ((("shampoo_beta", shampoo_beta),) if shampoo_beta is not None else ()):
         _check_beta(f"soap: {name}", beta)
-    for name, value in (("learning_rate", learning_rate), ("eps", eps), ("weight_decay", weight_decay)):
+    for name, value in (("eps", eps), ("weight_decay", weight_decay)):
         _check_nonneg(f"soap: {name}", value)
+    rate = _check_nonneg("soap: learning_rate", learning_rate)
     rule = BlockRule("soap", check_block("soap", block), check_int("soap: max_precondition_dim", max_precondition_dim),
                      bool(precondition_1d), precondition_filter)
     check_int("soap: precondition_frequency", precondition_frequency)
     md = check_matrix_dtype("soap", matrix_dtype)
     sb = b2 if shampoo_beta is None else shampoo_beta
-    scheduled = callable(learning_rate)
+    scheduled = callable(rate)
 
     def init(params):
         bufs, lays, treedef = layouts(params, rule)
@@ -295,7 +296,7 @@ def soap(
         check_state(rule, bufs, fs)
         t = int(state.count)  # the Adam step this call takes (0: the first call, which only fills L, R and Q)
         h = _Hyper(b1, b2, eps, sb, md, normalize_grads, t > 0 and t % precondition_frequency == 0)
-        lr = learning_rate(state.count) if scheduled else learning_rate
+        lr = rate(state.count) if scheduled else rate
         size = (lr * (1.0 - b2**t) ** 0.5 / (1.0 - b1**t) if correct_bias else lr) if t else 0.0
         ps = pytree.leaves(params, is_leaf=is_dbuffer) if weight_decay else [None] * len(bufs)
         mus, nus = pytree.leaves(state.mu, is_leaf=is_dbuffer), pytree.leaves(state.nu, is_leaf=is_dbuffer)

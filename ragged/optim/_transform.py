@@ -7,14 +7,13 @@ Every transform maps over pytrees through :data:`ragged.pytree`, so on a
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
 from ragged._pytree import pytree
 from ragged.optim._base import (EmptyState, GradientTransformation, Schedule, check_floating, check_like_state,
-                                keywords_checked, zero_count)
+                                check_rate, checked_schedule, keywords_checked, zero_count)
 from ragged._errors import RaggedValueError
 
 __all__ = [
@@ -81,13 +80,14 @@ def _wide(u: torch.Tensor) -> torch.Tensor:
     return u.to(torch.float32) if u.is_floating_point() and u.element_size() < 4 else u
 
 
-def _check_nonneg(name: str, value) -> None:
-    """A finite number >= 0 (or a schedule, when ``value`` is callable): NaN, inf, negative and
-    non-numbers are refused, naming the hyperparameter."""
+def _check_nonneg(name: str, value):
+    """``value`` if it is a finite number >= 0 (NaN, inf, negative and non-numbers are refused,
+    naming the hyperparameter), or, when it is callable, the schedule with each value it returns
+    checked as an update computes it (:func:`~ragged.optim._base.checked_schedule`)."""
     if callable(value):
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
-        raise RaggedValueError(f"{name} must be a finite float >= 0, got {value!r}.")
+        return checked_schedule(name, value)
+    check_rate(name, value)
+    return value
 
 
 def _check_beta(name: str, value) -> None:
@@ -95,12 +95,11 @@ def _check_beta(name: str, value) -> None:
         raise RaggedValueError(f"{name} must be a float in [0, 1), got {value!r}.")
 
 
-def _check_adam(b1, b2, eps, weight_decay=0.0, learning_rate=0.0) -> None:
+def _check_adam(b1, b2, eps, weight_decay=0.0) -> None:
     _check_beta("b1", b1)
     _check_beta("b2", b2)
     _check_nonneg("eps", eps)
     _check_nonneg("weight_decay", weight_decay)
-    _check_nonneg("learning_rate", learning_rate)
 
 
 def _mul(u: torch.Tensor, factor, donate: bool) -> torch.Tensor:
@@ -175,11 +174,11 @@ def scale_by_learning_rate(
         >>> opt.update(torch.ones(2), opt.init(torch.ones(2)))[0]
         tensor([-0.5000, -0.5000])
     """
-    _check_nonneg("learning_rate", learning_rate)
+    rate = _check_nonneg("learning_rate", learning_rate)
     sign = -1.0 if flip_sign else 1.0
-    if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count), donate=donate)
-    return scale(sign * learning_rate, donate=donate)
+    if callable(rate):
+        return scale_by_schedule(lambda count: sign * rate(count), donate=donate)
+    return scale(sign * rate, donate=donate)
 
 
 def _adam_step(g, m, v, *, b1, b2, eps, bc2_sqrt, step, decay, p, donate):
@@ -294,8 +293,9 @@ def scale_by_adamw(
         >>> torch.allclose(fused.update(g, fused.init(p), p)[0], chained.update(g, chained.init(p), p)[0])
         True
     """
-    _check_adam(b1, b2, eps, weight_decay, learning_rate)
-    scheduled = callable(learning_rate)
+    _check_adam(b1, b2, eps, weight_decay)
+    rate = _check_nonneg("learning_rate", learning_rate)
+    scheduled = callable(rate)
 
     def init(params):
         adam = _adam_init(params, "adamw")
@@ -310,7 +310,7 @@ def scale_by_adamw(
         check_like_state(updates, adam.nu, "adamw")
         if weight_decay:
             check_like_state(params, adam.mu, "adamw", what="params")
-        lr = learning_rate(lr_state.count) if scheduled else learning_rate
+        lr = rate(lr_state.count) if scheduled else rate
         decay = (-lr * weight_decay) if weight_decay else None
         updates, adam = _adam_tree(updates, adam, params, b1=b1, b2=b2, eps=eps, lr=-lr, decay=decay, donate=donate)
         new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state

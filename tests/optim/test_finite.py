@@ -98,6 +98,10 @@ def test_sharded_updates_need_a_comm(make):
         (lambda: rg.optim.constant_schedule(nan), "value"),
         (lambda: rg.optim.linear_schedule(0.0, inf, 10), "end_value"),
         (lambda: rg.optim.warmup_cosine_decay_schedule(0.0, nan, 2, 10), "peak_value"),
+        (lambda: rg.optim.constant_schedule(-1.0), "value"),  # negative: gradient ascent
+        (lambda: rg.optim.linear_schedule(-1e-3, 0, 10), "init_value"),
+        (lambda: rg.optim.warmup_cosine_decay_schedule(0, -3e-3, 5, 50), "peak_value"),
+        (lambda: rg.optim.cosine_decay_schedule(1e-3, 10, alpha=-0.5), "alpha"),
         (lambda: rg.optim.apply_if_finite(rg.optim.sgd(0.1), -1, comm=None), "max_consecutive_errors"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
@@ -109,6 +113,50 @@ def test_bad_hyperparameters_are_refused_by_name(build, name):
     assert re.search(rf"\b{name} must be", text), text
     if name == "momentum":
         assert "decay" not in text
+
+
+@pytest.mark.parametrize("make", [
+    lambda lr: rg.optim.adamw(lr), lambda lr: rg.optim.adamw(lr, weight_decay=0.1, mask=lambda leaf: True),
+    lambda lr: rg.optim.sgd(lr, momentum=0.9), lambda lr: rg.optim.adamw_8bit(lr),
+    lambda lr: rg.optim.soap(lr), lambda lr: rg.optim.shampoo(lr),
+], ids=["adamw", "adamw-masked", "sgd", "adamw_8bit", "soap", "shampoo"])
+@pytest.mark.parametrize("bad", [-3e-3, nan], ids=["negative", "nan"])
+def test_a_schedule_is_checked_on_the_values_it_returns(make, bad):
+    """The values a callable learning rate returns are checked where the update computes them (on
+    the CPU: no device sync), naming the count; the step checks them before its agreement
+    (tests/distributed/test_fsdp_gloo.py); a schedule that is fine until count 2 passes twice."""
+    params = {"w": torch.randn(8, 8), "b": torch.randn(8)}
+    plan = rg.make_plan(params, {"w": rg.spec.Blocks(8, 8), "b": None}, world_size=1)
+    local = rg.shard(plan, params, rank=0)
+    opt = make(lambda count: 1e-3 if count < 2 else bad)
+    state = opt.init(local)
+    for _ in range(2):
+        assert opt.fingerprint(state)  # the settings the step's agreement compares (at counts 0 and 1)
+        updates, state = opt.update(local, state, local)
+    with pytest.raises(rg.RaggedValueError, match=r"learning_rate must be a finite float >= 0, got .* at count 2"):
+        opt.update(local, state, local)
+    with pytest.raises(rg.RaggedValueError, match=r"learning_rate must be a finite float >= 0, got .* at count 2"):
+        opt.fingerprint(state)
+
+
+def test_the_fingerprint_names_each_setting_and_a_schedule_by_its_value():
+    """What the step's agreement compares: name, arguments (numbers exactly), a schedule's value at
+    the state's count, a combinator's parts under a prefix; other values by their kind only."""
+    sched = rg.optim.linear_schedule(1e-3, 0.0, 10)
+    opt = rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=None),
+                         rg.optim.multi_transform({"a": rg.optim.soap(sched, precondition_frequency=5),
+                                                   "b": rg.optim.adamw(3e-4)}, lambda leaf: "a"))
+    params = {"w": torch.zeros(4, 4)}
+    plan = rg.make_plan(params, {"w": rg.spec.Blocks(4, 4)}, world_size=1)
+    local = rg.shard(plan, params, rank=0)
+    state = opt.init(local)
+    _, state = opt.update(local, state, local)
+    got = dict(opt.fingerprint(state))
+    assert got["chain[0]"] == "clip_by_global_norm" and got["chain[0].max_norm"] == "1.0"
+    assert got["chain[0].norm"] == "None" and got["chain[1].['b'].learning_rate"] == "0.0003"
+    assert got["chain[1].['a']"] == "soap" and got["chain[1].['a'].precondition_frequency"] == "5"
+    assert got["chain[1].['a'].learning_rate"] == f"{float(sched(1))!r} at count 1"
+    assert rg.optim.soap(3e-2).fingerprint(None) != rg.optim.soap(3e-3).fingerprint(None)
 
 
 def test_eps_zero_stays_allowed():

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ragged.checkpoint._format import CheckpointError, error_type
 from ragged.collectives._agree import agree, everyone
+from ragged.collectives._channel import raised_on_every_rank
 from ragged.checkpoint._metadata import reader as checked_reader
 
 __all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "dcp_save", "dcp_load", "SingleProcess", "reached"]
@@ -133,10 +134,12 @@ def reached(step: str) -> None:
         FAULT(step)
 
 
-def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any]:
+def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any], *, failure: Exception | None = None) -> list[Any]:
     """Runs ``fn()`` on every rank and gathers the results (indexed as :func:`everyone`); if any
     rank failed, raises on every rank (a CheckpointError subclass named by the first failing
-    rank's error).
+    rank's error). ``failure``: this rank's error in preparing the call (checking its state),
+    which joins the round in place of ``fn()``'s result and is raised on this rank as it is (see
+    [Note: a rank's error joins the next agreement] in ``ragged/collectives/_agree.py``).
 
     ``call`` names the checkpoint call (``"save('/x/ckpt')"``) and ``step`` its round: ranks in
     another call or another round (a rank saving another path, loading while the others save)
@@ -155,6 +158,8 @@ def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any
     milliseconds. Objects come from the other ranks of this job, never from disk.
     """
     try:
+        if failure is not None:
+            raise failure
         out = (True, fn())
     except CheckpointError as exc:
         out = (False, (type(exc).__name__, str(exc)))
@@ -166,6 +171,8 @@ def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any
     try:
         results = agree(comm, explain=lambda _: (call, step, out), label="checkpoint").details
     except BaseException as exc:  # noqa: BLE001 - a torch error from the collective: say which call
+        if failure is not None:  # this rank's own error says more than the round's
+            raise failure
         reason = f"{what}: the ranks could not exchange ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         if not isinstance(exc, Exception):
             raise
@@ -179,6 +186,8 @@ def on_every_rank(comm, call: str, step: str, fn: Callable[[], Any]) -> list[Any
             "same rg.checkpoint.save / load with the same path, at the same point of the program."
         )
     failures = [(rank, payload) for rank, (_, _, (ok, payload)) in enumerate(results) if not ok]
+    if failure is not None:
+        raise raised_on_every_rank(failure)
     if failures:
         index, (name, message) = failures[0]
         others = [_who(comm, i) for i, _ in failures[1:]]
@@ -229,19 +238,22 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
 
-def dcp_save(path: str, pieces: list[Piece | Chunk | Blob], comm, call: str) -> list[str]:
+def dcp_save(path: str, pieces: list[Piece | Chunk | Blob] | Callable[[], list], comm, call: str) -> list[str]:
     """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it
-    (``call`` names the checkpoint call for :func:`on_every_rank`).
+    (``call`` names the checkpoint call for :func:`on_every_rank`). ``pieces`` may be a function
+    that makes them, run inside the first round (an error there raises on every rank).
 
     Pieces with the same ``(fqn, offset)`` on several ranks (replicated values) are written once.
     Returns the names of the files this rank wrote (rank 0's list includes ``.metadata``).
     """
-    planner = _PieceSavePlanner(pieces)
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=False)
     me, _ = everyone(comm)
     coordinator = me == 0
+    planner = None
 
     def local_step():
+        nonlocal planner
+        planner = _PieceSavePlanner(pieces() if callable(pieces) else pieces)
         planner.set_up_planner(is_coordinator=coordinator)
         writer.set_up_storage_writer(coordinator, rank=me, use_collectives=True)
         return writer.prepare_local_plan(planner.create_local_plan())
@@ -325,8 +337,11 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         blob.into[blob.fqn] = torch.load(value, weights_only=True)
 
 
-def dcp_load(path: str, pieces: list[Piece | Chunk | Blob], metadata: Metadata, comm, call: str) -> None:
-    """Fills the destination ``pieces`` (this rank's) from the DCP checkpoint at ``path``.
+def dcp_load(path: str, pieces: list[Piece | Chunk | Blob] | Callable[[], list], metadata: Metadata, comm,
+             call: str) -> None:
+    """Fills the destination ``pieces`` (this rank's) from the DCP checkpoint at ``path``;
+    ``pieces`` may be a function that makes them (allocating them: an error there raises on
+    every rank).
 
     [Note: load plans are local]
     DCP's default load planner's global step is the identity and ``FileSystemReader`` plans
@@ -335,7 +350,7 @@ def dcp_load(path: str, pieces: list[Piece | Chunk | Blob], metadata: Metadata, 
     """
 
     def read_step():
-        planner = _PieceLoadPlanner(pieces)
+        planner = _PieceLoadPlanner(pieces() if callable(pieces) else pieces)
         reader = checked_reader(path)
         me, _ = everyone(comm)
         planner.set_up_planner(metadata=metadata, is_coordinator=me == 0)

@@ -150,7 +150,10 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     """
     check_comm(comm, "load")
     path = os.path.abspath(os.fspath(path))
-    paths, leaves, treedef = flatten_state(like_state)
+    try:  # an error here joins the first round (raised on every rank), as check()'s do
+        paths, leaves, treedef, failure = *flatten_state(like_state), None
+    except Exception as e:  # noqa: BLE001
+        paths, leaves, treedef, failure = [], [], None, e
     me, count = everyone(comm)
     call = f"load({path!r})"
 
@@ -175,7 +178,7 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
         return like_digest, where, fmt.manifest_checksum(manifest)
 
     opened: dict[str, Any] = {}
-    gathered = on_every_rank(comm, call, "checking the checkpoint", check)
+    gathered = on_every_rank(comm, call, "checking the checkpoint", check, failure=failure)
     for rank, (desc, where, checksum) in enumerate(gathered):
         if desc != gathered[0][0]:
             raise CheckpointMismatchError(
@@ -190,12 +193,17 @@ def load(path, like_state, comm, *, strict: bool = True, verify: bool = True):
     reached("agreed")
     manifest, metadata, kinds = opened["manifest"], opened["metadata"], opened["kinds"]
 
-    new_leaves, pieces = [], []
-    for p, leaf, kind in zip(paths, leaves, kinds):
-        new = kind.allocate(leaf, manifest["entries"][p])
-        pieces += kind.pieces(p, new, comm.rank, me)
-        new_leaves.append(new)
-    dcp_load(opened["where"], pieces, metadata, comm, call)
+    new_leaves = []
+
+    def allocate():  # in the reading round: a rank that cannot allocate raises on every rank
+        pieces = []
+        for p, leaf, kind in zip(paths, leaves, kinds):
+            new = kind.allocate(leaf, manifest["entries"][p])
+            pieces += kind.pieces(p, new, comm.rank, me)
+            new_leaves.append(new)
+        return pieces
+
+    dcp_load(opened["where"], allocate, metadata, comm, call)
     return treedef.unflatten(new_leaves)
 
 

@@ -23,7 +23,6 @@ from ragged.checkpoint._dcp import dcp_save, on_every_rank, reached
 from ragged.collectives._agree import everyone
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
-from ragged.collectives._base import poison_on_error
 
 __all__ = ["save", "SAVE_STEPS"]
 
@@ -111,9 +110,10 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         The manifest written (a dict; ``manifest["files"]`` lists the files with checksums).
 
     Raises:
-        TypeError: a leaf of an unsupported type (its key path is named), before any
-            communication.
-        ValueError: a DBuffer of another rank or world size, before any communication.
+        TypeError: a leaf of an unsupported type (its key path is named), before anything is
+            written: on the rank that holds it, after the first round, which it joins with this
+            error so that every other rank raises a CheckpointError naming it.
+        ValueError: a DBuffer of another rank or world size (the same way).
         CheckpointError: ranks passed different states (other trees, shapes, or plain tensors
             with different values) or other paths, the path exists, writing failed, or a rank
             died or left the call; raised on every rank.
@@ -133,28 +133,33 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     """
     check_comm(comm, "save")
     path = os.path.abspath(os.fspath(path))
-    paths, leaves, treedef = flatten_state(state)
-    # Local validation first: a bad leaf raises here, before any communication (a comm that can
-    # be poisoned is, so that peers already in the first round fail too).
-    with poison_on_error(comm):
-        kinds, entries = describe_state(paths, leaves, comm, "state")
     call = f"save({path!r})"
-    token = _agreed_token(path, comm, call, paths, leaves, kinds, entries, treedef, overwrite)
+    try:  # local validation first: a bad leaf's error joins the first round, raised on every rank
+        paths, leaves, treedef = flatten_state(state)
+        kinds, entries, failure = *describe_state(paths, leaves, comm, "state"), None
+    except Exception as e:  # noqa: BLE001
+        paths, leaves, treedef, kinds, entries, failure = [], [], None, (), {}, e
+    token = _agreed_token(path, comm, call, paths, leaves, kinds, entries, treedef, overwrite, failure)
     reached("agreed")
     # [Note: HSDP] Replicas hold identical shards: replica 0 writes them, the others write
     # only their PerRank values; every process takes part in the protocol (and in loading).
     me, replica = everyone(comm)[0], getattr(comm, "replica_rank", 0)
-    pieces = [pc for p, leaf, kind in zip(paths, leaves, kinds) if replica == 0 or kind.per_process
-              for pc in kind.pieces(p, leaf, comm.rank, me)]
+
+    def pieces():  # made in dcp_save's first round: an error there raises on every rank
+        return [pc for p, leaf, kind in zip(paths, leaves, kinds) if replica == 0 or kind.per_process
+                for pc in kind.pieces(p, leaf, comm.rank, me)]
+
     manifest = {"format": fmt.FORMAT, "version": fmt.VERSION, "world_size": comm.world_size,
                 "replicas": getattr(comm, "num_replicas", 1), "treedef": str(treedef), "entries": entries,
                 "torch": torch.__version__}
     return _write(path, token, pieces, manifest, comm, call, overwrite)
 
 
-def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dict, treedef, overwrite: bool) -> str:
+def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dict, treedef, overwrite: bool,
+                  failure: Exception | None) -> str:
     """Every rank's state agreed (one digest round; a second round names what differs) and the
-    path free (or ``overwrite``): the token naming this save's temporary directory."""
+    path free (or ``overwrite``): the token naming this save's temporary directory. ``failure``:
+    this rank's error in describing its state, which joins the first round."""
     description = json.dumps({"treedef": str(treedef), "entries": entries}, sort_keys=True)
 
     def prepare():
@@ -165,7 +170,7 @@ def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dic
         digest = hashlib.sha256(description.encode()).hexdigest()
         return digest, agreements, _occupied(path), uuid.uuid4().hex[:12]
 
-    gathered = on_every_rank(comm, call, "checking the state", prepare)
+    gathered = on_every_rank(comm, call, "checking the state", prepare, failure=failure)
     problem = None
     if len({g[0] for g in gathered}) > 1:  # every rank sees this: all take the second round
         problem = _disagreement(on_every_rank(comm, call, "comparing states", lambda: description))

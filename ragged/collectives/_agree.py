@@ -33,6 +33,26 @@ collective itself, before the data moves (gloo) or without a host sync (NCCL); a
 :func:`agree` per call would add a round trip, or a device-to-host sync, to every collective,
 which is what those mechanisms exist to avoid. [Note: what each agreement catches] in
 ``ragged/transforms/_check.py`` says what each catches that the others cannot.
+
+[Note: a rank's error joins the next agreement]
+A rank that fails between two agreements (a misuse of its own: a format callable that returns a
+string on this rank only, a batch its micro-batches do not divide, a learning-rate schedule that
+turns negative, params it cannot read) must not simply raise: its peers would wait for it in
+their next collective until a timeout (and, when the caller catches the error and goes on, for
+ever). So ``agree_on`` (``ragged/transforms/_check.py``, behind ``check_plans`` and ``fsdp.init``'s
+values check) lets the failed rank take part in the round its peers run next with its error in
+place of its token: the tokens differ, so every rank takes the explanation round, where the failed rank's details are
+where it failed and its error. It then raises its own error; every other rank a
+:class:`~ragged.RaggedError` naming it ("fsdp.make_step failed on rank 1 (...): RaggedTypeError:
+..."), within the round's time, and the comm stays usable (nothing was left half-issued). Ranks
+that all fail alike agree at once and raise their own errors without the second round.
+``rg.fsdp.make_step`` / ``value_and_grad`` join the step's start-of-call agreement (the next one
+their peers run), the step's local checks (``Step.__call__``: the state, the batch, the optimizer's
+settings and learning rates) join that same round, ``fsdp.init`` its values check, and the
+checkpoint's preparation its first round (``checkpoint/_dcp.py: on_every_rank``). Errors after the
+step's end-of-call agreement (in the optimizer's update) poison the comm instead (see
+[Note: what a collective call carries] in ``collectives/_base.py``): the ranks' parameters may then
+differ, so the job must not go on with them.
 """
 
 from __future__ import annotations

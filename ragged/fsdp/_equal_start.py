@@ -16,12 +16,13 @@ comm's mesh (the shard group and, for HSDP, the replicas) holds the same ones:
   cost 3-4 times more for no practical gain (hashlib's SHA-256 here: about 2 GB/s per core; zlib's
   CRC-32: 3.5 times that). It is one read of the values on the host (a device-to-host copy first
   on a GPU, 64 MiB at a time); ``bench/init_check.py`` measures it, see ``docs/lifecycle.md``;
-* the ranks agree on the hash of those hashes in one :func:`~ragged.transforms._check.ranks_agree`
+* the ranks agree on the hash of those hashes in one :func:`~ragged.transforms._check.agree_on`
   round (the plan check's agreement primitive: a local token in, every rank's verdict out;
   one all-reduce of two int64s, and one across the replicas);
 * a rank whose params could not be read (a missing key, a wrong shape: a misuse of its own)
-  joins the same round with its error instead of its hashes: it raises that error, every other
-  rank a ``RaggedError`` naming it, and none waits in a collective for a rank that left;
+  joins the same round with its error instead of its hashes (see [Note: a rank's error joins the
+  next agreement] in ``ragged/collectives/_agree.py``): it raises that error, every other rank a
+  ``RaggedError`` naming it, and none waits in a collective for a rank that left;
 * only when they differ do they exchange the per-value hashes (the explanation round of
   :func:`~ragged.collectives._agree.agree`, see [Note: one way to agree]) and
   every rank raises :class:`ParamsMismatchError` naming the first differing value, the ranks on
@@ -48,10 +49,10 @@ import zlib
 
 import torch
 
-from ragged._errors import RaggedError, RaggedValueError, check_int
+from ragged._errors import RaggedValueError, check_int
 from ragged.collectives._channel import raised_on_every_rank
-from ragged.collectives._agree import agree, everyone
-from ragged.transforms._check import ranks_agree
+from ragged.collectives._agree import everyone
+from ragged.transforms._check import agree_on
 from ragged.transforms._reduce_scatter import reduce_scatter
 
 __all__ = ["ParamsMismatchError", "check_equal", "check_source", "shard_from", "sync_buffers"]
@@ -126,25 +127,14 @@ def check_equal(items: list[tuple[str, torch.Tensor]], comm, *, failure: BaseExc
     error on that rank and a :class:`~ragged.RaggedError` naming it on the others.
 
     See [Note: ranks start from the same values]."""
-    if everyone(comm)[1] == 1:
-        if failure is not None:
-            raise failure
+    if everyone(comm)[1] == 1 and failure is None:
         return
-    said = None if failure is None else f"{type(failure).__name__}: {failure}"
     mine = [(name, digest(t)) for name, t in items] if values and failure is None else []
-    token = f"fsdp.init failed|{said}" if said else "fsdp.init values|" + "|".join(f"{k}={h}" for k, h in mine)
-    agreed = ranks_agree(comm, token, label="fsdp.init values")
-    if agreed and failure is None:
-        return
-    details = None if agreed else agree(comm, explain=lambda _: (said, mine)).details
-    if failure is not None:  # this rank's own error, on every rank that raised one
-        raise raised_on_every_rank(failure)
-    failed = [(r, d[0]) for r, d in enumerate(details) if d[0] is not None]
-    if failed:
-        raise raised_on_every_rank(RaggedError(
-            f"fsdp.init failed on rank {failed[0][0]} (mesh order; {len(failed)} of {len(details)} ranks failed) while "
-            f"reading its params: {failed[0][1]}. Every rank stops before anything is sharded."))
-    raise raised_on_every_rank(ParamsMismatchError(_explain([d[1] for d in details], getattr(comm, "num_replicas", 1))))
+    token = "fsdp.init values|" + "|".join(f"{k}={h}" for k, h in mine)
+    details = agree_on(comm, token, lambda: mine, failure=failure, where="fsdp.init",
+                       label="fsdp.init values")
+    if details is not None:
+        raise raised_on_every_rank(ParamsMismatchError(_explain(details, getattr(comm, "num_replicas", 1))))
 
 
 def shard_from(plan, tree: dict[str, torch.Tensor], comm, source: int):

@@ -3,11 +3,18 @@ unit on use and reduce-scattering it as backward finishes with it.
 
 [Note: one agreement at the start of a call, one at the end]
 At the start the ranks agree, in one small all-reduce (``check_plans(..., every_call=True)``),
-on the units' plans, the options and the schedule's fingerprint (and, on a deferred comm, the
-ledger's digest of the collectives since the last agreement, so a rank that diverged in the
-previous call is reported here on every rank; see [Note: what each agreement catches] in
-``ragged/transforms/_check.py``). At the end, one :func:`~ragged.collectives._agree.agree` of a small float64 vector
-(see [Note: one way to agree]) carries the loss, whether any rank
+on the units' plans, the options (each by name: ``reduce_dtype``, ``micro_batches``, the
+``gather_format`` of each unit, ...), the learnt schedule's fingerprint and, in a step, the
+optimizer's settings (see [Note: the optimizer's settings join the step's agreement] in
+``ragged/optim/_base.py``), and, on a deferred comm, the ledger's digest of the collectives
+since the last agreement, so a rank that diverged in the previous call is reported here on
+every rank (see [Note: what each agreement catches] in ``ragged/transforms/_check.py``). A
+difference raises :class:`~ragged.PlanMismatchError` on every rank naming the option and its
+value on each side; a rank whose own checks failed (the state, the batch, a learning rate; or
+``make_step`` itself) joins this round with its error instead (see [Note: a rank's error joins
+the next agreement] in ``ragged/collectives/_agree.py``). At the end, one
+:func:`~ragged.collectives._agree.agree` of a small float64 vector (see
+[Note: one way to agree]) carries the loss, whether any rank
 failed (``loss_fn`` raised, or returned no scalar that needs grad) or deviated from the schedule,
 which units got late gradients and, per leaf, whether any rank produced a gradient. Every rank
 then takes the same branch: a failure raises everywhere (the failing rank re-raises its own
@@ -40,8 +47,7 @@ from ragged.fsdp._runtime import Run
 from ragged.fsdp._schedule import CollectiveSchedule, program
 from ragged.fsdp._trainable import check_shards
 from ragged.fsdp._units import Units
-from ragged.transforms._check import check_plans
-from ragged.transforms._quantized import formats_digest
+from ragged.transforms._check import check_plans, joins_next_agreement
 
 __all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "MAX_ATTEMPTS"]
 
@@ -112,34 +118,38 @@ class ValueAndGrad:
     module: Any = None
     trace: Any = False  # True: a list in the metrics; a callable: called per event (see value_and_grad)
     layouts: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    options: tuple = dataclasses.field(default=(), repr=False, compare=False)  # (name, value) the ranks agree on
     slots: tuple = dataclasses.field(default=(), repr=False, compare=False)
     memo: _Memo = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def frozen_digest(self) -> str:
-        """Which leaves are frozen, as the ranks agree on it (a fully frozen unit has the plan a
-        trainable one would have)."""
-        text = repr([sorted(u.frozen) for u in self.units])
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def __call__(self, shards: dict[str, DBuffer], batch):
         result = self.compute(shards, batch)
         return result.loss, result.grads
 
-    def compute(self, shards: dict[str, DBuffer], batch, *, data_groups=()) -> GradResult:
+    def compute(self, shards: dict[str, DBuffer], batch, *, data_groups=(), settings=(),
+                failure: BaseException | None = None) -> GradResult:
         """Loss, gradients and what the step needs besides (see [Note: one agreement at the start
         of a call, one at the end]); ``data_groups`` as in :func:`make_step` (only the loss and the
-        agreement span them here; the step reduces the gradients over them)."""
-        check_shards(self.units, shards)
-        for u in self.units:
-            if shards[u.name].plan != u.plan:
-                raise RaggedValueError(f"state.shards[{u.name!r}] was sharded with another plan than units[{u.name!r}].")
-        micro = split_batch(batch, self.micro_batches)  # local checks first, then the cross-rank one
-        memo, policy = self.memo, self.policy
-        token = (f"fsdp_step:{policy.compute_dtype}:{policy.reduce_dtype}:{policy.frozen_dtype}:{self.micro_batches}:"
-                 f"{self.reshard_after_forward}:{self.prefetch}:{[c.world_size for c, _ in data_groups]}:"
-                 f"{memo.schedule.fingerprint()}:{self.frozen_digest}:{formats_digest(self.layouts)}")
-        check_plans([u.plan for u in self.units], self.comm, token, every_call=True)
+        agreement span them here; the step reduces the gradients over them); ``settings``: more
+        ``(name, value)`` pairs the ranks must share (the step's optimizer's); ``failure``: this
+        rank's error in the caller's own checks, which joins the start-of-call agreement as this
+        call's local checks' do (see [Note: a rank's error joins the next agreement] in
+        ``ragged/collectives/_agree.py``)."""
+        micro, memo = None, self.memo
+        if failure is None:
+            try:  # local checks first, then the cross-rank one
+                check_shards(self.units, shards)
+                for u in self.units:
+                    if shards[u.name].plan != u.plan:
+                        raise RaggedValueError(f"state.shards[{u.name!r}] was sharded with another plan than "
+                                               f"units[{u.name!r}].")
+                micro = split_batch(batch, self.micro_batches)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by the agreement
+                failure = e
+        options = (*self.options, ("data_groups", str([c.world_size for c, _ in data_groups])),
+                   ("the learnt collective schedule", memo.schedule.fingerprint()), *settings)
+        check_plans([u.plan for u in self.units], self.comm, "rg.fsdp step", every_call=True, options=options,
+                    failure=failure, where="rg.fsdp step")
         rng = _rng_state(self.comm.device)
         for attempt in range(MAX_ATTEMPTS):
             run, losses, failure = self._attempt(shards, micro)
@@ -306,6 +316,7 @@ def _set_rng_state(device, state):
         torch.cuda.set_rng_state(state[1], device)
 
 
+@joins_next_agreement("fsdp.value_and_grad")
 def value_and_grad(
     units: Units,
     loss_fn: Callable,
@@ -380,7 +391,25 @@ def value_and_grad(
     if not isinstance(policy, MixedPrecision):
         raise RaggedTypeError(f"policy must be a rg.fsdp.MixedPrecision, got {type(policy).__name__}.")
     slots = () if module is None else module_slots(module, units)
+    layouts = unit_layouts(units, policy)
+    frozen = hashlib.blake2b(repr([sorted(u.frozen) for u in units]).encode(), digest_size=8).hexdigest()
+    options = (("compute_dtype", str(policy.compute_dtype)), ("reduce_dtype", str(policy.reduce_dtype)),
+               ("frozen_dtype", str(policy.frozen_dtype)), ("micro_batches", str(micro_batches)),
+               ("reshard_after_forward", str(reshard_after_forward)), ("prefetch", str(prefetch)),
+               ("frozen leaves", frozen),  # a fully frozen unit has the plan a trainable one would have
+               *((f"{kind} of unit {lay.name!r}", _formats_text(formats, plan)) for u, lay in zip(units, layouts)
+                 for kind, formats, plan in (("gather_format", lay.gather_formats, u.plan),
+                                             ("reduce_format", lay.reduce_formats, lay.grad_plan))))
     return ValueAndGrad(units=units, loss_fn=loss_fn, comm=comm, micro_batches=micro_batches, policy=policy,
                         prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                        max_inflight_reduce=max_inflight_reduce, module=module, trace=trace,
-                        layouts=unit_layouts(units, policy), slots=slots, memo=_Memo(len(units)))
+                        max_inflight_reduce=max_inflight_reduce, module=module, trace=trace, layouts=layouts,
+                        options=options, slots=slots, memo=_Memo(len(units)))
+
+
+def _formats_text(formats, plan) -> str:
+    """A unit's gather or reduce formats (by leaf index in ``plan``) as the ranks compare them: one
+    format for every leaf, or which leaf gets which."""
+    if formats is None or len(set(formats)) == 1:
+        return repr(None if formats is None else formats[0])
+    paths = {leaf.index: leaf.path for leaf in plan.leaves + plan.replicated}
+    return "{" + ", ".join(f"{paths[i]}: {f!r}" for i, f in enumerate(formats) if f is not None) + "}"

@@ -32,7 +32,8 @@ what is made of them: gradients, updates) goes through four files of the step, `
 
 1. ``Step.__call__`` (here) takes the trainable part of the shards, the one the optimizer
    updates, refusing a donated state, optimizer state over frozen leaves and a module whose
-   ``requires_grad`` changed before any communication (``_trainable.trainable_part``);
+   ``requires_grad`` changed (``_trainable.trainable_part``), and the optimizer's settings
+   (its fingerprint, learning rates checked): an error here joins the start-of-call agreement;
 2. ``ValueAndGrad.compute`` (``_grad.py``): local checks, the start-of-call agreement
    (``check_plans``), then per attempt a :class:`~ragged.fsdp._runtime.Run` over the shards
    (3.); the end-of-call agreement (``_agree``) decides for every rank: raise, rerun with the
@@ -68,7 +69,10 @@ from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._units import Units, picked_leaves
 from ragged.fsdp._trainable import TrainState, next_state, step_donation, trainable_part
+from ragged.collectives._base import poison_on_error
 from ragged.optim import apply_updates
+from ragged.optim._base import settings_of
+from ragged.transforms._check import joins_next_agreement
 from ragged.transforms._reduce_scatter import all_reduce_leaves
 
 __all__ = ["make_step", "Step", "DataGroup", "data_groups_option", "reduce_over_data_groups", "freeze_unused",
@@ -102,18 +106,26 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         """See [Note: the walk of one step]."""
-        params = trainable_part(self.units, state, self.module, "step(state, batch)")
-        result = self.value_and_grad.compute(state.shards, batch, data_groups=self.data_groups)
-        grads = result.grads  # the trainable parts only (see [Note: frozen parameters] in _trainable.py)
-        for name, g in grads.items():
-            reduce_over_data_groups(self.units[name], g, self.data_groups)
-        opt_state = state.opt_state
-        frozen = freeze_unused(self.units, result.unused, params, opt_state) if self.skip_unused and result.unused else None
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-        if frozen is not None:
-            restore_unused(frozen, params, updates, new_opt_state)
-        trained = apply_updates(params, updates, donate=self.donate)
-        new_state = next_state(self.units, state, trained, new_opt_state, self.donate)
+        params, settings, failure = None, (), None
+        try:  # this rank's checks: an error joins the start-of-call agreement, raised on every rank
+            params = trainable_part(self.units, state, self.module, "step(state, batch)")
+            settings = settings_of(self.optimizer, state.opt_state, "optimizer")
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        result = self.value_and_grad.compute(getattr(state, "shards", None), batch, data_groups=self.data_groups,
+                                             settings=settings, failure=failure)
+        with poison_on_error(self.comm):  # past the agreements: a rank that fails here stops every rank
+            grads = result.grads  # the trainable parts only (see [Note: frozen parameters] in _trainable.py)
+            for name, g in grads.items():
+                reduce_over_data_groups(self.units[name], g, self.data_groups)
+            opt_state = state.opt_state
+            frozen = (freeze_unused(self.units, result.unused, params, opt_state)
+                      if self.skip_unused and result.unused else None)
+            updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+            if frozen is not None:
+                restore_unused(frozen, params, updates, new_opt_state)
+            trained = apply_updates(params, updates, donate=self.donate)
+            new_state = next_state(self.units, state, trained, new_opt_state, self.donate)
         return new_state, {"loss": result.loss, **result.metrics, "unused_leaves": sum(map(len, result.unused.values()))}
 
     def lower(self, state_shapes=None, batch_shapes=None, **options):
@@ -126,6 +138,7 @@ class Step:
         return lower(self, state_shapes, batch_shapes, **options)
 
 
+@joins_next_agreement("fsdp.make_step")
 def make_step(
     units: Units,
     loss_fn: Callable,
@@ -207,8 +220,14 @@ def make_step(
     Raises:
         RaggedValueError: ``loss_fn`` never read the parameters (on every rank, on the first
             step, before any parameter changes; see :data:`ragged.fsdp._grad.UNUSED_PARAMS_MSG`).
-        PlanMismatchError: the ranks' collectives cannot follow one schedule.
+        PlanMismatchError: the ranks' collectives cannot follow one schedule; or the ranks' steps
+            differ in an option or an optimizer setting (named, with each side's value), at the
+            first call, on every rank.
         RaggedValueError: ``donate`` disagrees with ``optimizer.donates``.
+        RaggedError: on every other rank, at the first call, when this function refused a rank's
+            options on that rank alone (e.g. a ``gather_format`` callable that returns a string on
+            rank 1 only): that rank's error joins the call's agreement (see [Note: a rank's error
+            joins the next agreement] in ``ragged/collectives/_agree.py``).
 
     Examples:
         >>> import copy, torch, ragged as rg
@@ -234,9 +253,10 @@ def make_step(
         (True, True)
     """
     data_groups = data_groups_option(data_groups, "make_step")
-    grad = value_and_grad(units, loss_fn, comm, micro_batches=micro_batches, policy=policy, prefetch=prefetch,
-                          reshard_after_forward=reshard_after_forward, max_inflight_reduce=max_inflight_reduce,
-                          module=module, trace=trace)
+    # value_and_grad itself, without its own joining: an error here joins as make_step's
+    grad = value_and_grad.__wrapped__(units, loss_fn, comm, micro_batches=micro_batches, policy=policy,
+                                      prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                                      max_inflight_reduce=max_inflight_reduce, module=module, trace=trace)
     return Step(value_and_grad=grad, optimizer=optimizer, donate=step_donation(donate, optimizer), data_groups=data_groups,
                 skip_unused=skip_unused)
 

@@ -9,6 +9,7 @@ from ragged._dbuffer import DBuffer, is_dbuffer, norm as _norm, norm_collectives
 from ragged._pytree import pytree
 from ragged.optim._base import EmptyState, GradientTransformation, keywords_checked
 from ragged.collectives._agree import agree_collectives
+from ragged.collectives._channel import raised_on_every_rank
 from ragged.optim._finite import NonFiniteError, any_rank, check_sharded_comm, nonfinite_report
 from ragged.optim._transform import _check_nonneg
 
@@ -97,13 +98,13 @@ def clip_by_global_norm(max_norm: float, *, comm, norm=None, error_if_nonfinite:
         else:
             total = norm(updates)
             nonfinite = error_if_nonfinite and not bool(torch.isfinite(total))
-        if nonfinite:
-            raise NonFiniteError(
+        if nonfinite:  # every rank alike (an agreed or equal norm): no poison needed
+            raise raised_on_every_rank(NonFiniteError(
                 "clip_by_global_norm: the global norm of the gradients is not finite (NaN or inf on at least one "
                 f"rank; error_if_nonfinite=True, as torch.nn.utils.clip_grad_norm_); nothing was updated, on any "
                 f"rank. {nonfinite_report(updates)}. Fix: find where the NaN/inf comes from (learning rate, loss "
                 "scale, data), or skip such steps with rg.optim.apply_if_finite(opt, max_consecutive_errors, comm=comm)."
-            )
+            ))
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return pytree.map(lambda u: u * factor.to(u.dtype), updates), state
 

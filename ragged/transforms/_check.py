@@ -52,10 +52,12 @@ Three agreements, each catching what the others cannot:
 
 * the **plan round** above (first use of a plan, every transform under ``"every_call"``, and
   once per call of ``rg.fsdp``'s step, whose token adds the step's options, the schedule's
-  fingerprint and the frozen set): the only one that explains a difference leaf by leaf
-  (``tests/distributed/test_engine_gloo.py: test_plan_mismatch_raises_on_every_rank``) and that
-  sees options which change no call's size (a rank with ``micro_batches=2``:
-  ``test_fsdp_gloo.py: test_rank_switching_step_options_raises_on_every_rank``);
+  fingerprint, the frozen set and the optimizer's settings, each named): the only one that
+  explains a difference leaf by leaf (``tests/distributed/test_engine_gloo.py:
+  test_plan_mismatch_raises_on_every_rank``) or option by option, and that sees options which
+  change no call's size (a rank with ``micro_batches=2``, another learning rate:
+  ``test_fsdp_gloo.py: test_rank_switching_step_options_raises_on_every_rank``,
+  ``test_models_gloo.py: test_settings_that_differ_are_named_on_every_rank``);
 * the **per-call identity** (a call's operation, dtype, sizes and label): checked by gloo's
   headers before the data moves, by the simulated backend at its rendezvous, and under
   ``"deferred"`` recorded by the ledger and verified at the next agreement point (the plan
@@ -76,18 +78,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from ragged._errors import LayoutError, PlanMismatchError, RaggedTypeError, RaggedValueError
+from ragged._errors import LayoutError, PlanMismatchError, RaggedError, RaggedTypeError, RaggedValueError
 from ragged._pytree import flatten_with_keystr
 from ragged.collectives._agree import agree, agree_collectives
 from ragged.collectives._base import CallScope, poison_on_error
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.spec._plan import LayoutPlan
 
-__all__ = ["check_plan", "check_plans", "ranks_agree", "check_comm", "flatten_like_plan", "check_plan_type", "poisons"]
+__all__ = ["check_plan", "check_plans", "ranks_agree", "agree_on", "joins_next_agreement", "check_comm",
+           "flatten_like_plan", "check_plan_type", "poisons"]
 
 
 def poisons(comm_arg: str):
@@ -108,6 +112,36 @@ def poisons(comm_arg: str):
                 return fn(*args, **kwargs)
             with poison_on_error(comm):
                 return fn(*args, **kwargs)
+
+        return entry
+
+    return decorate
+
+
+def joins_next_agreement(where: str):
+    """Decorates an entry point that runs before a step's start-of-call agreement and does not
+    communicate (``fsdp.make_step``, ``fsdp.value_and_grad``): an error it raises on this rank
+    joins that agreement, the round its peers run next, so that every rank raises (see [Note: a
+    rank's error joins the next agreement] in ``ragged/collectives/_agree.py``). Without a
+    usable comm (none, an abstract one, a single rank) the error is raised as it is."""
+
+    def decorate(fn):
+        pos = list(inspect.signature(fn).parameters).index("comm")
+
+        @functools.wraps(fn)
+        def entry(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                comm = args[pos] if len(args) > pos else kwargs.get("comm")
+                if getattr(e, "_ragged_every_rank", False) or not hasattr(comm, "all_reduce"):
+                    raise
+                try:
+                    agree_on(comm, "", failure=e, where=where)
+                except BaseException as joined:  # e itself, or the round's own failure (an abstract comm)
+                    if joined is not e:
+                        raise e from None
+                    raise
 
         return entry
 
@@ -152,6 +186,35 @@ def ranks_agree(comm, token: str, label: str = "plan agreement") -> bool:
             comm.explain_ledger()
         comm.confirm_ledger()
     return got[0] == -got[1]
+
+
+def agree_on(comm, token: str, details: Callable[[], Any] = lambda: None, *, failure: BaseException | None = None,
+             where: str = "", label: str = "plan agreement") -> list | None:
+    """One :func:`ranks_agree` round on ``token``, joined with this rank's ``failure`` instead
+    when it has one (see [Note: a rank's error joins the next agreement] in ``_agree.py``).
+
+    Returns ``None`` when every rank passed the same token and none failed; otherwise every
+    rank's ``details()`` in mesh order (the explanation round), for the caller to say what differs.
+
+    Raises:
+        the ``failure`` itself, on a rank that failed; :class:`~ragged.RaggedError` naming the
+        first failing rank (mesh order), ``where`` it failed and its error, on the others.
+    """
+    said = None if failure is None else (where, f"{type(failure).__name__}: {str(failure).rstrip('.')}")
+    agreed = ranks_agree(comm, f"failed|{said}" if said else token, label=label)  # the same answer on every rank
+    if agreed and failure is None:
+        return None
+    everyone = None if agreed else agree(comm, explain=lambda _: (said, None if said else details())).details
+    if failure is not None:  # this rank's own error, on every rank that raised one
+        raise raised_on_every_rank(failure)
+    failed = [(r, d[0]) for r, d in enumerate(everyone) if d[0] is not None]
+    if not failed:
+        return [d[1] for d in everyone]
+    r, (place, text) = failed[0]
+    replicas = " replica-major," if getattr(comm, "num_replicas", 1) > 1 else ""
+    raise raised_on_every_rank(RaggedError(
+        f"{place} failed on rank {r} (mesh order,{replicas} {len(failed)} of {len(everyone)} ranks failed): {text}. "
+        f"Every rank raises this at the agreement the failed rank joined, instead of waiting for it."))
 
 
 def agreement_collectives(comm, *, every_call: bool = True) -> tuple[tuple[str, str, int, int], ...]:
@@ -246,8 +309,8 @@ def _describe(mine, other) -> str:
 
 
 def _explain(calls) -> str:
-    """``calls``: per rank ``(operation, fingerprints, summaries)``; at least two differ."""
-    distinct = list(dict.fromkeys((op, fps) for op, fps, _ in calls))
+    """``calls``: per rank ``(operation, fingerprints, summaries, options)``; at least two differ."""
+    distinct = list(dict.fromkeys((c[0], c[1]) for c in calls))
     (op_a, fps_a), (op_b, fps_b) = distinct[0], distinct[1]
     ranks_a = [r for r, c in enumerate(calls) if (c[0], c[1]) == (op_a, fps_a)]
     ranks_b = [r for r, c in enumerate(calls) if (c[0], c[1]) == (op_b, fps_b)]
@@ -269,7 +332,8 @@ def _explain(calls) -> str:
 
 
 def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call: bool = False,
-                summary=None, explain=None) -> None:
+                summary=None, explain=None, options: Sequence[tuple[str, str]] = (),
+                failure: BaseException | None = None, where: str = "") -> None:
     """Makes every rank of ``comm`` agree on ``operation`` over ``plans`` before it communicates.
 
     See [Note: plan check before collectives]. ``operation`` names the call and anything else
@@ -277,24 +341,47 @@ def check_plans(plans: Sequence[LayoutPlan], comm, operation: str, *, every_call
     even when ``comm.plan_check == "first_use"`` (``rg.fsdp``'s step, once per step). Plans of
     another layout type (anything with ``fingerprint()``, e.g. ``spec.MeshPlan``) bring their own
     ``summary(plan)`` (what each rank sends when they differ) and ``explain(calls)`` (the message
-    from every rank's ``(operation, fingerprints, summaries)``).
+    from every rank's ``(operation, fingerprints, summaries, options)``). ``options``: ``(name,
+    value)`` pairs of text the ranks must share too; a difference is named by option, with the
+    value on each side. ``failure``: this rank's error since the last agreement, which joins the
+    round instead (raised on every rank, see :func:`agree_on`; ``where`` says where it happened).
 
     Raises:
-        PlanMismatchError: on every rank, if any rank holds other plans or calls another operation.
+        PlanMismatchError: on every rank, if any rank holds other plans, options or calls another operation.
     """
     memo = getattr(comm, "checked_plans", None)
-    fps = tuple(_fingerprint(p, memo) for p in plans)
-    first_use = _first_use(comm, every_call)
+    fps = () if failure is not None else tuple(_fingerprint(p, memo) for p in plans)
+    first_use = _first_use(comm, every_call) and failure is None and not options
     if first_use and all(fp in memo for fp in fps):
         _declare(comm, operation, plans, fps)
         return
-    if not ranks_agree(comm, operation + "|" + ",".join(fps)):  # one label for every round: the token compares
-        calls = agree(comm, explain=lambda _: (operation, fps, [(summary or _summary)(p) for p in plans])).details
-        raise raised_on_every_rank(PlanMismatchError((explain or _explain)(calls)))
+    token = "|".join((operation, ",".join(fps), *(f"{k}={v}" for k, v in options)))
+    calls = agree_on(comm, token, lambda: (operation, fps, [(summary or _summary)(p) for p in plans], tuple(options)),
+                     failure=failure, where=where)  # one label for every round: the token compares
+    if calls is not None:
+        raise raised_on_every_rank(PlanMismatchError(_explain_options(calls) or (explain or _explain)(calls)))
     if first_use:
         for fp in fps:
             memo[fp] = True
     _declare(comm, operation, plans, fps)
+
+
+def _explain_options(calls) -> str | None:
+    """The options that differ between the first two groups of ranks (``None``: none do)."""
+    groups: dict[tuple, list[int]] = {}
+    for r, c in enumerate(calls):
+        groups.setdefault(c[3], []).append(r)
+    if len(groups) < 2:
+        return None
+    (a, ranks_a), (b, ranks_b) = list(groups.items())[:2]
+    da, db = dict(a), dict(b)
+    differ = [k for k in dict.fromkeys([*da, *db]) if da.get(k) != db.get(k)]
+    said = "; ".join(f"{k}: {da.get(k, '(not set)')} on ranks {ranks_a} vs {db.get(k, '(not set)')} on ranks {ranks_b}"
+                     for k in differ[:3])
+    more = f" ({len(differ)} options differ)" if len(differ) > 3 else ""
+    return (f"the ranks' {calls[0][0]} options differ: {said}{more}. Every rank must pass the same options (and "
+            "the same optimizer settings) on every call; a value that depends on the rank (a callable that reads "
+            "comm.rank, a setting read from a rank's own file) makes them differ.")
 
 
 def _declare(comm, operation, plans, fps) -> None:

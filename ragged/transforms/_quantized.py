@@ -33,7 +33,7 @@ from ragged.collectives._scratch import SCRATCH
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
-__all__ = ["gather_start", "unit_gather_start", "formats_digest", "unit_wire_bytes", "unit_scratch_buffers", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
+__all__ = ["gather_start", "unit_gather_start", "unit_wire_bytes", "unit_scratch_buffers", "gather_launcher", "reduce_scatter_launch", "quantize_replicated", "formats_of", "format_key"]
 
 
 class _Decoding:
@@ -211,13 +211,6 @@ def format_key(formats: tuple) -> str:
     """A short digest of every leaf's format: part of what the ranks agree on before the
     collective (ranks quantizing differently would move chunks of different layouts)."""
     return hashlib.sha256(repr(formats).encode()).hexdigest()[:12]
-
-
-def formats_digest(layouts) -> str:
-    """:func:`format_key` of every unit's gather and reduce formats (the step's agreement)."""
-    if all(l.gather_formats is None and l.reduce_formats is None for l in layouts):
-        return ""
-    return format_key(tuple((l.gather_formats, l.reduce_formats) for l in layouts))
 
 
 def unit_gather_start(layout, record, shard, comm, label):

@@ -228,7 +228,7 @@ def test_failed_save_publishes_nothing(tmp_path):
 
 def test_unsupported_leaf_is_refused_before_communication(tmp_path):
     def fn(comm):
-        if comm.rank == 0:  # rank 1 never reaches a collective: no hang, rank 0 raises first
+        if comm.rank == 0:  # rank 1 never joins: the round rank 0 joins with its error fails, it raises that error
             rg.checkpoint.save(tmp_path / "x", {"opt": {"sched": object()}}, comm)
 
     with pytest.raises(TypeError, match=re.escape("state['opt']['sched'] is a object, which a checkpoint cannot hold")):

@@ -7,6 +7,9 @@ model (Hugging Face ``gradient_checkpointing_enable`` with both ``use_reentrant`
 error on every rank before any parameter changes. No case may end in a gloo abort or timeout:
 the harness would report it as ``WorkerTimeout``."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -162,6 +165,122 @@ def test_a_misuse_on_one_rank_in_init_raises_on_every_rank(workers2):
     (kind0, msg0), (kind1, msg1) = workers2.run(_init_apart, 1)
     assert kind1 == "RaggedKeyError" and "head.weight" in msg1, msg1
     assert kind0 == "RaggedError" and "fsdp.init failed on rank 1" in msg0 and "RaggedKeyError" in msg0, msg0
+
+
+# ---- a rank's own error raised on every rank; settings that differ named (issue 45) -------------
+def _mlp(c, opt, specs=None, **step_kw):
+    """``(units, state, step, batch(k))``: a 2-layer MLP of 32 x 32 matrices on this rank."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32)).double()
+    units = fsdp.make_units(model, world_size=c.world_size, groups=["0", "2"], specs=specs)
+    state = fsdp.init(units, model.state_dict(), opt, c)
+    module = copy.deepcopy(model)
+    loss = lambda params, batch: (module(batch) ** 2).mean()  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(8, 4, 32, generator=g, dtype=torch.float64)
+    return units, state, lambda: fsdp.make_step(units, loss, opt, c, module=module, **step_kw), \
+        lambda k: data[k][2 * c.rank: 2 * c.rank + 2]
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the rank catches its own error and goes on
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def _rank_local_errors():
+    """Rank 1 alone fails in each way below, catches its error and goes on; the last case trains
+    on every rank: the comm is still usable. Without the agreement joining, rank 0 would wait in
+    its step's agreement (or the checkpoint's first round) until a timeout."""
+    c = comm()
+    mine = c.rank == 1
+    out = {}
+    blocks = lambda name, t: rg.spec.Blocks(32, 32) if t.dim() == 2 else None  # noqa: E731
+    fmt = (lambda leaf: "mxfp8") if mine else None  # a string, not a format
+    units, state, make, batch = _mlp(c, rg.optim.adamw(1e-2), policy=fsdp.MixedPrecision(gather_format=fmt))
+    out["format-string"] = _outcome(lambda: make()(state, batch(0)))
+    fmt = (lambda leaf: rg.quant.mxfp8(block=32)) if mine else None  # for the 1-D biases too
+    units, state, make, batch = _mlp(c, rg.optim.adamw(1e-2), policy=fsdp.MixedPrecision(gather_format=fmt))
+    out["vector-format"] = _outcome(lambda: make()(state, batch(0)))
+    units, state, make, batch = _mlp(c, rg.optim.adamw(1e-2), micro_batches=2)
+    out["batch"] = _outcome(lambda: make()(state, batch(0)[:1] if mine else batch(0)))
+    lr = lambda count: -1e-3 if mine and count >= 1 else 1e-3  # noqa: E731 - turns negative on rank 1 only
+    units, state, make, batch = _mlp(c, rg.optim.soap(lr, precondition_frequency=2), specs=blocks)
+    step = make()
+    state, _ = step(state, batch(0))
+    before = {k: v.data.clone() for k, v in state.shards.items()}
+    out["schedule"] = _outcome(lambda: step(state, batch(1)))
+    out["schedule-unchanged"] = all(torch.equal(state.shards[k].data, before[k]) for k in before), ""
+    bad = {"step": object()} if mine else {"step": 1}
+    path = os.path.join(tempfile.gettempdir(), "ragged-never-written")  # the same call on every rank
+    out["save"] = _outcome(lambda: rg.checkpoint.save(path, {"shards": state.shards, **bad}, c))
+    units, state, make, batch = _mlp(c, rg.optim.adamw(1e-2))
+    out["trains"] = _outcome(lambda: make()(state, batch(0)))
+    return out
+
+
+def test_a_rank_local_error_raises_on_every_rank_and_the_comm_stays_usable(workers2):
+    """make_step (a format callable that returns a string, or a format for a 1-D leaf, on rank 1
+    only), a step's own checks (a batch that micro_batches=2 does not divide), a learning-rate
+    schedule that turns negative on rank 1 only, a checkpoint's preparation (a leaf it cannot
+    hold): rank 1 raises its error, rank 0 a RaggedError naming rank 1 and that error, at once."""
+    r0, r1 = workers2.run(_rank_local_errors)
+    said = {"format-string": ("RaggedTypeError", "fsdp.make_step failed on rank 1", "returned 'mxfp8'"),
+            "vector-format": ("LayoutError", "fsdp.make_step failed on rank 1", "of shape (32,) is planned with Rows"),
+            "batch": ("RaggedValueError", "rg.fsdp step failed on rank 1", "micro_batches=2"),
+            "schedule": ("RaggedValueError", "rg.fsdp step failed on rank 1", "got -0.001 (its schedule's value at count 1)"),
+            "save": ("RaggedTypeError", "failed on rank 1", "state['step'] is a object")}
+    for case, (kind, where, what) in said.items():
+        assert r1[case][0] == kind and what in r1[case][1], (case, r1[case])
+        expected = "CheckpointError" if case == "save" else "RaggedError"
+        assert r0[case][0] == expected and where in r0[case][1] and what in r0[case][1], (case, r0[case])
+    assert r0["schedule-unchanged"][0] and r1["schedule-unchanged"][0]  # raised before any parameter changed
+    assert r0["trains"] == r1["trains"] == (None, "")
+
+
+def _settings_apart():
+    """Each case: the ranks' steps differ in one setting; every rank raises, naming it."""
+    c = comm()
+    first = c.rank == 0
+    blocks = lambda name, t: rg.spec.Blocks(32, 32) if t.dim() == 2 else None  # noqa: E731
+    cases = {
+        "gather_format": (rg.optim.adamw(1e-2), dict(policy=fsdp.MixedPrecision(
+            gather_format=rg.quant.fp8(block=(32, 32)) if first else None))),
+        "reduce_dtype": (rg.optim.adamw(1e-2), dict(policy=fsdp.MixedPrecision(
+            reduce_dtype=torch.float32 if first else None))),
+        "learning_rate": (rg.optim.soap(3e-3 if first else 3e-2), {}),
+        "precondition_frequency": (rg.optim.soap(3e-3, precondition_frequency=10 if first else 20), {}),
+        "negative everywhere": (rg.optim.adamw(lambda count: 1e-3 - 1e-3 * count), {}),  # < 0 from count 2
+    }
+    out = {}
+    for name, (opt, kw) in cases.items():
+        units, state, make, batch = _mlp(c, opt, specs=blocks, **kw)
+        step = make()
+
+        def train(state=state):
+            for k in range(3):
+                state, _ = step(state, batch(k))
+
+        out[name] = _outcome(train)
+    return out
+
+
+def test_settings_that_differ_are_named_on_every_rank(workers2):
+    """The step's agreement names the option or optimizer setting that differs, with each side's
+    value; a schedule that turns negative on every rank alike raises on every rank too."""
+    for r, out in enumerate(workers2.run(_settings_apart)):
+        assert out["gather_format"][0] == "PlanMismatchError" and (
+            "gather_format of unit '0': {['0.weight']: fp8(block=(32, 32))} on ranks [0] vs None on ranks [1]"
+            in out["gather_format"][1]), out["gather_format"]
+        assert "reduce_dtype: torch.float32 on ranks [0] vs None on ranks [1]" in out["reduce_dtype"][1], out
+        assert "optimizer.learning_rate: 0.003 on ranks [0] vs 0.03 on ranks [1]" in out["learning_rate"][1], out
+        assert "optimizer.precondition_frequency: 10 on ranks [0] vs 20 on ranks [1]" in out["precondition_frequency"][1]
+        kind, msg = out["negative everywhere"]
+        assert kind == "RaggedValueError" and "(its schedule's value at count 2)" in msg, (r, msg)
 
 
 def _tiny_moe_step(loss=None, c=None):

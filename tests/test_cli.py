@@ -173,6 +173,11 @@ def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
      "--from-pretrained /no/such/dir: '/no/such/dir' does not exist"),
     (["--hf", "llama", "--save-pretrained", "/dev/null/out"], "--save-pretrained /dev/null/out: /dev/null is a file"),
     (["--hf", "gpt2"], "invalid choice: 'gpt2'"),
+    (["--gather-format", "fp4"], "invalid choice: 'fp4'"),
+    (["--optimizer", "adamw_8bit", "--gather-format", "fp8"],
+     "--gather-format fp8 quantizes 128 x 128 blocks, but --optimizer adamw_8bit plans blocks of 32 rows"),
+    (["--optimizer", "soap", "--precondition-block", "64", "--reduce-format", "int8", "--gather-format", "fp8"],
+     "use --gather-format int8 or mxfp8 (32 x 32, 1 x 32 blocks), or --precondition-block 128"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
     assert says in refused(capsys, "train", *argv)
@@ -195,13 +200,42 @@ def test_a_pretrained_directory_is_checked_before_any_rank_starts(capsys, tmp_pa
                                                          str(tmp_path / "file"))
 
 
+@pytest.mark.parametrize("gather, reduce, optimizer", [("fp8", "mxfp8", "adamw"), ("int8", "none", "adamw_8bit"),
+                                                       ("mxfp8", "fp8", "soap")])
+def test_train_quantizes_the_collectives_it_is_asked_to(gather, reduce, optimizer):
+    """--gather-format / --reduce-format reach the job's step (planned with the blocks they need, on
+    the example GPT at its default sizes; built on meta and an abstract comm of 4 ranks): every
+    128-column matrix is quantized, in the format asked for."""
+    import ragged as rg
+    from ragged import fsdp
+    from ragged.examples._recipe import policy_for, specs_for
+    from ragged.examples.gpt import GPT, GPTConfig
+    from ragged.examples.train import build_parser, check_args
+
+    args = build_parser().parse_args(["--gather-format", gather, "--reduce-format", reduce, "--optimizer", optimizer])
+    check_args(args)
+    model = GPT(GPTConfig(vocab_size=args.vocab, dim=args.dim, num_layers=2, num_heads=args.heads, ffn_dim=args.ffn,
+                          max_seq_len=args.seq), device="meta")
+    units = fsdp.make_units(model, world_size=4, specs=specs_for(args))
+    step = fsdp.make_step(units, lambda params, batch: None, rg.optim.adamw(1e-3), rg.collectives.abstract(4),
+                          policy=policy_for(args))
+    for u, lay in zip(units, step.value_and_grad.layouts):
+        for want, formats, plan in ((gather, lay.gather_formats, u.plan), (reduce, lay.reduce_formats, lay.grad_plan)):
+            got = {leaf.path: formats[leaf.index] if formats else None for leaf in plan.leaves + plan.replicated}
+            square = [p for p, leaf in zip(got, plan.leaves + plan.replicated) if leaf.shape == (128, 128)]
+            assert square or u.name == "rest"
+            assert all(type(got[p]).__name__ == ("NoneType" if want == "none" else "Format") for p in square), got
+            assert all(want == "none" or repr(got[p]).startswith(want) for p in square), got
+
+
 def test_nccl_without_cuda_is_refused(capsys):
     assert "--backend nccl needs CUDA GPUs" in refused(capsys, "train", "--backend", "nccl")
 
 
 @pytest.mark.parametrize("command, shown", [
     ("train", ["--steps STEPS         optimizer steps (default: 300)", "(default: 2)", "(default: 0.003)",
-               "(default: adamw)", "(with --moe or --hf mixtral; default 8)"]),
+               "(default: adamw)", "(with --moe or --hf mixtral; default 8)",
+               "(default: None, the master dtype fp32: with bf16 compute the same bits as --reduce-dtype fp32, not bf16)"]),
     ("plan", ["(default: rows:1)", "(default: dp)", "(default: bf16)", "(default: 3.0)"]),
 ])
 def test_help_shows_the_defaults(capsys, command, shown):

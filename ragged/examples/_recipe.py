@@ -1,26 +1,67 @@
 """What both of the ``train`` job's models (the example GPT and ``--hf``) train with: the optimizer
-from the job's options and the specs it needs."""
+from the job's options, the mixed-precision policy (dtypes, quantized collectives) and the specs
+they need."""
 
 from __future__ import annotations
 
 import torch
 
-from ragged import optim, spec
+from ragged import fsdp, optim, spec
+from ragged._cli import DTYPES
+from ragged.predict._command import GATHER_FORMATS, where_blocks_fit
+from ragged.quant._codec import fits_shape
 
-__all__ = ["specs_for", "no_decay_types", "optimizer"]
+__all__ = ["specs_for", "no_decay_types", "optimizer", "policy_for", "formats_for", "blocks_conflict"]
+
+_OPTIMIZER_ROWS = {"adamw_8bit": lambda args: 32, "soap": lambda args: args.precondition_block,
+                   "shampoo": lambda args: args.precondition_block}  # the rows of the blocks each one plans
+
+
+def formats_for(args) -> tuple:
+    """``(gather, reduce)``: the ``rg.quant`` formats of ``--gather-format`` and ``--reduce-format``
+    (the ones ``plan --predict --gather-format`` names), ``None`` where not quantized."""
+    return tuple(None if name == "none" else GATHER_FORMATS[name] for name in (args.gather_format, args.reduce_format))
+
+
+def blocks_conflict(args) -> str | None:
+    """Why ``--optimizer``'s planning blocks would cut a format's blocks (so no matrix could be
+    quantized), as the refusal's text; ``None`` when they hold them whole."""
+    rows = _OPTIMIZER_ROWS[args.optimizer](args) if args.optimizer in _OPTIMIZER_ROWS else None
+    for option, name, fmt in zip(("--gather-format", "--reduce-format"), (args.gather_format, args.reduce_format),
+                                 formats_for(args)):
+        if rows is not None and fmt is not None and rows % fmt.block[0]:
+            r, c = fmt.block
+            return (f"{option} {name} quantizes {r} x {c} blocks, but --optimizer {args.optimizer} plans blocks of "
+                    f"{rows} rows, which cut them; use {option} int8 or mxfp8 (32 x 32, 1 x 32 blocks)"
+                    + (f", or --precondition-block {r}" if args.optimizer in ("soap", "shampoo") else "") + ".")
+    return None
 
 
 def specs_for(args):
-    """The specs the job's ``--optimizer`` needs: SOAP's / Shampoo's ``--precondition-block`` blocks, 8-bit
-    AdamW's 32 x 32 quantization blocks (None: the default rows)."""
+    """The specs the job needs: SOAP's / Shampoo's ``--precondition-block`` blocks, 8-bit AdamW's 32 x
+    32 quantization blocks, else the tiles of the quantized collectives' formats on the matrices they
+    tile (the format with the most rows: its tiles hold every other one's whole); None: the default rows."""
     if args.optimizer in ("soap", "shampoo"):  # b x b blocks, each preconditioned where it lives
         return lambda name, t: _precondition_blocks(t.shape, args.precondition_block) if t.dim() >= 2 else None
-    if args.optimizer != "adamw_8bit":
-        return None
-    def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
-        return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
+    if args.optimizer == "adamw_8bit":
+        def specs(name, t):  # 32x32 quantization blocks that no rank boundary cuts
+            return spec.Blocks(32, 32) if t.dim() >= 2 and t.shape[-1] % 32 == 0 and t.shape[-2] % 32 == 0 else None
 
-    return specs
+        return specs
+    tiled = [f for f in formats_for(args) if f is not None and f.block[0] > 1]
+    if not tiled:
+        return None  # rows hold whole 1 x c blocks (mxfp8) wherever c divides the row
+    fmt = max(tiled, key=lambda f: f.block[0])
+    return lambda name, t: spec.Blocks(*fmt.block) if t.dim() >= 2 and fits_shape(tuple(t.shape), fmt) else None
+
+
+def policy_for(args) -> fsdp.MixedPrecision:
+    """The step's policy: ``--compute-dtype``, ``--reduce-dtype`` (None: the master dtype) and the
+    quantized collectives, on every matrix whose planned blocks hold the format's whole."""
+    gather, reduce = (None if f is None else where_blocks_fit(f) for f in formats_for(args))
+    return fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
+                               reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                               gather_format=gather, reduce_format=reduce)
 
 
 def _precondition_blocks(shape, b: int):

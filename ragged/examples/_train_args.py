@@ -15,6 +15,7 @@ from ragged._cli import DTYPES, ArgumentParser, UsageError, float_above, float_a
 __all__ = ["build_parser", "check_args", "launched_by_torchrun", "world_sizes", "backend", "EXPERTS", "TOP_K"]
 
 EXPERTS, TOP_K = 8, 2
+FORMAT_NAMES = ("none", "fp8", "int8", "mxfp8")  # ragged.predict._command.GATHER_FORMATS, as plan --predict names them
 DESCRIPTION = "The main job: train the small GPT with the functional FSDP step."
 
 
@@ -63,7 +64,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--clip", type=float_at_least(0.0), default=1.0, help="global-norm clipping (0: off)")
     g.add_argument("--compute-dtype", choices=sorted(DTYPES), default="fp32", help="dtype parameters are gathered in")
     g.add_argument("--reduce-dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype gradients are reduce-scattered in (default: the compute dtype)")
+                   help="dtype gradients are reduce-scattered in (default: None, the master dtype fp32: with bf16 "
+                        "compute the same bits as --reduce-dtype fp32, not bf16)")
+    g.add_argument("--gather-format", choices=FORMAT_NAMES, default="none",
+                   help="quantize the all-gather: fp8 in 128 x 128 tiles, int8 in 32 x 32, mxfp8 in 1 x 32 blocks, on "
+                        "every matrix the blocks tile (planned with them); the rest travels unquantized "
+                        "(docs/quantization.md)")
+    g.add_argument("--reduce-format", choices=FORMAT_NAMES, default="none",
+                   help="quantize the gradient reduce-scatter, in the same formats and blocks")
     g.add_argument("--no-prefetch", action="store_true", help="do not start the next unit's all-gather early")
     g.add_argument("--no-reshard", action="store_true", help="keep parameters gathered from forward to backward")
     g.add_argument("--activation-checkpointing", action="store_true",
@@ -144,6 +152,11 @@ def check_args(args) -> None:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"--json {args.json}: the directory {os.path.dirname(os.path.abspath(args.json))} "
                          "does not exist.")
+    # the formats' blocks live with the job's recipe (ragged.predict's formats): imported when checking, not at --help
+    from ragged.examples._recipe import blocks_conflict
+
+    if (conflict := blocks_conflict(args)) is not None:
+        raise UsageError(conflict)
     if args.from_pretrained:
         _check_pretrained_dir(args.from_pretrained)
     if args.save_pretrained:

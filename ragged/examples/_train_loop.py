@@ -22,7 +22,9 @@ def announce(console, args, what: str, units, task) -> None:
     n_params = sum(u.plan.numel for u in units)
     console.print(f"[bold]ragged FSDP[/] · {dist.get_world_size()} ranks ({dist.get_backend()}) · {what} "
                   f"{n_params / 1e6:.2f}M params · optimizer {args.optimizer} · compute {args.compute_dtype} · "
-                  f"micro-batches {args.micro_batches}")
+                  f"micro-batches {args.micro_batches}"
+                  + "".join(f" · {what} {name}" for what, name in (("gather", args.gather_format),
+                                                                  ("reduce", args.reduce_format)) if name != "none"))
     console.print(units)
     console.print(f"task: Markov(vocab {task.vocab_size}, branching {task.branching}) then copy; loss starts near "
                   f"ln(vocab) = {math.log(task.vocab_size):.2f}; below {task.no_copy_floor:.2f} the model copies "

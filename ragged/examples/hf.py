@@ -43,10 +43,9 @@ import torch.nn.functional as F
 
 import ragged as rg
 from ragged import fsdp
-from ragged._cli import DTYPES
 from ragged._console import console as make_console
 from ragged._errors import RaggedValueError
-from ragged.examples._recipe import no_decay_types, optimizer, specs_for
+from ragged.examples._recipe import no_decay_types, optimizer, policy_for, specs_for
 from ragged.examples._train_loop import announce, finish, run_steps, summarize
 from ragged.examples.data import SyntheticLM
 
@@ -125,9 +124,7 @@ def train(args) -> dict:
         state = fsdp.init(units, weights, opt, comm, module=model, seed=args.seed)
     else:
         state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
-    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches,
-                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
-                                                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
+    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches, policy=policy_for(args),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     console = make_console() if rank == 0 else None

@@ -28,10 +28,10 @@ import torch.multiprocessing as mp
 
 import ragged as rg
 from ragged import fsdp
-from ragged._cli import DTYPES, UsageError
+from ragged._cli import UsageError
 from ragged._console import console as make_console
 from ragged.examples import hf
-from ragged.examples._recipe import no_decay_types, optimizer, specs_for
+from ragged.examples._recipe import no_decay_types, optimizer, policy_for, specs_for
 from ragged.examples._train_args import EXPERTS, TOP_K, build_parser, check_args, launched_by_torchrun
 from ragged.examples._train_args import backend as pick_backend
 from ragged.examples._train_loop import announce, finish, run_steps, summarize
@@ -65,9 +65,7 @@ def train(args) -> dict:
     opt = optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
-                          micro_batches=args.micro_batches,
-                          policy=fsdp.MixedPrecision(compute_dtype=DTYPES[args.compute_dtype],
-                                                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None),
+                          micro_batches=args.micro_batches, policy=policy_for(args),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     console = make_console() if rank == 0 else None

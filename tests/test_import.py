@@ -26,3 +26,22 @@ def test_import_ragged_leaves_out_what_is_imported_when_used():
     assert out.returncode == 0, out.stderr
     after_import, after_help = json.loads(out.stdout)
     assert after_import == [] and after_help == [], (after_import, after_help)
+
+
+RACE = """
+import ragged as rg
+from ragged.examples import hf
+def config(comm):  # 4 threads reach transformers' lazy attributes at once, in a process that never imported it
+    return type(hf.config("llama", vocab_size=8, dim=8, layers=1, heads=2, ffn=8, seq=4)).__name__
+print(rg.collectives.simulate(4, config))
+"""
+
+
+def test_optional_packages_import_safely_from_simulated_ranks():
+    """Threads that import transformers lazily at once (the ranks of ``simulate``): each gets its
+    class (before ``ragged._optional``, "module 'transformers' has no attribute 'LlamaConfig'" 4 runs
+    out of 4 with transformers 5.25); see [Note: optional packages under simulate]."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", RACE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["['LlamaConfig',", "'LlamaConfig',", "'LlamaConfig',", "'LlamaConfig']"], out.stdout

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ragged._errors import RaggedValueError
+from ragged._optional import optional
 from ragged.fsdp._export import export
 from ragged.fsdp._placeholder import tied_names
 from ragged.fsdp._units import Units
@@ -47,14 +48,12 @@ __all__ = ["is_peft", "save_adapters", "merge_plan", "check_architecture"]
 
 def is_peft(module) -> bool:
     """Whether ``module`` is a ``peft.PeftModel`` (peft is not imported when never used)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(module, peft.PeftModel)
+    return "peft" in sys.modules and isinstance(module, optional("peft", "PeftModel"))
 
 
 def _adapter_keys(module) -> set[str]:
     """The module's state-dict keys (first names) whose tensors peft's adapter files hold."""
-    from peft import get_peft_model_state_dict  # peft is no dependency: only a PeftModel being saved needs it
-
+    get_peft_model_state_dict = optional("peft", "get_peft_model_state_dict")  # peft: only a PeftModel needs it
     everything = module.state_dict(keep_vars=True)  # keep_vars: placeholders are not read
     first = {}
     for k, v in everything.items():
@@ -134,10 +133,10 @@ def merge_plan(units: Units, module):
     for an adapter's), ``merge(unit, gathered, dtype)`` the unit's tensors to write under those
     names. Every refusal is raised here, on every rank, before anything is gathered."""
     # peft is no dependency: only a PeftModel being saved needs it
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import PeftType
-    from peft.utils.other import AuxiliaryTrainingWrapper
+    LoraLinear = optional("peft.tuners.lora.layer", "Linear")  # noqa: N806 - a class
+    BaseTunerLayer = optional("peft.tuners.tuners_utils", "BaseTunerLayer")  # noqa: N806
+    PeftType = optional("peft.utils", "PeftType")  # noqa: N806
+    AuxiliaryTrainingWrapper = optional("peft.utils.other", "AuxiliaryTrainingWrapper")  # noqa: N806
 
     kinds = {str(c.peft_type) for c in module.peft_config.values() if c.peft_type != PeftType.LORA}
     if kinds:

@@ -19,7 +19,8 @@
 6. the check: rank 0 reloads it with ``from_pretrained(path)`` and compares it with
    ``fsdp.export(units, state.shards, comm, module=model, device="cpu")`` (the whole state dict).
 
-``transformers`` is imported only when these functions run.
+``transformers`` is imported only when these functions run (through ``ragged._optional``: safe
+from the threads of ``simulate``).
 
 Examples:
     >>> import torch
@@ -45,6 +46,7 @@ import ragged as rg
 from ragged import fsdp
 from ragged._console import console as make_console
 from ragged._errors import RaggedValueError
+from ragged._optional import optional
 from ragged.examples._recipe import no_decay_types, optimizer, policy_for, specs_for
 from ragged.examples._train_loop import announce, finish, run_steps, summarize
 from ragged.examples.data import SyntheticLM
@@ -58,25 +60,22 @@ def config(kind: str, *, vocab_size: int, dim: int, layers: int, heads: int, ffn
            kv_heads: int | None = None, experts: int = 8, top_k: int = 2, tie: bool = False, **overrides):
     """A ``LlamaConfig`` or ``MixtralConfig`` of the given sizes (``**overrides`` go to the
     config, e.g. ``experts_implementation="eager"``, which float64 needs for Mixtral)."""
-    import transformers  # only when a Hugging Face model is made, not with ragged.examples
-
     common = dict(vocab_size=vocab_size, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=seq,
                   tie_word_embeddings=tie)
     if kind == "llama":
-        return transformers.LlamaConfig(**common, **overrides)
+        return optional("transformers", "LlamaConfig")(**common, **overrides)
     if kind == "mixtral":
-        return transformers.MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=top_k, **overrides)
+        return optional("transformers", "MixtralConfig")(**common, num_local_experts=experts, num_experts_per_tok=top_k,
+                                                         **overrides)
     raise RaggedValueError(f"unknown HF model kind {kind!r}; choose one of {KINDS}.")
 
 
 def build(cfg, *, device="meta", dtype: torch.dtype | None = None):
     """``AutoModelForCausalLM.from_config(cfg)`` on ``device`` (default ``meta``: no memory, no
     init), in ``dtype`` (default: the config's)."""
-    import transformers  # only when a Hugging Face model is made, not with ragged.examples
-
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = optional("transformers", "AutoModelForCausalLM").from_config(cfg)
     return model if dtype is None else model.to(dtype)
 
 
@@ -105,13 +104,12 @@ def train(args) -> dict:
     """The ``--hf`` path of ``python -m ragged train`` in an initialised process group (every
     rank): the GPT path's loop, summary and verdict (``_train_loop.py``), then the save and its
     reload check; returns the summary."""
-    import transformers  # only when a Hugging Face model is made, not with ragged.examples
-
     rank, world = dist.get_rank(), dist.get_world_size()  # the options were checked by check_args, before any process
     comm = rg.collectives.from_torch()
     if args.from_pretrained:
         weights = rg.checkpoint.pretrained(args.from_pretrained)  # headers and config.json only
-        cfg = transformers.AutoConfig.from_pretrained(args.from_pretrained, local_files_only=True)  # JSON only
+        auto_config = optional("transformers", "AutoConfig")
+        cfg = auto_config.from_pretrained(args.from_pretrained, local_files_only=True)  # JSON only
         if cfg.model_type not in KINDS:
             raise SystemExit(f"--from-pretrained {args.from_pretrained}: model_type {cfg.model_type!r}, not one of {KINDS}.")
     else:
@@ -137,7 +135,7 @@ def train(args) -> dict:
         fsdp.save_pretrained(units, state.shards, comm, where, module=model)  # by rank: one unit gathered at a time
         full = fsdp.export(units, state.shards, comm, module=model, device="cpu")  # rank 0 only: the check
         if rank == 0:
-            summary.update(_reload(where, full, transformers), saved_to=args.save_pretrained)
+            summary.update(_reload(where, full), saved_to=args.save_pretrained)
     if console is not None:
         finish(console, args, summary, history)
         print(f"save_pretrained -> {args.save_pretrained or 'a temporary directory, removed (pass --save-pretrained DIR)'}"
@@ -160,9 +158,9 @@ def _one_temporary_directory():
             shutil.rmtree(path[0], ignore_errors=True)
 
 
-def _reload(where: str, full: dict, transformers) -> dict:
+def _reload(where: str, full: dict) -> dict:
     """from_pretrained of the saved directory against the exported state dict: the largest difference."""
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
+    reloaded = optional("transformers", "AutoModelForCausalLM").from_pretrained(where, local_files_only=True,
                                                                  dtype=next(iter(full.values())).dtype)
     got = reloaded.state_dict()
     diff = max((got[k].double() - v.double()).abs().max().item() for k, v in full.items())

@@ -47,6 +47,8 @@ DEVICE_BRANCHES = {
     ("ragged.collectives._agree", "on_device"): "copies from pinned memory, not blocking",
     ("ragged.collectives._ledger", "_launch"): "the periodic check's digest: copied from pinned memory, not blocking",
     ("ragged.collectives._ledger", "_poll"): "reads a pinned copy of the check once its event says it is done",
+    ("ragged.optim._base", "host_schedule_value"): "a schedule at the host's step count: host tensors on every device",
+    ("ragged.optim._base", "checked"): "checks a schedule's value in the update only where it is a number or on the CPU",
 }
 
 
@@ -114,6 +116,8 @@ class HostSyncs(TorchDispatchMode):
     def _what(self, func, args, kwargs, out) -> str | None:
         ins = _tensors(list(args) + list(kwargs.values()))
         if func in _SCALAR_READS:
+            if self.device_type == "cpu" and _in_device_branch():
+                return None
             return "scalar read" if any(self._on_device(t) for t in ins) else None
         if func in _VALUE_SIZED or (func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default)
                                     and any(t.dtype == torch.bool for t in _tensors(args[1]))):

@@ -49,6 +49,7 @@ import difflib
 import functools
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -282,9 +283,41 @@ def first_tensor(tree) -> torch.Tensor | None:
 
 
 def zero_count(params) -> torch.Tensor:
-    """A 0-d int64 step counter on the device of ``params``."""
+    """A 0-d int64 step counter on the device of ``params`` (its value known on the host, see
+    :func:`host_count`)."""
     t = first_tensor(params)
-    return torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)
+    count = torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)
+    _known(count, 0)
+    return count
+
+
+def next_count(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``, its value known on the host when ``count``'s was (see :func:`host_count`)."""
+    new = count + 1
+    hit = _HOST_COUNTS.get(id(count))
+    if hit is not None and hit[0]() is count:
+        _known(new, hit[1] + 1)
+    return new
+
+
+def host_count(count: torch.Tensor) -> int:
+    """The value of a step counter, without reading the device where the host made it: counters
+    from :func:`zero_count` and :func:`next_count` are known; another (loaded from a checkpoint,
+    built by hand) is read once (a device-to-host copy on a GPU) and known from then on."""
+    hit = _HOST_COUNTS.get(id(count))
+    if hit is not None and hit[0]() is count:
+        return hit[1]
+    value = int(count.cpu())
+    _known(count, value)
+    return value
+
+
+_HOST_COUNTS: dict = {}  # id(count) -> (weakref to it, its value): dropped with the tensor
+
+
+def _known(count: torch.Tensor, value: int) -> None:
+    key = id(count)
+    _HOST_COUNTS[key] = (weakref.ref(count, lambda _: _HOST_COUNTS.pop(key, None)), value)
 
 
 # ---- learning rates and settings -------------------------------------------------------------
@@ -301,11 +334,12 @@ def zero_count(params) -> torch.Tensor:
 # [Note: one agreement at the start of a call, one at the end] in ``fsdp/_grad.py``): different
 # settings raise :class:`~ragged.PlanMismatchError` on every rank naming the setting and its value
 # on each side, and a bad learning rate, on one rank or all, raises on every rank (the failed
-# rank's error joins the same round), before any parameter changes. Reading the count is a
-# device-to-host copy on a GPU, at the point where that agreement reads its own result to the
-# host anyway: no sync the step did not already have. An update outside a step checks a
-# schedule's value as it computes it (:func:`checked_schedule`) where that needs no sync (a
-# number, or a tensor on the CPU); on an accelerator only the step's check runs.
+# rank's error joins the same round), before any parameter changes. The count is the host's
+# (:func:`host_count`: the optimizers count with :func:`next_count`, so the host knows it without
+# reading the device; a count it did not make is read once), and the schedule runs on the host
+# (:func:`host_schedule_value`): no host sync. An update outside a step checks a schedule's value
+# as it computes it (:func:`checked_schedule`) where that needs no sync (a number, or a tensor on
+# the CPU); on an accelerator only the step's check runs.
 
 def check_rate(where: str, value, count=None) -> float:
     """``value`` as a float when it is a finite number >= 0; else a ``RaggedValueError`` naming
@@ -353,6 +387,13 @@ def checked_schedule(where: str, schedule: Schedule) -> Schedule:
         return value
 
     return checked
+
+
+def host_schedule_value(schedule, count: int) -> float:
+    """``schedule`` at a step count the host knows, as a float: host values only (the built-in
+    schedules make CPU tensors of it), whatever device the optimizer's state is on."""
+    value = schedule(torch.tensor(count, dtype=torch.int64))
+    return float(value) if isinstance(value, (torch.Tensor, int, float)) else value
 
 
 def step_count(state) -> torch.Tensor | None:
@@ -417,10 +458,10 @@ def _fingerprint(name: str, signature: inspect.Signature, arguments: dict):
             if count is None:
                 out.append((key, "<schedule>"))
                 continue
-            count = count.cpu()  # a GPU's count: 8 bytes to the host (see the Note)
-            value = schedule(count)
-            value = check_rate(f"{name}: {key}", value, count) if key == "learning_rate" else float(value)
-            out.append((key, f"{value!r} at count {int(count)}"))
+            at = host_count(count)
+            value = host_schedule_value(schedule, at)
+            value = check_rate(f"{name}: {key}", value, at) if key == "learning_rate" else float(value)
+            out.append((key, f"{value!r} at count {at}"))
         return tuple(out)
 
     return fingerprint

@@ -92,7 +92,9 @@ def check_sharded_comm(updates, comm, where: str) -> None:
 def any_rank(flag: torch.Tensor, comm, label: str) -> bool:
     """Whether ``flag`` (0-d, 0 or 1) is set on any rank of ``comm`` (shard group and replicas),
     the same answer on every rank (see [Note: one way to agree] in ``ragged/collectives/_agree.py``)."""
-    return (float(flag) if comm is None else agree(comm, [float(flag)], label=label).values[0]) > 0
+    if comm is None:
+        return float(flag) > 0
+    return agree(comm, flag.to(torch.float64).reshape(1), label=label).values[0] > 0  # read once, with the round
 
 
 class ApplyIfFiniteState(NamedTuple):

@@ -36,7 +36,7 @@ from ragged._dbuffer import DBuffer, is_dbuffer, local_gaps
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
-from ragged.optim._base import GradientTransformation, Schedule, keywords_checked, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, keywords_checked, next_count, zero_count
 from ragged.optim._quant8_codec import Workspace, codec
 from ragged.optim._quant8_state import (
     Quant8Moments,
@@ -168,7 +168,7 @@ def _step(updates, state: ScaleByAdam8bitState, params, *, b1, b2, eps, decay, l
     flat_m = pytree.leaves(state.moments, is_leaf=_is_moments)
     _check_state(flat_g, flat_m, min_size)
     flat_p = pytree.leaves(params, is_leaf=is_dbuffer) if decay is not None else [None] * len(flat_g)
-    count = state.count + 1
+    count = next_count(state.count)
     h = _Hyper(b1, b2, eps, count, decay, lr)
     results = [_step_buffer(g, m, p, h, min_size=min_size, donate=donate)
                for g, m, p in zip(flat_g, flat_m, flat_p)]
@@ -281,7 +281,7 @@ def adamw_8bit(
         lr = -1.0 * rate(lr_state.count) if scheduled else -rate
         updates, adam = _step(updates, adam, params, b1=b1, b2=b2, eps=eps, decay=weight_decay or None, lr=lr,
                               min_size=min_size, donate=donate)
-        new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
+        new_lr_state = ScaleByScheduleState(count=next_count(lr_state.count)) if scheduled else lr_state
         return updates, (adam, decay_state, new_lr_state)
 
     return GradientTransformation(init, update, donates=donate)

@@ -41,7 +41,7 @@ import torch
 from ragged._dbuffer import is_dbuffer
 from ragged._errors import RaggedValueError, check_int
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, next_count, zero_count
 from ragged.optim._blocks import BlockRule, gather, scatter
 from ragged.optim._precond import (
     ShampooFactors,
@@ -303,7 +303,7 @@ def shampoo(
                                                                                            weight_decay))
             out.append((upd, mu, gnu, f))
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in out])  # noqa: E731
-        return unflat(0), ShampooState(count=state.count + 1, mu=unflat(1) if state.mu is not None else None,
+        return unflat(0), ShampooState(count=next_count(state.count), mu=unflat(1) if state.mu is not None else None,
                                        graft_nu=unflat(2) if state.graft_nu is not None else None, factors=unflat(3))
 
     return GradientTransformation(init, update)

@@ -40,7 +40,7 @@ import torch
 from ragged._dbuffer import is_dbuffer
 from ragged._errors import RaggedValueError, check_int
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, next_count, zero_count
 from ragged.optim._blocks import BlockRule, gather, scatter
 from ragged.optim._precond import (
     SoapFactors,
@@ -305,7 +305,7 @@ def soap(
             (u_d, u_r), mu, nu, f = _buffer(g, mu, nu, f, h, first=t == 0)
             out.append((_finish(g, u_d, u_r, p, size, lr * weight_decay if t else 0.0), mu, nu, f))
         unflat = lambda i: pytree.unflatten(treedef, [o[i] for o in out])  # noqa: E731
-        return unflat(0), SoapState(count=state.count + 1, mu=unflat(1), nu=unflat(2), factors=unflat(3))
+        return unflat(0), SoapState(count=next_count(state.count), mu=unflat(1), nu=unflat(2), factors=unflat(3))
 
     return GradientTransformation(init, update)
 

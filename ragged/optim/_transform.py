@@ -13,7 +13,7 @@ import torch
 
 from ragged._pytree import pytree
 from ragged.optim._base import (EmptyState, GradientTransformation, Schedule, check_floating, check_like_state,
-                                check_rate, checked_schedule, keywords_checked, zero_count)
+                                check_rate, checked_schedule, keywords_checked, next_count, zero_count)
 from ragged._errors import RaggedValueError
 
 __all__ = [
@@ -156,7 +156,7 @@ def scale_by_schedule(step_size_fn: Schedule, *, donate: bool = False) -> Gradie
         del params
         factor = step_size_fn(state.count)
         updates = pytree.map(lambda u: _mul(u, factor, donate), updates)
-        return updates, ScaleByScheduleState(count=state.count + 1)
+        return updates, ScaleByScheduleState(count=next_count(state.count))
 
     return GradientTransformation(init, update, donates=donate)
 
@@ -217,7 +217,7 @@ def _adam_init(params, where: str) -> ScaleByAdamState:
 def _adam_tree(updates, state: ScaleByAdamState, params, *, b1, b2, eps, lr, decay, donate):
     """:func:`_adam_step` on every leaf with ``step = lr / (1 - b1^t)``: the updates and the new
     state. ``params`` is read only when ``decay`` is not ``None``."""
-    count = state.count + 1
+    count = next_count(state.count)
     t = count.to(torch.float64)
     step, bc2_sqrt = lr / (1.0 - b1**t), torch.sqrt(1.0 - b2**t)
     if isinstance(decay, float):  # a fill on the device, not a copy from the host (a host sync)
@@ -313,7 +313,7 @@ def scale_by_adamw(
         lr = rate(lr_state.count) if scheduled else rate
         decay = (-lr * weight_decay) if weight_decay else None
         updates, adam = _adam_tree(updates, adam, params, b1=b1, b2=b2, eps=eps, lr=-lr, decay=decay, donate=donate)
-        new_lr_state = ScaleByScheduleState(count=lr_state.count + 1) if scheduled else lr_state
+        new_lr_state = ScaleByScheduleState(count=next_count(lr_state.count)) if scheduled else lr_state
         return updates, (adam, decay_state, new_lr_state)
 
     hyperparams = {"optimizer": "AdamW", "lr": learning_rate, "betas": (b1, b2), "eps": eps, "weight_decay": weight_decay}

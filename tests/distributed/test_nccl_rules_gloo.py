@@ -84,3 +84,44 @@ def test_hsdp_issues_both_groups_calls_in_one_order_on_every_rank(workers4):
     for (losses, params), (ref_losses, ref) in workers4.run(_both, case, 2):
         assert losses == ref_losses
         assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
+def _step_syncs(optimizer: str, clip: str | None, scheduled: bool):
+    """The host syncs (``tests/_host_syncs.py``) of the third step of the tiny GPT in NCCL's shape,
+    after a first that learns the schedule and a second."""
+    import copy
+
+    from ragged import fsdp
+    from ragged.examples.gpt import loss_fn
+    from tests._host_syncs import HostSyncs
+
+    comm = rg.collectives.from_torch(handshake="deferred")
+    case = Case(steps=3, dtype=torch.float32)
+    lr = rg.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10) if scheduled else 1e-2
+    opt = rg.optim.adamw(lr, weight_decay=0.1) if optimizer == "adamw" else rg.optim.adamw_8bit(lr, min_size=64)
+    if clip is not None:
+        opt = rg.optim.chain(rg.optim.clip_by_global_norm(1.0, comm=comm, error_if_nonfinite=clip == "finite"), opt)
+    model = case.model()
+    units = fsdp.make_units(model, world_size=comm.world_size)
+    state = fsdp.init(units, model, opt, comm)
+    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm)
+    task = case.task()
+    for s in range(3):
+        batch = tuple(t.chunk(comm.world_size)[comm.rank] for t in task.batch(s, case.batch))
+        if s < 2:
+            state, _ = step(state, batch)
+            continue
+        with HostSyncs() as syncs:
+            state, _ = step(state, batch)
+    return syncs.events
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+@pytest.mark.parametrize("clip", [None, "clip", "finite"], ids=["no-clip", "clip", "clip-error-if-nonfinite"])
+def test_a_step_makes_at_most_three_host_syncs(workers2, optimizer, clip):
+    """What makes the host wait for the device in a steady step (docs/gpu.md): the start-of-call and
+    end-of-call agreements read their results, and ``error_if_nonfinite`` adds its agreement; a
+    learning-rate schedule's value (checked, and compared across ranks) adds none."""
+    for scheduled in (False, True):
+        for events in workers2.run(_step_syncs, optimizer, clip, scheduled):
+            assert len(events) == 2 + (clip == "finite"), (scheduled, events)

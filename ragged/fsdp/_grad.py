@@ -285,7 +285,8 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
     flags = [float(failed), float(obs.deviated), float(foreign), float(exchange)] + late + used
     assert 1 + len(flags) == verdict_size(run.ctx.layouts)
-    # the loss stays on the device until the round's one host read (see [Note: host syncs of a step])
+    # the loss stays on the device until the round's one host read: a steady step waits for the
+    # device at its two agreements only (docs/gpu.md, 'Two host syncs per step')
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64,
                                                                                           device=comm.device)
     verdict = torch.cat([loss.reshape(1), on_device(flags, comm.device)])

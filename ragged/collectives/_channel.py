@@ -63,6 +63,7 @@ import torch.distributed as dist
 from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives import _header as hd
 from ragged.collectives._handles import _Pending, _wait, lost_connection
+from ragged.collectives._rendezvous import incarnation, release
 
 __all__ = ["Channel", "channel_for", "raised_on_every_rank"]
 
@@ -122,6 +123,7 @@ class Channel:
         self._pairwise: set[int] = set()  # seqs of calls whose sizes differ pair by pair (all-to-all)
         self._graveyard: list = []  # what a failed call left posted: never freed under gloo
         self._lock = threading.RLock()
+        self._incarnation = incarnation(group)  # see [Note: restarts and the rendezvous store]
 
     # ---- naming ------------------------------------------------------------------------------
     def who(self, j: int | None) -> str:
@@ -200,6 +202,7 @@ class Channel:
                     got[self._next[j]] = h
                     self._next[j] += 1
                 out[j] = got.pop(seq)
+            release(self.pg)  # every peer has sent a header: all are connected
             return out
 
     # ---- the exchange ------------------------------------------------------------------------
@@ -369,7 +372,7 @@ class Channel:
     # The reason also goes to the c10d store (best effort), for peers that only see a closed
     # connection (a killed process, or pairs closed by a timed-out wait).
     def _store_key(self, rank: int | None) -> str:
-        return f"ragged/failure/{self.name}/{self._global(rank)}"
+        return f"ragged/{self._incarnation}/failure/{self.name}/{self._global(rank)}"
 
     def _tell_store(self, reason: str) -> None:
         try:

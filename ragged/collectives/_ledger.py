@@ -59,6 +59,7 @@ from ragged._errors import CollectiveError, PlanMismatchError
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.collectives._gloo_device import GlooDevice
 from ragged.collectives._handles import _Work
+from ragged.collectives._rendezvous import incarnation, release
 
 __all__ = ["Ledger", "POLL_SECONDS", "GROUPS"]
 
@@ -103,7 +104,8 @@ class Ledger:
         self.log: collections.deque = collections.deque(maxlen=history)  # (seq, group index, key, text)
         self.failure: CollectiveError | None = None
         self._checks: collections.deque = collections.deque()  # periodic checks in flight, oldest first
-        self.keys = tuple(f"ragged/poisoned/{_name(g)}" for g in self.groups if g is not None)
+        # named per attempt: see [Note: restarts and the rendezvous store]
+        self.keys = tuple(f"ragged/{incarnation(g)}/poisoned/{_name(g)}" for g in self.groups if g is not None)
         self._watch = watch and any(g is not None and g.size() > 1 for g in self.groups)
         self._watcher = None
         gloo = "gloo" in str(dist.get_backend(shard_group)).lower()
@@ -182,6 +184,9 @@ class Ledger:
     def confirm(self) -> None:
         """The current digest was just agreed by an outside round (``check_plans``)."""
         self.since, self.digest = self.seq, 0
+        for group in self.groups:  # every peer took part in that round: all are connected
+            if group is not None:
+                release(group)
 
     def verify(self) -> None:
         """All-reduces the digest over each group; on a difference, explains and raises on every rank."""

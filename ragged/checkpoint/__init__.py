@@ -17,6 +17,7 @@ from ragged.checkpoint._quant8 import unbind as unbind
 from ragged.checkpoint._load import load as load
 from ragged.checkpoint._load import read_manifest as read_manifest
 from ragged.checkpoint._save import save as save
+from ragged.checkpoint._background import SaveHandle as SaveHandle
 from ragged.checkpoint._pretrained import Pretrained as Pretrained
 from ragged.checkpoint._pretrained import pretrained as pretrained
 from ragged.checkpoint._fsdp2 import FSDP2Checkpoint as FSDP2Checkpoint

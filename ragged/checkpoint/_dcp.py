@@ -53,7 +53,7 @@ from ragged.collectives._agree import agree, everyone
 from ragged.collectives._channel import raised_on_every_rank
 from ragged.checkpoint._metadata import reader as checked_reader
 
-__all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "dcp_save", "dcp_load", "SingleProcess", "reached"]
+__all__ = ["Piece", "Chunk", "Blob", "on_every_rank", "DcpWrite", "dcp_save", "written_names", "dcp_load", "SingleProcess", "reached"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -238,53 +238,75 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self._pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
 
-def dcp_save(path: str, pieces: list[Piece | Chunk | Blob] | Callable[[], list], comm, call: str) -> list[str]:
-    """Writes ``pieces`` (this rank's) as a DCP checkpoint in ``path``; every rank calls it
-    (``call`` names the checkpoint call for :func:`on_every_rank`). ``pieces`` may be a function
-    that makes them, run inside the first round (an error there raises on every rank).
+class DcpWrite:
+    """One DCP checkpoint written from this rank's pieces, in three phases: :meth:`plan` (every
+    rank, one round), :meth:`write` (this rank's files: no collective, so it may run on another
+    thread, see [Note: a save in the background] in ``_background.py``) and :meth:`finish` (the
+    coordinator's ``.metadata``, from every rank's write results).
 
-    Pieces with the same ``(fqn, offset)`` on several ranks (replicated values) are written once.
-    Returns the names of the files this rank wrote (rank 0's list includes ``.metadata``).
+    ``pieces`` may be a function that makes them, run inside the first round (an error there
+    raises on every rank). Pieces with the same ``(fqn, offset)`` on several ranks (replicated
+    values) are written once.
     """
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-    me, _ = everyone(comm)
-    coordinator = me == 0
-    planner = None
 
-    def local_step():
-        nonlocal planner
-        planner = _PieceSavePlanner(pieces() if callable(pieces) else pieces)
-        planner.set_up_planner(is_coordinator=coordinator)
-        writer.set_up_storage_writer(coordinator, rank=me, use_collectives=True)
-        return writer.prepare_local_plan(planner.create_local_plan())
+    def __init__(self, path: str, pieces: list[Piece | Chunk | Blob] | Callable[[], list], comm, call: str):
+        self.pieces, self.comm, self.call = pieces, comm, call
+        self.writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self.me = everyone(comm)[0]
+        self.planner = None
 
-    all_local = on_every_rank(comm, call, "local plans", local_step)
-    state: dict[str, Any] = {}
+    def plan(self) -> None:
+        """The local plans exchanged; every rank derives the global plan and keeps its part.
 
-    def write_step():
-        # [Note: every rank plans globally] DCP's coordinator builds the global plan and
-        # scatters it; the Collectives protocol has no scatter, and broadcasting every plan to
-        # every rank through all_gather_object would cost world_size x the plans on each rank.
-        # The global plan is a deterministic function of the gathered local plans (dedup,
-        # index hints, file prefixes), so every rank computes it and keeps its own part.
-        plans, state["metadata"] = planner.create_global_plan(all_local)
-        plans = writer.prepare_global_plan(plans)
-        final = planner.finish_plan(plans[me])
-        future = writer.write_data(final, planner)
+        [Note: every rank plans globally] DCP's coordinator builds the global plan and scatters
+        it; the Collectives protocol has no scatter, and broadcasting every plan to every rank
+        through all_gather_object would cost world_size x the plans on each rank. The global
+        plan is a deterministic function of the gathered local plans (dedup, index hints, file
+        prefixes), so every rank computes it and keeps its own part."""
+        coordinator = self.me == 0
+
+        def local_step():
+            self.planner = _PieceSavePlanner(self.pieces() if callable(self.pieces) else self.pieces)
+            self.planner.set_up_planner(is_coordinator=coordinator)
+            self.writer.set_up_storage_writer(coordinator, rank=self.me, use_collectives=True)
+            return self.writer.prepare_local_plan(self.planner.create_local_plan())
+
+        all_local = on_every_rank(self.comm, self.call, "local plans", local_step)
+        plans, self.metadata = self.planner.create_global_plan(all_local)  # the same inputs on every rank
+        self.final = self.planner.finish_plan(self.writer.prepare_global_plan(plans)[self.me])
+
+    def write(self) -> list:
+        """Writes this rank's files; returns its write results (no collective)."""
+        future = self.writer.write_data(self.final, self.planner)
         future.wait()
         reached("written")
         return future.value()
 
-    all_results = on_every_rank(comm, call, "writing data", write_step)
+    def finish(self, all_results: list) -> None:
+        """The coordinator (index 0) writes ``.metadata``, given every rank's write results."""
+        if self.me == 0:
+            self.writer.finish(metadata=self.metadata, results=all_results)
+
+
+def dcp_save(path: str, pieces: list[Piece | Chunk | Blob] | Callable[[], list], comm, call: str) -> list[str]:
+    """Writes ``pieces`` (this rank's, or a function that makes them: see :class:`DcpWrite`) as a
+    DCP checkpoint in ``path``; every rank calls it (``call`` names the checkpoint call for
+    :func:`on_every_rank`). Returns the names of the files this rank wrote (rank 0's list
+    includes ``.metadata``)."""
+    dcp = DcpWrite(path, pieces, comm, call)
+    dcp.plan()
+    all_results = on_every_rank(comm, call, "writing data", dcp.write)
 
     def finish_step():
-        names = sorted({r.storage_data.relative_path for r in all_results[me]})
-        if coordinator:
-            writer.finish(metadata=state["metadata"], results=all_results)
-            names.append(".metadata")
-        return names
+        dcp.finish(all_results)
+        return written_names(all_results[dcp.me]) + ([".metadata"] if dcp.me == 0 else [])
 
-    return on_every_rank(comm, call, "metadata", finish_step)[me]
+    return on_every_rank(comm, call, "metadata", finish_step)[dcp.me]
+
+
+def written_names(results) -> list[str]:
+    """The files one rank's write results name."""
+    return sorted({r.storage_data.relative_path for r in results})
 
 
 # ---- load -------------------------------------------------------------------------------------

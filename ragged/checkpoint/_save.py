@@ -19,8 +19,9 @@ import torch
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import keystr
 from ragged.checkpoint import _format as fmt
-from ragged.checkpoint._dcp import dcp_save, on_every_rank, reached
+from ragged.checkpoint._dcp import DcpWrite, on_every_rank, reached, written_names
 from ragged.collectives._agree import everyone
+from ragged.checkpoint import _background as background
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
 
@@ -85,7 +86,7 @@ def _occupied(path: str) -> bool:
     return os.path.lexists(path) or bool(fmt.old_siblings(path))
 
 
-def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
+def save(path, state, comm, *, overwrite: bool = False, blocking: bool = True) -> dict[str, Any] | background.SaveHandle:
     """Saves a training state as a sharded checkpoint: every rank writes only its own pieces.
 
     Call it on every rank of ``comm`` with that rank's state (for an HSDP comm: on every
@@ -105,9 +106,15 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         comm: the ranks' ``Collectives`` (the one the DBuffers were sharded over).
         overwrite: replace an existing checkpoint at ``path``: at every instant the path holds
             the old checkpoint or the new one, both complete (see [Note: publish by rename]).
+        blocking: ``False`` returns a :class:`SaveHandle` once this rank's pieces are copied
+            (staged), and writes, hashes and publishes in the background (see [Note: a save
+            in the background] in ``_background.py``): ``handle.result()`` waits and returns
+            the manifest. One save is in flight at a time: the next save, ``result()`` and
+            the interpreter's exit finish it, and raise its error on every rank.
 
     Returns:
-        The manifest written (a dict; ``manifest["files"]`` lists the files with checksums).
+        The manifest written (a dict; ``manifest["files"]`` lists the files with checksums),
+        or with ``blocking=False`` a :class:`SaveHandle`.
 
     Raises:
         TypeError: a leaf of an unsupported type (its key path is named), before anything is
@@ -130,9 +137,15 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
         ['.metadata', '__0_0.distcp', 'manifest.json']
         >>> rg.checkpoint.load(path, {"params": dbuf, "step": 0}, comm)["step"]
         7
+        >>> handle = rg.checkpoint.save(path + "-8", {"params": dbuf, "step": 8}, comm, blocking=False)
+        >>> handle.result()["entries"]["['step']"]["value"]   # waits, publishes: the manifest
+        8
     """
     check_comm(comm, "save")
+    if not isinstance(blocking, bool):
+        raise RaggedTypeError(f"rg.checkpoint.save: blocking must be True or False, got {blocking!r}.")
     path = os.path.abspath(os.fspath(path))
+    background.settle()  # the save in flight first: its rounds come before this one's, on every rank
     call = f"save({path!r})"
     try:  # local validation first: a bad leaf's error joins the first round, raised on every rank
         paths, leaves, treedef = flatten_state(state)
@@ -152,7 +165,16 @@ def save(path, state, comm, *, overwrite: bool = False) -> dict[str, Any]:
     manifest = {"format": fmt.FORMAT, "version": fmt.VERSION, "world_size": comm.world_size,
                 "replicas": getattr(comm, "num_replicas", 1), "treedef": str(treedef), "entries": entries,
                 "torch": torch.__version__}
-    return _write(path, token, pieces, manifest, comm, call, overwrite)
+    if blocking:
+        return _Save(path, token, pieces, manifest, comm, call, overwrite).run()
+    staging = {}
+
+    def staged():  # the copies, made in the first round of the write, as the pieces are
+        staging["pieces"], staging["bytes"], staging["ready"] = background.stage(pieces())
+        return staging["pieces"]
+
+    job = _Save(path, token, staged, manifest, comm, call, overwrite)
+    return background.start(job, staging["bytes"], staging["ready"])
 
 
 def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dict, treedef, overwrite: bool,
@@ -188,37 +210,61 @@ def _agreed_token(path: str, comm, call: str, paths, leaves, kinds, entries: dic
     return token
 
 
-def _write(path: str, token: str, pieces, manifest: dict, comm, call: str, overwrite: bool) -> dict[str, Any]:
-    """Every rank writes its ``pieces`` into a hidden sibling of ``path``, the checksums are
-    exchanged, and rank 0 writes the manifest and publishes the directory at ``path``."""
-    parent, name = os.path.split(path)
-    tmp = os.path.join(parent, f".{name}.tmp-{token}")
-    me, _ = everyone(comm)
-    try:
-        written = dcp_save(tmp, pieces, comm, call)
-        digests = on_every_rank(
-            comm, call, "checksums", lambda: {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in written}
-        )
-        reached("checksummed")
-        files = {name_: digest for d in digests for name_, digest in d.items()}
+class _Save:
+    """One save after the state was agreed: every rank writes its ``pieces`` (or what a function
+    of none makes, in the first round) into a hidden
+    sibling of ``path`` (:meth:`write`: no collective), then the files are checksummed on every
+    rank and rank 0 writes the metadata and the manifest and publishes the directory at
+    ``path`` (:meth:`publish`, two rounds)."""
 
-        def publish():
-            if me != 0:
-                return None
-            extra = {name_: fmt.file_digest(os.path.join(tmp, name_)) for name_ in os.listdir(tmp)
-                     if name_ not in files and name_ != fmt.MANIFEST}  # e.g. the empty file of a rank with nothing to write
-            fmt.write_json_atomic(os.path.join(tmp, fmt.MANIFEST), fmt.with_checksum(dict(manifest, files=dict(files, **extra))))
-            fmt.fsync_dir(tmp)
-            reached("manifest")
-            _publish(tmp, path, token, overwrite)
-            return extra  # small: every rank rebuilds the manifest from what it has
+    def __init__(self, path: str, token: str, pieces, manifest: dict, comm, call: str, overwrite: bool):
+        parent, name = os.path.split(path)
+        self.path, self.tmp, self.token = path, os.path.join(parent, f".{name}.tmp-{token}"), token
+        self.manifest, self.comm, self.call, self.overwrite = manifest, comm, call, overwrite
+        self.me = everyone(comm)[0]
+        self.dcp = DcpWrite(self.tmp, pieces, comm, call)
+        with self.cleanup():
+            self.dcp.plan()
 
-        extra = on_every_rank(comm, call, "publishing", publish)[0]
-        return fmt.with_checksum(dict(manifest, files=dict(files, **extra)))
-    except BaseException:
-        if me == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    @contextlib.contextmanager
+    def cleanup(self):
+        try:
+            yield
+        except BaseException:
+            if self.me == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+    def run(self) -> dict[str, Any]:
+        return self.publish(self.write)
+
+    def write(self):
+        """This rank's files and their checksums: ``(write results, {name: digest})``."""
+        results = self.dcp.write()
+        return results, {n: fmt.file_digest(os.path.join(self.tmp, n)) for n in written_names(results)}
+
+    def publish(self, written) -> dict[str, Any]:
+        """``written()`` returns :meth:`write`'s outcome or raises its error; every rank calls this."""
+        with self.cleanup():
+            gathered = on_every_rank(self.comm, self.call, "checksums", written)
+            reached("checksummed")
+            files = {n: digest for _, d in gathered for n, digest in d.items()}
+
+            def publish():
+                if self.me != 0:
+                    return None
+                self.dcp.finish([results for results, _ in gathered])
+                extra = {n: fmt.file_digest(os.path.join(self.tmp, n)) for n in os.listdir(self.tmp)
+                         if n not in files and n != fmt.MANIFEST}  # .metadata, the empty file of a rank with nothing to write
+                fmt.write_json_atomic(os.path.join(self.tmp, fmt.MANIFEST),
+                                      fmt.with_checksum(dict(self.manifest, files=dict(files, **extra))))
+                fmt.fsync_dir(self.tmp)
+                reached("manifest")
+                _publish(self.tmp, self.path, self.token, self.overwrite)
+                return extra  # small: every rank rebuilds the manifest from what it has
+
+            extra = on_every_rank(self.comm, self.call, "publishing", publish)[0]
+            return fmt.with_checksum(dict(self.manifest, files=dict(files, **extra)))
 
 
 def _exchange_dirs(a: str, b: str) -> bool:

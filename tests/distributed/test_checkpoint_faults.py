@@ -205,6 +205,26 @@ def test_kill_during_save_or_load(tmp_path, m, op, when, victim):
     _check_survivors(results, m, victim, stamp)
 
 
+def _killed_in_a_background_save(r, path, stamp, handshake):
+    from ragged.checkpoint import _dcp
+
+    c = rg.collectives.from_torch(handshake=handshake)
+    rg.checkpoint.save(path + "-1", _state(c, 1), c)  # the previous checkpoint
+    _dcp.FAULT = _kill_at("written", 1, stamp)  # in rank 1's writing thread, its files written
+    handle = rg.checkpoint.save(path + "-2", _state(c, 2), c, blocking=False)
+    return _outcome(handle.result)
+
+
+@pytest.mark.parametrize("handshake", ["header", "deferred"], ids=["gloo-default", "nccl-shaped"])
+def test_kill_during_a_background_save(tmp_path, handshake):
+    """Rank 1 dies while its thread writes: the others raise at ``result()``, and the previous
+    checkpoint is all the path holds (see [Note: a save in the background])."""
+    path, stamp = str(tmp_path / "ckpt"), str(tmp_path / "killed")
+    results = _launch(2, _killed_in_a_background_save, path, stamp, handshake)
+    _check_survivors(results, 2, 1, stamp)
+    assert _published_step(path + "-1") == 1 and not os.path.exists(path + "-2")
+
+
 def _exit_instead_of(r, path, op, stamp):
     """Rank 1 skips the call and exits (its program ended early); the others are in it."""
     c = rg.collectives.from_torch()

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import ragged as rg
 from ragged.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +179,11 @@ def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
      "--gather-format fp8 quantizes 128 x 128 blocks, but --optimizer adamw_8bit plans blocks of 32 rows"),
     (["--optimizer", "soap", "--precondition-block", "64", "--reduce-format", "int8", "--gather-format", "fp8"],
      "use --gather-format int8 or mxfp8 (32 x 32, 1 x 32 blocks), or --precondition-block 128"),
+    (["--checkpoint-dir", "ck", "--checkpoint-every", "0"], "--checkpoint-every: must be >= 1, got 0"),
+    (["--checkpoint-dir", "ck", "--checkpoint-every", "5", "--keep", "0"], "--keep: must be >= 1, got 0"),
+    (["--checkpoint-every", "5"], "--checkpoint-every and --keep apply to --checkpoint-dir DIR: add it"),
+    (["--checkpoint-dir", "ck"], "--checkpoint-dir ck needs --checkpoint-every N"),
+    (["--checkpoint-dir", "/dev/null", "--checkpoint-every", "5"], "--checkpoint-dir /dev/null: it exists and is not a directory"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
     assert says in refused(capsys, "train", *argv)
@@ -226,6 +232,26 @@ def test_train_quantizes_the_collectives_it_is_asked_to(gather, reduce, optimize
             assert square or u.name == "rest"
             assert all(type(got[p]).__name__ == ("NoneType" if want == "none" else "Format") for p in square), got
             assert all(want == "none" or repr(got[p]).startswith(want) for p in square), got
+
+
+def test_a_checkpoint_dir_of_another_model_or_a_finished_job_is_refused_before_any_rank_starts(capsys, tmp_path,
+                                                                                                  monkeypatch):
+    """The newest checkpoint's job (its model options) is read in this process, before any rank starts."""
+    import torch.multiprocessing
+
+    from ragged.examples._train_checkpoint import _job
+    from ragged.examples.train import build_parser, check_args
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", None)  # starting a rank would fail loudly
+    args = build_parser().parse_args(["--dim", "64", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5"])
+    check_args(args)
+    job = json.dumps(_job(args), sort_keys=True)
+    rg.checkpoint.save(str(tmp_path / "step-00000010"), {"step": 10, "job": job}, rg.checkpoint.SingleProcess())
+    flags = ["train", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5"]
+    assert ("step-00000010 is a checkpoint of another model (--dim 64 there, 128 here, --layers 4 there, 2 here); "
+            "resume with the same options") in refused(capsys, *flags, "--layers", "2")
+    assert "step-00000010 has done 10 steps, and --steps 10 asks for no more" in refused(capsys, *flags, "--dim", "64",
+                                                                                            "--steps", "10")
 
 
 def test_nccl_without_cuda_is_refused(capsys):

@@ -25,7 +25,7 @@ from ragged.checkpoint import _background as background
 from ragged.checkpoint._format import CheckpointError
 from ragged.checkpoint._kinds import is_entry, kind_of
 
-__all__ = ["save", "SAVE_STEPS"]
+__all__ = ["save", "retire", "SAVE_STEPS"]
 
 #: The steps of the save protocol, in order (see [Note: protocol steps] in ``_dcp.py``):
 #: every rank: the state agreed, its data written, the checksums exchanged; rank 0: the manifest
@@ -284,7 +284,7 @@ def _exchange_dirs(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def _retire(old: str) -> None:
+def retire(old: str) -> None:
     """Deletes a replaced checkpoint: its manifest first, so that a crash mid-way never leaves
     a half-deleted directory that looks like a checkpoint."""
     with contextlib.suppress(FileNotFoundError):
@@ -320,7 +320,7 @@ def _publish(tmp: str, path: str, token: str, overwrite: bool) -> None:
             fmt.fsync_dir(parent)
             reached("swapped")
             reached("published")
-            _retire(tmp)
+            retire(tmp)
         else:
             old = os.path.join(parent, f".{name}.old-{token}")
             os.rename(path, old)
@@ -333,10 +333,10 @@ def _publish(tmp: str, path: str, token: str, overwrite: bool) -> None:
                 raise
             fmt.fsync_dir(parent)
             reached("published")
-            _retire(old)
+            retire(old)
     else:
         os.rename(tmp, path)
         fmt.fsync_dir(parent)
         reached("published")
     for stale in fmt.old_siblings(path):  # left by an overwrite that crashed between its renames
-        _retire(stale)
+        retire(stale)

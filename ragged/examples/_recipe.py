@@ -11,7 +11,7 @@ from ragged._cli import DTYPES
 from ragged.predict._command import GATHER_FORMATS, where_blocks_fit
 from ragged.quant._codec import fits_shape
 
-__all__ = ["specs_for", "no_decay_types", "optimizer", "policy_for", "formats_for", "blocks_conflict"]
+__all__ = ["specs_for", "no_decay_types", "optimizer", "muon_matrices", "policy_for", "formats_for", "blocks_conflict"]
 
 _OPTIMIZER_ROWS = {"adamw_8bit": lambda args: 32, "soap": lambda args: args.precondition_block,
                    "shampoo": lambda args: args.precondition_block}  # the rows of the blocks each one plans
@@ -80,6 +80,11 @@ def no_decay_types(model: torch.nn.Module) -> tuple[type, ...]:
     return (torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm, *sorted(own, key=lambda t: t.__qualname__))
 
 
+def muon_matrices(leaf) -> bool:
+    """Muon's leaves in the job: the matrices but the embedding and the head."""
+    return len(leaf.shape) in (2, 3) and "emb" not in leaf.path and "head" not in leaf.path
+
+
 def optimizer(args, comm, units, no_decay: tuple[type, ...]):
     """The job's optimizer from its options: warmup then cosine to lr / 10; AdamW's decay groups (no decay on
     ``no_decay`` modules' parameters), SOAP or Shampoo on the decay group (AdamW on the other), SGD or Muon;
@@ -105,10 +110,7 @@ def optimizer(args, comm, units, no_decay: tuple[type, ...]):
     elif args.optimizer == "sgd":
         core = optim.sgd(lr, momentum=0.9, donate=not args.no_donate)
     else:
-        def matrices(leaf):
-            return len(leaf.shape) in (2, 3) and "emb" not in leaf.path and "head" not in leaf.path
-
-        core = optim.muon(0.02, comm=comm, weight_decay=args.weight_decay, muon_filter=matrices,
+        core = optim.muon(0.02, comm=comm, weight_decay=args.weight_decay, muon_filter=muon_matrices,
                              adam=optim.adamw(lr, b2=0.98, weight_decay=args.weight_decay, donate=not args.no_donate))
     if args.clip > 0:
         return optim.chain(optim.clip_by_global_norm(args.clip, comm=comm), core)

@@ -79,6 +79,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--no-donate", action="store_true",
                    help="allocate new shards / optimizer buffers every step instead of updating in place")
     g.add_argument("--seed", type=int, default=0, help="fixes the weights and the data")
+    g = p.add_argument_group("checkpoints (see docs/main-job.md, long runs)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save the training state here in the background and resume from its newest checkpoint")
+    g.add_argument("--checkpoint-every", type=int_at_least(1), default=None, metavar="N",
+                   help="with --checkpoint-dir: save after every N-th step (and after the last)")
+    g.add_argument("--keep", type=int_at_least(1), default=None, metavar="K",
+                   help="with --checkpoint-dir: keep the newest K checkpoints (default 2)")
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write per-step metrics and the summary here (rank 0)")
     g.add_argument("--quiet", action="store_true", help="no progress bar or progress lines (the summary and verdict stay)")
@@ -159,6 +166,13 @@ def check_args(args) -> None:
         raise UsageError(conflict)
     if args.from_pretrained:
         _check_pretrained_dir(args.from_pretrained)
+    if args.checkpoint_dir:
+        _check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+    if args.checkpoint_dir or args.checkpoint_every or args.keep:
+        # reads the newest checkpoint's manifest (ragged.checkpoint loads torch.distributed.checkpoint): only then
+        from ragged.examples._train_checkpoint import check_checkpoint_args
+
+        check_checkpoint_args(args)
     if args.save_pretrained:
         _check_output_dir("--save-pretrained", args.save_pretrained)
 

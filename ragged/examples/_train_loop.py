@@ -9,12 +9,13 @@ import json
 import math
 import time
 
+import torch
 import torch.distributed as dist
 
 from ragged.examples._train_report import Progress, print_summary, rss_mb
 from ragged.examples.data import rank_slice
 
-__all__ = ["announce", "run_steps", "summarize", "finish"]
+__all__ = ["announce", "run_steps", "summarize", "resumed", "finish"]
 
 
 def announce(console, args, what: str, units, task) -> None:
@@ -31,16 +32,20 @@ def announce(console, args, what: str, units, task) -> None:
                   f"(learnt); a perfect model reaches {task.floor:.2f}")
 
 
-def run_steps(args, step, state, task, device, console):
+def run_steps(args, step, state, task, device, console, checkpoints=None):
     """``args.steps`` steps on this rank's rows of the task's batches; returns ``(state, history,
     seconds)`` (one record per step; the loop's wall time). ``console``: rank 0's, for progress
-    (None on the other ranks)."""
+    (None on the other ranks). ``checkpoints`` (a ``_train_checkpoint.Checkpoints``): resume from
+    its newest checkpoint (the steps before it are its history's records), save as it says."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    history, tokens_per_step = [], args.batch * args.seq
-    progress = Progress(console, args.steps, args.log_every, args.quiet) if console is not None else None
+    torch.manual_seed(args.seed)  # torch's global RNG alike on every rank (a checkpoint saves it)
+    start, history, tokens_per_step = 0, [], args.batch * args.seq
+    if checkpoints is not None:
+        state, start, history = checkpoints.resume(state)
+    progress = Progress(console, args.steps, args.log_every, args.quiet, start) if console is not None else None
     t_start = time.perf_counter()
     try:
-        for s in range(args.steps):
+        for s in range(start, args.steps):
             batch = tuple(x.to(device) for x in rank_slice(task.batch(s, args.batch), rank, world))
             t0 = time.perf_counter()
             state, m = step(state, batch)
@@ -50,18 +55,23 @@ def run_steps(args, step, state, task, device, console):
                    "largest_unit_bytes": m["largest_unit_bytes"], "num_gathers": m["num_gathers"],
                    "rss_mb": rss_mb()}
             history.append(rec)
+            if checkpoints is not None:
+                checkpoints.after(s + 1, state, rec)
             if progress is not None:
                 progress.update(s, rec)
     finally:
         if progress is not None:
             progress.stop()
+    if checkpoints is not None:
+        checkpoints.close()
     return state, history, time.perf_counter() - t_start
 
 
 def summarize(args, history, seconds: float, task, units, **extra) -> dict:
     """The run's summary (every rank): losses, the verdict (``"verdict"``, ``"exit_status"``: 1
     when the loss did not fall), speed (``seconds``: the loop's) and memory, and ``extra``."""
-    steady = history[min(3, len(history) - 1):]
+    ran = [h for h in history if not h.get("earlier_run")]  # this run's steps (a resumed run: after its checkpoint)
+    steady = ran[min(3, len(ran) - 1):]
     verdict = task.verdict([h["loss"] for h in history], min_steps=args.warmup + 10)
     return {
         **extra, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
@@ -71,11 +81,24 @@ def summarize(args, history, seconds: float, task, units, **extra) -> dict:
         "no_copy_floor": task.no_copy_floor, "learnt": verdict.learnt, "verdict": verdict.line,
         "exit_status": 0 if verdict.ok else 1,
         "median_step_s": sorted(h["step_s"] for h in steady)[len(steady) // 2],
-        "tokens_per_s": args.batch * args.seq * len(history) / seconds,
-        "peak_gathered_bytes": max(h["peak_gathered_bytes"] for h in history),
+        "tokens_per_s": args.batch * args.seq * len(ran) / seconds,
+        "peak_gathered_bytes": max(h["peak_gathered_bytes"] for h in ran),
         "largest_unit_bytes": history[-1]["largest_unit_bytes"], "model_bytes": history[-1]["model_bytes"],
         "max_rss_mb": rss_mb(), "args": vars(args) | {"func": None},
     }
+
+
+def resumed(checkpoints) -> dict:
+    """The summary's ``"resumed"`` (``{}`` for a run that resumed from nothing): where from, which
+    step, at which world size, and how its losses compare with a run that was never stopped."""
+    got = checkpoints.resumed if checkpoints is not None else None
+    if got is None:
+        return {}
+    same = got["saved_world_size"] == got["world_size"]
+    return {"resumed": dict(got, losses=(
+        "bit-identical to an uninterrupted run (same world size)" if same else
+        f"equal to an uninterrupted run's to float tolerance: {got['world_size']} ranks sum the gradients in "
+        f"another order than {got['saved_world_size']}"))}
 
 
 def finish(console, args, summary: dict, history) -> None:

@@ -21,7 +21,7 @@ class Progress:
     """A rich progress bar in a terminal; elsewhere a plain line every ``every`` steps (and the
     first and last step), flushed at once, so a log shows the run as it goes."""
 
-    def __init__(self, console, steps: int, every: int | None, quiet: bool):
+    def __init__(self, console, steps: int, every: int | None, quiet: bool, start: int = 0):
         self.console, self.steps, self.bar = console, steps, None
         self.every = every or max(1, round(steps / 20))
         self.quiet, self.t0 = quiet, time.perf_counter()
@@ -32,7 +32,8 @@ class Progress:
                             TextColumn("gathered {task.fields[gath]:.1f}/{task.fields[model]:.1f} MB"),
                             TextColumn("rss {task.fields[rss]:.0f} MB"), TimeElapsedColumn(), console=console)
         self.bar.start()
-        self.task = self.bar.add_task("train", total=steps, loss=float("nan"), tps=0.0, gath=0.0, model=0.0, rss=0.0)
+        self.task = self.bar.add_task("train", total=steps, completed=start, loss=float("nan"), tps=0.0, gath=0.0,
+                                      model=0.0, rss=0.0)
 
     def update(self, step: int, rec: dict) -> None:
         fields = dict(loss=rec["loss"], tps=rec["tokens_per_s"], gath=rec["peak_gathered_bytes"] / 2**20,
@@ -66,4 +67,8 @@ def print_summary(console, summary: dict) -> None:
               f"{summary['peak_gathered_bytes'] / summary['model_bytes']:.0%} of the model "
               f"({summary['model_bytes'] / 2**20:.2f} MB)")
     t.add_row("max RSS (rank 0)", f"{summary['max_rss_mb']:.0f} MB")
+    if "resumed" in summary:
+        got = summary["resumed"]
+        t.add_row("resumed", f"at step {got['step']} (saved at {got['saved_world_size']} ranks): losses "
+                             f"{got['losses'].split(':')[0]}")
     console.print(t)

@@ -36,6 +36,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 PAGE = os.path.join(ROOT, "docs", "performance.md")
 OPTIMIZERS_PAGE = os.path.join(ROOT, "docs", "optimizers.md")  # its SOAP / Shampoo tables: a block (below)
 QUANTIZATION_PAGE = os.path.join(ROOT, "docs", "quantization.md")  # its measured tables: a block
+CHECKPOINT_PAGE = os.path.join(ROOT, "docs", "checkpointing.md")  # the background save's table: a block
 BLOCK_END = "<!-- End of the generated tables. -->"
 
 
@@ -221,6 +222,13 @@ def precond_tables(result: dict) -> list[str]:
     return out
 
 
+def background_save_tables(result: dict) -> list[str]:
+    """``bench/background_save.py``: a save after every step, in the background and blocking, against none."""
+    from bench.background_save import markdown
+
+    return [markdown(result["data"])]
+
+
 def convergence_tables(result: dict) -> list[str]:
     """``bench/convergence.py``: steps to reach AdamW's final loss."""
     from bench.convergence import markdown
@@ -231,10 +239,12 @@ def convergence_tables(result: dict) -> list[str]:
 RENDERERS = {"bench/import_time.py": import_time_tables, "bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
              "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables,
              "bench/quant.py": quant_tables,
-             "bench/optim.py": optim_tables, "bench/convergence.py": convergence_tables}
+             "bench/optim.py": optim_tables, "bench/convergence.py": convergence_tables,
+             "bench/background_save.py": background_save_tables}
 
 PRECOND_RESULTS = ["precond", "convergence"]
 QUANT_RESULTS = ["quant", "quant-convergence"]
+CHECKPOINT_RESULTS = ["checkpoint-background"]
 PRECOND_PROSE = """\
 `rg.optim.soap` and `rg.optim.shampoo` ([optimizers.md](optimizers.md#soap-and-shampoo)) precondition each
 `Blocks(b, b)` tile on the rank that holds it, so a step communicates nothing and a refresh (SOAP: one
@@ -352,6 +362,13 @@ predicted order of the configurations against the measured one. Three ways to tr
 collectives: beside compute (the default of `estimate_time`), holding the compute queue, and
 holding it for their CPU share (`overlap=1 - cpu_share`).""", ["predict-time"]),
     ("SOAP and Shampoo: step time, refresh balance, convergence (CPU)", PRECOND_PROSE, PRECOND_RESULTS),
+    ("Checkpointing every step in the background (gloo, CPU)", """\
+`bench/background_save.py` ([checkpointing.md](checkpointing.md)) trains the GPT of `bench/step.py` with
+`rg.fsdp` and AdamW and saves after every step: in the background (`blocking=False`, `result()` after the
+last step), blocking, or not at all, each repeat running every method in turn, order alternating, times
+the slowest rank's; the paired ratio is the median over repeats of method / no checkpoint within one
+repeat. Memory: the rise of rank 0's peak RSS over one step, and over one step and one background save.""",
+     CHECKPOINT_RESULTS),
 ]
 
 
@@ -421,7 +438,7 @@ def with_block(text: str, block: str) -> str:
     return text[:start] + block + text[end + len(BLOCK_END):]
 
 
-BLOCK_PAGES = {OPTIMIZERS_PAGE: PRECOND_RESULTS, QUANTIZATION_PAGE: QUANT_RESULTS}
+BLOCK_PAGES = {OPTIMIZERS_PAGE: PRECOND_RESULTS, QUANTIZATION_PAGE: QUANT_RESULTS, CHECKPOINT_PAGE: CHECKPOINT_RESULTS}
 
 
 def main(argv=None) -> int:

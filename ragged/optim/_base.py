@@ -49,7 +49,6 @@ import difflib
 import functools
 import inspect
 import math
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -58,6 +57,7 @@ import torch
 from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged._errors import RaggedTypeError, RaggedValueError
+from ragged.optim._count import host_count
 
 __all__ = [
     "GradientTransformation",
@@ -65,7 +65,6 @@ __all__ = [
     "Schedule",
     "identity",
     "apply_updates",
-    "first_tensor",
     "check_floating",
     "keywords_checked",
 ]
@@ -275,49 +274,6 @@ def check_floating(params, where: str) -> None:
                 "tensors (step counters, indices, masks) out of the optimized tree, e.g. plan them in a "
                 "separate DBuffer, or convert them with .float()."
             )
-
-
-def first_tensor(tree) -> torch.Tensor | None:
-    """The first tensor leaf of ``tree`` (used to pick the device of step counters)."""
-    return next((leaf for leaf in pytree.leaves(tree) if isinstance(leaf, torch.Tensor)), None)
-
-
-def zero_count(params) -> torch.Tensor:
-    """A 0-d int64 step counter on the device of ``params`` (its value known on the host, see
-    :func:`host_count`)."""
-    t = first_tensor(params)
-    count = torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)
-    _known(count, 0)
-    return count
-
-
-def next_count(count: torch.Tensor) -> torch.Tensor:
-    """``count + 1``, its value known on the host when ``count``'s was (see :func:`host_count`)."""
-    new = count + 1
-    hit = _HOST_COUNTS.get(id(count))
-    if hit is not None and hit[0]() is count:
-        _known(new, hit[1] + 1)
-    return new
-
-
-def host_count(count: torch.Tensor) -> int:
-    """The value of a step counter, without reading the device where the host made it: counters
-    from :func:`zero_count` and :func:`next_count` are known; another (loaded from a checkpoint,
-    built by hand) is read once (a device-to-host copy on a GPU) and known from then on."""
-    hit = _HOST_COUNTS.get(id(count))
-    if hit is not None and hit[0]() is count:
-        return hit[1]
-    value = int(count.cpu())
-    _known(count, value)
-    return value
-
-
-_HOST_COUNTS: dict = {}  # id(count) -> (weakref to it, its value): dropped with the tensor
-
-
-def _known(count: torch.Tensor, value: int) -> None:
-    key = id(count)
-    _HOST_COUNTS[key] = (weakref.ref(count, lambda _: _HOST_COUNTS.pop(key, None)), value)
 
 
 # ---- learning rates and settings -------------------------------------------------------------

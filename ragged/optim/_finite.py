@@ -26,7 +26,8 @@ from ragged._dbuffer import DBuffer, is_dbuffer
 from ragged._errors import RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import pytree
 from ragged.collectives._agree import agree, agree_collectives
-from ragged.optim._base import GradientTransformation, first_tensor, keywords_checked, settings_of, zero_count
+from ragged.optim._base import GradientTransformation, keywords_checked, settings_of
+from ragged.optim._count import first_tensor, zero_count
 
 __all__ = ["NonFiniteError", "ApplyIfFiniteState", "apply_if_finite", "local_nonfinite", "nonfinite_report", "check_sharded_comm"]
 

@@ -36,7 +36,8 @@ from ragged._dbuffer import DBuffer, is_dbuffer, local_gaps
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
 from ragged.optim import _quant8_fused as fused
-from ragged.optim._base import GradientTransformation, Schedule, keywords_checked, next_count, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, keywords_checked
+from ragged.optim._count import next_count, zero_count
 from ragged.optim._quant8_codec import Workspace, codec
 from ragged.optim._quant8_state import (
     Quant8Moments,

@@ -40,7 +40,8 @@ import torch
 from ragged._dbuffer import is_dbuffer
 from ragged._errors import RaggedValueError, check_int
 from ragged._pytree import pytree
-from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked, next_count, zero_count
+from ragged.optim._base import GradientTransformation, Schedule, check_like_state, keywords_checked
+from ragged.optim._count import next_count, zero_count
 from ragged.optim._blocks import BlockRule, gather, scatter
 from ragged.optim._precond import (
     SoapFactors,

@@ -13,7 +13,8 @@ import torch
 
 from ragged._pytree import pytree
 from ragged.optim._base import (EmptyState, GradientTransformation, Schedule, check_floating, check_like_state,
-                                check_rate, checked_schedule, keywords_checked, next_count, zero_count)
+                                check_rate, checked_schedule, keywords_checked)
+from ragged.optim._count import next_count, zero_count
 from ragged._errors import RaggedValueError
 
 __all__ = [

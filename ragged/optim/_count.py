@@ -29,13 +29,16 @@ def zero_count(params) -> torch.Tensor:
     :func:`host_count`)."""
     t = first_tensor(params)
     count = torch.zeros((), dtype=torch.int64, device=t.device if t is not None else None)
-    _known(count, 0)
+    if not torch.compiler.is_compiling():
+        _known(count, 0)
     return count
 
 
 def next_count(count: torch.Tensor) -> torch.Tensor:
     """``count + 1``, its value known on the host when ``count``'s was (see :func:`host_count`)."""
     new = count + 1
+    if torch.compiler.is_compiling():  # a compiled update's counts are the device's (read once by host_count)
+        return new
     hit = _HOST_COUNTS.get(id(count))
     if hit is not None and hit[0]() is count:
         _known(new, hit[1] + 1)

@@ -131,11 +131,71 @@ class DBuffer:
 
 
 def _power_sum(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``sum(|x| ** p)`` (``max |x|`` for ``p = inf``) in float64, 0-d."""
-    x = x.to(torch.float64)
-    if p == math.inf:
-        return x.abs().amax() if x.numel() else x.new_zeros(())
-    return torch.sum(torch.square(x)) if p == 2.0 else torch.sum(x.abs().pow(p))
+    """``max |x|`` in float64, 0-d."""
+    return x.to(torch.float64).abs().amax() if x.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
+
+
+# [Note: a norm that does not depend on the split]
+# Where a rank boundary falls inside a leaf depends on the world size, so a norm summed per rank
+# and then across ranks adds its terms in a different order at every world size, and floating
+# point addition is not associative. So the norm core adds in two stages that do not depend on it:
+# * per *block*: a run of ``_block(granule)`` elements of one leaf, aligned to the leaf's start.
+#   A rank boundary falls on a multiple of the granule, which the block divides, so every block
+#   (and a leaf's shorter last one) is whole on one rank; its ``|x| ** p`` are summed by one ``sum(dim=1)`` over an ``(n, block)`` view,
+#   whose result for a row depends on that row alone (blocks of at most 4096 elements: longer rows
+#   are split between threads depending on the number of rows);
+# * across blocks, exactly: every block's sum, scaled by ``2 ** (_BITS - e)`` where ``2 ** e``
+#   bounds the largest block sum of every rank (one all-reduce of the max), is cut into two
+#   integers (the bits above 1, then the next ``_BITS``), and the integers are added in int64,
+#   which is associative: one all-reduce of two int64. Up to ``2 ** (63 - _BITS)`` blocks, none
+#   overflows; what is lost is each block's part below ``2 ** (e - 2 * _BITS)``, the same for
+#   every split. The result is then the same bits at every world size, plan and grouping of the
+#   same values (``tests/optim/test_norm_split.py``), and within ~1e-16 of the exact norm.
+_BITS = 31
+_MAX_BLOCK = 4096
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(granule: int) -> int:
+    """The largest divisor of ``granule`` that is at most ``_MAX_BLOCK``."""
+    return max(d for d in range(1, min(granule, _MAX_BLOCK) + 1) if granule % d == 0)
+
+
+def _block_sums(x: torch.Tensor, block: int, p: float, weight: float = 1.0) -> torch.Tensor:
+    """``sum |x| ** p`` of every ``block`` consecutive elements of ``x`` and of the shorter rest, if
+    any (a leaf whose last granule is short: it ends the leaf, on one rank), float64, times ``weight``."""
+    y = x.to(torch.float64)
+    y = torch.square(y) if p == 2.0 else y.abs().pow(p)
+    whole = y.numel() - y.numel() % block
+    y = torch.cat([y[:whole].view(-1, block).sum(dim=1), y[whole:].sum().reshape(1)]) if whole < y.numel() \
+        else y.view(-1, block).sum(dim=1)
+    return y if weight == 1.0 else y * weight
+
+
+def _pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x * 2 ** k`` in two halves, so that no factor overflows (``k`` up to about +-2100)."""
+    half = torch.div(k, 2, rounding_mode="floor")
+    return torch.ldexp(torch.ldexp(x, half.to(torch.float64)), (k - half).to(torch.float64))
+
+
+def _limbs(sums: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Two int64: the block ``sums`` times ``2 ** k`` cut at 1 and at ``2 ** -_BITS``, each part summed."""
+    if not sums.numel():
+        return torch.zeros(2, dtype=torch.int64, device=sums.device)
+    x = _pow2(torch.where(torch.isfinite(sums), sums, 0.0), k)
+    hi = torch.floor(x)
+    lo = torch.floor((x - hi) * float(2 ** _BITS))
+    return torch.stack([hi.to(torch.int64).sum(), lo.to(torch.int64).sum()])
+
+
+def _sharded_blocks(d: DBuffer, p: float, weights) -> tuple[list, list]:
+    """Block sums of ``d``'s pieces (sharded) and of its replicated leaves (the same on every rank)."""
+    w = (lambda leaf: weights.get(leaf.index, 1.0)) if weights else (lambda leaf: 1.0)
+    sharded = [_block_sums(d.data[q.local_offset : q.local_offset + q.numel], _block(q.leaf.granule), p, w(q.leaf))
+               for q in d.plan.local_pieces(d.rank) if q.numel]
+    local = [_block_sums(d.replicated[l.offset : l.stop], _block(l.granule or l.numel), p, w(l))
+             for l in d.plan.replicated if l.numel]
+    return sharded, local
 
 
 def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
@@ -146,46 +206,67 @@ def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
     ``parts``: DBuffers (this rank's shards: their ``data`` is reduced over ``comm``, their
     replicated leaves count once), ``(DBuffer, {leaf index: weight})`` pairs (a leaf copied on
     another axis of size k weighs 1/k there, so reducing over that axis counts it once), and
-    plain tensors (the same on every rank: counted once). The shards' sums are all-reduced over
-    ``comm`` (one scalar; not at all without a DBuffer), the replicated ones added, the total
-    all-reduced over each comm of ``others`` (axes whose copies the weights divided out). No host
-    sync. ``ord=inf``: the largest magnitude (weights do not matter).
+    plain tensors (the same on every rank: counted once). The sum does not depend on how the
+    elements are split among ranks (see [Note: a norm that does not depend on the split]): one
+    all-reduce of the largest block sum over ``comm`` and one of two int64 (none without a DBuffer),
+    the same over each comm of ``others`` (axes whose copies the weights divided out). No host sync.
+    ``ord=inf``: the largest magnitude (weights do not matter; one all-reduce of the max).
     """
     p = float(ord)
-    op, join = ("max", torch.maximum) if p == math.inf else ("sum", torch.add)
-    sharded, local = [], []
+    sharded, local, any_sharded = [], [], False  # any_sharded: the same on every rank (not whether it holds pieces)
     for part in parts:
         if isinstance(part, torch.Tensor):
-            local.append(_power_sum(part, p))
+            local.append(_power_sum(part, p) if p == math.inf else _block_sums(part, _block(max(part.numel(), 1)), p))
             continue
         d, weights = part if isinstance(part, tuple) else (part, None)
-        if not weights or p == math.inf:  # every weight 1: padding is zero, so whole buffers
+        any_sharded = True
+        if p == math.inf:  # padding is zero, so whole buffers
             sharded.append(_power_sum(d.data, p))
             local.append(_power_sum(d.replicated, p))
             continue
-        groups: dict[float, set[int]] = {}
-        for leaf in d.plan.leaves + d.plan.replicated:
-            groups.setdefault(weights.get(leaf.index, 1.0), set()).add(leaf.index)
-        for weight, idx in groups.items():
-            dpos, rpos = leaf_positions(d.plan, d.rank, frozenset(idx), d.data.device)
-            sharded.append(weight * _power_sum(d.data[dpos], p))
-            local.append(weight * _power_sum(d.replicated[rpos], p))
+        more_sharded, more_local = _sharded_blocks(d, p, weights)
+        sharded += more_sharded
+        local += more_local
     device = next((t.device for t in sharded + local), None)
-    total = functools.reduce(join, sharded, torch.zeros((), dtype=torch.float64, device=device)).reshape(1)
-    if norm_collectives(comm, bool(sharded)):
-        comm.all_reduce(total, op=op)
-    if local:
-        total = join(total, functools.reduce(join, local))
+    shard_comm = norm_collectives(comm, any_sharded, p)
+    if p == math.inf:
+        total = functools.reduce(torch.maximum, sharded + local, torch.zeros((), dtype=torch.float64, device=device))
+        total = total.reshape(1)
+        if shard_comm:
+            comm.all_reduce(total, op="max")
+        for other in others:
+            other.all_reduce(total, op="max")
+        return total[0]
+    zero = torch.zeros(0, dtype=torch.float64, device=device)
+    sharded, local = torch.cat(sharded) if sharded else zero, torch.cat(local) if local else zero
+    both = torch.cat([sharded, local])
+    finite = torch.isfinite(both)
+    stats = torch.stack([torch.where(finite, both, 0.0).amax() if both.numel() else zero.new_zeros(()),
+                         torch.isnan(both).any().double(), torch.isinf(both).any().double()])
+    reduce_over = ([comm] if shard_comm else []) + list(others)
+    for c in reduce_over:
+        c.all_reduce(stats, op="max")
+    k = _BITS - torch.frexp(stats[0]).exponent.to(torch.int64)
+    limbs = _limbs(sharded, k)
+    if shard_comm:
+        comm.all_reduce(limbs, op="sum")
+    limbs = limbs + _limbs(local, k)
     for other in others:
-        other.all_reduce(total, op=op)
-    return total[0] if p == math.inf else torch.sqrt(total[0]) if p == 2.0 else total[0].pow(1.0 / p)
+        other.all_reduce(limbs, op="sum")
+    total = _pow2(limbs[0].double(), -k) + _pow2(limbs[1].double(), -k - _BITS)
+    total = torch.where(stats[1] > 0, math.nan, torch.where(stats[2] > 0, math.inf, total))
+    return torch.sqrt(total) if p == 2.0 else total.pow(1.0 / p)
 
 
-def norm_collectives(comm, sharded: bool) -> tuple[tuple[str, str, int, int], ...]:
+def norm_collectives(comm, sharded: bool, ord: float = 2.0) -> tuple[tuple[str, str, int, int], ...]:
     """What :func:`norm` issues on ``comm`` (``(kind, axis, calls, bytes)``, see
-    ``GradientTransformation.collectives``; its ``others`` aside): one all-reduce of one float64
-    when some part is sharded over more than one rank. :func:`norm` issues exactly this."""
-    return (("all_reduce", "shard", 1, 8),) if sharded and comm is not None and comm.world_size > 1 else ()
+    ``GradientTransformation.collectives``; its ``others`` aside): when some part is sharded over
+    more than one rank, two all-reduces, of three float64 (the largest block sum and two flags) and
+    of two int64 (see [Note: a norm that does not depend on the split]); ``ord=inf``: one of the
+    max. :func:`norm` issues exactly this."""
+    if not (sharded and comm is not None and comm.world_size > 1):
+        return ()
+    return (("all_reduce", "shard", 1, 8),) if float(ord) == math.inf else (("all_reduce", "shard", 2, 24 + 16),)
 
 
 @functools.lru_cache(maxsize=256)

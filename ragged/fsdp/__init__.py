@@ -24,6 +24,7 @@ from ragged.fsdp._grad import ValueAndGrad as ValueAndGrad
 from ragged.fsdp._grad import value_and_grad as value_and_grad
 from ragged.fsdp._step import Step as Step
 from ragged.fsdp._step import make_step as make_step
+from ragged.fsdp._chunks import local_chunks as local_chunks
 
 # The lowering's types were first published here; they live in ragged.predict, which sits above
 # fsdp (it reads a step's schedule), so they are looked up there on first use instead of imported

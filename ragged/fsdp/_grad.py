@@ -40,6 +40,8 @@ from ragged._dbuffer import DBuffer
 from ragged._errors import PlanMismatchError, RaggedError, RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.collectives._agree import agree, on_device
+from ragged.collectives._tree import tree_sum
+from ragged.fsdp._chunks import check_chunked, chunked_micro_batches, data_parallel
 from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
@@ -49,7 +51,8 @@ from ragged.fsdp._trainable import check_shards
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans, joins_next_agreement
 
-__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "MAX_ATTEMPTS"]
+__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "LATE_CHUNKS_MSG",
+           "MAX_ATTEMPTS"]
 
 MAX_ATTEMPTS = 3
 UNUSED_PARAMS_MSG = (
@@ -58,6 +61,13 @@ UNUSED_PARAMS_MSG = (
     "torch.func.functional_call(model, params, (x,)); calling model(x) uses the module's own tensors. Fix: "
     "use functional_call, or rg.fsdp.make_step(..., module=model) (or value_and_grad(..., module=model)) so "
     "that model(...) reads the step's parameters."
+)
+
+LATE_CHUNKS_MSG = (
+    "rg.fsdp chunked step: gradients still reached units after their reduce-scatter in {attempts} attempts with "
+    "the learnt schedule; outside the reduce-scatter they would be added outside the fixed tree over the chunks, "
+    "so the numbers would depend on the world size (every rank raises this, before any parameter changes). Fix: "
+    "make such parts one unit (make_units(groups=...)), or drop chunks=."
 )
 
 FOREIGN_GRADS_MSG = (
@@ -117,6 +127,7 @@ class ValueAndGrad:
     max_inflight_reduce: int = 1
     module: Any = None
     trace: Any = False  # True: a list in the metrics; a callable: called per event (see value_and_grad)
+    chunks: int | None = None  # see [Note: the chunked step] in _chunks.py
     layouts: tuple = dataclasses.field(default=(), repr=False, compare=False)
     options: tuple = dataclasses.field(default=(), repr=False, compare=False)  # (name, value) the ranks agree on
     slots: tuple = dataclasses.field(default=(), repr=False, compare=False)
@@ -155,16 +166,21 @@ class ValueAndGrad:
             run, losses, failure = self._attempt(shards, micro)
             memo.lazy = frozenset(run.gradients.lazy)
             try:
-                verdict = _agree(run, losses, failure, self.comm, data_groups)
+                verdict = _agree(run, losses, failure, self.comm, data_groups, self.chunks)
                 seen = []
                 if verdict["exchange"]:
                     seen = agree(self.comm, explain=lambda _: (run.seen.observation(), run.seen.deviations[:1],
                                                                _describe(failure), run.seen.foreign_grads()[:1])).details
                     memo.schedule = memo.schedule.observe([s[0] for s in seen])
-                if verdict["deviated"]:  # before failures: computing on zeros may have caused them
+                # a chunked step also reruns a call with late gradients: their separate reduce-scatter
+                # would add them outside the tree (see [Note: the chunked step] in _chunks.py)
+                late = bool(self.chunks and verdict["late"] and not verdict["failed"])
+                if verdict["deviated"] or late:  # before failures: computing on zeros may have caused them
                     if attempt + 1 < MAX_ATTEMPTS:
                         _set_rng_state(self.comm.device, rng)
                         continue
+                    if not verdict["deviated"]:
+                        raise RaggedError(LATE_CHUNKS_MSG.format(attempts=MAX_ATTEMPTS))
                     what = [f"rank {r}: {s[1][0]}" for r, s in enumerate(seen) if s[1]]
                     raise PlanMismatchError(
                         "the ranks' collective sequences would diverge: " + "; ".join(what or ["another group"])
@@ -194,7 +210,8 @@ class ValueAndGrad:
         frozen = frozenset(lay.index for lay in self.layouts if lay.grad_plan is None)
         prog = program(memo.schedule, reshard=self.reshard_after_forward, prefetch=self.prefetch, frozen=frozen)
         run = Run(self.layouts, self.units, shards, self.comm, schedule=memo.schedule, program=prog, lazy=memo.lazy,
-                  max_inflight_reduce=self.max_inflight_reduce, trace=self.trace)
+                  max_inflight_reduce=self.max_inflight_reduce, trace=self.trace, chunks=self.chunks)
+        scale = 1.0 if self.chunks else 1.0 / len(micro)  # chunked: each chunk unscaled, the sum divided by C
         losses, failure = [], None
         try:
             leaves = {p: t for u in run.units for p, t in u.leaves.items()}
@@ -214,7 +231,7 @@ class ValueAndGrad:
                     if failure is None:
                         try:
                             with saved_tensor_hooks(run):
-                                backward(run, (loss.float() * (1.0 / len(micro)),))
+                                backward(run, (loss.float() * scale,))
                             losses.append(loss.detach())
                         except Exception as e:  # noqa: BLE001
                             failure = e
@@ -268,14 +285,27 @@ def _describe(failure) -> str:
 _HEAD = ("loss", "failed", "deviated", "foreign", "exchange")  # summed over the mesh; the first four over data axes too
 
 
-def verdict_size(layouts) -> int:
+def verdict_size(layouts, chunks: int | None = None) -> int:
     """The numbers each rank brings to the end-of-call agreement: :data:`_HEAD`, a late flag per
-    unit and a used flag per trainable leaf (``_agree`` builds it; the predictor counts it)."""
-    return len(_HEAD) + len(layouts) + sum(len(lay.trained) for lay in layouts)
+    unit, a used flag per trainable leaf and, in a chunked step, a loss per chunk (``_agree``
+    builds it; the predictor counts it)."""
+    return len(_HEAD) + len(layouts) + sum(len(lay.trained) for lay in layouts) + (chunks or 0)
 
 
-def _agree(run, losses, failure, comm, data_groups) -> dict:
-    """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end])."""
+def _chunk_losses(losses, comm, chunks) -> torch.Tensor:
+    """This rank's chunk losses in their slots of the ``chunks``, on the device (zeros elsewhere:
+    the all-reduce adds each to zeros, exactly; ``+ 0.0`` makes a ``-0.0`` the ``0.0`` every sum of
+    it gives)."""
+    d, dp = data_parallel(comm)
+    slots = torch.zeros(chunks, dtype=torch.float64, device=comm.device)
+    if losses:
+        slots[d::dp][: len(losses)] = torch.stack([l.double() for l in losses]) + 0.0
+    return slots
+
+
+def _agree(run, losses, failure, comm, data_groups, chunks=None) -> dict:
+    """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end]);
+    a chunked step's loss is the fixed tree over the chunk losses (see [Note: the chunked step])."""
     obs = run.seen.observation()
     used = [float(x) for u in run.gradients.units for x in u.used]
     late = [0.0] * len(run.units)
@@ -284,12 +314,13 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
     failed, foreign = failure is not None, bool(run.seen.foreign_grads())
     exchange = failed or obs.deviated or foreign or bool(obs.late) or run.ctx.schedule.learning
     flags = [float(failed), float(obs.deviated), float(foreign), float(exchange)] + late + used
-    assert 1 + len(flags) == verdict_size(run.ctx.layouts)
+    assert 1 + len(flags) + (chunks or 0) == verdict_size(run.ctx.layouts, chunks)
     # the loss stays on the device until the round's one host read: a steady step waits for the
     # device at its two agreements only (docs/gpu.md, 'Two host syncs per step')
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64,
                                                                                           device=comm.device)
-    verdict = torch.cat([loss.reshape(1), on_device(flags, comm.device)])
+    slots = [_chunk_losses(losses, comm, chunks)] if chunks else []
+    verdict = torch.cat([loss.reshape(1), on_device(flags, comm.device), *slots])
     v = agree(comm, verdict, op="sum", label="fsdp step: end of call").values
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)
     if data_groups:
@@ -302,7 +333,9 @@ def _agree(run, losses, failure, comm, data_groups) -> dict:
                     v[h + nl + k] = w[h + nl + k]
             count *= axis_comm.world_size
     out = dict(zip(_HEAD, (x > 0 for x in v[:h])))
-    out.update(loss=v[0] / count, late=[i for i in range(nl) if v[h + i] > 0], used=[x > 0 for x in v[h + nl:]])
+    n = len(v) - (chunks or 0)
+    loss = tree_sum(v[n:]) / chunks if chunks else v[0] / count
+    out.update(loss=loss, late=[i for i in range(nl) if v[h + i] > 0], used=[x > 0 for x in v[h + nl : n]])
     return out
 
 
@@ -323,13 +356,14 @@ def value_and_grad(
     loss_fn: Callable,
     comm,
     *,
-    micro_batches: int = 1,
+    micro_batches: int | None = None,
     policy: MixedPrecision | None = None,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
     max_inflight_reduce: int = 1,
     module: torch.nn.Module | None = None,
     trace: bool = False,
+    chunks: int | None = None,
 ) -> ValueAndGrad:
     """``loss, grads = value_and_grad(units, loss_fn, comm)(shards, batch)``: FSDP's ``jax.value_and_grad``.
 
@@ -345,7 +379,7 @@ def value_and_grad(
             ``.shape`` and other metadata do not gather).
         comm: the shard group's collectives.
         micro_batches: ``batch`` (this rank's) is split into this many equal parts along dim 0;
-            the loss and gradients are their mean.
+            the loss and gradients are their mean (default 1; with ``chunks``, ``chunks / W``).
         policy: a :class:`MixedPrecision` (default: gather and reduce in the plans' dtype).
         prefetch: start the next unit's all-gather before the current one computes.
         reshard_after_forward: free each unit after its forward use (re-gather for backward).
@@ -359,6 +393,8 @@ def value_and_grad(
             entry, ``event`` a backward event, ``gather_start`` / ``gather_done`` / ``free``, ``compute``,
             ``grad_buffer``, ``reduce_start`` / ``reduce_done``); a callable is called as
             ``trace(event, unit, cursor)`` instead (``fsdp.profile_activations``).
+        chunks: the same loss and gradients, to the bit, at every data-parallel world size that
+            serves it: see :func:`ragged.fsdp.make_step`.
 
     Returns:
         A :class:`ValueAndGrad`; calling it on ``(shards, batch)`` gives ``(loss, grads)``: the
@@ -381,7 +417,9 @@ def value_and_grad(
         >>> round(loss, 4) == round(loss_fn(params, x).item(), 4), torch.allclose(g["w"], want["w"])
         (True, True)
     """
-    check_int("micro_batches", micro_batches)
+    if chunks is not None:
+        micro_batches = chunked_micro_batches(chunks, comm, micro_batches, "value_and_grad")
+    micro_batches = check_int("micro_batches", 1 if micro_batches is None else micro_batches)
     check_int("max_inflight_reduce", max_inflight_reduce)
     if units.world_size != comm.world_size:
         raise RaggedValueError(
@@ -393,17 +431,20 @@ def value_and_grad(
         raise RaggedTypeError(f"policy must be a rg.fsdp.MixedPrecision, got {type(policy).__name__}.")
     slots = () if module is None else module_slots(module, units)
     layouts = unit_layouts(units, policy)
+    if chunks is not None:
+        check_chunked(layouts, (), "value_and_grad")
     frozen = hashlib.blake2b(repr([sorted(u.frozen) for u in units]).encode(), digest_size=8).hexdigest()
     options = (("compute_dtype", str(policy.compute_dtype)), ("reduce_dtype", str(policy.reduce_dtype)),
                ("frozen_dtype", str(policy.frozen_dtype)), ("micro_batches", str(micro_batches)),
                ("reshard_after_forward", str(reshard_after_forward)), ("prefetch", str(prefetch)),
                ("frozen leaves", frozen),  # a fully frozen unit has the plan a trainable one would have
+               ("chunks", str(chunks)),
                *((f"{kind} of unit {lay.name!r}", _formats_text(formats, plan)) for u, lay in zip(units, layouts)
                  for kind, formats, plan in (("gather_format", lay.gather_formats, u.plan),
                                              ("reduce_format", lay.reduce_formats, lay.grad_plan))))
     return ValueAndGrad(units=units, loss_fn=loss_fn, comm=comm, micro_batches=micro_batches, policy=policy,
                         prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                        max_inflight_reduce=max_inflight_reduce, module=module, trace=trace, layouts=layouts,
+                        max_inflight_reduce=max_inflight_reduce, module=module, trace=trace, chunks=chunks, layouts=layouts,
                         options=options, slots=slots, memo=_Memo(len(units)))
 
 

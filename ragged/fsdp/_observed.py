@@ -52,10 +52,11 @@ class Observer:
 class Counters:
     """Bytes and calls of one call, for the step's metrics (see :meth:`metrics`)."""
 
-    __slots__ = ("live", "peak", "grad_live", "grad_peak", "gathers", "reduces", "saved", "saved_peak")
+    __slots__ = ("live", "peak", "grad_live", "grad_peak", "shard_live", "shard_peak", "gathers", "reduces", "saved",
+                 "saved_peak")
 
     def __init__(self):
-        self.live = self.peak = self.grad_live = self.grad_peak = 0
+        self.live = self.peak = self.grad_live = self.grad_peak = self.shard_live = self.shard_peak = 0
         self.gathers = self.reduces = self.saved = self.saved_peak = 0
 
     def gathered(self, nbytes: int) -> None:
@@ -66,12 +67,19 @@ class Counters:
         self.grad_live += nbytes
         self.grad_peak = max(self.grad_peak, self.grad_live)
 
+    def shards(self, nbytes: int) -> None:
+        """Reduced gradient shards: ``nbytes`` more (fewer) alive, a reduce-scatter's output or the
+        micro-batches' sums (see ``_reducing.py``)."""
+        self.shard_live += nbytes
+        self.shard_peak = max(self.shard_peak, self.shard_live)
+
     def new_micro_batch(self) -> None:
         self.saved_peak, self.saved = max(self.saved_peak, self.saved), 0
 
     def metrics(self) -> dict:
-        return {"peak_gathered_bytes": self.peak, "peak_grad_bytes": self.grad_peak, "num_gathers": self.gathers,
-                "num_reduces": self.reduces, "saved_activation_bytes": max(self.saved_peak, self.saved)}
+        return {"peak_gathered_bytes": self.peak, "peak_grad_bytes": self.grad_peak, "peak_shard_bytes": self.shard_peak,
+                "num_gathers": self.gathers, "num_reduces": self.reduces,
+                "saved_activation_bytes": max(self.saved_peak, self.saved)}
 
 
 def tracer(trace, cursor, layouts):

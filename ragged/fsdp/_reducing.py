@@ -35,12 +35,23 @@ import collections
 
 import torch
 
+from ragged._divide import divisor
+from ragged.collectives._tree import TreeSum
 from ragged.fsdp._device import COMPUTE, REDUCE
 from ragged.fsdp._records import GradRecord
 from ragged.transforms import reduce_scatter_wait
-from ragged.transforms._reduce_scatter import _reduce_scatter_start
+from ragged.transforms._reduce_scatter import _reduce_scatter_start, reduced
 
 __all__ = ["Gradients"]
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _divided(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t / n`` in place (see [Note: a division every device rounds alike] in ``ragged/_divide.py``)."""
+    return t.div_(divisor(t, n))
 
 
 class Gradients:
@@ -57,10 +68,12 @@ class Gradients:
     """
 
     __slots__ = ("layouts", "units", "pool", "streams", "comm", "counts", "seen", "log", "max_inflight", "lazy",
-                 "hold", "pending", "reduced", "reduced_rep")
+                 "hold", "pending", "reduced", "reduced_rep", "chunks", "sums")
 
-    def __init__(self, layouts, spans, *, pool, streams, comm, counts, seen, log, max_inflight: int, lazy):
+    def __init__(self, layouts, spans, *, pool, streams, comm, counts, seen, log, max_inflight: int, lazy, chunks=None):
         self.layouts, self.pool, self.streams, self.comm = layouts, pool, streams, comm
+        self.chunks = chunks  # see [Note: the chunked step] in _chunks.py
+        self.sums: dict = {}  # chunked: {unit name: (TreeSum of shards, TreeSum of replicated parts)}
         self.units = [GradRecord(s) for s in spans]
         self.counts, self.seen, self.log, self.max_inflight = counts, seen, log, max_inflight
         self.lazy, self.hold = set(lazy), set()
@@ -201,8 +214,11 @@ class Gradients:
             for b in blocks:
                 if b is not None:
                     streams.access(REDUCE, b.key)
-            pending = _reduce_scatter_start(plan, grad, self.comm, "mean", self.layouts[i].reduce_dtype, replicated=rep,
-                                            agreed=True, label=label, formats=self.layouts[i].reduce_formats)
+            chunked = self.chunks is not None
+            pending = _reduce_scatter_start(plan, grad, self.comm, "sum" if chunked else "mean",
+                                            self.layouts[i].reduce_dtype, replicated=rep, agreed=True, label=label,
+                                            formats=self.layouts[i].reduce_formats, tree=chunked)
+            self.counts.shards(_nbytes(pending.output, pending.replicated))  # its output, from its start
             read = streams.record(REDUCE)  # after the casts: the copies are all the collectives read
             tokens = tuple(streams.issued(REDUCE, h) for h in pending.handles)
         gblock, rblock = blocks
@@ -217,19 +233,32 @@ class Gradients:
         i, pending, block, counted, _ = self.pending.popleft()
         streams = self.streams
         with streams.on(REDUCE):
-            reduced = reduce_scatter_wait(pending)
             name = self.layouts[i].name
-            for acc, part in ((self.reduced, reduced.data), (self.reduced_rep, reduced.replicated)):
-                if name in acc:
-                    acc[name].add_(part)
-                else:
-                    acc[name] = part
+            held = self._held(name)
+            if self.chunks is not None:  # in the reduce dtype, over the fixed tree (see [Note: the chunked step])
+                parts = reduced(pending)
+                for acc, part in zip(self.sums.setdefault(name, (TreeSum(), TreeSum())), parts):
+                    acc.push(part)
+            else:
+                parts = reduce_scatter_wait(pending)
+                for acc, part in ((self.reduced, parts.data), (self.reduced_rep, parts.replicated)):
+                    if name in acc:
+                        acc[name].add_(part)
+                    else:
+                        acc[name] = part
+            self.counts.shards(self._held(name) - held - _nbytes(pending.output, pending.replicated))
             done = streams.record(REDUCE)
-        del pending, reduced
+        del pending, parts
         if block is not None:
             self.pool.give(block, (done,))
         self.counts.grad_live -= counted
         self.log("reduce_done", i)
+
+    def _held(self, name: str) -> int:
+        """Bytes of unit ``name``'s reduced gradient held now: its sums of micro-batches."""
+        if name in self.sums:
+            return sum(acc.nbytes() for acc in self.sums[name])
+        return _nbytes(*(acc[name] for acc in (self.reduced, self.reduced_rep) if name in acc))
 
     def finish_inflight(self):
         while self.pending:
@@ -246,8 +275,18 @@ class Gradients:
                 entry[2], entry[3] = None, 0
 
     def finish(self):
-        """End of the call's reduce-scatters: compute is then past every side stream."""
+        """End of the call's reduce-scatters: compute is then past every side stream. A chunked
+        step's sums are completed here: divided once by ``C``, cast to the plan's dtype."""
         self.finish_inflight()
+        if self.sums:
+            with self.streams.on(REDUCE):
+                for name, (data, rep) in list(self.sums.items()):
+                    held = self._held(name)
+                    dtype = next(lay.grad_plan.dtype for lay in self.layouts if lay.name == name)
+                    self.reduced[name], self.reduced_rep[name] = (
+                        _divided(acc.result(), self.chunks).to(dtype) for acc in (data, rep))
+                    del self.sums[name]
+                    self.counts.shards(self._held(name) - held)
         self.pool.settle()
         self.streams.end_call()
 

@@ -91,7 +91,7 @@ class Run:
     their storages and leaves), the :class:`~ragged.fsdp._reducing.Gradients`, and what the call
     saw (:class:`~ragged.fsdp._observed.Observer`, :class:`~ragged.fsdp._observed.Counters`)."""
 
-    def __init__(self, layouts, units, shards, comm, *, schedule, program, lazy, max_inflight_reduce, trace):
+    def __init__(self, layouts, units, shards, comm, *, schedule, program, lazy, max_inflight_reduce, trace, chunks=None):
         self.ctx, self.cursor = Context.of(layouts, schedule, program), Cursor()
         self.comm, self.shards = comm, shards
         self.trace = trace if callable(trace) else [] if trace else None
@@ -107,7 +107,7 @@ class Run:
         self.seen, self.counts = Observer(), Counters()
         self.gradients = Gradients(layouts, [u.spans for u in self.units], pool=self.pool, streams=self.streams, comm=comm,
                                    counts=self.counts, seen=self.seen, log=self.log,
-                                   max_inflight=max_inflight_reduce, lazy=lazy)
+                                   max_inflight=max_inflight_reduce, lazy=lazy, chunks=chunks)
         self.streams.begin_call()
         self.reset()
 

@@ -65,6 +65,7 @@ from ragged._dbuffer import DBuffer, leaf_positions
 from ragged._divide import divisor
 from ragged._errors import RaggedTypeError, RaggedValueError
 from ragged._pytree import pytree
+from ragged.fsdp._chunks import check_chunked, chunked_micro_batches
 from ragged.fsdp._grad import ValueAndGrad, value_and_grad
 from ragged.fsdp._layout import MixedPrecision
 from ragged.fsdp._units import Units, picked_leaves
@@ -101,6 +102,7 @@ class Step:
     loss_fn = property(lambda self: self.value_and_grad.loss_fn)
     comm = property(lambda self: self.value_and_grad.comm)
     micro_batches = property(lambda self: self.value_and_grad.micro_batches)
+    chunks = property(lambda self: self.value_and_grad.chunks)
     policy = property(lambda self: self.value_and_grad.policy)
     module = property(lambda self: self.value_and_grad.module)
 
@@ -145,7 +147,7 @@ def make_step(
     optimizer,
     comm,
     *,
-    micro_batches: int = 1,
+    micro_batches: int | None = None,
     policy: MixedPrecision | None = None,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
@@ -155,6 +157,7 @@ def make_step(
     data_groups: Sequence[tuple[Any, Callable[[str], bool]]] = (),
     module: torch.nn.Module | None = None,
     skip_unused: bool = True,
+    chunks: int | None = None,
 ) -> Step:
     """Builds the FSDP training step ``state, metrics = step(state, batch)``.
 
@@ -173,7 +176,8 @@ def make_step(
         optimizer: a ``rg.optim`` GradientTransformation over ``{unit name: DBuffer}``.
         comm: the shard group's collectives (``rg.collectives.from_torch()`` or simulated).
         micro_batches: gradient accumulation: ``batch`` (this rank's) is split into this many
-            equal micro-batches along dim 0; gradients are averaged.
+            equal micro-batches along dim 0; gradients are averaged (default 1; with ``chunks``,
+            ``chunks / W``, and another value is refused).
         policy: a :class:`ragged.fsdp.MixedPrecision` (``compute_dtype``, ``reduce_dtype``).
             Default: gather in the plans' dtype; reduce-scatter in the plans' (master) dtype,
             e.g. fp32 reductions of bf16 gradients; the gradient shard is in the plan's dtype.
@@ -209,6 +213,15 @@ def make_step(
         skip_unused: ``torch.optim`` semantics for a parameter that got no gradient on any rank
             in a step: no update, no weight decay, no moment decay (see [Note: parameters without a
             gradient]). ``False``: it is updated as if its gradient were zero.
+        chunks: ``C``: the global batch is ``C`` equal chunks, and the loss, gradients, optimizer
+            state and parameters after every step are the same bits at every data-parallel world
+            size ``W`` (FSDP ranks x HSDP replicas) that is a power of two dividing ``C``, or ``C``
+            itself on one replica (see [Note: the chunked step] in ``_chunks.py`` and
+            docs/invariance.md). Each rank runs ``C / W`` chunks as its micro-batches: feed it
+            :func:`ragged.fsdp.local_chunks` of the global batch. Another ``W``, more than two
+            HSDP replicas, ``data_groups`` (expert parallelism) and a quantized reduce-scatter into
+            a dtype narrower than float32 are refused here, on every rank, naming ``C``, ``W`` and
+            the fix.
 
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
@@ -253,10 +266,14 @@ def make_step(
         (True, True)
     """
     data_groups = data_groups_option(data_groups, "make_step")
+    if chunks is not None:
+        micro_batches = chunked_micro_batches(chunks, comm, micro_batches, "make_step")
+        check_chunked((), data_groups, "make_step")
     # value_and_grad itself, without its own joining: an error here joins as make_step's
     grad = value_and_grad.__wrapped__(units, loss_fn, comm, micro_batches=micro_batches, policy=policy,
                                       prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                                      max_inflight_reduce=max_inflight_reduce, module=module, trace=trace)
+                                      max_inflight_reduce=max_inflight_reduce, module=module, trace=trace,
+                                      chunks=chunks)
     return Step(value_and_grad=grad, optimizer=optimizer, donate=step_donation(donate, optimizer), data_groups=data_groups,
                 skip_unused=skip_unused)
 

@@ -83,9 +83,11 @@ def unit_collectives(lowered) -> list:
     ``(kind, axis, bytes)`` (the gathered buffer in the compute dtype; quantized, its chunks of
     bytes), and when it reduces the unit's gradients in one micro-batch (none where nothing
     trains): the reduce-scatter in the reduce dtype (quantized: an all-to-all of the same volume
-    per rank), the replicated gradients' all-reduce, HSDP's all-reduces over the replica axis.
+    per rank; a chunked step's: one all-to-all per buffer, none on one rank), the replicated
+    gradients' all-reduce (a chunked step's, from three ranks on: an all-gather of every rank's
+    copy), HSDP's all-reduces over the replica axis.
     Counted by :func:`cost_analysis`, timed by ``estimate_time``."""
-    replicas = lowered.step.comm.num_replicas
+    replicas, m, chunked = lowered.step.comm.num_replicas, lowered.step.comm.world_size, lowered.step.chunks is not None
     out = []
     for lay in lowered.layouts:
         qgather, qreduce = unit_wire_bytes(lowered.units[lay.name].plan, lay)
@@ -94,10 +96,14 @@ def unit_collectives(lowered) -> list:
         if gp is not None:
             rsize = (lay.reduce_dtype or gp.dtype).itemsize
             rep = gp.replicated_numel * rsize
-            reduction.append(("reduce_scatter", "shard", gp.buffer_numel * rsize) if qreduce is None
-                             else ("all_to_all", "shard", qreduce))
+            if qreduce is not None:
+                reduction.append(("all_to_all", "shard", qreduce))
+            elif not chunked:
+                reduction.append(("reduce_scatter", "shard", gp.buffer_numel * rsize))
+            elif m > 1:  # the fixed tree's reduction: one all-to-all per buffer (ragged/transforms/_flat.py)
+                reduction += [("all_to_all", "shard", m * size * rsize) for _, size in gp.buffers]
             if gp.replicated:
-                reduction.append(("all_reduce", "shard", rep))
+                reduction.append(("all_gather", "shard", m * rep) if chunked and m > 2 else ("all_reduce", "shard", rep))
             if replicas > 1:
                 reduction.append(("all_reduce", "replica", gp.shard_size * rsize))
                 if gp.replicated:
@@ -114,7 +120,7 @@ def around_program(lowered) -> tuple[list, list]:
     ``ragged/optim/_base.py``)."""
     step = lowered.step
     comm = step.comm
-    n = verdict_size(lowered.layouts)
+    n = verdict_size(lowered.layouts, step.chunks)
     after = list(agree_collectives(comm, n))
     for g, group in enumerate(step.data_groups):  # the agreement spans each data axis; then its gradients
         axis = f"data{g}"
@@ -150,7 +156,7 @@ def cost_analysis(lowered) -> CostAnalysis:
         add(kind, axis, n_g, n_g * gb)
         for kind, axis, nbytes in reduction:
             add(kind, axis, k, k * nbytes)
-        per_unit[lay.name] = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": k * bool(reduction),
+        per_unit[lay.name] = {"gathers": n_g, "gather_bytes": n_g * gb, "reduces": k * (lay.grad_plan is not None),
                               "reduce_bytes": k * sum(b for _, axis, b in reduction if axis == "shard")}
     for record in (r for part in around_program(lowered) for r in part):
         add(*record)

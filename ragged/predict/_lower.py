@@ -83,10 +83,16 @@ class MemoryAnalysis:
         peak_scratch_bytes, peak_scratch_bytes_low: the most scratch the quantized collectives in
             flight hold at once (``wire_scratch``: each all-gather's ``B + m * B`` bytes, each
             reduce-scatter's ``2 * m * B``, see [Note: the wire scratch in the timeline]), with
-            reduce-scatters waited late and early as above; 0 without quantized collectives.
+            reduce-scatters waited late and early as above; 0 without quantized collectives (a
+            chunked step's reductions hold their rows there too, see ``transforms/_flat.py``).
         retained_scratch_bytes: the free scratch buffers the pool keeps from one step to the next
             (up to two per size, and on CUDA per stream: [Note: one scratch pool]); ``peak_parts``
             counts those free at the peak as ``scratch_pool``.
+        peak_shard_bytes, peak_shard_bytes_low: the step's ``peak_shard_bytes`` metric, predicted
+            (``grad_shards``: the reduced gradient shards alive at once, each reduce-scatter's
+            output from its start and every unit's sums of micro-batches: one in the plan's dtype,
+            or a chunked step's fixed tree, one per set bit of the micro-batches so far, in the
+            reduce dtype), reduce-scatters waited late and early as above.
         assumed: which numbers are assumed, not derived.
 
     Examples:
@@ -116,6 +122,8 @@ class MemoryAnalysis:
     peak_scratch_bytes: int = 0
     peak_scratch_bytes_low: int = 0
     retained_scratch_bytes: int = 0
+    peak_shard_bytes: int = 0
+    peak_shard_bytes_low: int = 0
     assumed: tuple[str, ...] = ()
 
 
@@ -231,6 +239,7 @@ class Lowered:
                               peak_gathered_bytes=peaks["gathered"], peak_grad_bytes=peaks["grad_buffers"],
                               peak_grad_bytes_low=early["grad_buffers"], peak_scratch_bytes=peaks["wire_scratch"],
                               peak_scratch_bytes_low=early["wire_scratch"], retained_scratch_bytes=peaks["retained_scratch"],
+                              peak_shard_bytes=peaks["grad_shards"], peak_shard_bytes_low=early["grad_shards"],
                               assumed=tuple(assumed))
 
     def estimate_time(self, network, **kwargs) -> TimeEstimate:

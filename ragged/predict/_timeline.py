@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 
 from ragged.collectives._scratch import SCRATCH
+from ragged.transforms._flat import tree_scratch_buffers
 from ragged.transforms._quantized import unit_scratch_buffers
 
 __all__ = ["walk", "timeline"]
@@ -80,14 +81,27 @@ class _Live:
         self.inflight = lowered.step.value_and_grad.max_inflight_reduce
         self.live = {"gathered": 0, "grad_buffers": 0, "reduce_copies": 0, "grad_shards": 0, "wire_scratch": 0,
                      "scratch_pool": pool.nbytes(), "activations": 0}
-        self.alive, self.grads, self.pending, self.shards_done = set(), set(), [], set()
+        self.alive, self.grads, self.pending = set(), set(), []
         self.released = set()  # pending reduce-scatters whose gradient buffer went back early
-        self.points, self.peaks = [], {"gathered": 0, "grad_buffers": 0, "wire_scratch": 0}
+        self.points, self.peaks = [], {"gathered": 0, "grad_buffers": 0, "wire_scratch": 0, "grad_shards": 0}
         cuda = getattr(getattr(lowered.step.comm, "device", None), "type", None) == "cuda"
+        self.chunks = lowered.step.value_and_grad.chunks
         self.scratch = [tuple(tuple((n, stream if cuda else None) for n in bufs)  # the pool's keys
-                              for stream, bufs in zip(("gather", "reduce"), unit_scratch_buffers(lowered.units[lay.name].plan, lay)))
+                              for stream, bufs in zip(("gather", "reduce"), self._buffers(lowered, lay)))
                         for lay in self.lays]
         self.in_flight = {}  # unit -> its all-gather's scratch, until the runtime waits it
+        self.reduced = [0] * len(self.lays)  # per unit: reduce-scatters finished, and the bytes of its sums held
+        self.held = [0] * len(self.lays)
+        self.joined = [0] * len(self.lays)  # per unit: pending outputs already counted as joined (early)
+
+    def _buffers(self, lowered, lay):
+        """A unit's scratch buffers (bytes each) per stream: its quantized collectives', and a chunked
+        step's rows (see ``ragged/transforms/_flat.py``) on the reduce stream."""
+        gather, reduce = unit_scratch_buffers(lowered.units[lay.name].plan, lay)
+        if self.chunks and lay.grad_plan is not None:
+            reduce += tree_scratch_buffers(lay.grad_plan, lay.reduce_dtype or lay.grad_plan.dtype,
+                                           quantized=lay.reduce_formats is not None)
+        return gather, reduce
 
     def _scratch(self, keys, take: bool):
         (self.pool.take if take else self.pool.give)(keys)
@@ -142,17 +156,29 @@ class _Live:
             live["reduce_copies"] += self.rcopy(i)
         self.pending.append(i)
         self._scratch(self.scratch[i][1], take=True)
-        if i not in self.shards_done:  # the reduce-scatter's output, from its start
-            self.shards_done.add(i)
-            gp = self.lays[i].grad_plan
-            live["grad_shards"] += (gp.shard_size + gp.replicated_numel) * gp.dtype.itemsize
+        live["grad_shards"] += self.shard_bytes(i)  # the reduce-scatter's output, from its start
         self.note(i, where)
         while len(self.pending) > self.inflight:
             self.finish_oldest()
 
+    def shard_bytes(self, i, dtype=None):
+        """One reduced gradient shard of unit ``i`` (and its replicated part), in the reduce dtype
+        (``dtype``: another)."""
+        lay = self.lays[i]
+        gp = lay.grad_plan
+        size = (dtype or lay.reduce_dtype or gp.dtype).itemsize
+        return (gp.shard_size + (gp.replicated_numel if gp.replicated else 0)) * size
+
     def finish_oldest(self):
+        """The oldest reduce-scatter is waited: its output joins the unit's sums of micro-batches (a
+        chunked step's fixed tree holds one sum per set bit of the micro-batches so far, in the
+        reduce dtype; otherwise one sum, in the plan's dtype; see ``ragged/fsdp/_reducing.py``)."""
         i = self.pending.pop(0)
         self._scratch(self.scratch[i][1], take=False)
+        if self.joined[i]:
+            self.joined[i] -= 1
+        else:
+            self.join(i)
         if self.rcopy(i):
             self.live["reduce_copies"] -= self.rcopy(i)
         elif i in self.released:
@@ -160,15 +186,42 @@ class _Live:
         else:
             self.live["grad_buffers"] -= self.lays[i].grad_nbytes
 
+    def join(self, i):
+        """Unit ``i``'s reduce-scatter output joins its sums of micro-batches."""
+        self.reduced[i] += 1
+        held = (bin(self.reduced[i]).count("1") * self.shard_bytes(i) if self.chunks
+                else self.shard_bytes(i, self.lays[i].grad_plan.dtype))
+        self.live["grad_shards"] += held - self.held[i] - self.shard_bytes(i)
+        self.held[i] = held
+
     def settle(self):
         """``early``: the device has run every pending reduce-scatter by the next point, so their
-        gradient buffers are back (their copies, scratch and shards go where the program finishes
-        them: see [Note: when a flat gradient buffer is freed] in ``ragged/fsdp/_reducing.py``)."""
+        gradient buffers are back (their copies and scratch go where the program finishes them: see
+        [Note: when a flat gradient buffer is freed] in ``ragged/fsdp/_reducing.py``); for the least
+        the shards can reach, their outputs count as joined too (the program may finish one there,
+        e.g. where a unit that held its leaf gradients takes its buffer)."""
         if self.early:
             for i in self.pending:
                 if not self.rcopy(i) and i not in self.released:
                     self.released.add(i)
                     self.live["grad_buffers"] -= self.lays[i].grad_nbytes
+            for i, count in collections.Counter(self.pending).items():
+                while self.joined[i] < count:
+                    self.joined[i] += 1
+                    self.join(i)
+
+    def finish_all(self):
+        while self.pending:
+            self.finish_oldest()
+
+    def end(self):
+        """Every reduce-scatter waited; a chunked step's sums then become one shard in the plan's dtype."""
+        self.finish_all()
+        if self.chunks:
+            for i, held in enumerate(self.held):
+                if held:
+                    self.held[i] = self.shard_bytes(i, self.lays[i].grad_plan.dtype)
+                    self.live["grad_shards"] += self.held[i] - held
 
 
 def timeline(lowered, *, early: bool = False):
@@ -242,8 +295,7 @@ def _walk_memory(lowered, early: bool, pool: _ScratchPool):
                 loss_reads = reads
             else:
                 mem.waited(reads)
-    while mem.pending:
-        mem.finish_oldest()
+    mem.end()
     mem.waited(list(mem.in_flight))
     mem.note(None, "end of backward")
     return mem.points, {**mem.peaks, "retained_scratch": pool.nbytes()}

@@ -24,6 +24,8 @@ import torch
 
 from ragged._errors import RaggedValueError
 from ragged.collectives._base import completed
+from ragged.collectives._scratch import SCRATCH
+from ragged.collectives._tree import sum_rows
 from ragged.spec._plan import LayoutPlan
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "buffer_views"]  # and the runtime's two *_start
@@ -158,3 +160,65 @@ def _launch(plan, comm, name: str, pairs, async_op: bool, **kw):
         return coalesced([o for o, _ in pairs], [i for _, i in pairs], async_op=async_op, **kw)
     handles = [getattr(comm, name)(o, i, async_op=async_op, **kw) for o, i in pairs]
     return _Handles(handles) if async_op else None
+
+
+# ---- the fixed tree over the ranks (see [Note: one tree over the chunks] in ragged/collectives/_tree.py) ----
+class _RowsSummed:
+    """Handles of all-to-alls (or all-gathers) into ``(m, n)`` rows; ``wait()`` sums each one's rows
+    into its output over the fixed tree, then gives the rows back to the scratch pool."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts):
+        self._parts = parts  # (handle, rows, out)
+
+    def wait(self) -> None:
+        parts, self._parts = self._parts, []
+        for handle, rows, out in parts:
+            handle.wait()
+            with torch.no_grad():
+                sum_rows(rows.view(-1, out.numel()), out)
+            SCRATCH.give(rows)
+
+    def is_completed(self) -> bool:
+        return all(completed(h) for h, _, _ in self._parts)
+
+
+def _tree_reduce_scatter_flat_start(plan: LayoutPlan, out: torch.Tensor, flat: torch.Tensor, comm, *,
+                                    label: str | None = None):
+    """:func:`reduce_scatter_flat` (a sum) whose order is the fixed tree over the ranks: per buffer,
+    ONE all-to-all gives each rank every rank's chunk of it as a row (the bytes of a reduce-scatter),
+    and the handle's ``wait()`` adds the rows over :func:`~ragged.collectives._tree.sum_rows`'s
+    tree, whichever order the transport would sum in (NCCL fixes none)."""
+    _check(plan, flat, out, comm, "reduce_scatter_flat")
+    m, parts = plan.world_size, []
+    for whole, mine in buffer_views(plan, flat, out):
+        n = mine.numel()
+        if m == 1:
+            mine.copy_(whole)
+            continue
+        rows = SCRATCH.take(m * n, flat.dtype, flat.device)
+        parts.append((comm.all_to_all(rows, whole, [n] * m, [n] * m, async_op=True, label=label), rows, mine))
+    return _RowsSummed(parts)
+
+
+def _tree_all_reduce_start(comm, tensor: torch.Tensor, *, label: str | None = None):
+    """An all-reduce (sum, in place) of ``tensor`` over the shard group in the fixed tree's order: an
+    all-gather of every rank's copy (``m`` times the bytes: for the small replicated leaves), summed
+    on ``wait()``. Up to two ranks the comm's own all-reduce adds once, in either order: the same bits."""
+    m = comm.world_size
+    if m <= 2:
+        return comm.all_reduce(tensor, op="sum", async_op=True, label=label)
+    rows = SCRATCH.take(m * tensor.numel(), tensor.dtype, tensor.device)
+    return _RowsSummed([(comm.all_gather_into(rows, tensor, async_op=True, label=label), rows, tensor)])
+
+
+def tree_scratch_buffers(plan: LayoutPlan, dtype: torch.dtype, *, quantized: bool = False) -> tuple[int, ...]:
+    """The rows (bytes each scratch buffer) one reduction of the fixed tree takes from the scratch
+    pool until its handle is waited (``step.lower`` counts them as wire scratch): each buffer's
+    all-to-all (every rank's chunk of it: ``m * S_b`` elements; a quantized reduce-scatter holds its
+    chunks of bytes instead) and, from three ranks on, the replicated leaves' all-gather (``m``
+    copies)."""
+    m, size = plan.world_size, dtype.itemsize
+    rows = () if quantized or m == 1 else tuple(m * s * size for _, s in plan.buffers)
+    return rows + ((m * plan.replicated_numel * size,) if plan.replicated and m > 2 else ())

@@ -30,6 +30,8 @@ import torch
 
 from ragged.collectives._base import completed
 from ragged.collectives._scratch import SCRATCH
+from ragged.collectives._tree import tree_sum
+from ragged._dbuffer import local_gaps
 from ragged.quant._codec import dequantize_run, e8m0_to_float, float_to_e8m0, quantize_run
 from ragged.quant._wire import WireLayout, gaps, leaf_formats, wire_layout
 
@@ -122,15 +124,24 @@ def decode_gathered(wire: WireLayout, gathered: torch.Tensor, outputs) -> None:
                 out[a - offset : b - offset].zero_()
 
 
-def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (this rank's shard) <- the sum, in rank order, of every rank's chunk for it."""
+def decode_sum(wire: WireLayout, rank: int, received: torch.Tensor, out: torch.Tensor, *, tree: bool = False) -> None:
+    """``out`` (this rank's shard) <- the sum, in rank order, of every rank's chunk for it;
+    ``tree=True``: over the chunked step's fixed tree of the ranks instead (see [Note: one tree
+    over the chunks] in ``ragged/collectives/_tree.py``), each segment's partial sums held at once."""
     acc_dtype = torch.promote_types(out.dtype, torch.float32)
     acc = out if out.dtype == acc_dtype else torch.empty(out.shape, dtype=acc_dtype, device=out.device)
-    acc.zero_()
-    segs = wire.segments(rank)
-    for chunk in _chunks(wire, received):  # rank 0 first: the order is fixed, not the arrival's
+    segs, chunks = wire.segments(rank), _chunks(wire, received)
+    if tree:
         for seg in segs:
-            acc[seg.local_offset : seg.local_offset + seg.numel].add_(_decoded(wire, seg, chunk))
+            acc[seg.local_offset : seg.local_offset + seg.numel].copy_(
+                tree_sum(_decoded(wire, seg, chunk).to(acc_dtype) for chunk in chunks))
+        for lo, hi in local_gaps(wire.plan, rank):
+            acc[lo:hi].zero_()
+    else:
+        acc.zero_()
+        for chunk in chunks:  # rank 0 first: the order is fixed, not the arrival's
+            for seg in segs:
+                acc[seg.local_offset : seg.local_offset + seg.numel].add_(_decoded(wire, seg, chunk))
     if acc is not out:
         out.copy_(acc)
 
@@ -167,9 +178,11 @@ def gather_launcher(dbuf, comm, formats: tuple, dtype: torch.dtype):
     return lambda plan, out, master, comm: gather_start(wire, ((0, out),), master, comm)
 
 
-def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, formats: tuple, *, label=None):
+def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, formats: tuple, *, label=None,
+                          tree: bool = False):
     """Starts the quantized reduce-scatter of the flat gradient ``flat`` (``m * S`` elements, the
-    reduce dtype) into ``out`` (``S``); returns a handle whose ``wait()`` sums in rank order."""
+    reduce dtype) into ``out`` (``S``); returns a handle whose ``wait()`` sums in rank order (over
+    the fixed tree with ``tree=True``, see :func:`decode_sum`)."""
     wire = wire_layout(plan, formats, flat.dtype)
     B, m, device = wire.chunk_nbytes, plan.world_size, flat.device
     send, received = (SCRATCH.take(n, torch.uint8, device) for n in reduce_scatter_scratch(wire))
@@ -178,7 +191,7 @@ def reduce_scatter_launch(plan, flat: torch.Tensor, out: torch.Tensor, comm, for
             encode(wire, dest, flat, chunk, global_positions=True)
     kw = {} if label is None else {"label": label}
     handle = comm.all_to_all(received, send, [B] * m, [B] * m, async_op=True, **kw)
-    return _Decoding(handle, lambda: decode_sum(wire, comm.rank, received, out), (send, received))
+    return _Decoding(handle, lambda: decode_sum(wire, comm.rank, received, out, tree=tree), (send, received))
 
 
 def quantize_replicated(plan, formats: tuple, replicated: torch.Tensor, master: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from ragged._divide import divisor
 from ragged.collectives._scratch import SCRATCH
 from ragged.spec._plan import LayoutPlan
 from ragged.transforms._check import check_plan, check_plan_type, flatten_like_plan, poisons
-from ragged.transforms._flat import _reduce_scatter_flat_start
+from ragged.transforms._flat import _reduce_scatter_flat_start, _tree_all_reduce_start, _tree_reduce_scatter_flat_start
 from ragged.transforms._quantized import format_key, formats_of, reduce_scatter_launch
 from ragged.spec._concat import replicated_size
 from ragged._errors import RaggedTypeError, RaggedValueError
@@ -129,11 +129,13 @@ def reduce_scatter_start(
 
 
 def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=None, agreed=False, label=None,
-                          format=None, formats=None):
+                          format=None, formats=None, tree=False):
     """:func:`reduce_scatter_start`; ``agreed=True`` skips the cross-rank check for callers
     that already made the ranks agree on the plan (``rg.fsdp``'s step, once per step); ``label``
     names the call to the comm (compared across ranks: the step's unit and program position);
-    ``formats``: every leaf's format, resolved (instead of ``format``)."""
+    ``formats``: every leaf's format, resolved (instead of ``format``); ``tree=True``: the sum over
+    the shard group takes the fixed tree of the chunked step (see [Note: one tree over the chunks]
+    in ``ragged/collectives/_tree.py``)."""
     check_plan_type(plan, "reduce_scatter")
     if op not in _OPS:
         raise RaggedValueError(f"reduce_scatter: op must be one of {_OPS}, got {op!r}.")
@@ -190,13 +192,16 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         check_plan(plan, comm, f"reduce_scatter:{op}:{rdtype}" + ("" if formats is None else f":{format_key(formats)}"))
     if out is None:
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
-    if formats is None:
+    if formats is not None:  # see [Note: the quantized reduce-scatter] in _quantized.py
+        handles = [reduce_scatter_launch(plan, flat, out, comm, formats, label=label, tree=tree)]
+    elif tree:
+        handles = [_tree_reduce_scatter_flat_start(plan, out, flat, comm, label=label)]
+    else:
         handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]
-    else:  # see [Note: the quantized reduce-scatter] in _quantized.py
-        handles = [reduce_scatter_launch(plan, flat, out, comm, formats, label=label)]
     if rep.numel():
-        kw = {} if label is None else {"label": f"{label} (replicated leaves)"}
-        handles.append(comm.all_reduce(rep, op="sum", async_op=True, **kw))
+        rlabel = None if label is None else f"{label} (replicated leaves)"
+        handles.append(_tree_all_reduce_start(comm, rep, label=rlabel) if tree else
+                       comm.all_reduce(rep, op="sum", async_op=True, label=rlabel))
     return ReduceScatterPending(out, rep, tuple(handles), plan, comm, op, zero_padding, flat, pooled)
 
 
@@ -216,6 +221,19 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
         >>> rg.collectives.simulate(2, fn)
         [[[1.0, 1.0]], [[1.0, 1.0]]]
     """
+    out, rep = reduced(pending)
+    plan = pending.plan
+    data = out if out.dtype == plan.dtype else out.to(plan.dtype)
+    if rep.dtype != plan.dtype:
+        rep = rep.to(plan.dtype)
+    if not plan.replicated:
+        rep = torch.zeros(0, dtype=plan.dtype, device=data.device)
+    return DBuffer(data=data, replicated=rep, plan=plan, rank=pending.comm.rank)
+
+
+def reduced(pending: ReduceScatterPending) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reduce_scatter_wait` up to the cast to ``plan.dtype``: this rank's reduced shard and
+    replicated buffer, in the reduce dtype (the chunked step adds micro-batches in it)."""
     out, rep, handles, plan, comm, op, zero_padding, source, pooled = pending
     for h in handles:
         h.wait()
@@ -233,12 +251,7 @@ def reduce_scatter_wait(pending: ReduceScatterPending) -> DBuffer:
     if zero_padding:  # a flat gradient's padding need not be zero; the result's must
         for lo, hi in local_gaps(plan, comm.rank):
             out[lo:hi].zero_()
-    data = out if out.dtype == plan.dtype else out.to(plan.dtype)
-    if rep.dtype != plan.dtype:
-        rep = rep.to(plan.dtype)
-    if not plan.replicated:
-        rep = torch.zeros(0, dtype=plan.dtype, device=data.device)
-    return DBuffer(data=data, replicated=rep, plan=plan, rank=comm.rank)
+    return out, rep
 
 
 @poisons("comm")

@@ -41,6 +41,7 @@ class Case:
     max_buffers: int | str = 1  # make_units(max_buffers=...)
     split_buffers: bool = False  # every unit one buffer per granule (rg.testing.with_buffers), whatever the padding
     frozen: tuple[str, ...] = ()  # parameters whose name starts with one of these get requires_grad=False
+    chunks: int | None = None  # make_step(chunks=...), each rank's rows from fsdp.local_chunks
 
     def make_optimizer(self):
         if self.optimizer == "sgd":
@@ -77,16 +78,18 @@ def fsdp_run(comm, case: Case, *, trace: bool = False, save: str | None = None):
     opt = case.make_optimizer()
     state = fsdp.init(units, model, opt, comm)
     loss = loss_fn(copy.deepcopy(model), checkpoint=case.activation_checkpointing)
-    step = fsdp.make_step(units, loss, opt, comm, micro_batches=case.micro_batches,
+    step = fsdp.make_step(units, loss, opt, comm, micro_batches=None if case.chunks else case.micro_batches,
                           policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype),
                           prefetch=case.prefetch,
                           reshard_after_forward=case.reshard_after_forward, trace=trace, donate=case.donate,
-                          max_inflight_reduce=case.max_inflight_reduce)
+                          max_inflight_reduce=case.max_inflight_reduce, chunks=case.chunks)
     task, metrics = case.task(), []
     replicas = getattr(comm, "num_replicas", 1)  # HSDP: replica-major data-parallel index
     index, total = getattr(comm, "replica_rank", 0) * comm.world_size + comm.rank, comm.world_size * replicas
     for s in range(case.steps):
-        state, m = step(state, rank_slice(task.batch(s, case.batch), index, total))
+        batch = task.batch(s, case.batch)
+        batch = fsdp.local_chunks(batch, case.chunks, comm) if case.chunks else rank_slice(batch, index, total)
+        state, m = step(state, batch)
         metrics.append(m)
     if save is not None:
         rg.checkpoint.save(save, state, comm)

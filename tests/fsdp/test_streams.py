@@ -27,6 +27,7 @@ from tests.fsdp._streams import FakeCudaApi, RecordingStreams
 CASES = {
     "w2": (2, Case()),
     "w2-accum2-moe": (2, Case(micro_batches=2, moe=True)),
+    "w2-chunks4-inflight2": (2, Case(chunks=4, max_inflight_reduce=2)),
     "w2-cast-fp32-compute-fp64-reduce": (2, Case(compute_dtype=torch.float32, reduce_dtype=torch.float64)),
     "w2-activation-checkpointing": (2, Case(activation_checkpointing=True)),
     "w2-split-buffers-replicated-vectors": (2, Case(split_buffers=True, replicate_vectors=True)),

@@ -82,11 +82,12 @@ class ScratchMeter:
     @contextlib.contextmanager
     def installed(cls):
         """The meter in place of the quantized collectives' pool (shared by every rank's thread)."""
-        from ragged.transforms import _quantized
+        from ragged.transforms import _flat, _quantized  # _flat: a chunked step's rows (its fixed tree)
 
         with cls._lock:
             if cls._users == 0:
                 cls._real, _quantized.SCRATCH = _quantized.SCRATCH, cls()
+                _flat.SCRATCH = _quantized.SCRATCH
             cls._users += 1
             meter = _quantized.SCRATCH
         try:
@@ -95,7 +96,7 @@ class ScratchMeter:
             with cls._lock:
                 cls._users -= 1
                 if cls._users == 0:
-                    _quantized.SCRATCH = cls._real
+                    _quantized.SCRATCH = _flat.SCRATCH = cls._real
 
 
 def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call: bool = False,
@@ -117,7 +118,8 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
     units = fsdp.make_units(model, world_size=comm.world_size, specs=specs, max_buffers=case.max_buffers)
     opt = _optimizer(optimizer, case, comm)
     state = fsdp.init(units, model, opt, comm)
-    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, micro_batches=case.micro_batches,
+    step = fsdp.make_step(units, loss_fn(copy.deepcopy(model)), opt, comm, chunks=case.chunks,
+                          micro_batches=None if case.chunks else case.micro_batches,
                           policy=fsdp.MixedPrecision(compute_dtype=case.compute_dtype, reduce_dtype=case.reduce_dtype,
                                                      gather_format=gather and (lambda leaf: qc.chooser(gather)(leaf.shape)),
                                                      reduce_format=reduce and (lambda leaf: qc.chooser(reduce)(leaf.shape))),
@@ -135,7 +137,9 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
             counter.active = "step" if counted else None
             if counted:
                 meter.start()
-            state, metrics = step(state, rank_slice(task.batch(s, case.batch), index, total))
+            batch = task.batch(s, case.batch)
+            state, metrics = step(state, fsdp.local_chunks(batch, case.chunks, comm) if case.chunks
+                                  else rank_slice(batch, index, total))
         scratch, kept = meter.stop()
     counter.active = None
     lowered = step.lower(schedule=CollectiveSchedule.initial(len(units)) if first_call else None)
@@ -149,13 +153,15 @@ def measured(comm, case, optimizer: str = "adamw", *, steps: int = 2, first_call
         "objects": counter.calls[("step", "object", "mesh")],
         "predicted_calls": {(c.kind, c.axis): (c.calls, c.bytes) for c in cost.collectives},
         "predicted_objects": cost.objects,
-        "metrics": {**{k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "num_gathers", "num_reduces")},
+        "metrics": {**{k: metrics[k] for k in ("peak_gathered_bytes", "peak_grad_bytes", "peak_shard_bytes", "num_gathers",
+                                               "num_reduces")},
                     "peak_scratch_bytes": scratch, "retained_scratch_bytes": kept},
         "predicted": {"peak_gathered_bytes": mem.peak_gathered_bytes, "peak_grad_bytes": mem.peak_grad_bytes,
                       "peak_grad_bytes_low": mem.peak_grad_bytes_low, "peak_scratch_bytes": mem.peak_scratch_bytes,
                       "peak_scratch_bytes_low": mem.peak_scratch_bytes_low,
-                      "retained_scratch_bytes": mem.retained_scratch_bytes,
-                      "num_gathers": cost.get("all_gather").calls,
+                      "retained_scratch_bytes": mem.retained_scratch_bytes, "peak_shard_bytes": mem.peak_shard_bytes,
+                      "peak_shard_bytes_low": mem.peak_shard_bytes_low,
+                      "num_gathers": sum(u["gathers"] for u in cost.per_unit.values()),
                       "num_reduces": sum(u["reduces"] for u in cost.per_unit.values())},
         "frozen_units": [u.name for u in units if u.trainable_plan is None],
         "partly_frozen": [u.name for u in units if u.frozen and u.trainable_plan is not None],

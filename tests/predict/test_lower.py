@@ -38,6 +38,8 @@ CASES = {
     "clip-finite": (2, Case(), "clip-finite", 2),
     "soap-moe-m3": (3, Case(moe=True, batch=6), "soap", 2),
     "shampoo": (2, Case(), "shampoo", 2),
+    "chunks8-moe-inflight2": (2, Case(moe=True, chunks=8, max_inflight_reduce=2), "adamw", 2),
+    "chunks4-m4-fp64-reduce-clip": (4, Case(chunks=4, dtype=torch.float32, reduce_dtype=torch.float64), "clip-finite", 2),
 }
 
 
@@ -50,6 +52,7 @@ def check(out):
         assert got["peak_gathered_bytes"] == want["peak_gathered_bytes"]
         assert want["peak_grad_bytes_low"] <= got["peak_grad_bytes"] <= want["peak_grad_bytes"]
         assert want["peak_scratch_bytes_low"] <= got["peak_scratch_bytes"] <= want["peak_scratch_bytes"]
+        assert want["peak_shard_bytes_low"] <= got["peak_shard_bytes"] <= want["peak_shard_bytes"]
         assert (got["num_gathers"], got["num_reduces"]) == (want["num_gathers"], want["num_reduces"])
 
 

@@ -236,7 +236,14 @@ def convergence_tables(result: dict) -> list[str]:
     return [markdown(result["data"])]
 
 
-RENDERERS = {"bench/import_time.py": import_time_tables, "bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
+def invariance_tables(result: dict) -> list[str]:
+    """``bench/invariance.py``: the chunked step against the default one, and the reductions."""
+    from bench.invariance import markdown
+
+    return markdown(result["data"])
+
+
+RENDERERS = {"bench/invariance.py": invariance_tables, "bench/import_time.py": import_time_tables, "bench/predict.py": predict_time_tables, "bench/plan.py": plan_tables, "bench/padding.py": padding_tables, "bench/memory.py": memory_tables,
              "bench/step.py": step_tables, "bench/parallel.py": parallel_tables, "bench/quant8.py": quant8_tables,
              "bench/quant.py": quant_tables,
              "bench/optim.py": optim_tables, "bench/convergence.py": convergence_tables,
@@ -257,6 +264,21 @@ slots of batches cut by a rank boundary included) and each rank's `opt.update` t
 after rank (the update communicates nothing, so a rank's time is its own). `bench/convergence.py`: the main
 job (`python -m ragged train`, 2 gloo ranks) with AdamW, SOAP and Shampoo, steps until the trailing mean
 loss reaches AdamW's final one."""
+
+INVARIANCE_RESULTS = ["invariance"]
+INVARIANCE_PROSE = """\
+`bench/invariance.py` ([invariance.md](invariance.md)) trains the GPT of `bench/step.py` (AdamW with
+global-norm clipping, 2 sequences of 256 tokens per rank in 2 micro-batches) with the default step
+(`micro_batches=2`) and the chunked one (`chunks=2 * W`) side by side on the same global batch: one step of
+each per repeat, the order alternating, warm-up excluded, times the max over ranks; paired = the median over
+repeats of chunked / default in one repeat, with a bootstrap 95% interval. Memory: the largest rise of
+allocated bytes during one profiled step of each (in processes of its own), the difference of
+`step.lower()`'s peaks (no activations, so only the reduction differs: the chunked step's receive rows and
+sums), and the step's `peak_shard_bytes` metric (reduced gradient shards alive at once: the accumulation
+buffers), default -> chunked, with whether the lowering predicted it exactly. The second table times one
+unit's gradient reduced three ways: gloo's native reduce-scatter, the chunked step's tree (an all-to-all of
+the same bytes), and exact int64 sums (twice the bytes and an all-reduce of the max first), which would serve
+every world size."""
 
 # The page: (heading, prose before the tables, result names in order). The prose says what is
 # measured and how; every figure is in a table.
@@ -369,6 +391,7 @@ last step), blocking, or not at all, each repeat running every method in turn, o
 the slowest rank's; the paired ratio is the median over repeats of method / no checkpoint within one
 repeat. Memory: the rise of rank 0's peak RSS over one step, and over one step and one background save.""",
      CHECKPOINT_RESULTS),
+    ("The same numbers at every world size: what chunks= costs (gloo, CPU)", INVARIANCE_PROSE, INVARIANCE_RESULTS),
 ]
 
 
@@ -438,7 +461,9 @@ def with_block(text: str, block: str) -> str:
     return text[:start] + block + text[end + len(BLOCK_END):]
 
 
-BLOCK_PAGES = {OPTIMIZERS_PAGE: PRECOND_RESULTS, QUANTIZATION_PAGE: QUANT_RESULTS, CHECKPOINT_PAGE: CHECKPOINT_RESULTS}
+INVARIANCE_PAGE = os.path.join(ROOT, "docs", "invariance.md")  # its measured tables: a block
+BLOCK_PAGES = {OPTIMIZERS_PAGE: PRECOND_RESULTS, QUANTIZATION_PAGE: QUANT_RESULTS, CHECKPOINT_PAGE: CHECKPOINT_RESULTS,
+               INVARIANCE_PAGE: INVARIANCE_RESULTS}
 
 
 def main(argv=None) -> int:
@@ -447,8 +472,8 @@ def main(argv=None) -> int:
     rec = sub.add_parser("record", help="run a benchmark with --json and save bench/results/NAME.json")
     rec.add_argument("name")
     rec.add_argument("command", nargs=argparse.REMAINDER, help="-- python3 bench/SCRIPT.py ARGS")
-    ren = sub.add_parser("render", help="write docs/performance.md (and the generated tables of docs/optimizers.md and "
-                                        "docs/quantization.md) from bench/results/*.json")
+    ren = sub.add_parser("render", help="write docs/performance.md (and the generated tables of docs/optimizers.md, "
+                                        "docs/quantization.md and docs/invariance.md) from bench/results/*.json")
     ren.add_argument("--check", action="store_true", help="do not write: exit 1 when the page is not up to date")
     args = ap.parse_args(argv)
     if args.cmd == "record":

@@ -52,6 +52,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     g.add_argument("--batch", type=int_at_least(1), default=32,
                    help="global batch (sequences), split over ranks and micro-batches")
     g.add_argument("--micro-batches", type=int_at_least(1), default=1, help="gradient accumulation steps per rank")
+    g.add_argument("--chunks", type=int_at_least(1), default=None, metavar="C",
+                   help="the global batch is C chunks and every step gives the same numbers at each world size the "
+                        "summary lists (powers of two dividing C, and C); each rank runs C / world chunks as its "
+                        "micro-batches (docs/invariance.md)")
     g.add_argument("--optimizer", choices=["adamw", "adamw_8bit", "muon", "sgd", "soap", "shampoo"], default="adamw",
                    help="optimizer")
     g.add_argument("--precondition-block", type=int_at_least(1), default=128,
@@ -143,6 +147,8 @@ def check_args(args) -> None:
                          "use --layers >= 2.")
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads} (each head gets dim / heads).")
+    if args.chunks is not None:
+        _check_chunks(args, world)
     per_step = world * args.micro_batches
     if args.batch % per_step:
         lower, upper = args.batch // per_step * per_step, (args.batch // per_step + 1) * per_step
@@ -175,6 +181,23 @@ def check_args(args) -> None:
         check_checkpoint_args(args)
     if args.save_pretrained:
         _check_output_dir("--save-pretrained", args.save_pretrained)
+
+
+def _check_chunks(args, world: int) -> None:
+    """``--chunks C``: what ``make_step(chunks=C)`` refuses, refused here before any process starts;
+    sets ``--micro-batches`` to C / world."""
+    # the step's own rule, asked of a comm without processes
+    from ragged.collectives import abstract
+    from ragged.fsdp._chunks import chunked_micro_batches
+
+    if args.batch % args.chunks:
+        raise UsageError(f"--batch {args.batch} must split into --chunks {args.chunks} equal chunks; use --batch "
+                         f"{max(args.chunks, args.batch // args.chunks * args.chunks)}.")
+    given = None if args.micro_batches == 1 else args.micro_batches
+    try:
+        args.micro_batches = chunked_micro_batches(args.chunks, abstract(world), given, "--chunks")
+    except ValueError as err:
+        raise UsageError(str(err).replace("micro_batches=", "--micro-batches ").replace("micro_batches", "--micro-batches")) from None
 
 
 def _check_pretrained_dir(path: str) -> None:

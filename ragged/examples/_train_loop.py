@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from ragged.examples._train_report import Progress, print_summary, rss_mb
 from ragged.examples.data import rank_slice
+from ragged.fsdp import local_chunks
+from ragged.fsdp._chunks import served_world_sizes
 
 __all__ = ["announce", "run_steps", "summarize", "resumed", "finish"]
 
@@ -23,7 +25,7 @@ def announce(console, args, what: str, units, task) -> None:
     n_params = sum(u.plan.numel for u in units)
     console.print(f"[bold]ragged FSDP[/] · {dist.get_world_size()} ranks ({dist.get_backend()}) · {what} "
                   f"{n_params / 1e6:.2f}M params · optimizer {args.optimizer} · compute {args.compute_dtype} · "
-                  f"micro-batches {args.micro_batches}"
+                  f"micro-batches {args.micro_batches}" + (f" · chunks {args.chunks}" if args.chunks else "")
                   + "".join(f" · {what} {name}" for what, name in (("gather", args.gather_format),
                                                                   ("reduce", args.reduce_format)) if name != "none"))
     console.print(units)
@@ -46,7 +48,9 @@ def run_steps(args, step, state, task, device, console, checkpoints=None):
     t_start = time.perf_counter()
     try:
         for s in range(start, args.steps):
-            batch = tuple(x.to(device) for x in rank_slice(task.batch(s, args.batch), rank, world))
+            batch = task.batch(s, args.batch)
+            batch = local_chunks(batch, args.chunks, step.comm) if args.chunks else rank_slice(batch, rank, world)
+            batch = tuple(x.to(device) for x in batch)
             t0 = time.perf_counter()
             state, m = step(state, batch)
             dt = time.perf_counter() - t0
@@ -85,18 +89,24 @@ def summarize(args, history, seconds: float, task, units, **extra) -> dict:
         "peak_gathered_bytes": max(h["peak_gathered_bytes"] for h in ran),
         "largest_unit_bytes": history[-1]["largest_unit_bytes"], "model_bytes": history[-1]["model_bytes"],
         "max_rss_mb": rss_mb(), "args": vars(args) | {"func": None},
+        # --chunks: the world sizes whose every step gives these numbers, to the bit (docs/invariance.md)
+        "same_numbers_at": list(served_world_sizes(args.chunks)) if args.chunks else None,
     }
 
 
-def resumed(checkpoints) -> dict:
+def resumed(checkpoints, chunks: int | None = None) -> dict:
     """The summary's ``"resumed"`` (``{}`` for a run that resumed from nothing): where from, which
-    step, at which world size, and how its losses compare with a run that was never stopped."""
+    step, at which world size, and how its losses compare with a run that was never stopped
+    (``chunks``: ``--chunks``, whose world sizes give the same numbers)."""
     got = checkpoints.resumed if checkpoints is not None else None
     if got is None:
         return {}
-    same = got["saved_world_size"] == got["world_size"]
+    sizes = {got["saved_world_size"], got["world_size"]}
+    served = chunks is not None and sizes <= set(served_world_sizes(chunks))
     return {"resumed": dict(got, losses=(
-        "bit-identical to an uninterrupted run (same world size)" if same else
+        "bit-identical to an uninterrupted run (same world size)" if len(sizes) == 1 else
+        f"bit-identical to an uninterrupted run (--chunks {chunks} gives the same numbers at {got['saved_world_size']} "
+        f"and {got['world_size']} ranks; if the run that saved it had --chunks {chunks} too)" if served else
         f"equal to an uninterrupted run's to float tolerance: {got['world_size']} ranks sum the gradients in "
         f"another order than {got['saved_world_size']}"))}
 

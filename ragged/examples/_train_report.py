@@ -71,4 +71,7 @@ def print_summary(console, summary: dict) -> None:
         got = summary["resumed"]
         t.add_row("resumed", f"at step {got['step']} (saved at {got['saved_world_size']} ranks): losses "
                              f"{got['losses'].split(':')[0]}")
+    if summary.get("same_numbers_at"):
+        sizes = ", ".join(map(str, summary["same_numbers_at"]))
+        t.add_row("the same numbers, to the bit, at", f"--nproc-per-node {sizes} (--chunks {summary['args']['chunks']})")
     console.print(t)

@@ -122,7 +122,8 @@ def train(args) -> dict:
         state = fsdp.init(units, weights, opt, comm, module=model, seed=args.seed)
     else:
         state = fsdp.init(units, model, opt, comm, seed=args.seed)  # one unit real at a time; model keeps placeholders
-    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches, policy=policy_for(args),
+    step = fsdp.make_step(units, loss_fn(model), opt, comm, micro_batches=args.micro_batches, chunks=args.chunks,
+                          policy=policy_for(args),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     console = make_console() if rank == 0 else None
@@ -133,7 +134,7 @@ def train(args) -> dict:
 
     checkpoints = Checkpoints.for_job(args, comm, units, model)
     state, history, seconds = run_steps(args, step, state, task, comm.device, console, checkpoints)
-    summary = summarize(args, history, seconds, task, units, model=type(model).__name__, **resumed(checkpoints))
+    summary = summarize(args, history, seconds, task, units, model=type(model).__name__, **resumed(checkpoints, args.chunks))
     with _one_temporary_directory() as tmp:  # the default: one directory every rank writes into
         where = args.save_pretrained or tmp
         fsdp.save_pretrained(units, state.shards, comm, where, module=model)  # by rank: one unit gathered at a time

@@ -65,7 +65,7 @@ def train(args) -> dict:
     opt = optimizer(args, comm, units, no_decay_types(model))
     state = fsdp.init(units, model, opt, comm)  # the module now holds placeholders: every rank keeps only its shards
     step = fsdp.make_step(units, loss_fn(model, checkpoint=args.activation_checkpointing), opt, comm,
-                          micro_batches=args.micro_batches, policy=policy_for(args),
+                          micro_batches=args.micro_batches, chunks=args.chunks, policy=policy_for(args),
                           prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)  # donates as opt does
     task = SyntheticLM(cfg.vocab_size, args.seq, seed=args.seed + 1)
     console = make_console() if rank == 0 else None
@@ -77,7 +77,7 @@ def train(args) -> dict:
 
     checkpoints = Checkpoints.for_job(args, comm, units, model)
     state, history, seconds = run_steps(args, step, state, task, device, console, checkpoints)
-    summary = summarize(args, history, seconds, task, units, **resumed(checkpoints))
+    summary = summarize(args, history, seconds, task, units, **resumed(checkpoints, args.chunks))
     if console is not None:
         finish(console, args, summary, history)
     return summary

@@ -132,7 +132,7 @@ def _reduction(rank, world, backend, opts):
     out = torch.empty(plan.shard_size)
     ways = {
         "native reduce-scatter": lambda: _reduce_scatter_flat_start(plan, out, flat, comm).wait(),
-        "tree (all-to-all)": lambda: _tree_reduce_scatter_flat_start(plan, out, flat, comm).wait(),
+        "tree (all-to-all; the step's from 3 ranks)": lambda: _tree_reduce_scatter_flat_start(plan, out, flat, comm).wait(),
         "exact int64": lambda: _fixed_point_start(comm, flat, out)(),
     }
     timer = Timer(torch.device("cpu"))
@@ -157,8 +157,8 @@ def summarize_steps(model, world, micro, results, rises) -> dict:
     return dict(model=model, world=world, micro_batches=micro, chunks=micro * world, times=t,
                 median_s={n: statistics.median(v) for n, v in t.items()}, paired=statistics.median(ratios),
                 ci=median_ci(ratios), memory=mem, losses=r0["losses"],
-                shard_bytes_exact=all(r["memory"][n]["shards"] == r["memory"][n]["predicted_shards"]
-                                      for r in results for n in METHODS))
+                shard_bytes_predicted=all(r["memory"][n]["predicted_shards_low"] <= r["memory"][n]["shards"]
+                                          <= r["memory"][n]["predicted_shards"] for r in results for n in METHODS))
 
 
 def summarize_reduction(world, results) -> dict:
@@ -183,11 +183,11 @@ def markdown(result) -> list[str]:
     lines = [f"One step each, {n} alternating repeats (median ms, max over ranks); paired = median of chunked / default "
              f"in one repeat [bootstrap 95%]; transport: {result['transport']}", "",
              "| model | W | micro-batches | chunks | default ms | chunked ms | paired | rise default MiB | "
-             "rise chunked MiB | predicted peak + MiB | accumulation buffers MiB (measured = predicted) |",
+             "rise chunked MiB | predicted peak + MiB | accumulation buffers MiB (within the prediction) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["steps"]:
         m, d, c = s["memory"], s["memory"]["default"], s["memory"]["chunked"]
-        exact = "yes" if s["shard_bytes_exact"] else "NO"
+        exact = "yes" if s["shard_bytes_predicted"] else "NO"
         lines.append(
             f"| {s['model']} | {s['world']} | {s['micro_batches']} | {s['chunks']} | {s['median_s']['default'] * 1e3:,.0f} | "
             f"{s['median_s']['chunked'] * 1e3:,.0f} | {s['paired']:.3f} [{s['ci'][0]:.3f}-{s['ci'][1]:.3f}] | "
@@ -222,12 +222,13 @@ def main(argv=None) -> int:
     ap.add_argument("--nccl-shaped", action="store_true", help="NCCL's transport (native collectives, deferred "
                     "ledger) instead of gloo's default")
     ap.add_argument("--reduction", action="store_true", help="also time the three reductions of one unit's gradient")
+    ap.add_argument("--reduction-only", action="store_true", help="only the reductions (no steps)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     transport = {"handshake": "deferred"} if args.nccl_shaped else {}
     result = {"transport": "nccl-shaped" if args.nccl_shaped else "gloo-default", "steps": [], "reduction": []}
-    for model in args.model:
+    for model in [] if args.reduction_only else args.model:
         for world in args.world:
             opts = dict(cfg=CONFIGS[model], micro=args.micro_batches, batch=args.batch, repeats=args.repeats,
                         warmup=args.warmup, lr=args.lr, transport=transport)
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
             result["steps"].append(cell)
             print(f"{model} W={world}: chunked / default {cell['paired']:.3f} [{cell['ci'][0]:.3f}-{cell['ci'][1]:.3f}]",
                   flush=True)
-    if args.reduction:
+    if args.reduction or args.reduction_only:
         from bench.step import meta_model
 
         from ragged import fsdp

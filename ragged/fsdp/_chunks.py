@@ -10,10 +10,11 @@ at the same batch size at every ``D`` (kernels whose results depend on the batch
 same shapes). Its gradient is then summed with the others over one fixed binary tree of the
 chunk indices ([Note: one tree over the chunks] in ``ragged/collectives/_tree.py``):
 
-* over the ranks, per micro-batch: each unit's reduce-scatter is an all-to-all of the same bytes
-  whose rows the owner adds over the tree (``transforms/_flat.py``; the quantized reduce-scatter
-  decodes each rank's chunk and adds them the same way), and the HSDP replicas' all-reduce adds
-  two terms, which is one addition in either order;
+* over the ranks, per micro-batch: from three ranks on, each unit's reduce-scatter is an
+  all-to-all of the same bytes whose rows the owner adds over the tree (``transforms/_flat.py``;
+  the quantized reduce-scatter decodes each rank's chunk and adds them the same way at any
+  size); two ranks, like the HSDP replicas' all-reduce of two terms, add once, which gives the same
+  bits in either order on any transport;
 * over the micro-batches: a :class:`~ragged.collectives._tree.TreeSum` per unit, in the reduce
   dtype (at most ``log2(C / D) + 1`` shards alive, ``_reducing.py``);
 * then divided once by ``C`` and cast to the plan's dtype.

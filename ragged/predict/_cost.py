@@ -83,7 +83,7 @@ def unit_collectives(lowered) -> list:
     ``(kind, axis, bytes)`` (the gathered buffer in the compute dtype; quantized, its chunks of
     bytes), and when it reduces the unit's gradients in one micro-batch (none where nothing
     trains): the reduce-scatter in the reduce dtype (quantized: an all-to-all of the same volume
-    per rank; a chunked step's: one all-to-all per buffer, none on one rank), the replicated
+    per rank; a chunked step's from three ranks on: one all-to-all per buffer), the replicated
     gradients' all-reduce (a chunked step's, from three ranks on: an all-gather of every rank's
     copy), HSDP's all-reduces over the replica axis.
     Counted by :func:`cost_analysis`, timed by ``estimate_time``."""
@@ -98,9 +98,9 @@ def unit_collectives(lowered) -> list:
             rep = gp.replicated_numel * rsize
             if qreduce is not None:
                 reduction.append(("all_to_all", "shard", qreduce))
-            elif not chunked:
+            elif not chunked or m <= 2:
                 reduction.append(("reduce_scatter", "shard", gp.buffer_numel * rsize))
-            elif m > 1:  # the fixed tree's reduction: one all-to-all per buffer (ragged/transforms/_flat.py)
+            else:  # the fixed tree's reduction: one all-to-all per buffer (ragged/transforms/_flat.py)
                 reduction += [("all_to_all", "shard", m * size * rsize) for _, size in gp.buffers]
             if gp.replicated:
                 reduction.append(("all_gather", "shard", m * rep) if chunked and m > 2 else ("all_reduce", "shard", rep))

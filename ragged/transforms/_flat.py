@@ -189,14 +189,12 @@ def _tree_reduce_scatter_flat_start(plan: LayoutPlan, out: torch.Tensor, flat: t
     """:func:`reduce_scatter_flat` (a sum) whose order is the fixed tree over the ranks: per buffer,
     ONE all-to-all gives each rank every rank's chunk of it as a row (the bytes of a reduce-scatter),
     and the handle's ``wait()`` adds the rows over :func:`~ragged.collectives._tree.sum_rows`'s
-    tree, whichever order the transport would sum in (NCCL fixes none)."""
+    tree, whichever order the transport would sum in (NCCL fixes none). Its caller takes the plain
+    reduce-scatter up to two ranks, where one addition per element gives the same bits in either order."""
     _check(plan, flat, out, comm, "reduce_scatter_flat")
     m, parts = plan.world_size, []
     for whole, mine in buffer_views(plan, flat, out):
         n = mine.numel()
-        if m == 1:
-            mine.copy_(whole)
-            continue
         rows = SCRATCH.take(m * n, flat.dtype, flat.device)
         parts.append((comm.all_to_all(rows, whole, [n] * m, [n] * m, async_op=True, label=label), rows, mine))
     return _RowsSummed(parts)
@@ -215,10 +213,12 @@ def _tree_all_reduce_start(comm, tensor: torch.Tensor, *, label: str | None = No
 
 def tree_scratch_buffers(plan: LayoutPlan, dtype: torch.dtype, *, quantized: bool = False) -> tuple[int, ...]:
     """The rows (bytes each scratch buffer) one reduction of the fixed tree takes from the scratch
-    pool until its handle is waited (``step.lower`` counts them as wire scratch): each buffer's
-    all-to-all (every rank's chunk of it: ``m * S_b`` elements; a quantized reduce-scatter holds its
-    chunks of bytes instead) and, from three ranks on, the replicated leaves' all-gather (``m``
+    pool until its handle is waited (``step.lower`` counts them as wire scratch), from three ranks
+    on: each buffer's all-to-all (every rank's chunk of it: ``m * S_b`` elements; a quantized
+    reduce-scatter holds its chunks of bytes instead) and the replicated leaves' all-gather (``m``
     copies)."""
     m, size = plan.world_size, dtype.itemsize
-    rows = () if quantized or m == 1 else tuple(m * s * size for _, s in plan.buffers)
-    return rows + ((m * plan.replicated_numel * size,) if plan.replicated and m > 2 else ())
+    if m <= 2:
+        return ()
+    rows = () if quantized else tuple(m * s * size for _, s in plan.buffers)
+    return rows + ((m * plan.replicated_numel * size,) if plan.replicated else ())

@@ -194,7 +194,7 @@ def _reduce_scatter_start(plan, grads, comm, op, dtype, *, replicated=None, out=
         out = torch.empty(plan.shard_size, dtype=rdtype, device=device)
     if formats is not None:  # see [Note: the quantized reduce-scatter] in _quantized.py
         handles = [reduce_scatter_launch(plan, flat, out, comm, formats, label=label, tree=tree)]
-    elif tree:
+    elif tree and comm.world_size > 2:  # two terms add once: the same bits in either order, on any transport
         handles = [_tree_reduce_scatter_flat_start(plan, out, flat, comm, label=label)]
     else:
         handles = [_reduce_scatter_flat_start(plan, out, flat, comm, op="sum", label=label)]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ragged._errors import RaggedValueError
+
 __all__ = ["TreeSum", "tree_sum", "held_partials", "sum_rows"]
 
 
@@ -68,7 +70,7 @@ class TreeSum:
     def result(self):
         """The sum of every term pushed (the counter is empty afterwards)."""
         if not self._stack:
-            raise ValueError("TreeSum.result() of no terms.")
+            raise RaggedValueError("TreeSum.result() of no terms.")
         _, acc = self._stack.pop()
         while self._stack:
             _, older = self._stack.pop()

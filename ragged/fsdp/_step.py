@@ -226,9 +226,11 @@ def make_step(
     Returns:
         A :class:`Step`. Its metrics: ``loss`` (mean over micro-batches and ranks),
         ``peak_gathered_bytes`` (most bytes of gathered parameter buffers alive at once),
-        ``peak_grad_bytes``, ``largest_unit_bytes``, ``model_bytes`` (all units gathered),
-        ``num_gathers``, ``num_reduces``, ``schedule_reruns`` (calls rerun with a learnt
-        schedule) and ``unused_leaves`` (leaves no rank produced a gradient for).
+        ``peak_grad_bytes``, ``peak_shard_bytes`` (reduced gradient shards alive at once: each
+        reduce-scatter's output and the sums over micro-batches), ``largest_unit_bytes``,
+        ``model_bytes`` (all units gathered), ``num_gathers``, ``num_reduces``,
+        ``schedule_reruns`` (calls rerun with a learnt schedule) and ``unused_leaves`` (leaves
+        no rank produced a gradient for).
 
     Raises:
         RaggedValueError: ``loss_fn`` never read the parameters (on every rank, on the first
@@ -236,7 +238,8 @@ def make_step(
         PlanMismatchError: the ranks' collectives cannot follow one schedule; or the ranks' steps
             differ in an option or an optimizer setting (named, with each side's value), at the
             first call, on every rank.
-        RaggedValueError: ``donate`` disagrees with ``optimizer.donates``.
+        RaggedValueError: ``donate`` disagrees with ``optimizer.donates``; with ``chunks``, a
+            world size or setting it cannot serve (see ``chunks``).
         RaggedError: on every other rank, at the first call, when this function refused a rank's
             options on that rank alone (e.g. a ``gather_format`` callable that returns a string on
             rank 1 only): that rank's error joins the call's agreement (see [Note: a rank's error

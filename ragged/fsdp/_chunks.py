@@ -40,7 +40,15 @@ import torch
 from ragged._errors import RaggedTypeError, RaggedValueError, check_int
 from ragged._pytree import flatten_with_keystr, pytree
 
-__all__ = ["local_chunks", "data_parallel", "served_world_sizes", "chunked_micro_batches", "check_chunked"]
+__all__ = ["local_chunks", "data_parallel", "served_world_sizes", "chunked_micro_batches", "check_chunked", "chunk_losses",
+           "LATE_CHUNKS_MSG"]
+
+LATE_CHUNKS_MSG = (
+    "rg.fsdp chunked step: gradients still reached units after their reduce-scatter in {attempts} attempts with "
+    "the learnt schedule; outside the reduce-scatter they would be added outside the fixed tree over the chunks, "
+    "so the numbers would depend on the world size (every rank raises this, before any parameter changes). Fix: "
+    "make such parts one unit (make_units(groups=...)), or drop chunks=."
+)
 
 
 def data_parallel(comm) -> tuple[int, int]:
@@ -118,6 +126,17 @@ def check_chunked(layouts, data_groups, where: str) -> None:
                 "each micro-batch's dequantized chunks in float32 and rounds the sum to the reduce dtype, at a point "
                 "of the tree that depends on the world size. Fix: MixedPrecision(reduce_dtype=torch.float32) with "
                 "reduce_format=..., or no reduce_format.")
+
+
+def chunk_losses(losses, comm, chunks) -> torch.Tensor:
+    """This rank's chunk losses in their slots of the ``chunks``, on the device (zeros elsewhere:
+    the all-reduce adds each to zeros, exactly; ``+ 0.0`` makes a ``-0.0`` the ``0.0`` every sum of
+    it gives)."""
+    d, dp = data_parallel(comm)
+    slots = torch.zeros(chunks, dtype=torch.float64, device=comm.device)
+    if losses:
+        slots[d::dp][: len(losses)] = torch.stack([l.double() for l in losses]) + 0.0
+    return slots
 
 
 def local_chunks(batch, chunks: int, comm):

@@ -41,7 +41,7 @@ from ragged._errors import PlanMismatchError, RaggedError, RaggedTypeError, Ragg
 from ragged._pytree import flatten_with_keystr, pytree
 from ragged.collectives._agree import agree, on_device
 from ragged.collectives._tree import tree_sum
-from ragged.fsdp._chunks import check_chunked, chunked_micro_batches, data_parallel
+from ragged.fsdp._chunks import LATE_CHUNKS_MSG, check_chunked, chunk_losses, chunked_micro_batches
 from ragged.fsdp._compiled import regions
 from ragged.fsdp._intercept import UseMode, backward, bind, module_slots, saved_tensor_hooks
 from ragged.fsdp._layout import MixedPrecision, unit_layouts
@@ -51,8 +51,7 @@ from ragged.fsdp._trainable import check_shards
 from ragged.fsdp._units import Units
 from ragged.transforms._check import check_plans, joins_next_agreement
 
-__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "LATE_CHUNKS_MSG",
-           "MAX_ATTEMPTS"]
+__all__ = ["value_and_grad", "ValueAndGrad", "GradResult", "UNUSED_PARAMS_MSG", "FOREIGN_GRADS_MSG", "MAX_ATTEMPTS"]
 
 MAX_ATTEMPTS = 3
 UNUSED_PARAMS_MSG = (
@@ -61,13 +60,6 @@ UNUSED_PARAMS_MSG = (
     "torch.func.functional_call(model, params, (x,)); calling model(x) uses the module's own tensors. Fix: "
     "use functional_call, or rg.fsdp.make_step(..., module=model) (or value_and_grad(..., module=model)) so "
     "that model(...) reads the step's parameters."
-)
-
-LATE_CHUNKS_MSG = (
-    "rg.fsdp chunked step: gradients still reached units after their reduce-scatter in {attempts} attempts with "
-    "the learnt schedule; outside the reduce-scatter they would be added outside the fixed tree over the chunks, "
-    "so the numbers would depend on the world size (every rank raises this, before any parameter changes). Fix: "
-    "make such parts one unit (make_units(groups=...)), or drop chunks=."
 )
 
 FOREIGN_GRADS_MSG = (
@@ -292,17 +284,6 @@ def verdict_size(layouts, chunks: int | None = None) -> int:
     return len(_HEAD) + len(layouts) + sum(len(lay.trained) for lay in layouts) + (chunks or 0)
 
 
-def _chunk_losses(losses, comm, chunks) -> torch.Tensor:
-    """This rank's chunk losses in their slots of the ``chunks``, on the device (zeros elsewhere:
-    the all-reduce adds each to zeros, exactly; ``+ 0.0`` makes a ``-0.0`` the ``0.0`` every sum of
-    it gives)."""
-    d, dp = data_parallel(comm)
-    slots = torch.zeros(chunks, dtype=torch.float64, device=comm.device)
-    if losses:
-        slots[d::dp][: len(losses)] = torch.stack([l.double() for l in losses]) + 0.0
-    return slots
-
-
 def _agree(run, losses, failure, comm, data_groups, chunks=None) -> dict:
     """The end-of-call all-reduce (see [Note: one agreement at the start of a call, one at the end]);
     a chunked step's loss is the fixed tree over the chunk losses (see [Note: the chunked step])."""
@@ -319,7 +300,7 @@ def _agree(run, losses, failure, comm, data_groups, chunks=None) -> dict:
     # device at its two agreements only (docs/gpu.md, 'Two host syncs per step')
     loss = torch.stack([l.double() for l in losses]).mean() if losses else torch.zeros((), dtype=torch.float64,
                                                                                           device=comm.device)
-    slots = [_chunk_losses(losses, comm, chunks)] if chunks else []
+    slots = [chunk_losses(losses, comm, chunks)] if chunks else []
     verdict = torch.cat([loss.reshape(1), on_device(flags, comm.device), *slots])
     v = agree(comm, verdict, op="sum", label="fsdp step: end of call").values
     count, h, nl = comm.world_size * comm.num_replicas, len(_HEAD), len(late)

@@ -12,8 +12,10 @@ its last checkpoint, and took again after the resume, count once). A checkpoint 
 * ``step`` (steps done) and ``samples`` (global sequences consumed): the data position. A batch
   is a pure function of ``(seed, step)`` over the *global* batch, which each rank slices, so
   where a run resumes never depends on its world size or its rank;
-* ``rng``: torch's global RNG state (seeded alike on every rank), and ``job``: the options that
-  fix the model and the optimizer (JSON), which a resume must match.
+* ``rng``: torch's global RNG state (seeded alike on every rank), ``job``: the options that fix
+  the model and the optimizer (JSON), which a resume must match, and ``chunks`` (``--chunks``, 0
+  without): a resume with the same chunks at a world size they serve continues the run's numbers
+  to the bit (docs/invariance.md).
 
 Saving: after every N-th step and after the last, ``save(..., blocking=False)``: the step goes
 on while the files are written. The call first publishes the save before it (see [Note: a save
@@ -129,7 +131,7 @@ class Checkpoints:
 
     def _tree(self, state, done: int) -> dict:
         return {"train": self.bind(state), "step": done, "samples": done * self.args.batch,
-                "rng": torch.get_rng_state(), "job": self.job}
+                "rng": torch.get_rng_state(), "job": self.job, "chunks": self.args.chunks or 0}
 
     def resume(self, state):
         """``(state, steps done, the records of those steps)``: from the newest checkpoint that
@@ -148,7 +150,7 @@ class Checkpoints:
             self.good = steps
             saved = rg.checkpoint.read_manifest(path)["world_size"]
             self.resumed = {"from": path, "step": got["step"], "saved_world_size": saved,
-                            "world_size": self.comm.world_size}
+                            "world_size": self.comm.world_size, "saved_chunks": got["chunks"]}
             self._say(f"resumed from {path}: step {got['step']} of {self.args.steps}, saved at world size {saved}, "
                       f"now {self.comm.world_size}")
             return self.unbind(got["train"]), got["step"], self._records(got["step"])

@@ -102,13 +102,15 @@ def resumed(checkpoints, chunks: int | None = None) -> dict:
     if got is None:
         return {}
     sizes = {got["saved_world_size"], got["world_size"]}
-    served = chunks is not None and sizes <= set(served_world_sizes(chunks))
+    saved = got["saved_chunks"]
+    served = bool(chunks) and saved == chunks and sizes <= set(served_world_sizes(chunks))
     return {"resumed": dict(got, losses=(
-        "bit-identical to an uninterrupted run (same world size)" if len(sizes) == 1 else
+        "bit-identical to an uninterrupted run (same world size)" if len(sizes) == 1 and saved == (chunks or 0) else
         f"bit-identical to an uninterrupted run (--chunks {chunks} gives the same numbers at {got['saved_world_size']} "
-        f"and {got['world_size']} ranks; if the run that saved it had --chunks {chunks} too)" if served else
-        f"equal to an uninterrupted run's to float tolerance: {got['world_size']} ranks sum the gradients in "
-        f"another order than {got['saved_world_size']}"))}
+        f"and {got['world_size']} ranks)" if served else
+        f"equal to an uninterrupted run's to float tolerance: " + (
+            f"it was saved with --chunks {saved or 'none'}, this run has {chunks or 'none'}" if saved != (chunks or 0) else
+            f"{got['world_size']} ranks sum the gradients in another order than {got['saved_world_size']}")))}
 
 
 def finish(console, args, summary: dict, history) -> None:

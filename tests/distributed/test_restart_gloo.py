@@ -71,13 +71,14 @@ def _losses(directory) -> dict[int, list[float]]:
 
 @pytest.mark.slow
 def test_the_cli_restarts_resumes_and_continues_on_other_world_sizes(tmp_path):
-    """``python -m ragged train`` under torchrun: rank 1 killed mid-run (SIGKILL, from outside); the
-    restarted group resumes from the newest checkpoint, the steps it takes again give the very
-    losses they gave before the kill, and the job finishes. Its checkpoint then resumes at 1 and
-    4 ranks, with the same losses to float tolerance."""
+    """``python -m ragged train --chunks 4`` under torchrun: rank 1 killed mid-run (SIGKILL, from
+    outside); the restarted group resumes from the newest checkpoint, the steps it takes again give
+    the very losses they gave before the kill, and the job finishes. Its checkpoint then resumes at
+    4 ranks with ``--chunks 4``, giving the uninterrupted run's losses to the bit, and at 1 rank
+    without it, to float tolerance; each summary says which."""
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.1", "-m", "ragged", "train", *TINY, "--checkpoint-dir", str(ckpt),
+           "--monitor-interval", "0.1", "-m", "ragged", "train", *TINY, "--chunks", "4", "--checkpoint-dir", str(ckpt),
            "--json", str(tmp_path / "run.json")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -100,18 +101,22 @@ def test_the_cli_restarts_resumes_and_continues_on_other_world_sizes(tmp_path):
     history = json.loads((tmp_path / "run.json").read_text())["history"]
     assert [h["loss"] for h in history] == [v[0] for _, v in sorted(losses.items())]
 
-    for world in (1, 4):  # the checkpoint after step 9 resumes on another number of ranks
+    for world, chunks in ((4, ["--chunks", "4"]), (1, [])):  # the checkpoint after step 9, on other ranks
         other = tmp_path / f"w{world}"
         other.mkdir()
         shutil.copytree(ckpt / "step-00000009", other / "step-00000009")
         shutil.copy(ckpt / "history.jsonl", other)
-        run = subprocess.run([sys.executable, "-m", "ragged", "train", "--nproc-per-node", str(world), *TINY,
+        run = subprocess.run([sys.executable, "-m", "ragged", "train", "--nproc-per-node", str(world), *TINY, *chunks,
                               "--checkpoint-dir", str(other), "--json", str(other / "run.json")],
                              capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert f"resumed from {other / 'step-00000009'}: step 9 of 12, saved at world size 2, now {world}" in run.stdout
         got = json.loads((other / "run.json").read_text())
-        assert "to float tolerance" in got["summary"]["resumed"]["losses"]
+        said = got["summary"]["resumed"]["losses"]
         mine = [h["loss"] for h in got["history"]]
         assert mine[:9] == [h["loss"] for h in history[:9]]  # the steps before the checkpoint, from its history
-        torch.testing.assert_close(mine[9:], [h["loss"] for h in history[9:]], rtol=1e-5, atol=1e-6)
+        if chunks:
+            assert said.startswith("bit-identical") and mine[9:] == [h["loss"] for h in history[9:]], said
+        else:
+            assert "to float tolerance" in said and "saved with --chunks 4" in said, said
+            torch.testing.assert_close(mine[9:], [h["loss"] for h in history[9:]], rtol=1e-5, atol=1e-6)

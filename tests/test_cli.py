@@ -184,6 +184,7 @@ def test_a_malformed_shapes_file_is_one_line(capsys, tmp_path):
     (["--checkpoint-every", "5"], "--checkpoint-every and --keep apply to --checkpoint-dir DIR: add it"),
     (["--checkpoint-dir", "ck"], "--checkpoint-dir ck needs --checkpoint-every N"),
     (["--checkpoint-dir", "/dev/null", "--checkpoint-every", "5"], "--checkpoint-dir /dev/null: it exists and is not a directory"),
+    (["--chunks", "4", "--nproc-per-node", "3"], "--chunks: chunks=4 at data-parallel world size W=3"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_train_values_are_one_line_and_exit_2(capsys, argv, says):
     assert says in refused(capsys, "train", *argv)

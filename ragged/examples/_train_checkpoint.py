@@ -123,10 +123,8 @@ class Checkpoints:
             os.makedirs(self.dir, exist_ok=True)
 
     @classmethod
-    def for_job(cls, args, comm, units, model) -> "Checkpoints | None":
-        """The job's checkpoints (``None`` without ``--checkpoint-dir``); rank 0 says what it resumed from."""
-        if not args.checkpoint_dir:
-            return None
+    def for_job(cls, args, comm, units, model) -> "Checkpoints":
+        """The checkpoints of a job with ``--checkpoint-dir``; rank 0 says what it resumed from."""
         return cls(args, comm, _checkpointable(args, units, no_decay_types(model)), print if comm.rank == 0 else None)
 
     def _tree(self, state, done: int) -> dict:

@@ -17,7 +17,7 @@ from ragged.examples.data import rank_slice
 from ragged.fsdp import local_chunks
 from ragged.fsdp._chunks import served_world_sizes
 
-__all__ = ["announce", "run_steps", "summarize", "resumed", "finish"]
+__all__ = ["announce", "job_checkpoints", "run_steps", "summarize", "resumed", "finish"]
 
 
 def announce(console, args, what: str, units, task) -> None:
@@ -32,6 +32,15 @@ def announce(console, args, what: str, units, task) -> None:
     console.print(f"task: Markov(vocab {task.vocab_size}, branching {task.branching}) then copy; loss starts near "
                   f"ln(vocab) = {math.log(task.vocab_size):.2f}; below {task.no_copy_floor:.2f} the model copies "
                   f"(learnt); a perfect model reaches {task.floor:.2f}")
+
+
+def job_checkpoints(args, comm, units, model):
+    """The job's ``_train_checkpoint.Checkpoints``, or ``None`` without ``--checkpoint-dir``."""
+    if not args.checkpoint_dir:
+        return None  # ragged.checkpoint imports torch.distributed.checkpoint (1.5 s): only for a job that saves
+    from ragged.examples._train_checkpoint import Checkpoints
+
+    return Checkpoints.for_job(args, comm, units, model)
 
 
 def run_steps(args, step, state, task, device, console, checkpoints=None):

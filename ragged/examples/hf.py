@@ -48,7 +48,7 @@ from ragged._console import console as make_console
 from ragged._errors import RaggedValueError
 from ragged._optional import optional
 from ragged.examples._recipe import no_decay_types, optimizer, policy_for, specs_for
-from ragged.examples._train_loop import announce, finish, resumed, run_steps, summarize
+from ragged.examples._train_loop import announce, finish, job_checkpoints, resumed, run_steps, summarize
 from ragged.examples.data import SyntheticLM
 
 __all__ = ["KINDS", "config", "build", "loss_fn", "blocks", "train"]
@@ -129,10 +129,7 @@ def train(args) -> dict:
     console = make_console() if rank == 0 else None
     if console is not None:
         announce(console, args, f"HF {type(model).__name__} built on meta,", units, task)
-    # ragged.checkpoint loads torch.distributed.checkpoint: when the job runs, not when the CLI parses
-    from ragged.examples._train_checkpoint import Checkpoints
-
-    checkpoints = Checkpoints.for_job(args, comm, units, model)
+    checkpoints = job_checkpoints(args, comm, units, model)
     state, history, seconds = run_steps(args, step, state, task, comm.device, console, checkpoints)
     summary = summarize(args, history, seconds, task, units, model=type(model).__name__, **resumed(checkpoints, args.chunks))
     with _one_temporary_directory() as tmp:  # the default: one directory every rank writes into

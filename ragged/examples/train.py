@@ -34,7 +34,7 @@ from ragged.examples import hf
 from ragged.examples._recipe import no_decay_types, optimizer, policy_for, specs_for
 from ragged.examples._train_args import EXPERTS, TOP_K, build_parser, check_args, launched_by_torchrun
 from ragged.examples._train_args import backend as pick_backend
-from ragged.examples._train_loop import announce, finish, resumed, run_steps, summarize
+from ragged.examples._train_loop import announce, finish, job_checkpoints, resumed, run_steps, summarize
 from ragged.examples.data import SyntheticLM
 from ragged.examples.gpt import GPT, GPTConfig, loss_fn
 
@@ -72,10 +72,7 @@ def train(args) -> dict:
     if console is not None:
         announce(console, args, f"GPT{f' MoE ({cfg.num_experts} experts, top-{cfg.top_k})' if args.moe else ''}",
                  units, task)
-    # ragged.checkpoint loads torch.distributed.checkpoint: when the job runs, not when the CLI parses
-    from ragged.examples._train_checkpoint import Checkpoints
-
-    checkpoints = Checkpoints.for_job(args, comm, units, model)
+    checkpoints = job_checkpoints(args, comm, units, model)
     state, history, seconds = run_steps(args, step, state, task, device, console, checkpoints)
     summary = summarize(args, history, seconds, task, units, **resumed(checkpoints, args.chunks))
     if console is not None:

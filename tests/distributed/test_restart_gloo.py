@@ -73,9 +73,10 @@ def _losses(directory) -> dict[int, list[float]]:
 def test_the_cli_restarts_resumes_and_continues_on_other_world_sizes(tmp_path):
     """``python -m ragged train --chunks 4`` under torchrun: rank 1 killed mid-run (SIGKILL, from
     outside); the restarted group resumes from the newest checkpoint, the steps it takes again give
-    the very losses they gave before the kill, and the job finishes. Its checkpoint then resumes at
-    4 ranks with ``--chunks 4``, giving the uninterrupted run's losses to the bit, and at 1 rank
-    without it, to float tolerance; each summary says which."""
+    the very losses they gave before the kill, and the job finishes; its summary names the world
+    sizes that give the same numbers. Its checkpoint then resumes at 4 ranks with ``--chunks 4``,
+    giving the uninterrupted run's losses to the bit, and at 1 rank without it, to float tolerance;
+    each summary says which."""
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            "--monitor-interval", "0.1", "-m", "ragged", "train", *TINY, "--chunks", "4", "--checkpoint-dir", str(ckpt),
@@ -98,8 +99,10 @@ def test_the_cli_restarts_resumes_and_continues_on_other_world_sizes(tmp_path):
     again = [s for s, v in losses.items() if len(v) > 1]
     assert sorted(losses) == list(range(12)) and again and min(again) == int(resumed.group(1))
     assert all(len(set(v)) == 1 for v in losses.values())  # taken again after the resume: the same bits
-    history = json.loads((tmp_path / "run.json").read_text())["history"]
+    run = json.loads((tmp_path / "run.json").read_text())
+    history = run["history"]
     assert [h["loss"] for h in history] == [v[0] for _, v in sorted(losses.items())]
+    assert run["summary"]["same_numbers_at"] == [1, 2, 4] and "--nproc-per-node 1, 2, 4 (--chunks 4)" in out
 
     for world, chunks in ((4, ["--chunks", "4"]), (1, [])):  # the checkpoint after step 9, on other ranks
         other = tmp_path / f"w{world}"

@@ -22,7 +22,7 @@ in the background] in ``ragged/checkpoint/_background.py``).
 
 Usage (CPU, gloo; about two minutes on a quiet 2-core machine)::
 
-    OMP_NUM_THREADS=1 python3 bench/background_save.py --model dense --world 2 --steps 4 --repeats 7
+    python3 bench/background_save.py --model dense --world 1 --steps 4 --repeats 7   # one thread per rank (bench/_launch.py)
 """
 
 from __future__ import annotations

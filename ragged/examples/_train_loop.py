@@ -37,7 +37,8 @@ def announce(console, args, what: str, units, task) -> None:
 def job_checkpoints(args, comm, units, model):
     """The job's ``_train_checkpoint.Checkpoints``, or ``None`` without ``--checkpoint-dir``."""
     if not args.checkpoint_dir:
-        return None  # ragged.checkpoint imports torch.distributed.checkpoint (1.5 s): only for a job that saves
+        return None
+    # ragged.checkpoint imports torch.distributed.checkpoint (1.5 s a process): only for a job that saves
     from ragged.examples._train_checkpoint import Checkpoints
 
     return Checkpoints.for_job(args, comm, units, model)

@@ -114,8 +114,8 @@ def _bench(rank, world, backend, model_name, steps, repeats, root):
     }
 
 
-def markdown(r: dict) -> str:
-    """The run's table."""
+def markdown(r: dict) -> list[str]:
+    """The run's tables: the times, and rank 0's memory."""
     med = {m: statistics.median(r["times"][m]) for m in METHODS}
     mem = r["memory"]
     lines = [f"| {r['model']}, {r['params'] / 1e6:.1f}M params, W = {r['world']}, {r['steps']} steps, a save after each "
@@ -125,13 +125,13 @@ def markdown(r: dict) -> str:
         ratio, lo, hi = r["ratios"][m]
         lines.append(f"| {m} | {med[m]:.3f} | {ratio:.3f}x [{lo:.3f}-{hi:.3f}] |")
     mb = 2 ** 20
-    lines += ["", "| rank 0 | MB |", "|---|---|",
+    memory = ["| rank 0 | MB |", "|---|---|",
               f"| training state (shards + AdamW moments) | {mem['state_bytes'] / mb:.1f} |",
               f"| peak RSS rise over one step | {mem['peak_step'] / mb:.1f} |",
               f"| peak RSS rise over one step + a background save (staged, written, hashed) | "
               f"{mem['peak_step_background'] / mb:.1f} |",
               f"| staging copy kept between saves (`handle.staged_bytes`) | {mem['staged_bytes'] / mb:.1f} |"]
-    return "\n".join(lines)
+    return ["\n".join(lines), "\n".join(memory)]
 
 
 def main(argv=None) -> None:
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
         result = launch(args.world, _bench, args.model, args.steps, args.repeats, root)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(markdown(result))
+    print("\n\n".join(markdown(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -226,7 +226,7 @@ def background_save_tables(result: dict) -> list[str]:
     """``bench/background_save.py``: a save after every step, in the background and blocking, against none."""
     from bench.background_save import markdown
 
-    return [markdown(result["data"])]
+    return markdown(result["data"])
 
 
 def convergence_tables(result: dict) -> list[str]:

@@ -130,8 +130,8 @@ class DBuffer:
         return norm([self], comm, ord=ord)
 
 
-def _power_sum(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``max |x|`` in float64, 0-d."""
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` in float64, 0-d (``ord=inf``'s part)."""
     return x.to(torch.float64).abs().amax() if x.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
 
 
@@ -216,13 +216,13 @@ def norm(parts, comm=None, *, others=(), ord: float = 2.0) -> torch.Tensor:
     sharded, local, any_sharded = [], [], False  # any_sharded: the same on every rank (not whether it holds pieces)
     for part in parts:
         if isinstance(part, torch.Tensor):
-            local.append(_power_sum(part, p) if p == math.inf else _block_sums(part, _block(max(part.numel(), 1)), p))
+            local.append(_abs_max(part) if p == math.inf else _block_sums(part, _block(max(part.numel(), 1)), p))
             continue
         d, weights = part if isinstance(part, tuple) else (part, None)
         any_sharded = True
         if p == math.inf:  # padding is zero, so whole buffers
-            sharded.append(_power_sum(d.data, p))
-            local.append(_power_sum(d.replicated, p))
+            sharded.append(_abs_max(d.data))
+            local.append(_abs_max(d.replicated))
             continue
         more_sharded, more_local = _sharded_blocks(d, p, weights)
         sharded += more_sharded

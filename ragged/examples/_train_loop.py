@@ -111,16 +111,19 @@ def resumed(checkpoints, chunks: int | None = None) -> dict:
     got = checkpoints.resumed if checkpoints is not None else None
     if got is None:
         return {}
-    sizes = {got["saved_world_size"], got["world_size"]}
-    saved = got["saved_chunks"]
-    served = bool(chunks) and saved == chunks and sizes <= set(served_world_sizes(chunks))
-    return {"resumed": dict(got, losses=(
-        "bit-identical to an uninterrupted run (same world size)" if len(sizes) == 1 and saved == (chunks or 0) else
-        f"bit-identical to an uninterrupted run (--chunks {chunks} gives the same numbers at {got['saved_world_size']} "
-        f"and {got['world_size']} ranks)" if served else
-        f"equal to an uninterrupted run's to float tolerance: " + (
-            f"it was saved with --chunks {saved or 'none'}, this run has {chunks or 'none'}" if saved != (chunks or 0) else
-            f"{got['world_size']} ranks sum the gradients in another order than {got['saved_world_size']}")))}
+    saved, now, chunks = got["saved_world_size"], got["world_size"], chunks or 0
+    if got["saved_chunks"] != chunks:
+        losses = (f"equal to an uninterrupted run's to float tolerance: it was saved with --chunks "
+                  f"{got['saved_chunks'] or 'none'}, this run has {chunks or 'none'}")
+    elif saved == now:
+        losses = "bit-identical to an uninterrupted run (same world size)"
+    elif chunks and {saved, now} <= set(served_world_sizes(chunks)):
+        losses = (f"bit-identical to an uninterrupted run (--chunks {chunks} gives the same numbers at {saved} and "
+                  f"{now} ranks)")
+    else:
+        losses = (f"equal to an uninterrupted run's to float tolerance: {now} ranks sum the gradients in another "
+                  f"order than {saved}")
+    return {"resumed": dict(got, losses=losses)}
 
 
 def finish(console, args, summary: dict, history) -> None:
